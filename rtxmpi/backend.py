@@ -1,0 +1,91 @@
+"""Array modules, dtypes and device selection.
+
+Everything above this layer is array-module agnostic: it asks `xp_of(x)` for the module of an array
+(numpy or cupy) and uses only what both provide. cupy is optional; it is imported lazily so that a
+CPU-only install never pays for it.
+"""
+import os
+
+import numpy as np
+
+try:  # bfloat16 for numpy comes from ml_dtypes (a dependency of jax/tensorflow), when installed
+    import ml_dtypes
+
+    bfloat16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - depends on the environment
+    bfloat16 = None
+
+_cupy = None
+_cupy_checked = False
+
+
+def cupy_module():
+    """Return the cupy module, or None when cupy is not installed."""
+    global _cupy, _cupy_checked
+    if not _cupy_checked:
+        _cupy_checked = True
+        try:
+            import cupy
+
+            _cupy = cupy
+        except Exception:
+            _cupy = None
+    return _cupy
+
+
+def xp_of(x):
+    """The array module (numpy or cupy) that owns array `x`."""
+    if isinstance(x, np.ndarray) or np.isscalar(x):
+        return np
+    cp = cupy_module()
+    if cp is not None and isinstance(x, cp.ndarray):
+        return cp
+    raise TypeError(f"expected a numpy or cupy array, got {type(x).__name__}")
+
+
+def is_device_array(x):
+    """True when `x` lives on a GPU (a cupy array)."""
+    return xp_of(x) is not np
+
+
+def gpu_count():
+    """Number of CUDA devices visible to this process (0 without cupy or a driver)."""
+    cp = cupy_module()
+    if cp is None:
+        return 0
+    try:
+        return cp.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+def select_device(local_rank):
+    """Bind this process to GPU `local_rank % gpu_count()`; returns "cuda:i" or "cpu"."""
+    n = gpu_count()
+    if n == 0:
+        return "cpu"
+    index = local_rank % n
+    cupy_module().cuda.Device(index).use()
+    return f"cuda:{index}"
+
+
+# Collective accumulation: these dtypes are reduced in float32 and cast back.
+LOW_PRECISION = {np.dtype(np.float16)} | ({bfloat16} if bfloat16 is not None else set())
+
+SUPPORTED_DTYPES = [np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int8, np.int32,
+                                          np.int64, np.uint8, np.bool_)]
+if bfloat16 is not None:
+    SUPPORTED_DTYPES.append(bfloat16)
+
+
+def dtype_name(dtype):
+    """Short, stable name of a dtype ("float32", "bfloat16", ...)."""
+    return np.dtype(dtype).name
+
+
+def env_flag(name, default=False):
+    """Read a boolean environment variable ("1", "true", "yes", "on" are true)."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
