@@ -1,0 +1,10 @@
+"""rtxmpi: a distributed-training runtime launched with mpiexec or srun."""
+from .comm import ProcessGroup, Work, init, is_initialized, world
+from .errors import (CheckpointError, CollectiveError, CollectiveMismatch, CollectiveTimeout,
+                     ConfigError, RankFailure, RtxmpiError)
+
+__version__ = "0.1.0"
+
+__all__ = ["init", "world", "is_initialized", "ProcessGroup", "Work", "RtxmpiError", "ConfigError",
+           "CollectiveError", "CollectiveTimeout", "CollectiveMismatch", "RankFailure",
+           "CheckpointError", "__version__"]

@@ -1,0 +1,68 @@
+"""Process groups and collectives: `init()` returns the world `ProcessGroup`."""
+import os
+
+from mpi4py import MPI
+
+from ..backend import env_flag, select_device
+from ..errors import ConfigError
+from .group import ProcessGroup, validate_timeout
+from .launch import check_launch
+from .monitor import Monitor, install_excepthook
+from .mpi import MPIBackend
+from .work import Work
+
+DEFAULT_TIMEOUT_S = 300.0
+BACKENDS = ("auto", "mpi", "nccl")
+
+_world = None
+
+
+def init(backend="auto", timeout_s=None, check=None):
+    """Start rtxmpi on this process and return the world ProcessGroup.
+
+    backend: "auto" (NCCL for cupy arrays once available, else MPI), "mpi", or "nccl".
+    timeout_s: deadline in seconds of every wait (default $RTXMPI_TIMEOUT_S or 300).
+    check: checking mode, a fingerprint exchange before every collective (default $RTXMPI_CHECK).
+    Collective: every process of the MPI job must call it once, first; later calls return the same
+    group. Raises ConfigError (bad arguments; a Slurm launch without an MPI launcher).
+    """
+    global _world
+    if _world is not None:
+        return _world
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "nccl":
+        raise ConfigError("backend='nccl' is not available in this version of rtxmpi; use "
+                          "backend='mpi' (cupy arrays are staged through host memory)")
+    timeout_s = validate_timeout(os.environ.get("RTXMPI_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+                                 if timeout_s is None else timeout_s)
+    check = env_flag("RTXMPI_CHECK") if check is None else bool(check)
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    check_launch(size)
+    monitor = Monitor(comm)
+    monitor.start_watchdog()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank = node.Get_rank()
+    node.Free()
+    if size > 1:
+        install_excepthook(rank)
+    members = list(range(size))
+    _world = ProcessGroup(MPIBackend(comm, monitor, "world", members), name="world", rank=rank,
+                          world_size=size, members=members, local_rank=local_rank,
+                          device=select_device(local_rank), timeout_s=timeout_s, check=check)
+    return _world
+
+
+def world():
+    """The world group created by init(). Raises ConfigError before init()."""
+    if _world is None:
+        raise ConfigError("rtxmpi.init() has not been called")
+    return _world
+
+
+def is_initialized():
+    return _world is not None
+
+
+__all__ = ["init", "world", "is_initialized", "ProcessGroup", "Work"]

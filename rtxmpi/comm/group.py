@@ -1,0 +1,410 @@
+"""`ProcessGroup`: the collectives every layer above uses.
+
+A group wraps one communicator and one transport backend. It owns what is the same for every
+backend: argument validation, the per-group sequence number, the checking-mode fingerprint,
+dtype handling (float16/bfloat16 reduce in float32; bool sum is logical or), non-contiguous inputs
+(reduced on a contiguous copy, written back) and host staging of cupy arrays for backends that
+cannot read device memory.
+
+Every collective is a *collective call*: every rank of the group must call it, in the same order,
+with the same shape and dtype. Nothing here decides whether to enter a collective from local data.
+"""
+import functools
+import zlib
+
+import numpy as np
+
+from ..backend import LOW_PRECISION, SUPPORTED_DTYPES, dtype_name, is_device_array, xp_of
+from ..errors import CollectiveMismatch, ConfigError
+from .mpi import BOOL_OPS, REDUCE_OPS
+from .work import CompletedWork, Work
+
+_OP_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4,
+             "all_to_all": 5, "barrier": 6, "split": 7, "new_group": 8}
+_REDUCE_CODES = {name: i for i, name in enumerate(REDUCE_OPS, start=1)}
+_MAX_DIMS = 10
+_FP_LEN = 5 + _MAX_DIMS + 1  # seq, op, arg, dtype, ndim, dims..., overflow-hash
+
+
+def _dtype_code(dtype):
+    dtype = np.dtype(dtype)
+    if dtype in SUPPORTED_DTYPES:
+        return SUPPORTED_DTYPES.index(dtype)
+    return 1000 + zlib.crc32(dtype.str.encode()) % 1000000
+
+
+def _dtype_from_code(code):
+    return dtype_name(SUPPORTED_DTYPES[code]) if code < len(SUPPORTED_DTYPES) else f"<dtype#{code}>"
+
+
+def _host_staged(method):
+    """Run a collective on a host copy of a cupy array when the backend cannot read device memory.
+
+    The copy to the host synchronizes `stream`; the call itself is synchronous, and an async_op
+    call returns an already-completed Work.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self, x, *args, async_op=False, stream=None, **kwargs):
+        if self.backend.device_native or not is_device_array(x):
+            return method(self, x, *args, async_op=async_op, stream=stream, **kwargs)
+        cp = xp_of(x)
+        host = cp.asnumpy(x, stream=stream)
+        result = method(self, host, *args, **kwargs)
+        if result is host:
+            x.set(host, stream=stream)
+            result = x
+        else:
+            result = cp.asarray(result)
+        if async_op:
+            return CompletedWork(self, method.__name__, self._seq, result)
+        return result
+
+    return wrapper
+
+
+class ProcessGroup:
+    """A set of ranks that run collectives together (the world, or a split of it).
+
+    Attributes: rank (int, this process's rank in the group), world_size (int, ranks in the group),
+    local_rank (int, rank among processes on this host), device ("cpu" or "cuda:i"), name (str),
+    timeout_s (float, default deadline of every wait), check (bool, checking mode), members (list of
+    world ranks, indexed by group rank), backend.
+
+    Errors common to every collective: CollectiveTimeout (a wait passed `timeout_s`; raised on every
+    waiting rank), CollectiveMismatch (checking mode: ranks disagree on op, shape or dtype; raised on
+    every rank), TypeError (unsupported dtype, or an operation the dtype cannot do), ValueError /
+    ConfigError (shapes or arguments the operation cannot take).
+    """
+
+    def __init__(self, backend, *, name, rank, world_size, members, local_rank, device,
+                 timeout_s, check):
+        self.backend = backend
+        self.name = name
+        self.rank = rank
+        self.world_size = world_size
+        self.members = members
+        self.local_rank = local_rank
+        self.device = device
+        self.timeout_s = float(timeout_s)
+        self.check = bool(check)
+        self._seq = 0
+        self._p2p_seq = 0
+        self._children = 0
+
+    def __repr__(self):
+        return (f"<ProcessGroup '{self.name}' rank={self.rank} world_size={self.world_size} "
+                f"backend={self.backend.name} check={self.check}>")
+
+    # -- the common path of every collective --------------------------------------------------
+    def _begin(self, op, x=None, arg=0):
+        """Number the call; in checking mode exchange fingerprints. Returns (seq, arrived)."""
+        self._seq += 1
+        seq = self._seq
+        if not self.check:
+            return seq, False
+        fp = np.zeros(_FP_LEN, np.int64)
+        fp[0], fp[1], fp[2] = seq, _OP_CODES[op], arg
+        if x is not None:
+            shape = tuple(x.shape)
+            fp[3], fp[4] = _dtype_code(x.dtype), len(shape)
+            fp[5:5 + min(len(shape), _MAX_DIMS)] = shape[:_MAX_DIMS]
+            fp[-1] = zlib.crc32(repr(shape[_MAX_DIMS:]).encode())
+        table = self.backend.exchange_fingerprints(fp, op, seq, self.timeout_s)
+        if not (table == table[0]).all():
+            raise CollectiveMismatch(self._describe_mismatch(op, seq, table))
+        return seq, True
+
+    def _describe_mismatch(self, op, seq, table):
+        names = {code: name for name, code in _OP_CODES.items()}
+        rows = []
+        for r, fp in enumerate(table):
+            called = names.get(int(fp[1]), "?")
+            shape = tuple(int(d) for d in fp[5:5 + min(int(fp[4]), _MAX_DIMS)])
+            detail = f"seq={int(fp[0])}"
+            if called not in ("barrier", "split", "new_group"):
+                detail += f", shape={shape}, dtype={_dtype_from_code(int(fp[3]))}"
+            if called in ("all_reduce", "reduce_scatter"):
+                detail += f", op={list(REDUCE_OPS)[int(fp[2]) - 1]}"
+            elif called == "broadcast":
+                detail += f", src={int(fp[2])}"
+            rows.append(f"rank {r}: {called}({detail})")
+        return (f"CollectiveMismatch in {op} #{seq} on group '{self.name}': ranks called it "
+                "differently: " + "; ".join(rows))
+
+    def _run(self, op, seq, arrived, transfer, finish, async_op):
+        """Start `transfer(nonblocking)`; complete it now or return a Work."""
+        if async_op:
+            return Work(self, op, seq, transfer(True), finish)
+        if not arrived and self.world_size > 1:
+            self.backend.arrive(op, seq, self.timeout_s)
+        with self.backend.blocking(op, seq, self.timeout_s):
+            transfer(False)
+        return finish()
+
+    # -- validation helpers -------------------------------------------------------------------
+    def _check_array(self, x, op, writable=False):
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"{op}: expected a numpy or cupy array, got {type(x).__name__}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{op}: dtype {x.dtype} is not supported by the {self.backend.name} "
+                            f"backend; supported: {', '.join(dtype_name(d) for d in SUPPORTED_DTYPES)}")
+        if writable and not x.flags.writeable:
+            raise ValueError(f"{op}: the array is read-only; pass a writable array")
+
+    def _check_reduce_op(self, x, op, reduce_op):
+        if reduce_op not in REDUCE_OPS:
+            raise ValueError(f"{op}: unknown reduce op {reduce_op!r}; use one of {list(REDUCE_OPS)}")
+        if reduce_op == "avg" and x.dtype.kind in "biu":
+            raise TypeError(f"{op}: op='avg' needs a floating dtype, got {x.dtype}; "
+                            "use op='sum' and divide")
+
+    def _check_rank(self, r, what):
+        if not isinstance(r, (int, np.integer)) or not 0 <= r < self.world_size:
+            raise ValueError(f"{what}={r!r} is not a rank of group '{self.name}' "
+                             f"(world_size {self.world_size})")
+
+    def _check_divisible(self, x, op):
+        if x.ndim == 0 or x.shape[0] % self.world_size:
+            raise ValueError(f"{op}: dim 0 of shape {tuple(x.shape)} must be divisible by the "
+                             f"group size {self.world_size}")
+
+    @staticmethod
+    def _reduce_buffer(x):
+        """(contiguous 1-D buffer MPI can reduce, write-back callable or None, MPI op table)."""
+        if x.dtype in LOW_PRECISION:
+            buf = x.astype(np.float32).reshape(-1)
+            return buf, lambda: x.__setitem__(..., buf.reshape(x.shape)), REDUCE_OPS
+        contiguous = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+        buf = contiguous.reshape(-1)
+        if x.dtype == np.bool_:
+            buf = buf.view(np.uint8)
+        writeback = None if contiguous is x else (lambda: x.__setitem__(..., contiguous))
+        return buf, writeback, BOOL_OPS if x.dtype == np.bool_ else REDUCE_OPS
+
+    @staticmethod
+    def _result_cast(result, dtype):
+        return result if result.dtype == dtype else result.astype(dtype)
+
+    # -- collectives ----------------------------------------------------------------------------
+    @_host_staged
+    def all_reduce(self, x, op="sum", *, async_op=False, stream=None):
+        """Reduce `x` over the group, in place, and return it.
+
+        x: array of any shape (empty and non-contiguous included), same shape and dtype on every
+        rank. op: "sum", "avg", "max", "min", "prod". float16/bfloat16 accumulate in float32; for
+        bool, sum and max are logical or, min and prod logical and; "avg" needs a floating dtype.
+        Returns x (or a Work whose wait() returns x). stream: CUDA stream for cupy arrays (None =
+        current). Collective: every rank of the group must call, in the same order.
+        Raises CollectiveMismatch (checking mode), CollectiveTimeout, TypeError (dtype/op).
+        """
+        self._check_array(x, "all_reduce", writable=True)
+        self._check_reduce_op(x, "all_reduce", op)
+        seq, arrived = self._begin("all_reduce", x, _REDUCE_CODES[op])
+        buf, writeback, ops = self._reduce_buffer(x)
+        mpi_op, size = ops[op], self.world_size
+
+        def finish():
+            if op == "avg":
+                np.divide(buf, size, out=buf)
+            if writeback is not None:
+                writeback()
+            return x
+
+        return self._run("all_reduce", seq, arrived,
+                         lambda nb: self.backend.all_reduce(buf, mpi_op, nb), finish, async_op)
+
+    @_host_staged
+    def reduce_scatter(self, x, op="sum", *, async_op=False, stream=None):
+        """Reduce `x` over the group and return this rank's shard.
+
+        x: (N, ...) array, same shape and dtype on every rank; N divisible by the group size.
+        Returns a new (N // world_size, ...) array of x's dtype holding rows
+        [rank * N // world_size, (rank + 1) * N // world_size) of the reduction (or a Work).
+        Collective: every rank of the group must call, in the same order.
+        Raises CollectiveMismatch (checking mode), CollectiveTimeout, TypeError (dtype/op),
+        ValueError (N not divisible).
+        """
+        self._check_array(x, "reduce_scatter")
+        self._check_reduce_op(x, "reduce_scatter", op)
+        seq, arrived = self._begin("reduce_scatter", x, _REDUCE_CODES[op])
+        self._check_divisible(x, "reduce_scatter")
+        buf, _, ops = self._reduce_buffer(x)  # read only: no write-back
+        shard_shape = (x.shape[0] // self.world_size,) + tuple(x.shape[1:])
+        out = np.empty(shard_shape, buf.dtype)
+        mpi_op, size, dtype = ops[op], self.world_size, x.dtype
+
+        def finish():
+            if op == "avg":
+                np.divide(out, size, out=out)
+            return out.view(np.bool_) if dtype == np.bool_ else self._result_cast(out, dtype)
+
+        return self._run("reduce_scatter", seq, arrived,
+                         lambda nb: self.backend.reduce_scatter(buf, out.reshape(-1), mpi_op, nb),
+                         finish, async_op)
+
+    @_host_staged
+    def all_gather(self, x, *, async_op=False, stream=None):
+        """Gather `x` from every rank, concatenated along dim 0 in group-rank order.
+
+        x: (N, ...) array (or a 0-d array), same shape and dtype on every rank.
+        Returns a new (world_size * N, ...) array (or (world_size,) for 0-d input), or a Work.
+        Collective: every rank of the group must call, in the same order.
+        Raises CollectiveMismatch (checking mode), CollectiveTimeout, TypeError (dtype).
+        """
+        self._check_array(x, "all_gather")
+        seq, arrived = self._begin("all_gather", x)
+        buf = np.ascontiguousarray(x)
+        shape = (self.world_size,) if x.ndim == 0 else (self.world_size * x.shape[0],) + x.shape[1:]
+        out = np.empty(shape, x.dtype)
+        return self._run("all_gather", seq, arrived,
+                         lambda nb: self.backend.all_gather(buf, out, nb), lambda: out, async_op)
+
+    @_host_staged
+    def broadcast(self, x, src=0, *, async_op=False, stream=None):
+        """Copy `x` from group rank `src` to every rank, in place; returns x (or a Work).
+
+        x: array, same shape and dtype on every rank (its contents are ignored except on src).
+        Collective: every rank of the group must call, in the same order, with the same src.
+        Raises CollectiveMismatch (checking mode), CollectiveTimeout, TypeError, ValueError (src).
+        """
+        self._check_array(x, "broadcast", writable=True)
+        self._check_rank(src, "src")
+        seq, arrived = self._begin("broadcast", x, src)
+        buf = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+
+        def finish():
+            if buf is not x:
+                x[...] = buf
+            return x
+
+        return self._run("broadcast", seq, arrived,
+                         lambda nb: self.backend.broadcast(buf, src, nb), finish, async_op)
+
+    @_host_staged
+    def all_to_all(self, x, *, async_op=False, stream=None):
+        """Exchange equal chunks: rank i's chunk j goes to rank j, landing as chunk i.
+
+        x: (world_size * N, ...) array, same shape and dtype on every rank.
+        Returns a new array of x's shape whose chunk j (rows [j*N, (j+1)*N)) came from rank j
+        (or a Work). Collective: every rank of the group must call, in the same order.
+        Raises CollectiveMismatch (checking mode), CollectiveTimeout, TypeError, ValueError.
+        """
+        self._check_array(x, "all_to_all")
+        seq, arrived = self._begin("all_to_all", x)
+        self._check_divisible(x, "all_to_all")
+        buf = np.ascontiguousarray(x)
+        out = np.empty(x.shape, x.dtype)
+        return self._run("all_to_all", seq, arrived,
+                         lambda nb: self.backend.all_to_all(buf, out, nb), lambda: out, async_op)
+
+    def barrier(self, *, async_op=False):
+        """Return once every rank of the group has called barrier (or a Work).
+
+        Collective. Raises CollectiveTimeout naming the ranks that did not arrive.
+        """
+        seq, arrived = self._begin("barrier")
+        if async_op:
+            return Work(self, "barrier", seq, self.backend.barrier(), lambda: None)
+        if not arrived and self.world_size > 1:
+            self.backend.arrive("barrier", seq, self.timeout_s)
+
+    # -- point to point -------------------------------------------------------------------------
+    @_host_staged
+    def send(self, x, dst, tag=0, *, async_op=False, stream=None):
+        """Send `x` to group rank `dst`; the matching recv must have the same shape and dtype.
+
+        Returns None (or a Work). Raises CollectiveTimeout when dst does not receive in time.
+        """
+        self._check_array(x, "send")
+        self._check_rank(dst, "dst")
+        self._p2p_seq += 1
+        buf = np.ascontiguousarray(x)
+        work = Work(self, f"send to {dst}", self._p2p_seq,
+                    self.backend.send(buf, dst, tag), lambda: None)
+        return work if async_op else work.wait()
+
+    @_host_staged
+    def recv(self, x, src, tag=0, *, async_op=False, stream=None):
+        """Receive into `x` (in place) from group rank `src`; returns x (or a Work).
+
+        Raises CollectiveTimeout when src does not send in time.
+        """
+        self._check_array(x, "recv", writable=True)
+        self._check_rank(src, "src")
+        self._p2p_seq += 1
+        buf = x if x.flags.c_contiguous else np.empty(x.shape, x.dtype)
+
+        def finish():
+            if buf is not x:
+                x[...] = buf
+            return x
+
+        work = Work(self, f"recv from {src}", self._p2p_seq, self.backend.recv(buf, src, tag), finish)
+        return work if async_op else work.wait()
+
+    # -- sub-groups -----------------------------------------------------------------------------
+    def split(self, color, key=None):
+        """Partition the group: ranks with the same `color` form a new group, ordered by `key`.
+
+        color: int >= 0, or None for "not in any new group" (that rank gets None back).
+        key: int ordering ranks in the new group (default: this rank). Collective: every rank of
+        this group must call. Returns the new ProcessGroup, or None. Raises CollectiveTimeout.
+        """
+        if color is not None and (not isinstance(color, (int, np.integer)) or color < 0):
+            raise ValueError(f"split: color must be an int >= 0 or None, got {color!r}")
+        self._children += 1
+        seq, arrived = self._begin("split")
+        if not arrived and self.world_size > 1:
+            self.backend.arrive("split", seq, self.timeout_s)
+        with self.backend.blocking("split", seq, self.timeout_s):
+            comm = self.backend.split(color, self.rank if key is None else int(key))
+        if color is None:
+            return None
+        return self._child(comm, f"{self.name}/split{self._children}:{color}")
+
+    def new_group(self, ranks):
+        """A group of the given group ranks (sorted order = new rank order).
+
+        Collective: every rank of this group must call with the same `ranks`. Returns the new
+        ProcessGroup on members and None elsewhere. Raises ValueError for bad ranks.
+        """
+        ranks = [int(r) for r in ranks]
+        if len(set(ranks)) != len(ranks) or not ranks:
+            raise ValueError(f"new_group: ranks must be distinct and non-empty, got {ranks}")
+        for r in ranks:
+            self._check_rank(r, "rank")
+        ranks = sorted(ranks)
+        self._children += 1
+        seq, arrived = self._begin("new_group", arg=zlib.crc32(np.asarray(ranks, np.int64).tobytes()))
+        if not arrived and self.world_size > 1:
+            self.backend.arrive("new_group", seq, self.timeout_s)
+        member = self.rank in ranks
+        with self.backend.blocking("new_group", seq, self.timeout_s):
+            comm = self.backend.split(0 if member else None, ranks.index(self.rank) if member else 0)
+        if not member:
+            return None
+        return self._child(comm, f"{self.name}/group{self._children}")
+
+    def _child(self, comm, name):
+        members = [self.members[r] for r in _parent_ranks(comm, self.backend.comm)]
+        backend = type(self.backend)(comm, self.backend.monitor, name, members)
+        return ProcessGroup(backend, name=name, rank=comm.Get_rank(), world_size=comm.Get_size(),
+                            members=members, local_rank=self.local_rank, device=self.device,
+                            timeout_s=self.timeout_s, check=self.check)
+
+
+def _parent_ranks(comm, parent):
+    """Ranks in `parent` of each rank of `comm`."""
+    return list(comm.Get_group().Translate_ranks(list(range(comm.Get_size())), parent.Get_group()))
+
+
+def validate_timeout(timeout_s):
+    """Check a user-given deadline; returns it as float seconds."""
+    try:
+        value = float(timeout_s)
+    except (TypeError, ValueError):
+        raise ConfigError(f"timeout_s must be a number of seconds, got {timeout_s!r}") from None
+    if not value > 0:
+        raise ConfigError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+    return value

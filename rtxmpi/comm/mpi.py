@@ -1,0 +1,93 @@
+"""The MPI transport: mpi4py buffer (uppercase) calls on contiguous host buffers.
+
+`ProcessGroup` hands this backend contiguous 1-D numpy buffers of a dtype MPI reduces natively
+(float32/64, int8/32/64, uint8) or raw bytes for data movement. Blocking calls run the fast
+blocking MPI algorithms after an arrival check with a deadline; asynchronous calls use the
+nonblocking (I-prefixed) variants, completed by `Monitor.wait` with a deadline.
+"""
+import numpy as np
+from mpi4py import MPI
+
+REDUCE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+# bool buffers travel as uint8 0/1: logical or is MAX, logical and is MIN
+BOOL_OPS = {"sum": MPI.MAX, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.MIN}
+
+
+def as_bytes(buf):
+    """A uint8 view of a contiguous array (any dtype), for data-movement calls."""
+    return buf.reshape(-1).view(np.uint8)
+
+
+class MPIBackend:
+    """Collectives over one MPI communicator. Not used directly: see ProcessGroup."""
+
+    name = "mpi"
+    device_native = False  # cupy arrays are staged through host memory by ProcessGroup
+
+    def __init__(self, comm, monitor, group_name, members):
+        self.comm = comm
+        self.monitor = monitor
+        self.group_name = group_name
+        self.members = members  # world ranks of this communicator, by group rank
+
+    # -- waiting ---------------------------------------------------------------------------
+    def test(self, requests):
+        return MPI.Request.Testall(requests)
+
+    def wait(self, requests, *, op, seq, timeout_s):
+        self.monitor.wait(requests, op=op, seq=seq, group=self.group_name,
+                          members=self.members, timeout_s=timeout_s)
+
+    def arrive(self, op, seq, timeout_s):
+        """Return once every rank of the group has reached this call (nonblocking barrier)."""
+        self.wait(self.barrier(), op=op, seq=seq, timeout_s=timeout_s)
+
+    def barrier(self):
+        return [self.comm.Ibarrier()]
+
+    def exchange_fingerprints(self, fingerprint, op, seq, timeout_s):
+        """All-gather each rank's int64 fingerprint row; also an arrival barrier."""
+        table = np.empty((self.comm.Get_size(), fingerprint.size), np.int64)
+        self.wait([self.comm.Iallgather(fingerprint, table)], op=op, seq=seq, timeout_s=timeout_s)
+        return table
+
+    def blocking(self, op, seq, timeout_s):
+        return self.monitor.blocking(op, seq, self.group_name, timeout_s)
+
+    # -- transfers: each returns a list of requests when nonblocking, else None -------------
+    def all_reduce(self, buf, mpi_op, nonblocking):
+        if nonblocking:
+            return [self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op)]
+        self.comm.Allreduce(MPI.IN_PLACE, buf, mpi_op)
+
+    def reduce_scatter(self, buf, out, mpi_op, nonblocking):
+        if nonblocking:
+            return [self.comm.Ireduce_scatter_block(buf, out, mpi_op)]
+        self.comm.Reduce_scatter_block(buf, out, mpi_op)
+
+    def all_gather(self, buf, out, nonblocking):
+        send, recv = [as_bytes(buf), MPI.BYTE], [as_bytes(out), MPI.BYTE]
+        if nonblocking:
+            return [self.comm.Iallgather(send, recv)]
+        self.comm.Allgather(send, recv)
+
+    def broadcast(self, buf, root, nonblocking):
+        data = [as_bytes(buf), MPI.BYTE]
+        if nonblocking:
+            return [self.comm.Ibcast(data, root=root)]
+        self.comm.Bcast(data, root=root)
+
+    def all_to_all(self, buf, out, nonblocking):
+        send, recv = [as_bytes(buf), MPI.BYTE], [as_bytes(out), MPI.BYTE]
+        if nonblocking:
+            return [self.comm.Ialltoall(send, recv)]
+        self.comm.Alltoall(send, recv)
+
+    def send(self, buf, dst, tag):
+        return [self.comm.Isend([as_bytes(buf), MPI.BYTE], dest=dst, tag=tag)]
+
+    def recv(self, buf, src, tag):
+        return [self.comm.Irecv([as_bytes(buf), MPI.BYTE], source=src, tag=tag)]
+
+    def split(self, color, key):
+        return self.comm.Split(MPI.UNDEFINED if color is None else color, key)

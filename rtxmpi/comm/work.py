@@ -1,0 +1,69 @@
+"""`Work`: the handle of an asynchronous collective (Horovod / torch.distributed style)."""
+
+
+class Work:
+    """Handle of a collective started with `async_op=True`.
+
+    `wait(timeout_s=None)` blocks until the operation completes and returns its result (the
+    reduced input array, or the new output array); past the deadline (the group's `timeout_s`
+    unless given) it raises CollectiveTimeout on every waiting rank. `test()` returns True once the
+    operation has completed and never blocks. Results are valid only after `wait()` or a True
+    `test()`; until then the input array must not be read or written.
+    """
+
+    __slots__ = ("group", "op", "seq", "_requests", "_finish", "_result", "_done")
+
+    def __init__(self, group, op, seq, requests, finish):
+        self.group, self.op, self.seq = group, op, seq
+        self._requests = requests
+        self._finish = finish
+        self._result = None
+        self._done = False
+
+    def _complete(self):
+        self._done = True
+        self._requests = None
+        self._result = self._finish()
+        self._finish = None
+        return self._result
+
+    def test(self):
+        """True when the operation has completed (runs its completion step); never blocks."""
+        if self._done:
+            return True
+        if self.group.backend.test(self._requests):
+            self._complete()
+            return True
+        return False
+
+    def wait(self, timeout_s=None):
+        """Block until done; return the result. Raises CollectiveTimeout past the deadline."""
+        if not self._done:
+            self.group.backend.wait(
+                self._requests, op=self.op, seq=self.seq,
+                timeout_s=self.group.timeout_s if timeout_s is None else float(timeout_s))
+            self._complete()
+        return self._result
+
+    def is_completed(self):
+        return self._done
+
+    @property
+    def result(self):
+        """The result once completed (None before)."""
+        return self._result
+
+    def __repr__(self):
+        state = "done" if self._done else "pending"
+        return f"<Work {self.op} #{self.seq} on '{self.group.name}' {state}>"
+
+
+class CompletedWork(Work):
+    """A Work whose operation already finished (host-staged device arrays, single rank)."""
+
+    __slots__ = ()
+
+    def __init__(self, group, op, seq, result):
+        super().__init__(group, op, seq, None, None)
+        self._done = True
+        self._result = result
