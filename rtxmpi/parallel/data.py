@@ -153,6 +153,10 @@ class DataParallel:
             raise RtxmpiError("step() without a synchronized backward since the last step: run "
                               "the last micro-batch's backward outside no_sync()")
         optimizer.step(self.model.flat_grad, lr=lr)
+        self.zero_grad()
+
+    def zero_grad(self):
+        """Drop the accumulated gradients without stepping (e.g. an agreed overflow skip). Local."""
         self.model.zero_grad()
         self._synced = False
 
