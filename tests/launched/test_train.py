@@ -53,3 +53,20 @@ def test_bad_flags_exit_nonzero_fast_with_one_line_error(tmp_path, args, message
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert elapsed < 60
+
+
+def test_readme_loops_run_and_differ_in_at_most_10_lines(tmp_path):
+    single = open(os.path.join(ROOT, "examples", "loop_single.py")).read().splitlines()
+    dp = open(os.path.join(ROOT, "examples", "loop_dp.py")).read().splitlines()
+    assert len([line for line in dp if line not in single]) <= 10
+    env = dict(os.environ, OMP_NUM_THREADS="1", RTXMPI_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "loop_single.py")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "step 20 loss" in proc.stdout
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    proc = subprocess.run(["mpiexec", "--oversubscribe", "-n", "2", sys.executable,
+                           os.path.join(ROOT, "examples", "loop_dp.py")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("step 20 loss") == 1  # rank 0 prints
