@@ -1,0 +1,140 @@
+"""Data-parallel weak scaling of the training step, rtxmpi vs a raw mpi4py data-parallel step.
+
+    python bench/scaling.py                       # launches mpiexec at 1, 2 and 4 ranks
+    python bench/scaling.py --ranks 1,2 --model small --local-batch 16 --json scaling.json
+
+Each rank keeps a fixed batch (--local-batch sequences of --seq-len bytes from the default corpus),
+so the global batch grows with the ranks (weak scaling). In the same job, interleaved step by step,
+it times:
+  rtxmpi : DataParallel (bucketed all_reduce overlapping backward) + AdamW
+  raw    : the same model, backward, then one blocking mpi4py Allreduce of the flat gradient, a
+           1/N scale, AdamW — the plain data-parallel step a user would write by hand
+A step's time is the slowest rank's (barrier before each timed step); the table shows the median.
+Efficiency at N ranks = tokens/s(N) / (N * tokens/s(1)).
+"""
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from _common import machine_info, machine_line, markdown_table, write_json  # noqa: E402
+
+
+def worker(args):
+    import numpy as np
+    from mpi4py import MPI
+
+    import rtxmpi
+    from rtxmpi.data import BatchSampler, load_corpus
+    from rtxmpi.nn import GPT, AdamW, GPTConfig
+    from rtxmpi.parallel.data import DataParallel
+
+    world = rtxmpi.init(check=False)
+    comm = MPI.COMM_WORLD
+    corpus = load_corpus(progress=False)
+    cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
+    global_batch = args.local_batch * world.world_size
+    sampler = BatchSampler(corpus.train, args.seq_len, global_batch, seed=0, dp_rank=world.rank,
+                           dp_size=world.world_size)
+    ours = GPT(cfg, seed=0)
+    ddp = DataParallel(ours, world, bucket_bytes=int(args.bucket_mb * 2**20))
+    ours_opt = AdamW(ours.flat_data, lr=1e-4)
+    raw = GPT(cfg, seed=0)
+    raw_opt = AdamW(raw.flat_data, lr=1e-4)
+
+    def step_rtxmpi(x, y):
+        _, cache = ddp.forward(x, y)
+        ddp.backward(cache)
+        ddp.step(ours_opt)
+
+    def step_raw(x, y):
+        _, cache = raw.forward(x, y)
+        raw.backward(cache)
+        comm.Allreduce(MPI.IN_PLACE, raw.flat_grad, op=MPI.SUM)
+        raw.flat_grad *= np.float32(1.0 / comm.Get_size())
+        raw_opt.step(raw.flat_grad)
+        raw.zero_grad()
+
+    times = {"rtxmpi": [], "raw": []}
+    for i in range(args.warmup + args.steps):
+        x, y = sampler.next_batch()
+        order = (("rtxmpi", step_rtxmpi), ("raw", step_raw))
+        for name, fn in (order if i % 2 == 0 else order[::-1]):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn(x, y)
+            elapsed = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            if i >= args.warmup:
+                times[name].append(elapsed)
+    if world.rank == 0:
+        tokens = global_batch * args.seq_len
+        result = {"ranks": world.world_size, "params": ours.num_params,
+                  "buckets": len(ddp.buckets), "global_batch": global_batch}
+        for name, ts in times.items():
+            median = float(np.median(ts))
+            result[f"{name}_step_ms"] = median * 1e3
+            result[f"{name}_tokens_per_s"] = tokens / median
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def launch(args, ranks):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", RTXMPI_CHECK="0")
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = ["mpiexec", "--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
+           "-n", str(ranks), sys.executable, os.path.abspath(__file__), "--worker",
+           "--model", args.model, "--local-batch", str(args.local_batch), "--seq-len",
+           str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--bucket-mb", str(args.bucket_mb)]
+    print(f"[scaling] {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"[scaling] {ranks} ranks failed:\n{proc.stdout}\n{proc.stderr}")
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", default="1,2,4", help="comma-separated world sizes")
+    p.add_argument("--model", default="small")
+    p.add_argument("--local-batch", type=int, default=16, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=12, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    results = [launch(args, int(n)) for n in args.ranks.split(",")]
+    base = {name: results[0][f"{name}_tokens_per_s"] / results[0]["ranks"] for name in ("rtxmpi", "raw")}
+    rows = []
+    for r in results:
+        n = r["ranks"]
+        eff = {name: r[f"{name}_tokens_per_s"] / (n * base[name]) for name in base}
+        r.update(rtxmpi_efficiency=eff["rtxmpi"], raw_efficiency=eff["raw"])
+        rows.append([n, r["global_batch"], f"{r['rtxmpi_step_ms']:.0f}", f"{r['raw_step_ms']:.0f}",
+                     f"{r['rtxmpi_tokens_per_s']:,.0f}", f"{r['raw_tokens_per_s']:,.0f}",
+                     f"{eff['rtxmpi']:.2f}", f"{eff['raw']:.2f}",
+                     f"{r['rtxmpi_tokens_per_s'] / r['raw_tokens_per_s']:.2f}"])
+    info = machine_info()
+    print(f"DP weak scaling, model {args.model} ({results[0]['params'] / 1e6:.2f} M params), "
+          f"{args.local_batch} x {args.seq_len} tokens per rank, median of {args.steps} steps")
+    print(markdown_table(["ranks", "global batch", "rtxmpi ms", "raw ms", "rtxmpi tok/s",
+                          "raw tok/s", "rtxmpi eff", "raw eff", "rtxmpi/raw"], rows))
+    print(f"\nmachine: {machine_line(info)}")
+    print(f"command: python bench/scaling.py {shlex.join(sys.argv[1:])}".rstrip())
+    if args.json:
+        write_json(args.json, {"args": vars(args), "machine": info, "results": results})
+
+
+if __name__ == "__main__":
+    main()
