@@ -1,0 +1,384 @@
+"""Transformer layers as explicit forward/backward pairs (llm.c style).
+
+Shape legend: B batch, T sequence length, C channels, H heads, hs = C // H head size, V vocabulary
+size, N = B * T rows once (B, T, ...) is flattened for a 2-D matmul.
+
+Conventions shared by every pair:
+- `*_forward(inputs..., params...) -> (out, cache)`; `*_backward(dout, cache, ...) -> (dinput,
+  param grads)`. The cache holds only what the backward needs.
+- Weights are stored (C_in, C_out), so a linear layer is `y = x @ w + b`.
+- Backward functions that produce parameter gradients take optional output arrays (`dw_out=`,
+  `dparams=`) and ADD into them (`+=`) and return them; without, they return fresh arrays. This is
+  how a model writes gradients straight into its flat gradient buffer and how micro-batches
+  accumulate.
+- A backward never modifies its cache or `dout`: calling it twice gives the same result twice.
+- Everything is computed in the dtype of the inputs (no silent upcast) and uses only functions that
+  numpy and cupy both provide; the array module comes from `xp_of`.
+
+Inputs are not validated here (this is the inner loop); models validate once, at the edge.
+"""
+import math
+
+from rtxmpi.backend import xp_of
+
+LN_EPS = 1e-5
+_GELU_K = math.sqrt(2.0 / math.pi)  # tanh-approximation constant (Hendrycks & Gimpel 2016)
+_GELU_C = 0.044715
+
+
+def _accumulate(value, out):
+    """Return `value`, or add it into `out` and return `out`."""
+    if out is None:
+        return value
+    out += value
+    return out
+
+
+# ----------------------------------------------------------------------------------- linear
+def linear_forward(x, w, b=None):
+    """y = x @ w + b.
+
+    x: (..., C_in); w: (C_in, C_out); b: (C_out,) or None. Returns y: (..., C_out), cache.
+    """
+    c_in, c_out = w.shape
+    y = x.reshape(-1, c_in) @ w
+    if b is not None:
+        y += b
+    return y.reshape(x.shape[:-1] + (c_out,)), (x, w, b is not None)
+
+
+def linear_backward(dy, cache, dw_out=None, db_out=None):
+    """Gradients of `linear_forward`.
+
+    dy: (..., C_out). Returns dx: (..., C_in), dw: (C_in, C_out), db: (C_out,) or None (no bias).
+    dw_out / db_out: arrays to add the gradients into (returned as dw / db).
+    """
+    x, w, has_bias = cache
+    c_in, c_out = w.shape
+    x2 = x.reshape(-1, c_in)
+    dy2 = dy.reshape(-1, c_out)
+    dx = (dy2 @ w.T).reshape(x.shape)
+    dw = _accumulate(x2.T @ dy2, dw_out)
+    db = _accumulate(dy2.sum(axis=0), db_out) if has_bias else None
+    return dx, dw, db
+
+
+# -------------------------------------------------------------------------------- embedding
+def embedding_forward(idx, wte, wpe):
+    """Token plus position embedding: x[b, t] = wte[idx[b, t]] + wpe[t].
+
+    idx: (B, T) integer array with ids in [0, V); wte: (V, C); wpe: (T_max, C) with T <= T_max.
+    Returns x: (B, T, C) in the dtype of wte, cache.
+    """
+    T = idx.shape[1]
+    x = wte[idx]
+    x += wpe[:T]
+    return x, (idx, wte.shape, wpe.shape)
+
+
+def embedding_backward(dx, cache, dwte_out=None, dwpe_out=None):
+    """Gradients of `embedding_forward`.
+
+    dx: (B, T, C). Returns dwte: (V, C), dwpe: (T_max, C) (rows >= T get nothing), added into
+    dwte_out / dwpe_out when given. Repeated token ids accumulate (`add.at`; on a GPU the order of
+    those additions is not fixed).
+    """
+    idx, wte_shape, wpe_shape = cache
+    xp = xp_of(dx)
+    T, C = dx.shape[1], dx.shape[2]
+    dwte = xp.zeros(wte_shape, dx.dtype) if dwte_out is None else dwte_out
+    dwpe = xp.zeros(wpe_shape, dx.dtype) if dwpe_out is None else dwpe_out
+    xp.add.at(dwte, idx.reshape(-1), dx.reshape(-1, C))
+    dwpe[:T] += dx.sum(axis=0)
+    return dwte, dwpe
+
+
+# -------------------------------------------------------------------------------- layernorm
+def layernorm_forward(x, g, b, eps=LN_EPS):
+    """Layer normalization over the last dim (Ba, Kiros & Hinton 2016).
+
+    x: (..., C); g, b: (C,). y = (x - mean) / sqrt(var + eps) * g + b, biased variance.
+    Returns y: (..., C), cache.
+    """
+    xp = xp_of(x)
+    mean = x.mean(axis=-1, keepdims=True)
+    xhat = x - mean
+    var = (xhat * xhat).mean(axis=-1, keepdims=True)
+    var += eps
+    rstd = xp.sqrt(var, out=var)
+    xp.reciprocal(rstd, out=rstd)
+    xhat *= rstd
+    y = xhat * g
+    y += b
+    return y, (xhat, rstd, g)
+
+
+def layernorm_backward(dy, cache, dg_out=None, db_out=None):
+    """Gradients of `layernorm_forward`.
+
+    dy: (..., C). Returns dx: (..., C), dg: (C,), db: (C,), added into dg_out / db_out when given.
+    """
+    xhat, rstd, g = cache
+    xp = xp_of(dy)
+    C = g.shape[0]
+    dyx = dy * xhat
+    dg = _accumulate(dyx.reshape(-1, C).sum(axis=0), dg_out)
+    db = _accumulate(dy.reshape(-1, C).sum(axis=0), db_out)
+    # dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * g
+    dyx *= g  # = dxhat * xhat
+    proj_mean = dyx.mean(axis=-1, keepdims=True)
+    dx = dy * g
+    dx -= dx.mean(axis=-1, keepdims=True)
+    xp.multiply(xhat, proj_mean, out=dyx)
+    dx -= dyx
+    dx *= rstd
+    return dx, dg, db
+
+
+# ------------------------------------------------------------------------------------- gelu
+def gelu_forward(x):
+    """GELU, tanh approximation (Hendrycks & Gimpel 2016), as in GPT-2.
+
+    y = x * a with a = 0.5 * (1 + tanh(k * (x + 0.044715 * x^3))), k = sqrt(2 / pi).
+    x: any shape. Returns y (same shape), cache.
+    """
+    xp = xp_of(x)
+    a = x * x
+    a *= _GELU_K * _GELU_C
+    a += _GELU_K
+    a *= x  # k * (x + c x^3)
+    xp.tanh(a, out=a)
+    a += 1.0
+    a *= 0.5
+    return x * a, (x, a)
+
+
+def gelu_backward(dy, cache):
+    """Gradient of `gelu_forward`. dy: same shape as x. Returns dx."""
+    xp = xp_of(dy)
+    x, a = cache
+    # with tanh = 2a - 1:  dy/dx = a + x * k (1 + 3c x^2) * (1 - tanh^2) / 2
+    #                            = a * (1 + 2k x (1 + 3c x^2) * (1 - a))
+    dx = x * x
+    dx *= 6.0 * _GELU_K * _GELU_C
+    dx += 2.0 * _GELU_K
+    dx *= x
+    one_minus_a = xp.subtract(1.0, a)
+    dx *= one_minus_a
+    dx += 1.0
+    dx *= a
+    dx *= dy
+    return dx
+
+
+# --------------------------------------------------------------------------------- softmax
+def softmax_forward(x):
+    """Numerically stable softmax over the last dim (max subtracted first). Returns a new array."""
+    return _exp_normalize(x - x.max(axis=-1, keepdims=True))
+
+
+def _softmax_inplace(x):
+    x -= x.max(axis=-1, keepdims=True)
+    return _exp_normalize(x)
+
+
+def _exp_normalize(z):
+    """z <- exp(z) / sum(exp(z), -1), in place; z already has its row max subtracted."""
+    xp = xp_of(z)
+    xp.exp(z, out=z)
+    s = z.sum(axis=-1, keepdims=True)
+    z *= xp.reciprocal(s, out=s)  # a multiply is cheaper than a broadcast divide
+    return z
+
+
+# ------------------------------------------------------------------------------- attention
+def _causal_bias(xp, T, dtype):
+    """(T, T) additive mask: 0 on and below the diagonal, -inf above (future positions)."""
+    keep = xp.tri(T, T, 0, dtype=bool)
+    return xp.where(keep, 0.0, -xp.inf).astype(dtype)
+
+
+def _heads(qkv, n_head):
+    """(B, T, 3C) -> q, k, v views of shape (B, H, T, hs); columns of qkv are [q | k | v], and
+    inside each block head h owns columns h*hs : (h+1)*hs."""
+    B, T, C3 = qkv.shape
+    hs = C3 // (3 * n_head)
+    return qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
+
+
+def attention_forward(x, w_qkv, b_qkv, w_proj, b_proj, n_head):
+    """Causal multi-head self-attention (Vaswani et al. 2017) with a fused qkv projection.
+
+    x: (B, T, C); w_qkv: (C, 3C), b_qkv: (3C,) with columns [q | k | v], heads contiguous inside
+    each; w_proj: (C, C), b_proj: (C,); n_head: H, dividing C.
+    att = softmax(q k^T / sqrt(hs) + causal mask); y = concat_h(att v) @ w_proj + b_proj.
+    Returns y: (B, T, C), cache (holds the (B, H, T, T) attention probabilities).
+    """
+    xp = xp_of(x)
+    B, T, C = x.shape
+    hs = C // n_head
+    qkv, qkv_cache = linear_forward(x, w_qkv, b_qkv)  # (B, T, 3C)
+    q, k, v = _heads(qkv, n_head)  # (B, H, T, hs) each, views
+    q = q * (1.0 / math.sqrt(hs))  # scaled copy, contiguous
+    att = q @ k.swapaxes(-1, -2)  # (B, H, T, T)
+    att += _causal_bias(xp, T, att.dtype)
+    _softmax_inplace(att)
+    yh = xp.empty((B, T, n_head, hs), dtype=x.dtype)
+    xp.matmul(att, v, out=yh.transpose(0, 2, 1, 3))  # (B, H, T, hs) written as (B, T, H, hs)
+    y, proj_cache = linear_forward(yh.reshape(B, T, C), w_proj, b_proj)
+    return y, (qkv_cache, q, k, v, att, proj_cache, n_head)
+
+
+def attention_backward(dy, cache, dparams=None):
+    """Gradients of `attention_forward`.
+
+    dy: (B, T, C). dparams: None or a sequence (dw_qkv, db_qkv, dw_proj, db_proj) to add into.
+    Returns dx: (B, T, C), (dw_qkv, db_qkv, dw_proj, db_proj).
+    """
+    qkv_cache, q, k, v, att, proj_cache, n_head = cache
+    xp = xp_of(dy)
+    dw_qkv, db_qkv, dw_proj, db_proj = dparams if dparams is not None else (None,) * 4
+    B, T, C = dy.shape
+    hs = C // n_head
+    dyh, dw_proj, db_proj = linear_backward(dy, proj_cache, dw_proj, db_proj)
+    dyh = dyh.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)  # (B, H, T, hs)
+    dqkv = xp.empty((B, T, 3, n_head, hs), dtype=dy.dtype)
+    dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)  # (B, H, T, hs) views into dqkv
+    xp.matmul(att.swapaxes(-1, -2), dyh, out=dv)
+    # softmax backward: ds = att * (datt - sum(datt * att, -1))
+    datt = dyh @ v.swapaxes(-1, -2)  # (B, H, T, T)
+    ds = datt * att
+    row = ds.sum(axis=-1, keepdims=True)
+    xp.multiply(att, row, out=datt)
+    ds -= datt
+    xp.matmul(ds, k, out=dq)
+    dq *= 1.0 / math.sqrt(hs)
+    xp.matmul(ds.swapaxes(-1, -2), q, out=dk)  # q is already scaled
+    dx, dw_qkv, db_qkv = linear_backward(dqkv.reshape(B, T, 3 * C), qkv_cache, dw_qkv, db_qkv)
+    return dx, (dw_qkv, db_qkv, dw_proj, db_proj)
+
+
+# ------------------------------------------------------------------------------------- mlp
+def mlp_forward(x, w_fc, b_fc, w_proj, b_proj):
+    """Position-wise MLP: y = gelu(x @ w_fc + b_fc) @ w_proj + b_proj.
+
+    x: (B, T, C); w_fc: (C, 4C), b_fc: (4C,); w_proj: (4C, C), b_proj: (C,).
+    Returns y: (B, T, C), cache.
+    """
+    h, fc_cache = linear_forward(x, w_fc, b_fc)
+    a, gelu_cache = gelu_forward(h)
+    y, proj_cache = linear_forward(a, w_proj, b_proj)
+    return y, (fc_cache, gelu_cache, proj_cache)
+
+
+def mlp_backward(dy, cache, dparams=None):
+    """Gradients of `mlp_forward`.
+
+    dy: (B, T, C). dparams: None or (dw_fc, db_fc, dw_proj, db_proj) to add into.
+    Returns dx: (B, T, C), (dw_fc, db_fc, dw_proj, db_proj).
+    """
+    fc_cache, gelu_cache, proj_cache = cache
+    dw_fc, db_fc, dw_proj, db_proj = dparams if dparams is not None else (None,) * 4
+    da, dw_proj, db_proj = linear_backward(dy, proj_cache, dw_proj, db_proj)
+    dh = gelu_backward(da, gelu_cache)
+    dx, dw_fc, db_fc = linear_backward(dh, fc_cache, dw_fc, db_fc)
+    return dx, (dw_fc, db_fc, dw_proj, db_proj)
+
+
+# ----------------------------------------------------------------------------------- block
+# Parameter order inside a block (forward order); shapes for C channels.
+BLOCK_PARAM_NAMES = ("ln1.g", "ln1.b", "attn.w_qkv", "attn.b_qkv", "attn.w_proj", "attn.b_proj",
+                     "ln2.g", "ln2.b", "mlp.w_fc", "mlp.b_fc", "mlp.w_proj", "mlp.b_proj")
+
+
+def block_param_shapes(C):
+    """[(name, shape, decay)] for one block, in BLOCK_PARAM_NAMES order. Matrices decay; biases
+    and LayerNorm parameters do not."""
+    shapes = ((C,), (C,), (C, 3 * C), (3 * C,), (C, C), (C,),
+              (C,), (C,), (C, 4 * C), (4 * C,), (4 * C, C), (C,))
+    return [(name, shape, len(shape) == 2) for name, shape in zip(BLOCK_PARAM_NAMES, shapes)]
+
+
+def block_forward(x, params, n_head):
+    """Pre-LN transformer block (GPT-2): x = x + attn(ln1(x)); x = x + mlp(ln2(x)).
+
+    x: (B, T, C); params: sequence of 12 arrays in BLOCK_PARAM_NAMES order (shapes from
+    `block_param_shapes(C)`); n_head: H. Returns y: (B, T, C), cache.
+    """
+    g1, b1, w_qkv, b_qkv, w_aproj, b_aproj, g2, b2, w_fc, b_fc, w_mproj, b_mproj = params
+    h1, ln1_cache = layernorm_forward(x, g1, b1)
+    a, attn_cache = attention_forward(h1, w_qkv, b_qkv, w_aproj, b_aproj, n_head)
+    a += x  # x1 = x + attn(ln1(x))
+    x1 = a
+    h2, ln2_cache = layernorm_forward(x1, g2, b2)
+    y, mlp_cache = mlp_forward(h2, w_fc, b_fc, w_mproj, b_mproj)
+    y += x1
+    return y, (ln1_cache, attn_cache, ln2_cache, mlp_cache)
+
+
+def block_backward(dy, cache, dparams=None, ready=None):
+    """Gradients of `block_forward`.
+
+    dy: (B, T, C). dparams: None or 12 arrays (BLOCK_PARAM_NAMES order) to add into.
+    ready: optional callable ready(j), called once per local parameter index j (0..11) as soon as
+    that gradient is final, in the order 11, 10, ..., 0.
+    Returns dx: (B, T, C), tuple of the 12 gradients.
+    """
+    ln1_cache, attn_cache, ln2_cache, mlp_cache = cache
+    d = list(dparams) if dparams is not None else [None] * 12
+    notify = ready if ready is not None else (lambda j: None)
+
+    dh2, d[8:12] = mlp_backward(dy, mlp_cache, d[8:12])
+    for j in (11, 10, 9, 8):
+        notify(j)
+    dx1, d[6], d[7] = layernorm_backward(dh2, ln2_cache, d[6], d[7])
+    notify(7)
+    notify(6)
+    dx1 += dy  # residual
+    dh1, d[2:6] = attention_backward(dx1, attn_cache, d[2:6])
+    for j in (5, 4, 3, 2):
+        notify(j)
+    dx, d[0], d[1] = layernorm_backward(dh1, ln1_cache, d[0], d[1])
+    notify(1)
+    notify(0)
+    dx += dx1  # residual
+    return dx, tuple(d)
+
+
+# ---------------------------------------------------------------------------- cross-entropy
+def crossentropy_forward(logits, targets):
+    """Mean cross-entropy in nats over all B*T positions, via a stable log-softmax.
+
+    logits: (B, T, V) float; targets: (B, T) integer ids in [0, V).
+    Returns loss: 0-d array of the logits' dtype (call float() for a Python number), cache (holds
+    the (N, V) softmax probabilities).
+    """
+    xp = xp_of(logits)
+    V = logits.shape[-1]
+    l2 = logits.reshape(-1, V)
+    tgt = targets.reshape(-1)
+    rows = xp.arange(l2.shape[0])
+    m = l2.max(axis=1, keepdims=True)
+    probs = l2 - m
+    target_shifted = probs[rows, tgt]  # logit[target] - max
+    xp.exp(probs, out=probs)
+    s = probs.sum(axis=1, keepdims=True)
+    probs /= s
+    nll = xp.log(s[:, 0])
+    nll -= target_shifted  # -log p[target] = log(sum exp(l - max)) - (l[target] - max)
+    return nll.mean(), (probs, tgt, logits.shape)
+
+
+def crossentropy_backward(dloss, cache):
+    """Gradient of `crossentropy_forward` times `dloss`.
+
+    dloss: Python float, the scale of the loss (1.0 for the plain gradient; 1/k to average k
+    micro-batches). Returns dlogits: (B, T, V) = dloss * (softmax - onehot(targets)) / (B*T).
+    """
+    probs, tgt, shape = cache
+    xp = xp_of(probs)
+    N = probs.shape[0]
+    c = float(dloss) / N
+    dlogits = probs * c
+    dlogits[xp.arange(N), tgt] -= c
+    return dlogits.reshape(shape)

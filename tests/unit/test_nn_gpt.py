@@ -1,0 +1,302 @@
+"""GPT on flat buffers: whole-model gradient check, accumulation, grad_ready order, layout,
+initialization, dtype agreement, generation, errors, and a short overfit run."""
+import math
+
+import numpy as np
+import pytest
+
+from rtxmpi.errors import ConfigError
+from rtxmpi.nn import (GPT, MODEL_SIZES, AdamW, GPTConfig, clip_grad_norm, decay_mask,
+                       param_layout)
+
+
+def micro_cfg(tie=True):
+    return GPTConfig(vocab_size=13, seq_len=6, n_layer=2, n_head=2, n_embd=8, tie_embeddings=tie)
+
+
+def batch(rng, cfg, B=2, T=5):
+    return (rng.integers(0, cfg.vocab_size, (B, T)), rng.integers(0, cfg.vocab_size, (B, T)))
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(7)
+
+
+# ------------------------------------------------------------------------- gradients
+@pytest.mark.parametrize("tie", [True, False])
+def test_gpt_gradient_matches_finite_differences(rng, tie):
+    cfg = micro_cfg(tie)
+    model = GPT(cfg, seed=0, dtype=np.float64)
+    # move away from the near-linear init so every nonlinearity is exercised
+    model.load_flat(model.flat_data + rng.normal(0, 0.3, model.num_params))
+    idx, targets = batch(rng, cfg)
+    _, cache = model.forward(idx, targets)
+    model.backward(cache)
+    picks = np.concatenate([p.offset + rng.choice(p.size, min(p.size, 3), replace=False)
+                            for p in model.params])  # a few elements of every parameter
+    numeric = np.empty(len(picks))
+    for k, j in enumerate(picks):
+        old = model.flat_data[j]
+        model.flat_data[j] = old + 1e-6
+        plus = model.forward(idx, targets)[0]
+        model.flat_data[j] = old - 1e-6
+        minus = model.forward(idx, targets)[0]
+        model.flat_data[j] = old
+        numeric[k] = (plus - minus) / 2e-6
+    analytic = model.flat_grad[picks]
+    err = np.linalg.norm(analytic - numeric) / np.linalg.norm(numeric)
+    assert err < 1e-6, f"relative error {err:.2e}"
+
+
+def test_backward_twice_adds_twice(rng):
+    cfg = micro_cfg()
+    model = GPT(cfg, seed=0, dtype=np.float64)
+    _, cache = model.forward(*batch(rng, cfg))
+    model.backward(cache)
+    once = model.flat_grad.copy()
+    model.backward(cache)
+    np.testing.assert_allclose(model.flat_grad, 2 * once, rtol=1e-12, atol=1e-16)
+
+
+def test_backward_scale_scales_the_gradient(rng):
+    cfg = micro_cfg(tie=False)
+    model = GPT(cfg, seed=0, dtype=np.float64)
+    _, cache = model.forward(*batch(rng, cfg))
+    model.backward(cache)
+    full = model.flat_grad.copy()
+    model.zero_grad()
+    assert not model.flat_grad.any()
+    model.backward(cache, scale=0.25)
+    np.testing.assert_allclose(model.flat_grad, 0.25 * full, rtol=1e-12, atol=1e-16)
+
+
+def test_micro_batches_accumulate_to_the_full_batch_gradient(rng):
+    cfg = micro_cfg()
+    model = GPT(cfg, seed=0, dtype=np.float64)
+    idx, targets = batch(rng, cfg, B=4)
+    _, cache = model.forward(idx, targets)
+    model.backward(cache)
+    full = model.flat_grad.copy()
+    model.zero_grad()
+    for half in (slice(0, 2), slice(2, 4)):
+        _, cache = model.forward(idx[half], targets[half])
+        model.backward(cache, scale=0.5)
+    np.testing.assert_allclose(model.flat_grad, full, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_grad_ready_fires_once_per_param_when_final(rng, tie):
+    cfg = micro_cfg(tie)
+    model = GPT(cfg, seed=0, dtype=np.float64)
+    _, cache = model.forward(*batch(rng, cfg))
+    calls, snapshots = [], {}
+
+    def ready(i):
+        calls.append(i)
+        snapshots[i] = model.params[i].grad.copy()
+
+    model.backward(cache, grad_ready=ready)
+    n = len(model.params)
+    assert sorted(calls) == list(range(n))
+    assert calls[-1] == 0  # wte last (tied: only after the embedding backward)
+    for i, snap in snapshots.items():  # nothing changed after it was reported
+        np.testing.assert_array_equal(snap, model.params[i].grad)
+    first_block1 = [p.index for p in model.params if p.name.startswith("h1.")]
+    first_block0 = [p.index for p in model.params if p.name.startswith("h0.")]
+    assert max(calls.index(i) for i in first_block1) < min(calls.index(i) for i in first_block0)
+
+
+# ------------------------------------------------------------------------- layout
+@pytest.mark.parametrize("tie", [True, False])
+def test_params_are_contiguous_views_in_index_order(tie):
+    cfg = GPTConfig.named("tiny", tie_embeddings=tie)
+    model = GPT(cfg, seed=0)
+    offset = 0
+    for i, p in enumerate(model.params):
+        assert p.index == i and p.offset == offset and p.size == math.prod(p.shape)
+        assert np.shares_memory(p.data, model.flat_data) and np.shares_memory(p.grad,
+                                                                              model.flat_grad)
+        offset += p.size
+    assert offset == model.num_params == model.flat_data.size == model.flat_grad.size
+    names = [p.name for p in model.params]
+    assert names[:3] == ["wte", "wpe", "h0.ln1.g"]
+    assert names[-1] == ("ln_f.b" if tie else "lm_head")
+    assert [s.name for s in param_layout(cfg)] == names
+    model.params[2].data[0] = 42.0
+    assert model.flat_data[model.params[2].offset] == 42.0
+
+
+def test_decay_applies_to_matrices_and_embeddings_only():
+    model = GPT(GPTConfig.named("tiny", tie_embeddings=False), seed=0)
+    for p in model.params:
+        assert p.decay == (len(p.shape) == 2), p.name
+    mask = decay_mask(model.params)
+    assert mask.shape == (model.num_params,) and mask.dtype == np.float32
+    for p in model.params:
+        assert np.all(mask[p.offset:p.offset + p.size] == (1.0 if p.decay else 0.0))
+
+
+def test_tiny_parameter_count():
+    cfg = GPTConfig.named("tiny")
+    C, V, L = cfg.n_embd, cfg.vocab_size, cfg.n_layer
+    expected = V * C + cfg.seq_len * C + L * (12 * C * C + 13 * C) + 2 * C
+    assert GPT(cfg).num_params == expected
+    assert GPT(GPTConfig.named("tiny", tie_embeddings=False)).num_params == expected + V * C
+
+
+# ------------------------------------------------------------------------- init and dtype
+def test_init_is_deterministic_from_seed():
+    cfg = GPTConfig.named("tiny")
+    a, b, c = GPT(cfg, seed=3), GPT(cfg, seed=3), GPT(cfg, seed=4)
+    np.testing.assert_array_equal(a.flat_data, b.flat_data)
+    assert not np.array_equal(a.flat_data, c.flat_data)
+
+
+def test_init_follows_gpt2_scheme():
+    cfg = GPTConfig.named("small")
+    model = GPT(cfg, seed=0, dtype=np.float64)
+    p = {q.name: q.data for q in model.params}
+    assert p["wte"].std() == pytest.approx(0.02, rel=0.02)
+    assert p["h0.attn.w_qkv"].std() == pytest.approx(0.02, rel=0.05)
+    resid = 0.02 / math.sqrt(2 * cfg.n_layer)
+    assert p["h0.mlp.w_proj"].std() == pytest.approx(resid, rel=0.05)
+    assert p["h1.attn.w_proj"].std() == pytest.approx(resid, rel=0.05)
+    assert np.all(p["h0.attn.b_qkv"] == 0) and np.all(p["ln_f.b"] == 0)
+    assert np.all(p["h0.ln1.g"] == 1) and np.all(p["ln_f.g"] == 1)
+
+
+def test_float32_model_is_a_cast_of_float64_and_agrees(rng):
+    cfg = GPTConfig.named("tiny")
+    m32, m64 = GPT(cfg, seed=0, dtype=np.float32), GPT(cfg, seed=0, dtype=np.float64)
+    assert m32.flat_data.dtype == np.float32 and m32.flat_grad.dtype == np.float32
+    np.testing.assert_array_equal(m32.flat_data, m64.flat_data.astype(np.float32))
+    idx, targets = batch(rng, cfg, B=2, T=16)
+    l32, c32 = m32.forward(idx, targets)
+    l64, c64 = m64.forward(idx, targets)
+    assert l32 == pytest.approx(l64, rel=1e-6)
+    np.testing.assert_allclose(m32.logits(idx), m64.logits(idx), rtol=1e-4, atol=1e-5)
+    m32.backward(c32)
+    m64.backward(c64)
+    rel = np.linalg.norm(m32.flat_grad - m64.flat_grad) / np.linalg.norm(m64.flat_grad)
+    assert rel < 1e-4
+
+
+def test_loss_at_init_is_about_ln_vocab(rng):
+    cfg = GPTConfig.named("tiny")
+    loss, _ = GPT(cfg, seed=0).forward(*batch(rng, cfg, B=4, T=64))
+    assert isinstance(loss, float)
+    assert abs(loss - math.log(256)) < 0.1
+
+
+def test_logits_agree_with_forward_loss(rng):
+    cfg = micro_cfg()
+    model = GPT(cfg, seed=0, dtype=np.float64)
+    idx, targets = batch(rng, cfg)
+    logits = model.logits(idx)
+    assert logits.shape == (2, 5, cfg.vocab_size)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp, targets[..., None], -1).mean()
+    assert model.forward(idx, targets)[0] == pytest.approx(nll, rel=1e-12)
+
+
+# ------------------------------------------------------------------------- generation
+def test_generate_appends_tokens_and_crops_context(rng):
+    cfg = micro_cfg()
+    model = GPT(cfg, seed=0)
+    idx = rng.integers(0, cfg.vocab_size, (3, 4))
+    out = model.generate(idx, 7, rng=np.random.default_rng(0))  # 4 + 7 > seq_len = 6
+    assert out.shape == (3, 11) and out.dtype == idx.dtype
+    np.testing.assert_array_equal(out[:, :4], idx)
+    assert out.min() >= 0 and out.max() < cfg.vocab_size
+    again = model.generate(idx, 7, rng=np.random.default_rng(0))
+    np.testing.assert_array_equal(out, again)
+
+
+def test_generate_top_k_1_is_greedy(rng):
+    cfg = micro_cfg()
+    model = GPT(cfg, seed=0)
+    model.load_flat(model.flat_data + rng.normal(0, 0.5, model.num_params))
+    idx = rng.integers(0, cfg.vocab_size, (2, 3))
+    greedy = model.generate(idx, 5, temperature=0)
+    top1 = model.generate(idx, 5, top_k=1, rng=np.random.default_rng(1))
+    np.testing.assert_array_equal(greedy, top1)
+
+
+# ------------------------------------------------------------------------- errors
+def test_heads_must_divide_channels():
+    with pytest.raises(ConfigError, match=r"n_embd \(66\) must be divisible by n_head \(4\)"):
+        GPTConfig(n_embd=66, n_head=4)
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "seq_len", "n_layer", "n_head", "n_embd"])
+def test_sizes_must_be_positive(field):
+    with pytest.raises(ConfigError, match=field):
+        GPTConfig(**{field: 0})
+
+
+def test_unknown_model_name_lists_the_names():
+    with pytest.raises(ConfigError, match="tiny, small, base"):
+        GPTConfig.named("huge")
+
+
+def test_named_config_defaults_and_overrides():
+    assert set(MODEL_SIZES) >= {"tiny", "small", "base"}
+    cfg = GPTConfig.named("small")
+    assert cfg.seq_len == 128 and cfg.vocab_size == 256
+    assert GPTConfig.named("small", seq_len=256).seq_len == 256
+    with pytest.raises(ConfigError, match="seqlen"):
+        GPTConfig.named("small", seqlen=256)
+
+
+def test_sequence_longer_than_seq_len_is_refused(rng):
+    cfg = micro_cfg()
+    idx = rng.integers(0, cfg.vocab_size, (1, cfg.seq_len + 1))
+    with pytest.raises(ConfigError, match="seq_len is 6"):
+        GPT(cfg).forward(idx, idx)
+
+
+@pytest.mark.parametrize("bad", [-1, 13])
+def test_token_ids_out_of_range_are_refused(rng, bad):
+    cfg = micro_cfg()
+    idx, targets = batch(rng, cfg)
+    targets[0, 1] = bad
+    with pytest.raises(ConfigError, match=r"ids must be in \[0, 13\)"):
+        GPT(cfg).forward(idx, targets)
+
+
+def test_non_integer_tokens_and_shape_mismatch_are_refused(rng):
+    cfg = micro_cfg()
+    model = GPT(cfg)
+    idx, targets = batch(rng, cfg)
+    with pytest.raises(ConfigError, match="integer"):
+        model.forward(idx.astype(np.float32), targets)
+    with pytest.raises(ConfigError, match="must equal idx shape"):
+        model.forward(idx, targets[:, :3])
+    with pytest.raises(ConfigError, match=r"\(B, T\)"):
+        model.logits(idx[0])
+
+
+def test_load_flat_checks_the_size():
+    model = GPT(micro_cfg())
+    with pytest.raises(ConfigError, match=f"{model.num_params} elements"):
+        model.load_flat(np.zeros(model.num_params + 1))
+    model.load_flat(np.arange(model.num_params, dtype=np.float64))
+    assert model.flat_data.dtype == np.float32 and model.flat_data[5] == 5.0
+
+
+# ------------------------------------------------------------------------- training
+def test_tiny_gpt_overfits_one_batch(rng):
+    cfg = GPTConfig.named("tiny", seq_len=32)
+    model = GPT(cfg, seed=0)
+    idx = rng.integers(0, 256, (4, 33))
+    x, y = idx[:, :-1], idx[:, 1:]
+    opt = AdamW(model.flat_data, lr=1e-2, weight_decay=0.0)
+    first, _ = model.forward(x, y)
+    for _ in range(50):
+        model.zero_grad()
+        loss, cache = model.forward(x, y)
+        model.backward(cache)
+        clip_grad_norm(model.flat_grad, 1.0)
+        opt.step(model.flat_grad)
+    assert first > 5.0 and loss < 0.5, (first, loss)
