@@ -9,6 +9,7 @@ cannot read device memory.
 Every collective is a *collective call*: every rank of the group must call it, in the same order,
 with the same shape and dtype. Nothing here decides whether to enter a collective from local data.
 """
+import contextlib
 import functools
 import zlib
 
@@ -52,9 +53,13 @@ def _host_staged(method):
         host = cp.asnumpy(x, stream=stream)
         result = method(self, host, *args, **kwargs)
         if result is host:
-            x.set(host, stream=stream)
+            if x.flags.c_contiguous or x.flags.f_contiguous:
+                x.set(host, stream=stream)
+            else:  # cupy's set() refuses a non-contiguous target
+                with stream if stream is not None else contextlib.nullcontext():
+                    x[...] = cp.asarray(host)
             result = x
-        else:
+        elif result is not None:  # send returns None
             result = cp.asarray(result)
         if async_op:
             return CompletedWork(self, method.__name__, self._seq, result)

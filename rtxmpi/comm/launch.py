@@ -22,8 +22,11 @@ def check_launch(world_size, environ=os.environ):
     RTXMPI_ALLOW_SINGLETON=1 overrides the check. Raises ConfigError.
     """
     tasks = slurm_tasks(environ)
-    explicit_size = environ.get("OMPI_COMM_WORLD_SIZE") or environ.get("PMI_SIZE")
-    if (tasks and tasks > 1 and world_size == 1 and not explicit_size
+    # Only a launcher that itself says "1" makes a world of 1 deliberate: `srun --mpi=pmi2 -n 2`
+    # with an MPI built without PMI-2 sets PMI_SIZE=2 yet still starts singletons.
+    launcher_size = environ.get("OMPI_COMM_WORLD_SIZE") or environ.get("PMI_SIZE")
+    explicit_one = launcher_size is not None and launcher_size.strip() == "1"
+    if (tasks and tasks > 1 and world_size == 1 and not explicit_one
             and environ.get("RTXMPI_ALLOW_SINGLETON") != "1"):
         raise ConfigError(
             f"Slurm started {tasks} tasks but MPI sees a world of 1: the tasks were started without "

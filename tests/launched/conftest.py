@@ -1,0 +1,108 @@
+"""Helpers for tests that start their own MPI job (or a plain `python` process) in a subprocess.
+
+Every launch runs under a hard outer deadline (coreutils `timeout`, then a kill of the whole
+process group), so a hang fails the test instead of stalling the suite. A test asserts that the
+runtime's own deadline fired first: the result says whether the outer timeout did.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+MPIEXEC = shutil.which("mpiexec", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+REPO = Path(__file__).resolve().parents[2]
+OUTER_TIMEOUT_RC = 124  # coreutils `timeout` exit status when it had to stop the command
+LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_", "RTXMPI_")
+
+
+@dataclass
+class Launch:
+    """What a launched command did: exit status, output, wall time, whether the outer timeout hit."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    elapsed_s: float
+    outer_timeout: bool
+
+    def lines(self, prefix):
+        """Lines of stdout that start with `prefix` (what the script reported)."""
+        return [line for line in self.stdout.splitlines() if line.startswith(prefix)]
+
+    def __str__(self):
+        return (f"exit {self.returncode} after {self.elapsed_s:.1f} s"
+                f"{' (OUTER TIMEOUT)' if self.outer_timeout else ''}\n"
+                f"--- stdout\n{self.stdout[-4000:]}\n--- stderr\n{self.stderr[-4000:]}")
+
+
+def launch_env(**extra):
+    """A clean environment for a child job: no launcher, Slurm or rtxmpi variables inherited,
+    root allowed, one thread per rank, unbuffered output, the repository importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
+               OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_command(argv, *, outer_timeout_s, env=None, cwd=None):
+    """Run `argv` under `timeout` with a hard deadline; never hangs. Returns a Launch."""
+    command = ["timeout", "--kill-after=5", str(outer_timeout_s)] + [str(a) for a in argv]
+    start = time.monotonic()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=launch_env() if env is None else env, cwd=cwd,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=outer_timeout_s + 15)
+    except subprocess.TimeoutExpired:  # `timeout` itself failed to end it: kill the whole session
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+    elapsed_s = time.monotonic() - start
+    outer_timeout = process.returncode == OUTER_TIMEOUT_RC or elapsed_s >= outer_timeout_s
+    return Launch(process.returncode, stdout, stderr, elapsed_s, outer_timeout)
+
+
+def mpiexec_argv(n):
+    """mpiexec for `n` ranks on a small machine: oversubscribed, yielding when idle, unbound."""
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found next to the Python interpreter or on PATH")
+    return [MPIEXEC, "-n", str(n), "--oversubscribe", "--mca", "mpi_yield_when_idle", "1",
+            "--bind-to", "none"]
+
+
+def write_script(tmp_path, source, name="job.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+@pytest.fixture
+def run_mpi(tmp_path):
+    """run_mpi(source, n, outer_timeout_s=60, **env) -> Launch: `source` as a script on n ranks."""
+
+    def run(source, n, outer_timeout_s=60, **env):
+        script = write_script(tmp_path, source)
+        return run_command(mpiexec_argv(n) + [sys.executable, script],
+                           outer_timeout_s=outer_timeout_s, env=launch_env(**env), cwd=tmp_path)
+
+    return run
+
+
+@pytest.fixture
+def run_python(tmp_path):
+    """run_python(args, outer_timeout_s=30, **env) -> Launch: plain `python args...` (a singleton)."""
+
+    def run(args, outer_timeout_s=30, **env):
+        return run_command([sys.executable] + list(args), outer_timeout_s=outer_timeout_s,
+                           env=launch_env(**env), cwd=tmp_path)
+
+    return run

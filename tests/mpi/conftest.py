@@ -1,0 +1,63 @@
+"""Fixtures and helpers for tests run on every rank of an MPI job (see tests/mpi_pytest.py).
+
+Every test here holds at any world size (1, 2, 4, ...): expected values are computed with numpy
+from the world size and rank, never hard-coded. Tests that need several ranks carry
+`@pytest.mark.mpi(min_size=2)`. Collect and run order is identical on every rank, so a test may
+call collectives freely; a test must make the same collective calls on every rank.
+"""
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+import rtxmpi
+
+
+@pytest.fixture(scope="session")
+def world():
+    """The world ProcessGroup, in checking mode, with the suite's deadline ($RTXMPI_TIMEOUT_S)."""
+    return rtxmpi.init(check=True, timeout_s=float(os.environ.get("RTXMPI_TIMEOUT_S") or 120))
+
+
+@pytest.fixture(name="assert_same_on_every_rank")
+def _assert_same_on_every_rank_fixture():
+    """The helper `assert_same_on_every_rank(group, x)`, for test modules."""
+    return assert_same_on_every_rank
+
+
+@pytest.fixture(name="assert_raised_on_every_rank")
+def _assert_raised_on_every_rank_fixture():
+    """The helper `assert_raised_on_every_rank(group, fn, exc_type, match)`, for test modules."""
+    return assert_raised_on_every_rank
+
+
+def digest(x):
+    """A stable hash (crc32) of an array's dtype, shape and bytes."""
+    x = np.ascontiguousarray(x)
+    return zlib.crc32(f"{x.dtype.str}{x.shape}".encode() + x.tobytes())
+
+
+def assert_same_on_every_rank(group, x):
+    """Collective: all ranks of `group` check that `x` is bitwise identical everywhere."""
+    digests = group.all_gather(np.array([digest(x)], np.int64))
+    assert (digests == digests[0]).all(), f"results differ across ranks: digests {digests.tolist()}"
+
+
+def assert_raised_on_every_rank(group, fn, exc_type, match=None):
+    """Run `fn()` on every rank of `group`; assert each rank raised `exc_type`; return the error.
+
+    The flags are compared with one all_gather, so a rank that did not raise fails the test on
+    every rank (in checking mode its stray collective shows up as a CollectiveMismatch).
+    """
+    error = None
+    try:
+        fn()
+    except exc_type as exc:
+        error = exc
+    flags = group.all_gather(np.array([error is not None]))
+    assert flags.all(), f"{exc_type.__name__} raised only on ranks {np.flatnonzero(flags).tolist()}"
+    if match is not None:
+        for text in match:
+            assert text in str(error), f"{text!r} not in error message: {error}"
+    return error
