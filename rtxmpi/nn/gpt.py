@@ -162,7 +162,8 @@ class GPT:
         self.flat_data[...] = self.xp.asarray(array, dtype=self.dtype)
 
     # ------------------------------------------------------------------ validation
-    def _check_tokens(self, arr, what):
+    def _as_tokens(self, arr, what):
+        """Validate a (B, T) id array and return it in the model's array module."""
         if getattr(arr, "ndim", None) != 2:
             raise ConfigError(f"{what} must be a (B, T) integer array, got shape "
                               f"{getattr(arr, 'shape', type(arr).__name__)}")
@@ -179,6 +180,7 @@ class GPT:
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ConfigError(f"{what} holds token ids in [{lo}, {hi}] but vocab_size is "
                               f"{self.cfg.vocab_size}; ids must be in [0, {self.cfg.vocab_size})")
+        return self.xp.asarray(arr)
 
     # ------------------------------------------------------------------ passes
     def _trunk(self, idx):
@@ -195,13 +197,12 @@ class GPT:
     def forward(self, idx, targets):
         """Loss and cache for one (micro-)batch.
 
-        idx, targets: (B, T) integer arrays (of this model's array module), T <= cfg.seq_len, ids
-        in [0, vocab_size). Returns (loss, cache): loss is a Python float, the mean cross-entropy
-        in nats over all B*T positions; cache is for `backward`.
+        idx, targets: (B, T) integer arrays, T <= cfg.seq_len, ids in [0, vocab_size); host
+        arrays are moved to the model's array module. Returns (loss, cache): loss is a Python
+        float, the mean cross-entropy in nats over all B*T positions; cache is for `backward`.
         Raises ConfigError on a bad shape, dtype, length or id.
         """
-        self._check_tokens(idx, "idx")
-        self._check_tokens(targets, "targets")
+        idx, targets = self._as_tokens(idx, "idx"), self._as_tokens(targets, "targets")
         if targets.shape != idx.shape:
             raise ConfigError(f"targets shape {targets.shape} must equal idx shape {idx.shape}")
         h, emb_cache, block_caches, ln_f_cache = self._trunk(idx)
@@ -238,7 +239,7 @@ class GPT:
     def logits(self, idx):
         """Next-token logits, no cache kept. idx: (B, T) ids, T <= seq_len.
         Returns (B, T, V) in the model dtype. Raises ConfigError like `forward`."""
-        self._check_tokens(idx, "idx")
+        idx = self._as_tokens(idx, "idx")
         h = self._trunk(idx)[0]
         return layers.linear_forward(h, self._head.data.T)[0]
 
@@ -249,7 +250,7 @@ class GPT:
         temperature: > 0 divides the logits; 0 means greedy (argmax). top_k: None or int >= 1,
         sample only among the k most likely tokens. rng: numpy.random.Generator (default: a fresh
         unseeded one); each step draws B uniforms and samples on the host in float64.
-        Returns (B, T0 + max_new_tokens) ids in the array module and integer dtype of idx.
+        Returns (B, T0 + max_new_tokens) ids in the model's array module and idx's int dtype.
         """
         xp = self.xp
         if temperature < 0:
@@ -259,7 +260,7 @@ class GPT:
         if max_new_tokens < 0:
             raise ConfigError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         rng = rng if rng is not None else np.random.default_rng()
-        out = idx
+        out = xp.asarray(idx)
         for _ in range(int(max_new_tokens)):
             logits = self.logits(out[:, -self.cfg.seq_len:])[:, -1, :]  # (B, V)
             if temperature == 0:

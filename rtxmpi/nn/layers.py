@@ -80,15 +80,21 @@ def embedding_backward(dx, cache, dwte_out=None, dwpe_out=None):
     """Gradients of `embedding_forward`.
 
     dx: (B, T, C). Returns dwte: (V, C), dwpe: (T_max, C) (rows >= T get nothing), added into
-    dwte_out / dwpe_out when given. Repeated token ids accumulate (`add.at`; on a GPU the order of
-    those additions is not fixed).
+    dwte_out / dwpe_out when given. Rows of repeated token ids are summed by a stable sort and a
+    segmented sum (`add.reduceat`): no atomics, so the result does not depend on thread timing.
     """
     idx, wte_shape, wpe_shape = cache
     xp = xp_of(dx)
     T, C = dx.shape[1], dx.shape[2]
     dwte = xp.zeros(wte_shape, dx.dtype) if dwte_out is None else dwte_out
     dwpe = xp.zeros(wpe_shape, dx.dtype) if dwpe_out is None else dwpe_out
-    xp.add.at(dwte, idx.reshape(-1), dx.reshape(-1, C))
+    ids = idx.reshape(-1)
+    if ids.size:
+        order = xp.argsort(ids, kind="stable")
+        sorted_ids = ids[order]
+        starts = xp.flatnonzero(sorted_ids[1:] != sorted_ids[:-1]) + 1
+        starts = xp.concatenate([xp.zeros(1, dtype=starts.dtype), starts])
+        dwte[sorted_ids[starts]] += xp.add.reduceat(dx.reshape(-1, C)[order], starts, axis=0)
     dwpe[:T] += dx.sum(axis=0)
     return dwte, dwpe
 
@@ -219,7 +225,7 @@ def attention_forward(x, w_qkv, b_qkv, w_proj, b_proj, n_head):
     hs = C // n_head
     qkv, qkv_cache = linear_forward(x, w_qkv, b_qkv)  # (B, T, 3C)
     q, k, v = _heads(qkv, n_head)  # (B, H, T, hs) each, views
-    q = q * (1.0 / math.sqrt(hs))  # scaled copy, contiguous
+    q = q * (1.0 / math.sqrt(hs))  # scaled copy (the cache keeps it for dk)
     att = q @ k.swapaxes(-1, -2)  # (B, H, T, T)
     att += _causal_bias(xp, T, att.dtype)
     _softmax_inplace(att)

@@ -66,12 +66,12 @@ class AdamW:
         t = self.step_count
         p, m, v, tmp = self.params, self.m, self.v, self._tmp
 
-        m *= b1  # m = b1 m + (1 - b1) g
-        xp.multiply(grad, 1.0 - b1, out=tmp)
-        m += tmp
-        v *= b2  # v = b2 v + (1 - b2) g^2
-        xp.multiply(grad, grad, out=tmp)
-        tmp *= 1.0 - b2
+        m -= grad  # m = b1 m + (1 - b1) g  =  b1 (m - g) + g, without a temporary
+        m *= b1
+        m += grad
+        xp.multiply(grad, grad, out=tmp)  # v = b2 v + (1 - b2) g^2  =  b2 (v - g^2) + g^2
+        v -= tmp
+        v *= b2
         v += tmp
 
         if self.weight_decay and lr:
@@ -82,13 +82,13 @@ class AdamW:
                 tmp *= lr * self.weight_decay
                 p -= tmp
 
-        bias1 = 1.0 - b1 ** t
-        bias2 = 1.0 - b2 ** t
-        xp.sqrt(v, out=tmp)  # denom = sqrt(v) / sqrt(bias2) + eps
-        tmp *= 1.0 / math.sqrt(bias2)
-        tmp += self.eps
+        # lr/bias1 * m / (sqrt(v)/sqrt(bias2) + eps) = c * m / (sqrt(v) + eps * sqrt(bias2)),
+        # c = lr * sqrt(bias2) / bias1
+        sqrt_bias2 = math.sqrt(1.0 - b2 ** t)
+        xp.sqrt(v, out=tmp)
+        tmp += self.eps * sqrt_bias2
         xp.divide(m, tmp, out=tmp)
-        tmp *= lr / bias1
+        tmp *= lr * sqrt_bias2 / (1.0 - b1 ** t)
         p -= tmp
 
     def state_dict(self):

@@ -175,6 +175,7 @@ def test_float32_model_is_a_cast_of_float64_and_agrees(rng):
     l32, c32 = m32.forward(idx, targets)
     l64, c64 = m64.forward(idx, targets)
     assert l32 == pytest.approx(l64, rel=1e-6)
+    assert m32.logits(idx).dtype == np.float32
     np.testing.assert_allclose(m32.logits(idx), m64.logits(idx), rtol=1e-4, atol=1e-5)
     m32.backward(c32)
     m64.backward(c64)
