@@ -42,7 +42,7 @@ def parse_args(argv=None):
                    help="gradient-accumulation micro-batches per step on each rank")
     p.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
     p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: world size)")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up (default steps/20)")
     p.add_argument("--weight-decay", type=float, default=0.1)
