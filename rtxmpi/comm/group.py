@@ -24,6 +24,13 @@ _OP_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast":
              "all_to_all": 5, "barrier": 6, "split": 7, "new_group": 8}
 _REDUCE_CODES = {name: i for i, name in enumerate(REDUCE_OPS, start=1)}
 _MAX_DIMS = 10
+# all_reduce fast path (numpy, contiguous, checking off, blocking): op -> {dtype: MPI op} for the
+# dtypes MPI reduces in place with no staging ("avg" on integers is refused by the general path)
+_DIRECT_REDUCE = {op: {dtype: mpi_op for dtype in SUPPORTED_DTYPES
+                       if dtype not in LOW_PRECISION and dtype.kind != "b"
+                       and not (op == "avg" and dtype.kind in "iu")}
+                  for op, mpi_op in REDUCE_OPS.items()}
+_NONE = {}
 _FP_LEN = 5 + _MAX_DIMS + 1  # seq, op, arg, dtype, ndim, dims..., overflow-hash
 
 
@@ -46,9 +53,10 @@ def _host_staged(method):
     """
 
     @functools.wraps(method)
-    def wrapper(self, x, *args, async_op=False, stream=None, **kwargs):
-        if self.backend.device_native or not is_device_array(x):
-            return method(self, x, *args, async_op=async_op, stream=stream, **kwargs)
+    def wrapper(self, x, *args, **kwargs):
+        if type(x) is np.ndarray or self.backend.device_native or not is_device_array(x):
+            return method(self, x, *args, **kwargs)  # fast path: no keyword re-packing
+        async_op, stream = kwargs.pop("async_op", False), kwargs.pop("stream", None)
         cp = xp_of(x)
         host = cp.asnumpy(x, stream=stream)
         result = method(self, host, *args, **kwargs)
@@ -62,7 +70,7 @@ def _host_staged(method):
         elif result is not None:  # send returns None
             result = cp.asarray(result)
         if async_op:
-            return CompletedWork(self, method.__name__, self._seq, result)
+            return CompletedWork(self, method.__name__.lstrip("_"), self._seq, result)
         return result
 
     return wrapper
@@ -177,22 +185,22 @@ class ProcessGroup:
     @staticmethod
     def _reduce_buffer(x):
         """(contiguous 1-D buffer MPI can reduce, write-back callable or None, MPI op table)."""
-        if x.dtype in LOW_PRECISION:
+        dtype = x.dtype
+        if dtype in LOW_PRECISION:
             buf = x.astype(np.float32).reshape(-1)
             return buf, lambda: x.__setitem__(..., buf.reshape(x.shape)), REDUCE_OPS
         contiguous = x if x.flags.c_contiguous else np.ascontiguousarray(x)
-        buf = contiguous.reshape(-1)
-        if x.dtype == np.bool_:
-            buf = buf.view(np.uint8)
+        buf = contiguous if contiguous.ndim == 1 else contiguous.reshape(-1)
         writeback = None if contiguous is x else (lambda: x.__setitem__(..., contiguous))
-        return buf, writeback, BOOL_OPS if x.dtype == np.bool_ else REDUCE_OPS
+        if dtype.kind == "b":  # bool travels as uint8 0/1
+            return buf.view(np.uint8), writeback, BOOL_OPS
+        return buf, writeback, REDUCE_OPS
 
     @staticmethod
     def _result_cast(result, dtype):
         return result if result.dtype == dtype else result.astype(dtype)
 
     # -- collectives ----------------------------------------------------------------------------
-    @_host_staged
     def all_reduce(self, x, op="sum", *, async_op=False, stream=None):
         """Reduce `x` over the group, in place, and return it.
 
@@ -203,6 +211,22 @@ class ProcessGroup:
         current). Collective: every rank of the group must call, in the same order.
         Raises CollectiveMismatch (checking mode), CollectiveTimeout, TypeError (dtype/op).
         """
+        if type(x) is np.ndarray and type(op) is str and not (async_op or self.check):
+            mpi_op = _DIRECT_REDUCE.get(op, _NONE).get(x.dtype)
+            if mpi_op is not None and x.flags.carray:  # C-contiguous, aligned, writeable
+                # Fast path (the common case), same steps as the general path below: Python
+                # costs per call are paid again, cold, after every large transfer.
+                self._seq += 1
+                self.backend.all_reduce_now(x if x.ndim == 1 else x.reshape(-1), mpi_op,
+                                            self._seq, self.timeout_s)
+                if op == "avg":
+                    np.divide(x, self.world_size, out=x)
+                return x
+        return self._all_reduce(x, op, async_op=async_op, stream=stream)
+
+    @_host_staged
+    def _all_reduce(self, x, op, *, async_op=False, stream=None):
+        """all_reduce for every case: any layout, dtype and array module, async, checking mode."""
         self._check_array(x, "all_reduce", writable=True)
         self._check_reduce_op(x, "all_reduce", op)
         seq, arrived = self._begin("all_reduce", x, _REDUCE_CODES[op])

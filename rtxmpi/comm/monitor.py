@@ -52,7 +52,9 @@ class Monitor:
         self.state = None  # (group, seq, op) of the wait this rank is in, or None
         self._pending_sends = []
         self._replies = {}
-        self._blocking = None  # (group, seq, op, deadline) of a blocking transfer, for the watchdog
+        # (group, seq, op, deadline) of the blocking transfer in progress, else None; set by
+        # blocking() or directly by a backend around its MPI call; read by the watchdog
+        self.blocking_entry = None
         self._watchdog = None
 
     # -- waiting --------------------------------------------------------------------------
@@ -145,7 +147,7 @@ class Monitor:
     def _watch(self, period_s):
         while True:
             time.sleep(period_s)
-            current = self._blocking
+            current = self.blocking_entry
             if current is not None and time.monotonic() > current[3] + period_s:
                 group, seq, op, _ = current
                 print(f"[rtxmpi rank {self.rank}] CollectiveTimeout: {op} #{seq} on group '{group}' "
@@ -162,10 +164,10 @@ class _Blocking:
         self.monitor, self.entry = monitor, entry
 
     def __enter__(self):
-        self.monitor._blocking = self.entry
+        self.monitor.blocking_entry = self.entry
 
     def __exit__(self, *exc):
-        self.monitor._blocking = None
+        self.monitor.blocking_entry = None
         return False
 
 
