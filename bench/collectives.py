@@ -1,0 +1,417 @@
+"""Collective bandwidth and latency: rtxmpi against raw mpi4py (and PyTorch gloo) in the same run.
+
+    mpiexec -n N python bench/collectives.py [--sizes 8,4K:256M] [--ops all_reduce,reduce_scatter,
+        all_gather,broadcast] [--iters auto|K] [--json out.json] [--dtype float32] [--check]
+
+Every rank must run it (it is one MPI job). For each message size and operation it times
+rtxmpi's ProcessGroup collective and the raw mpi4py buffer call it wraps (`Allreduce(IN_PLACE)`,
+`Reduce_scatter_block`, `Allgather`, `Bcast`) and, when `import torch` works, torch.distributed
+with the gloo backend. The implementations are interleaved repetition by repetition (the one that
+goes first rotates) so machine noise hits all of them alike; buffers are allocated and touched once
+and reused (fresh memory pages cost more than the transfer here); every timed call is preceded by an
+MPI barrier. A repetition's time is the slowest rank's; the tables show the median (and minimum)
+over repetitions.
+
+Sizes are the nccl-tests "size": the all_reduce / broadcast buffer, the reduce_scatter input and
+the all_gather output (per-rank shards are size / N). algbw = size / time; busbw = algbw * factor
+with factor 2(N-1)/N for all_reduce, (N-1)/N for reduce_scatter and all_gather, 1 for broadcast.
+rtxmpi/raw is the ratio of busbw (higher is better; 1.0 = no cost). rtxmpi's reduce_scatter and
+all_gather return new arrays, so their time includes that allocation; the raw calls write into
+preallocated outputs.
+
+Rank 0 prints markdown tables, the per-call overhead at 8 bytes and the command that reproduces the
+run on stdout; progress goes to stderr. --json writes every number and the machine facts.
+"""
+import argparse
+import os
+import socket
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import rtxmpi
+from _common import (format_bytes, fmt, launch_command, machine_info, machine_line,
+                     markdown_table, parse_sizes, progress, summarize_s, write_json)
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+DTYPES = ("float32", "float64", "int32", "int64")  # dtypes MPI reduces natively (fair comparison)
+DEFAULT_SIZES = "8,4K:256M"
+CELL_BUDGET_S = 1.0  # --iters auto: timed seconds per (size, op), all implementations together
+MIN_ITERS, MAX_ITERS = 5, 2000
+WARMUP_BUDGET_S = 0.05  # warm-up rounds continue until this long has passed (or 20 rounds)
+TARGET_RATIO, TARGET_RATIO_FROM_BYTES, TARGET_OVERHEAD_US = 0.95, 1 << 20, 10.0
+
+
+def busbw_factor(op, n):
+    return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
+            "all_gather": (n - 1) / n, "broadcast": 1.0}[op]
+
+
+def element_count(op, size_bytes, itemsize, n):
+    """Elements of the op's "size" buffer; sharded ops round to a multiple of n (at least n)."""
+    count = max(1, size_bytes // itemsize)
+    if op in ("reduce_scatter", "all_gather"):
+        count = max(n, count - count % n)
+    return count
+
+
+# -- the implementations under test ---------------------------------------------------------------
+class Buffers:
+    """Allocated and touched once, sized for the largest message; each cell uses prefix views.
+
+    big: all_reduce / broadcast buffer and the all_gather output; src: reduce_scatter input and
+    all_gather input; shard: reduce_scatter output of the raw call.
+    """
+
+    def __init__(self, max_count, dtype, n):
+        self.big = np.empty(max_count, dtype)
+        self.src = np.empty(max_count, dtype)
+        self.shard = np.empty(max(1, max_count // n), dtype)
+        for a in (self.big, self.src, self.shard):
+            a.fill(0)  # touch every page now, not inside a timed call
+        self.nbytes = self.big.nbytes + self.src.nbytes + self.shard.nbytes
+
+    def views(self, op, count, n):
+        """(inp, out) of the op: in-place ops return the same view twice."""
+        if op in ("all_reduce", "broadcast"):
+            return self.big[:count], self.big[:count]
+        if op == "reduce_scatter":
+            return self.src[:count], self.shard[:count // n]
+        return self.src[:count // n], self.big[:count]  # all_gather
+
+
+def rtxmpi_calls(g):
+    def make(op, inp, out):
+        if op == "all_reduce":
+            return lambda: g.all_reduce(inp)
+        if op == "reduce_scatter":
+            return lambda: g.reduce_scatter(inp)
+        if op == "all_gather":
+            return lambda: g.all_gather(inp)
+        return lambda: g.broadcast(inp, 0)
+
+    def result(op, inp, out, returned):
+        return returned
+
+    return make, result
+
+
+def raw_calls(comm):
+    def make(op, inp, out):
+        if op == "all_reduce":
+            return lambda: comm.Allreduce(MPI.IN_PLACE, inp, MPI.SUM)
+        if op == "reduce_scatter":
+            return lambda: comm.Reduce_scatter_block(inp, out, MPI.SUM)
+        if op == "all_gather":
+            return lambda: comm.Allgather(inp, out)
+        return lambda: comm.Bcast(inp, root=0)
+
+    def result(op, inp, out, returned):
+        return out
+
+    return make, result
+
+
+def gloo_calls(dist, torch):
+    def make(op, inp, out):
+        t_in, t_out = torch.from_numpy(inp), torch.from_numpy(out)
+        if op == "all_reduce":
+            return lambda: dist.all_reduce(t_in)
+        if op == "reduce_scatter":
+            return lambda: dist.reduce_scatter_tensor(t_out, t_in)
+        if op == "all_gather":
+            return lambda: dist.all_gather_into_tensor(t_out, t_in)
+        return lambda: dist.broadcast(t_in, 0)
+
+    def result(op, inp, out, returned):
+        return out
+
+    return make, result
+
+
+def start_gloo(comm, enabled):
+    """(torch, torch.distributed, note): gloo process group over the MPI ranks, or (None, None, why).
+
+    Decided collectively: gloo is used only when every rank can import torch.
+    """
+    torch = dist = None
+    why = "disabled with --no-gloo"
+    if enabled:
+        try:
+            import torch
+            import torch.distributed as dist
+            why = None
+        except ImportError as e:
+            why = f"torch is not importable ({e}); install torch in this environment to compare"
+    if not comm.allreduce(why is None, op=MPI.LAND):
+        return None, None, why or "torch is not importable on every rank"
+    port = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(comm.bcast(port, root=0))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())
+    return torch, dist, None
+
+
+# -- correctness (once per op and implementation, before timing) ---------------------------------------
+def expected_result(op, count, n, rank, dtype):
+    base = np.arange(count, dtype=np.int64) % 1000
+    if op == "all_reduce":
+        return (n * base + n * (n - 1) // 2).astype(dtype)
+    if op == "reduce_scatter":
+        shard = count // n
+        return (n * base + n * (n - 1) // 2)[rank * shard:(rank + 1) * shard].astype(dtype)
+    if op == "all_gather":
+        shard = count // n
+        return np.concatenate([(base[:shard] + r) for r in range(n)]).astype(dtype)
+    return base.astype(dtype)  # broadcast from rank 0
+
+
+def check_correct(name, make, result, op, buffers, comm, dtype):
+    """Run one call on known data; raise SystemExit on every rank if any rank got a wrong answer."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    count = element_count(op, 4096, 1, n)
+    inp, out = buffers.views(op, count, n)
+    inp[...] = np.arange(inp.size) % 1000 + rank
+    if op == "broadcast" and rank != 0:
+        inp[...] = -1  # overwritten by rank 0's data
+    got = result(op, inp, out, make(op, inp, out)())
+    ok = bool(np.array_equal(got, expected_result(op, count, n, rank, dtype)))
+    for a in (buffers.big, buffers.src, buffers.shard):
+        a[:count].fill(0)
+    if not comm.allreduce(ok, op=MPI.LAND):
+        if rank == 0:
+            progress(f"[collectives] {name} {op} returned a wrong result; not benchmarking it")
+        raise SystemExit(2)
+
+
+# -- timing --------------------------------------------------------------------------------------------
+def timed_rounds(calls, rounds, first_round, comm):
+    """(len(calls), rounds) seconds, each the max over ranks; call order rotates round by round."""
+    k = len(calls)
+    times = np.zeros((k, rounds))
+    barrier = comm.Barrier
+    clock = time.perf_counter
+    for i in range(rounds):
+        for j in range(k):
+            impl = (first_round + i + j) % k
+            call = calls[impl]
+            barrier()
+            t0 = clock()
+            call()
+            times[impl, i] = clock() - t0
+    comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
+    return times
+
+
+def measure_cell(calls, iters, comm):
+    """Warm up, choose the iteration count (agreed by all ranks), time. Returns (iters, times)."""
+    warm, spent = 0, 0.0
+    while warm < 20 and (warm < 2 or spent < WARMUP_BUDGET_S):
+        round_s = timed_rounds(calls, 1, warm, comm).sum()  # identical on every rank (max-reduced)
+        spent += round_s
+        warm += 1
+        if round_s > 0.1:
+            break  # large messages: one warm-up round is enough
+    if iters is None:
+        per_round = spent / warm
+        iters = int(min(MAX_ITERS, max(MIN_ITERS, CELL_BUDGET_S / max(per_round, 1e-9))))
+    return iters, timed_rounds(calls, iters, 0, comm)
+
+
+# -- reporting -----------------------------------------------------------------------------------------
+def cell_result(op, size_bytes, n, iters, names, times):
+    factor = busbw_factor(op, n)
+    impls = {}
+    for name, t in zip(names, times):
+        stats = summarize_s(list(t))
+        algbw = size_bytes / (stats["median_us"] * 1e-6) / 1e9
+        stats.update(algbw_gbps=algbw, busbw_gbps=algbw * factor,
+                     times_us=[round(x * 1e6, 3) for x in t])
+        impls[name] = stats
+    ratio = impls["raw"]["median_us"] / impls["rtxmpi"]["median_us"]
+    return {"op": op, "size_bytes": size_bytes, "iters": iters, "busbw_factor": factor,
+            "impls": impls, "busbw_ratio_rtxmpi_raw": ratio}
+
+
+def op_table(cells, has_gloo):
+    header = ["size", "iters", "rtxmpi us", "raw us", "rtxmpi min us", "raw min us",
+              "rtxmpi algbw", "raw algbw", "rtxmpi busbw", "raw busbw", "rtxmpi/raw"]
+    if has_gloo:
+        header += ["gloo us", "gloo busbw", "rtxmpi/gloo"]
+    rows = []
+    for c in cells:
+        r, w = c["impls"]["rtxmpi"], c["impls"]["raw"]
+        row = [format_bytes(c["size_bytes"]), c["iters"], fmt(r["median_us"], 1),
+               fmt(w["median_us"], 1), fmt(r["min_us"], 1), fmt(w["min_us"], 1),
+               fmt(r["algbw_gbps"], 3), fmt(w["algbw_gbps"], 3), fmt(r["busbw_gbps"], 3),
+               fmt(w["busbw_gbps"], 3), fmt(c["busbw_ratio_rtxmpi_raw"], 3)]
+        if has_gloo:
+            gl = c["impls"].get("gloo")
+            row += ([fmt(gl["median_us"], 1), fmt(gl["busbw_gbps"], 3),
+                     fmt(gl["median_us"] / r["median_us"], 2)] if gl else ["n/a"] * 3)
+        rows.append(row)
+    return markdown_table(header, rows)
+
+
+def summary(cells, ops):
+    """Overhead at each op's smallest size (8 B by default) and the two targets, measured."""
+    lines, verdicts, overhead = [], {}, {}
+    for op in ops:
+        c = min((c for c in cells if c["op"] == op), key=lambda c: c["size_bytes"], default=None)
+        if c is None:
+            continue
+        r, w = c["impls"]["rtxmpi"], c["impls"]["raw"]
+        overhead[op] = {"size_bytes": c["size_bytes"], "median_us": r["median_us"] - w["median_us"],
+                        "min_us": r["min_us"] - w["min_us"]}
+    if overhead:
+        lines.append("Per-call overhead at the smallest size (rtxmpi minus raw, median; min in "
+                     "parentheses): " + ", ".join(
+                         f"{op} at {format_bytes(o['size_bytes'])} {o['median_us']:+.1f} us "
+                         f"({o['min_us']:+.1f})" for op, o in overhead.items()))
+    ar = [c for c in cells if c["op"] == "all_reduce"]
+    big = [c for c in ar if c["size_bytes"] >= TARGET_RATIO_FROM_BYTES]
+    if big:
+        worst = min(big, key=lambda c: c["busbw_ratio_rtxmpi_raw"])
+        ok = worst["busbw_ratio_rtxmpi_raw"] >= TARGET_RATIO
+        verdicts["all_reduce_busbw_ratio"] = {
+            "target": TARGET_RATIO, "from_bytes": TARGET_RATIO_FROM_BYTES, "met": ok,
+            "worst": worst["busbw_ratio_rtxmpi_raw"], "worst_size_bytes": worst["size_bytes"],
+            "by_size": {c["size_bytes"]: c["busbw_ratio_rtxmpi_raw"] for c in big}}
+        lines.append(f"Target all_reduce busbw >= {TARGET_RATIO}x raw at >= "
+                     f"{format_bytes(TARGET_RATIO_FROM_BYTES)}: "
+                     + ", ".join(f"{format_bytes(c['size_bytes'])} {c['busbw_ratio_rtxmpi_raw']:.3f}"
+                                 for c in big)
+                     + f" -> {'met' if ok else 'MISSED'} (worst {worst['busbw_ratio_rtxmpi_raw']:.3f})")
+    if "all_reduce" in overhead and overhead["all_reduce"]["size_bytes"] <= 8:
+        o, o_min = overhead["all_reduce"]["median_us"], overhead["all_reduce"]["min_us"]
+        verdicts["all_reduce_overhead_8b"] = {"target_us": TARGET_OVERHEAD_US, "measured_us": o,
+                                              "measured_min_us": o_min,
+                                              "met": o <= TARGET_OVERHEAD_US}
+        lines.append(f"Target all_reduce overhead <= {TARGET_OVERHEAD_US:g} us at 8 B: "
+                     f"{o:.1f} us median ({o_min:.1f} min) -> "
+                     f"{'met' if o <= TARGET_OVERHEAD_US else 'MISSED'}")
+    return lines, overhead, verdicts
+
+
+# -- main ----------------------------------------------------------------------------------------------
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default=DEFAULT_SIZES,
+                   help="bytes: 'A:B' = A, 4A, 16A, ... <= B, and/or a comma list "
+                        f"(default {DEFAULT_SIZES})")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {', '.join(OPS)}")
+    p.add_argument("--iters", default="auto",
+                   help="timed repetitions per size and op, or 'auto' (about "
+                        f"{CELL_BUDGET_S} s each, {MIN_ITERS}..{MAX_ITERS})")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--json", metavar="FILE", help="write all numbers and the machine facts here")
+    p.add_argument("--check", action="store_true", help="rtxmpi checking mode (fingerprints)")
+    p.add_argument("--no-gloo", action="store_true", help="skip torch gloo even if importable")
+    args = p.parse_args(argv)
+    args.sizes = parse_sizes(args.sizes)
+    args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    bad = [op for op in args.ops if op not in OPS]
+    if bad or not args.ops:
+        p.error(f"--ops: unknown {bad}; choose from {', '.join(OPS)}")
+    if args.iters == "auto":
+        args.iters = None
+    else:
+        try:
+            args.iters = int(args.iters)
+        except ValueError:
+            p.error(f"--iters must be 'auto' or a positive integer, got {args.iters!r}")
+        if args.iters < 1:
+            p.error("--iters must be >= 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    g = rtxmpi.init(backend="mpi", timeout_s=600, check=args.check)
+    comm = MPI.COMM_WORLD
+    n, rank = comm.Get_size(), comm.Get_rank()
+    dtype = np.dtype(args.dtype)
+    started = time.perf_counter()
+    say = progress if rank == 0 else (lambda message: None)
+
+    torch, dist, gloo_note = start_gloo(comm, not args.no_gloo)
+    info = machine_info({"torch": torch.__version__} if torch is not None else None)
+    impls = {"rtxmpi": rtxmpi_calls(g), "raw": raw_calls(comm)}
+    if dist is not None:
+        impls["gloo"] = gloo_calls(dist, torch)
+
+    max_count = max(element_count(op, s, dtype.itemsize, n) for op in args.ops for s in args.sizes)
+    buffers = Buffers(max(max_count, element_count("all_gather", 4096, 1, n)), dtype, n)
+    unsupported = {}
+    for op in args.ops:
+        for name, (make, result) in list(impls.items()):
+            try:
+                check_correct(name, make, result, op, buffers, comm, dtype)
+            except (RuntimeError, ValueError, NotImplementedError) as e:
+                if name != "gloo":
+                    raise
+                unsupported[op] = f"gloo: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    say(f"[collectives] n={n} dtype={dtype} sizes={len(args.sizes)} ops={','.join(args.ops)} "
+        f"impls={','.join(impls)}; results checked; buffers {format_bytes(buffers.nbytes)} per rank")
+
+    cells = []
+    for size in args.sizes:
+        t_size = time.perf_counter()
+        for op in args.ops:
+            count = element_count(op, size, dtype.itemsize, n)
+            inp, out = buffers.views(op, count, n)
+            names = [name for name in impls if not (name == "gloo" and op in unsupported)]
+            calls = [impls[name][0](op, inp, out) for name in names]
+            iters, times = measure_cell(calls, args.iters, comm)
+            cells.append(cell_result(op, count * dtype.itemsize, n, iters, names, times))
+        say(f"[collectives] {format_bytes(size):>8} done in {time.perf_counter() - t_size:6.2f} s "
+            f"(elapsed {time.perf_counter() - started:6.1f} s)")
+
+    if dist is not None:
+        dist.destroy_process_group()
+    if rank != 0:
+        return 0
+
+    command = launch_command(n)
+    lines = [f"### Collectives, n={n}, {dtype}, rtxmpi check={'on' if args.check else 'off'}", "",
+             f"Command: `{command}`", "", f"Machine: {machine_line(info)}", ""]
+    if gloo_note:
+        lines += [f"PyTorch gloo column skipped: {gloo_note}.", ""]
+    for op, why in unsupported.items():
+        lines += [f"{op}: gloo column skipped ({why}).", ""]
+    if {"reduce_scatter", "all_gather"} & set(args.ops):
+        lines += ["rtxmpi's reduce_scatter and all_gather return new arrays: their times include "
+                  "that allocation; the raw (and gloo) calls write into preallocated outputs.", ""]
+    for op in args.ops:
+        lines += [f"#### {op} (busbw factor {busbw_factor(op, n):.3g}; times in us, "
+                  "bandwidths in GB/s)", "",
+                  op_table([c for c in cells if c["op"] == op], "gloo" in impls), ""]
+    summary_lines, overhead, verdicts = summary(cells, args.ops)
+    lines += [f"- {line}" for line in summary_lines]
+    lines += ["", f"Total run time {time.perf_counter() - started:.1f} s."]
+    print("\n".join(lines), flush=True)
+    if args.json:
+        write_json(args.json, {
+            "benchmark": "collectives", "command": command, "machine": info,
+            "config": {"world_size": n, "dtype": str(dtype), "sizes_bytes": args.sizes,
+                       "ops": args.ops, "iters": args.iters or "auto", "check": args.check,
+                       "implementations": list(impls), "gloo_note": gloo_note,
+                       "gloo_unsupported": unsupported,
+                       "timing": "per repetition: max over ranks of one call after a barrier; "
+                                 "median/min over repetitions; implementations interleaved"},
+            "results": cells, "overhead_us": overhead, "targets": verdicts,
+            "wall_s": time.perf_counter() - started})
+        progress(f"[collectives] wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
