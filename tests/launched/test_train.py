@@ -1,34 +1,27 @@
 """The main job, examples/train.py, launched as users launch it: under its own mpiexec."""
 import json
-import os
-import subprocess
 import sys
-import time
 
 import pytest
+from conftest import REPO, launch_env, mpiexec_argv, run_command
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRAIN = os.path.join(ROOT, "examples", "train.py")
+EXAMPLES = REPO / "examples"
 
 
-def mpiexec(n, args, timeout_s, tmp_path):
-    """Run `mpiexec -n n python examples/train.py args` with a hard outer timeout."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", RTXMPI_CACHE_DIR=str(tmp_path / "cache"))
-    cmd = ["mpiexec", "--oversubscribe", "--mca", "mpi_yield_when_idle", "1", "--bind-to", "none",
-           "-n", str(n), sys.executable, TRAIN, *args]
-    start = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    return proc, time.monotonic() - start
+def mpiexec(n, script, args, timeout_s, tmp_path):
+    """Run `mpiexec -n n python examples/<script> args` under a hard outer timeout."""
+    env = launch_env(RTXMPI_CACHE_DIR=tmp_path / "cache")
+    return run_command(mpiexec_argv(n) + [sys.executable, EXAMPLES / script, *args],
+                       outer_timeout_s=timeout_s, env=env)
 
 
 @pytest.mark.slow
 def test_train_30_steps_at_2_ranks_lowers_the_loss(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    proc, _ = mpiexec(2, ["--model", "tiny", "--steps", "30", "--global-batch", "16",
+    proc = mpiexec(2, "train.py", ["--model", "tiny", "--steps", "30", "--global-batch", "16",
                           "--seq-len", "64", "--eval-every", "15", "--metrics-jsonl", str(metrics),
                           "--no-progress", "--sample-tokens", "40"], 240, tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 0, str(proc)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 31))
     for r in records:
@@ -48,25 +41,21 @@ def test_train_30_steps_at_2_ranks_lowers_the_loss(tmp_path):
     (["--model", "huge"], "invalid choice: 'huge'"),
 ])
 def test_bad_flags_exit_nonzero_fast_with_one_line_error(tmp_path, args, message):
-    proc, elapsed = mpiexec(4, ["--steps", "5", "--no-progress", *args], 120, tmp_path)
-    assert proc.returncode != 0
+    proc = mpiexec(4, "train.py", ["--steps", "5", "--no-progress", *args], 120, tmp_path)
+    assert proc.returncode != 0 and not proc.outer_timeout, str(proc)
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert elapsed < 60
+    assert proc.elapsed_s < 60
 
 
 def test_readme_loops_run_and_differ_in_at_most_10_lines(tmp_path):
-    single = open(os.path.join(ROOT, "examples", "loop_single.py")).read().splitlines()
-    dp = open(os.path.join(ROOT, "examples", "loop_dp.py")).read().splitlines()
+    single = (EXAMPLES / "loop_single.py").read_text().splitlines()
+    dp = (EXAMPLES / "loop_dp.py").read_text().splitlines()
     assert len([line for line in dp if line not in single]) <= 10
-    env = dict(os.environ, OMP_NUM_THREADS="1", RTXMPI_CACHE_DIR=str(tmp_path / "cache"))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "loop_single.py")],
-                          env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    proc = run_command([sys.executable, EXAMPLES / "loop_single.py"], outer_timeout_s=120,
+                       env=launch_env(RTXMPI_CACHE_DIR=tmp_path / "cache"))
+    assert proc.returncode == 0, str(proc)
     assert "step 20 loss" in proc.stdout
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    proc = subprocess.run(["mpiexec", "--oversubscribe", "-n", "2", sys.executable,
-                           os.path.join(ROOT, "examples", "loop_dp.py")],
-                          env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    proc = mpiexec(2, "loop_dp.py", [], 120, tmp_path)
+    assert proc.returncode == 0, str(proc)
     assert proc.stdout.count("step 20 loss") == 1  # rank 0 prints
