@@ -92,6 +92,25 @@ def test_all_reduce_matches_numpy_in_place(world, assert_same_on_every_rank, op,
     assert_exact(out, expected)
 
 
+@pytest.fixture(scope="module")
+def unchecked(world):
+    """A copy of the world group with checking off: blocking all_reduce takes its fast path."""
+    group = world.split(0)
+    group.check = False
+    return group
+
+
+@pytest.mark.parametrize("op,dtype", REDUCE_CASES)
+@pytest.mark.parametrize("shape", [(3, 7), (0,), ()])
+def test_all_reduce_unchecked_matches_numpy_in_place(unchecked, op, dtype, shape):
+    x = np.array(rank_values(unchecked.rank, shape, dtype, op))  # np.array: 0-d stays an array
+    expected = reduce_reference(
+        all_ranks(unchecked, lambda r: np.array(rank_values(r, shape, dtype, op))), op)
+    out = unchecked.all_reduce(x, op)
+    assert out is x
+    assert_exact(out, expected)
+
+
 @pytest.mark.parametrize("length", [1, 7, 1001])
 @pytest.mark.parametrize("op,dtype", [("sum", "float32"), ("max", "int64"), ("avg", "float16"),
                                       ("prod", "bfloat16"), ("sum", "bool")])
