@@ -24,7 +24,8 @@ import rtxmpi
 from rtxmpi.control import agree
 from rtxmpi.data import BatchSampler, decode, encode, eval_batches, load_corpus
 from rtxmpi.errors import ConfigError
-from rtxmpi.nn import GPT, MODEL_SIZES, AdamW, GPTConfig, clip_grad_norm, cosine_lr, decay_mask
+from rtxmpi.nn import (GPT, MODEL_SIZES, AdamW, GPTConfig, clip_grad_norm, cosine_lr, decay_mask,
+                       grad_norm_sq)
 from rtxmpi.parallel.data import DataParallel
 
 EXIT_CONFIG = 2
@@ -145,7 +146,9 @@ def train(args):
                     ddp.backward(cache, scale=1.0 / args.micro_batches)
             else:
                 ddp.backward(cache, scale=1.0 / args.micro_batches)
-        grad_norm = clip_grad_norm(model.flat_grad, args.grad_clip) if args.grad_clip > 0 else 0.0
+        grad_norm = math.sqrt(grad_norm_sq(model.flat_grad))  # identical on every rank
+        if args.grad_clip > 0:
+            clip_grad_norm(model.flat_grad, args.grad_clip, total_norm=grad_norm)
         lr = cosine_lr(step, args.lr, warmup, args.steps, min_lr)
         if agree(world, overflow=not math.isfinite(grad_norm)).overflow:
             ddp.zero_grad()  # every rank skips the step: a non-finite gradient somewhere
