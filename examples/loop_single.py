@@ -1,9 +1,9 @@
 from rtxmpi.data import BatchSampler, load_corpus
-from rtxmpi.nn import GPT, AdamW, GPTConfig
+from rtxmpi.nn import GPT, AdamW, GPTConfig, decay_mask
 
 corpus = load_corpus()                                   # the stdlib's source, as bytes
 model = GPT(GPTConfig.named("tiny", seq_len=64), seed=0)
-opt = AdamW(model.flat_data, lr=1e-3)
+opt = AdamW(model.flat_data, lr=1e-3, decay_mask=decay_mask(model.params))
 sampler = BatchSampler(corpus.train, 64, global_batch=16, seed=0)
 for step in range(1, 21):
     x, y = sampler.next_batch()

@@ -124,7 +124,7 @@ class Monitor:
             elif reply[0] != group or reply[1] != seq:
                 missing.append(m)
                 notes.append(f"rank {m}: waiting in {reply[2]} #{reply[1]} on group '{reply[0]}'")
-        text = (f"CollectiveTimeout: {op} #{seq} on group '{group}' did not complete within "
+        text = (f"{op} #{seq} on group '{group}' did not complete within "
                 f"{timeout_s:g} s; ranks that did not arrive: {missing}"
                 + (" (" + "; ".join(notes) + ")" if notes else ""))
         fields = dict(op=op, seq=seq, group=group, missing=missing, timeout_s=timeout_s)
