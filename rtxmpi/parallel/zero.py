@@ -1,0 +1,414 @@
+"""ZeRO: data parallelism with the optimizer state (stage 1) and gradients (stage 2) sharded.
+
+Source: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", SC 2020. Every rank keeps the full model for forward and backward; the optimizer (its
+state m, v and, with offload, the master parameters) exists only for this rank's *shard* of the
+flat parameter vector.
+
+Shard layout (the same for parameters, gradients and optimizer state): the flat vector of N
+elements is viewed as padded to W * S elements, S = ceil(N / W); rank r owns the contiguous range
+[min(r*S, N), min((r+1)*S, N)). A rank may own nothing (1 element over 4 ranks: 1, 0, 0, 0).
+
+Stage 1: backward is DataParallel's (bucketed, overlapped all_reduce of the averaged gradient);
+step runs the optimizer on this rank's slice of it, then all_gathers the updated parameters.
+
+Stage 2: gradients are reduce-scattered, so each rank receives only its shard (half the bytes of
+an all_reduce). The padded vector is a (W, S) matrix whose row r is rank r's shard; a gradient
+bucket is a range of *columns* [a, b) of that matrix, so its reduce_scatter lands row r in rank
+r's shard. Buckets are launched from the last columns to the first, asynchronously, as soon as
+backward has finished every parameter they touch (which, with backward running from the last
+parameter to the first, happens while the first 1/W of the model is still in backward).
+"""
+import math
+from contextlib import contextmanager
+
+import numpy as np
+
+from ..backend import xp_of
+from ..control import agree
+from ..errors import CheckpointError, ConfigError, RtxmpiError
+from ..nn import AdamW, clip_grad_norm, decay_mask, grad_norm_sq
+from .data import DEFAULT_BUCKET_BYTES, DataParallel
+
+STAGES = (1, 2)
+OFFLOADS = (None, "cpu")
+
+
+# -- shard layout ----------------------------------------------------------------------------
+def shard_size(numel, world_size):
+    """S = ceil(numel / world_size): the padded length of every rank's shard."""
+    if numel < 0 or world_size < 1:
+        raise ConfigError(f"shard layout needs numel >= 0 and world_size >= 1, got numel={numel}, "
+                          f"world_size={world_size}")
+    return -(-numel // world_size)
+
+
+def shard_range(numel, world_size, rank):
+    """[start, stop) of the elements rank `rank` owns: [min(r*S, N), min((r+1)*S, N)).
+
+    Ranks after the last full shard may own fewer elements, or none (stop == start).
+    Raises ConfigError for a rank outside [0, world_size).
+    """
+    size = shard_size(numel, world_size)
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} is outside [0, {world_size})")
+    return min(rank * size, numel), min((rank + 1) * size, numel)
+
+
+class ColumnBucket:
+    """Columns [col_start, col_stop) of the padded (W, S) gradient matrix, reduced together.
+
+    num_params: how many parameters touch these columns (in any row); pending counts down as
+    backward reports them final; work is the in-flight reduce_scatter.
+    """
+
+    __slots__ = ("index", "col_start", "col_stop", "num_params", "pending", "work", "send")
+
+    def __init__(self, index, col_start, col_stop):
+        self.index, self.col_start, self.col_stop = index, col_start, col_stop
+        self.num_params, self.pending, self.work, self.send = 0, 0, None, None
+
+
+def build_column_buckets(params, numel, world_size, bucket_bytes, itemsize):
+    """Stage-2 buckets: column ranges of the padded (W, S) gradient matrix, last columns first.
+
+    params: objects with `.offset` and `.size`, laying out [0, numel). A bucket of c columns
+    moves W * c elements, so c = max(1, bucket_bytes // (W * itemsize)).
+    Returns (buckets in launch order, buckets_of) where buckets_of[i] lists the indices of the
+    buckets parameter i touches.
+    """
+    size = shard_size(numel, world_size)
+    width = max(1, int(bucket_bytes) // (world_size * itemsize))
+    buckets = []
+    stop = size
+    while stop > 0:
+        start = max(0, stop - width)
+        buckets.append(ColumnBucket(len(buckets), start, stop))
+        stop = start
+    buckets_of = []
+    for p in params:
+        touched = set()
+        lo, hi = p.offset, p.offset + p.size
+        for row in range(lo // size, -(-hi // size)) if size and hi > lo else ():
+            a, b = max(lo - row * size, 0), min(hi - row * size, size)  # columns in this row
+            # bucket k covers [S - (k+1) w, S - k w) (clipped at 0)
+            touched.update(range((size - b) // width, (size - a - 1) // width + 1))
+        buckets_of.append(sorted(touched))
+        for k in touched:
+            buckets[k].num_params += 1
+    return buckets, buckets_of
+
+
+def optimizer_bytes(optimizer):
+    """Bytes of the arrays an optimizer holds besides the parameters it updates (m, v, masks,
+    scratch): its state, for memory accounting."""
+    params = getattr(optimizer, "params", None)
+    return sum(int(v.nbytes) for k, v in vars(optimizer).items()
+               if hasattr(v, "nbytes") and v is not params and k != "params")
+
+
+def _default_optimizer(params, decay_mask):
+    return AdamW(params, decay_mask=decay_mask)
+
+
+def _to_host(x):
+    return x if isinstance(x, np.ndarray) else x.get()
+
+
+# -- the wrapper -------------------------------------------------------------------------------
+class ZeroDataParallel:
+    """Wrap a model for ZeRO data-parallel training over `group` (stage 1 or 2).
+
+    model: as for DataParallel (`params` with `.offset`, `.size`, `.decay`; `flat_data`,
+    `flat_grad`; `forward`; `backward(cache, scale, grad_ready)`), e.g. rtxmpi.nn.GPT.
+    group: the data-parallel ProcessGroup. stage: 1 (optimizer state sharded) or 2 (gradients
+    reduce-scattered too). bucket_bytes: target bytes per gradient bucket (25 MiB).
+    optimizer: callable(params, decay_mask) -> optimizer over this rank's 1-D parameter shard
+    (default AdamW(params, decay_mask=decay_mask)); it must have `step(grad, lr=None)` and, for
+    shards()/load_shards(), AdamW's state_dict()/load_state_dict().
+    offload: None, or "cpu": master parameters, gradient shard copy and optimizer state in host
+    memory (numpy), in float32 or wider; on a numpy model that is the same memory, kept separate.
+    Parameters are broadcast from group rank 0 when wrapped.
+
+    Collective: every rank of `group` must construct it and call backward (outside no_sync),
+    step, grad_norm, load_shards and join the same number of times in the same order.
+    Raises ConfigError (stage, offload, bucket_bytes).
+    """
+
+    def __init__(self, model, group, stage=1, bucket_bytes=DEFAULT_BUCKET_BYTES,
+                 optimizer=_default_optimizer, offload=None):
+        if stage not in STAGES:
+            raise ConfigError(f"ZeRO stage must be one of {STAGES}, got {stage!r} (stage 3 is not "
+                              "implemented yet)")
+        if offload not in OFFLOADS:
+            raise ConfigError(f"offload must be one of {OFFLOADS}, got {offload!r}")
+        if not bucket_bytes > 0:
+            raise ConfigError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        self.model, self.group, self.stage, self.offload = model, group, stage, offload
+        self.bucket_bytes = int(bucket_bytes)
+        self.xp = xp_of(model.flat_data)
+        self.numel = int(model.flat_data.shape[0])
+        W = group.world_size
+        self.shard_size = shard_size(self.numel, W)
+        self.start, self.stop = shard_range(self.numel, W, group.rank)
+        if W > 1:
+            group.broadcast(model.flat_data, src=0)
+        self._sync = True
+        self._synced = False
+        self._ready_count = 0
+        if stage == 1:
+            self._dp = DataParallel(model, group, bucket_bytes=self.bucket_bytes,
+                                    broadcast_params=False)
+        else:
+            self.buckets, self._buckets_of = build_column_buckets(
+                model.params, self.numel, W, self.bucket_bytes, model.flat_grad.itemsize)
+            self._next_launch = 0
+            # the reduced gradient shard (padded to S); at W == 1 the gradient itself
+            self._grad_buf = (model.flat_grad if W == 1
+                              else self.xp.zeros(self.shard_size, model.flat_grad.dtype))
+        # what the optimizer updates: the parameter shard itself, or a host master copy
+        mask = decay_mask(model.params, xp=np if offload else self.xp,
+                          dtype=model.flat_data.dtype)[self.start:self.stop]
+        shard = model.flat_data[self.start:self.stop]
+        if offload == "cpu":
+            dtype = np.promote_types(model.flat_data.dtype, np.float32)
+            self._master = _to_host(shard).astype(dtype)  # a copy, always
+            self._host_grad = np.zeros_like(self._master)
+            self.optimizer = optimizer(self._master, mask.astype(dtype))
+        else:
+            self._master = shard
+            self._host_grad = None
+            self.optimizer = optimizer(shard, mask)
+        self._send = self.xp.zeros(self.shard_size, model.flat_data.dtype)
+
+    def __repr__(self):
+        return (f"<ZeroDataParallel stage={self.stage} offload={self.offload} "
+                f"shard=[{self.start}, {self.stop}) of {self.numel} on group '{self.group.name}'>")
+
+    # -- forward / backward -----------------------------------------------------------------
+    def forward(self, idx, targets=None):
+        """The wrapped model's forward: (loss, cache) for this rank's micro-batch."""
+        return self.model.forward(idx, targets)
+
+    @contextmanager
+    def no_sync(self):
+        """Inside, backward accumulates gradients locally without communicating (accumulation).
+
+        The next backward outside no_sync reduces the accumulated sum. Local: no collective.
+        """
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def backward(self, cache, scale=1.0):
+        """Backward of scale * loss; outside no_sync, also reduces gradients over the group.
+
+        After it returns (outside no_sync) `grad_shard()` holds the group average of every rank's
+        accumulated gradient for this rank's shard (stage 1: all of model.flat_grad is the
+        average; stage 2: model.flat_grad keeps the local sum, only the shard is reduced).
+        Collective outside no_sync.
+        """
+        if self.stage == 1:
+            if self._sync:
+                self._dp.backward(cache, scale=scale)
+            else:
+                with self._dp.no_sync():
+                    self._dp.backward(cache, scale=scale)
+        elif not self._sync or self.group.world_size == 1:
+            self.model.backward(cache, scale=scale)
+        else:
+            self._backward_reduce_scatter(cache, scale)
+        self._synced = self._synced or self._sync
+
+    def _backward_reduce_scatter(self, cache, scale):
+        for b in self.buckets:
+            b.pending, b.work = b.num_params, None
+        self._ready_count, self._next_launch = 0, 0
+        self.model.backward(cache, scale=scale, grad_ready=self._grad_ready)
+        if self._ready_count != len(self.model.params):
+            raise RtxmpiError(f"backward reported {self._ready_count} of {len(self.model.params)} "
+                              "parameter gradients; every parameter must report exactly once")
+        # what is left (at least the bucket holding parameter 0) is reduced blocking, in order
+        for b in self.buckets[self._next_launch:]:
+            self._store(b, self.group.reduce_scatter(self._packed(b), op="sum"))
+        for b in self.buckets[:self._next_launch]:
+            self._store(b, b.work.wait())
+            b.work = b.send = None
+        self._grad_buf *= self._grad_buf.dtype.type(1.0 / self.group.world_size)
+
+    def _grad_ready(self, i):
+        self._ready_count += 1
+        for k in self._buckets_of[i]:
+            self.buckets[k].pending -= 1
+        # launch strictly in bucket order (identical on every rank), never the final bucket
+        # early: the one completed last has nothing to overlap with
+        while (self._next_launch < len(self.buckets) - 1
+               and self.buckets[self._next_launch].pending == 0):
+            b = self.buckets[self._next_launch]
+            # the packed copy must outlive the transfer: the bucket holds it until wait()
+            b.send = self._packed(b)
+            b.work = self.group.reduce_scatter(b.send, op="sum", async_op=True)
+            self._next_launch += 1
+        for b in self.buckets[:self._next_launch]:  # let in-flight reductions progress
+            if b.work is not None:
+                b.work.test()
+
+    def _packed(self, bucket):
+        """Columns [a, b) of the padded (W, S) gradient matrix as a (W, b - a) array (a copy, or
+        the gradient itself when one bucket covers an unpadded vector)."""
+        W, S, N = self.group.world_size, self.shard_size, self.numel
+        a, b = bucket.col_start, bucket.col_stop
+        grad = self.model.flat_grad
+        full_rows = min(W, N // S)
+        if full_rows == W:
+            return self.xp.ascontiguousarray(grad.reshape(W, S)[:, a:b])
+        out = self.xp.zeros((W, b - a), grad.dtype)
+        out[:full_rows] = grad[:full_rows * S].reshape(full_rows, S)[:, a:b]
+        lo, hi = full_rows * S + a, min(full_rows * S + b, N)
+        if hi > lo:
+            out[full_rows, :hi - lo] = grad[lo:hi]
+        return out
+
+    def _store(self, bucket, reduced):
+        self._grad_buf[bucket.col_start:bucket.col_stop] = reduced.reshape(-1)
+
+    def grad_shard(self):
+        """This rank's reduced gradient, a 1-D view of length stop - start (after a
+        synchronized backward: the group average). Local."""
+        if self.stage == 1:
+            return self.model.flat_grad[self.start:self.stop]
+        if self.group.world_size == 1:
+            return self.model.flat_grad
+        return self._grad_buf[:self.stop - self.start]
+
+    # -- optimizer step ---------------------------------------------------------------------
+    def grad_norm(self):
+        """Global L2 norm of the reduced gradient: one all_reduce of the shards' squared norms
+        (float64). Collective."""
+        sq = np.array([grad_norm_sq(self.grad_shard())], np.float64)
+        if self.group.world_size > 1:
+            self.group.all_reduce(sq, op="sum")
+        return math.sqrt(sq[0])
+
+    def step(self, lr=None, max_grad_norm=None, total_norm=None):
+        """Clip (optional), step the sharded optimizer, all_gather the parameters, zero grads.
+
+        lr: this step's learning rate (None: the optimizer's). max_grad_norm: clip the global
+        gradient norm to it (as torch's clip_grad_norm_); total_norm: that norm if already
+        computed with grad_norm() (saves the all_reduce). Returns the global norm before clipping
+        when max_grad_norm is set, else None. Refuses (RtxmpiError) without a synchronized
+        backward since the last step. Collective.
+        """
+        if not self._synced:
+            raise RtxmpiError("step() without a synchronized backward since the last step: run "
+                              "the last micro-batch's backward outside no_sync()")
+        grad = self.grad_shard()
+        if self._host_grad is not None:
+            self._host_grad[...] = _to_host(grad)
+            grad = self._host_grad
+        norm = None
+        if max_grad_norm is not None:
+            norm = self.grad_norm() if total_norm is None else float(total_norm)
+            clip_grad_norm(grad, max_grad_norm, total_norm=norm)
+        self.optimizer.step(grad, lr=lr)
+        self._gather_params()
+        self.zero_grad()
+        return norm
+
+    def _gather_params(self):
+        """Every rank's updated shard into every rank's model.flat_data. Collective."""
+        n, flat = self.stop - self.start, self.model.flat_data
+        if self.offload:  # otherwise the optimizer updated the model's own shard in place
+            flat[self.start:self.stop] = self.xp.asarray(self._master, dtype=flat.dtype)
+        if self.group.world_size == 1:
+            return
+        self._send[:n] = flat[self.start:self.stop]
+        gathered = self.group.all_gather(self._send)
+        flat[...] = gathered[:self.numel]
+
+    def zero_grad(self):
+        """Drop the accumulated gradients without stepping (e.g. an agreed overflow skip). Local."""
+        self.model.zero_grad()
+        if self.stage == 2 and self.group.world_size > 1:
+            self._grad_buf.fill(0)
+        self._synced = False
+
+    # -- uneven data ---------------------------------------------------------------------------
+    def join(self, batches):
+        """Iterate `batches` while EVERY rank still has one; all ranks stop at the same step.
+
+        One 1-byte MAX all_reduce per iteration (see DataParallel.join). Collective.
+        """
+        iterator = iter(batches)
+        while True:
+            batch = next(iterator, None)
+            if agree(self.group, out_of_data=batch is None).out_of_data:
+                return
+            yield batch
+
+    # -- checkpoint shards ---------------------------------------------------------------------
+    def shards(self):
+        """What a checkpoint writer needs from this rank: name -> (local 1-D array,
+        global_offset, global_size).
+
+        "params" (the master parameters: the model's shard, or the offloaded copy), "adam.m",
+        "adam.v" (this rank's [start, stop) of N), "adam.step" (int64, global size 1, held by
+        rank 0 under the same layout). Arrays are the live buffers: copy to keep. Local.
+        """
+        state = self.optimizer.state_dict()
+        step_start, step_stop = shard_range(1, self.group.world_size, self.group.rank)
+        steps = np.full(step_stop - step_start, state["step"], np.int64)
+        return {"params": (self._master, self.start, self.numel),
+                "adam.m": (state["m"], self.start, self.numel),
+                "adam.v": (state["v"], self.start, self.numel),
+                "adam.step": (steps, step_start, 1)}
+
+    def load_shards(self, read):
+        """Load parameters and optimizer state written by shards() at any world size or stage.
+
+        read: callable read(name, offset, length) -> 1-D array of the elements [offset,
+        offset + length) of the global vector `name` (e.g. rtxmpi.checkpoint's reader). Reads only
+        this rank's slice, then all_gathers the parameters; drops any accumulated gradients.
+        Collective. Raises CheckpointError when read returns the wrong length.
+        """
+        n = self.stop - self.start
+
+        def fetch(name, offset, length):
+            values = read(name, offset, length)
+            if getattr(values, "shape", None) != (length,):
+                raise CheckpointError(f"read({name!r}, {offset}, {length}) returned shape "
+                                      f"{getattr(values, 'shape', type(values).__name__)}, "
+                                      f"expected ({length},)")
+            return values
+
+        self.optimizer.load_state_dict({"step": int(fetch("adam.step", 0, 1)[0]),
+                                        "m": fetch("adam.m", self.start, n),
+                                        "v": fetch("adam.v", self.start, n)})
+        params = fetch("params", self.start, n)
+        self._master[...] = _to_host(params) if self.offload else self.xp.asarray(params)
+        self._gather_params()
+        self.zero_grad()
+
+    # -- memory accounting ---------------------------------------------------------------------
+    def memory_bytes(self):
+        """Bytes this rank holds: {"params", "grads", "optimizer", "total"}.
+
+        params: the model's full flat_data plus the master copy when offloaded and the
+        all_gather send buffer; grads: the full flat_grad (backward writes into it) plus, stage 2,
+        the reduced shard, plus, offload, its host copy; optimizer: every state array of the
+        sharded optimizer (m, v, decay mask, scratch). Local.
+        """
+        model = self.model
+        params = model.flat_data.nbytes + self._send.nbytes
+        if self.offload:
+            params += self._master.nbytes
+        grads = model.flat_grad.nbytes
+        if self.stage == 2 and self.group.world_size > 1:
+            grads += self._grad_buf.nbytes
+        if self._host_grad is not None:
+            grads += self._host_grad.nbytes
+        optimizer = optimizer_bytes(self.optimizer)
+        return {"params": int(params), "grads": int(grads), "optimizer": int(optimizer),
+                "total": int(params + grads + optimizer)}

@@ -1,0 +1,324 @@
+"""ZeRO stages 1 and 2 against plain DataParallel on the same global batch, at any world size."""
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+
+from rtxmpi.data import BatchSampler
+from rtxmpi.errors import ConfigError, RtxmpiError
+from rtxmpi.nn import GPT, AdamW, GPTConfig, clip_grad_norm, decay_mask
+from rtxmpi.nn.params import layout
+from rtxmpi.parallel.data import DataParallel
+from rtxmpi.parallel.zero import ZeroDataParallel, optimizer_bytes, shard_range, shard_size
+
+GLOBAL_BATCH = 8  # divisible by 1, 2 and 4 ranks
+T = 16
+LR = 1e-2
+
+
+def tokens():
+    return np.random.default_rng(123).integers(0, 256, 4096).astype(np.uint8)
+
+
+def global_batch(step):
+    sampler = BatchSampler(tokens(), T, GLOBAL_BATCH, seed=7, start_sample=step * GLOBAL_BATCH)
+    return sampler.next_batch()
+
+
+def local_slice(world, x):
+    b = len(x) // world.world_size
+    return x[world.rank * b:(world.rank + 1) * b]
+
+
+def make_model(seed=0, dtype=np.float64):
+    return GPT(GPTConfig.named("tiny", seq_len=T), seed=seed, dtype=dtype)
+
+
+def small_buckets(model):
+    return model.flat_grad.nbytes // 5
+
+
+def adamw(params, mask):
+    return AdamW(params, lr=LR, decay_mask=mask)
+
+
+def train(world, wrapper, steps, first_step=0, max_grad_norm=None, accumulate=True, opt=None):
+    """`steps` optimizer steps, each of two half micro-batches (the first under no_sync).
+
+    wrapper: a ZeroDataParallel, or a DataParallel with its optimizer `opt`. Returns the norms.
+    """
+    norms = []
+    for step in range(first_step, first_step + steps):
+        x, y = global_batch(step)
+        half = GLOBAL_BATCH // 2
+        parts = [(x[:half], y[:half]), (x[half:], y[half:])] if accumulate else [(x, y)]
+        for i, (xb, yb) in enumerate(parts):
+            _, cache = wrapper.forward(local_slice(world, xb), local_slice(world, yb))
+            last = i == len(parts) - 1
+            with nullcontext() if last else wrapper.no_sync():
+                wrapper.backward(cache, scale=1.0 / len(parts))
+        if opt is None:
+            norms.append(wrapper.step(max_grad_norm=max_grad_norm))
+        else:
+            if max_grad_norm is not None:
+                norms.append(clip_grad_norm(wrapper.model.flat_grad, max_grad_norm))
+            wrapper.step(opt)
+    return norms
+
+
+def dp_run(world, steps, max_grad_norm=None):
+    model = make_model()
+    ddp = DataParallel(model, world, bucket_bytes=small_buckets(model))
+    opt = adamw(model.flat_data, decay_mask(model.params, dtype=model.dtype))
+    norms = train(world, ddp, steps, max_grad_norm=max_grad_norm, opt=opt)
+    return model, norms
+
+
+def gather_full(world, array, offset, global_size):
+    """The global vector from every rank's shard under the ZeRO layout. Collective."""
+    size = shard_size(global_size, world.world_size)
+    assert (offset, offset + len(array)) == shard_range(global_size, world.world_size, world.rank)
+    padded = np.zeros(size, array.dtype)
+    padded[:len(array)] = array
+    return world.all_gather(padded)[:global_size]
+
+
+def gather_shards(world, zdp):
+    return {name: gather_full(world, *entry) for name, entry in zdp.shards().items()}
+
+
+def sliced_reader(full, world_size):
+    """read(name, offset, length) over shards written at `world_size` (simulated with numpy)."""
+    pieces = {name: [(start, vector[start:stop]) for start, stop in
+                     (shard_range(len(vector), world_size, r) for r in range(world_size))]
+              for name, vector in full.items()}
+
+    def read(name, offset, length):
+        out = []
+        for start, piece in pieces[name]:
+            lo, hi = max(offset, start), min(offset + length, start + len(piece))
+            if hi > lo:
+                out.append(piece[lo - start:hi - start])
+        return np.concatenate(out) if out else np.zeros(0, full[name].dtype)
+
+    return read
+
+
+class FlatModel:
+    """A raw flat vector with a fake backward that adds a given gradient (cache = gradient)."""
+
+    def __init__(self, numel, dtype=np.float64):
+        sizes = [numel // 2, numel - numel // 2] if numel > 1 else [numel]
+        self.params = layout([(f"p{i}", (s,), i == 0) for i, s in enumerate(sizes)])
+        self.flat_data = np.linspace(-1.0, 1.0, numel).astype(dtype)
+        self.flat_grad = np.zeros(numel, dtype)
+
+    def zero_grad(self):
+        self.flat_grad.fill(0)
+
+    def backward(self, cache, scale=1.0, grad_ready=None):
+        self.flat_grad += scale * cache
+        for i in reversed(range(len(self.params))):
+            if grad_ready is not None:
+                grad_ready(i)
+
+
+# -- construction --------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", [1, 2])
+def test_wrapping_broadcasts_parameters_from_rank_0(world, stage):
+    model = make_model(seed=world.rank)
+    ZeroDataParallel(model, world, stage=stage)
+    np.testing.assert_array_equal(model.flat_data, make_model(seed=0).flat_data)
+
+
+def test_bad_stage_offload_or_bucket_size_raise_config_error(world):
+    model = make_model()
+    for kwargs in ({"stage": 3}, {"stage": 0}, {"offload": "nvme"}, {"bucket_bytes": 0}):
+        with pytest.raises(ConfigError):
+            ZeroDataParallel(model, world, **kwargs)
+
+
+def test_shards_follow_the_padded_layout(world):
+    model = make_model()
+    zdp = ZeroDataParallel(model, world, stage=2)
+    n = model.num_params
+    for name, (array, offset, size) in zdp.shards().items():
+        if name == "adam.step":
+            assert (offset, offset + len(array), size) == (*shard_range(1, world.world_size,
+                                                                        world.rank), 1)
+            continue
+        assert size == n
+        assert (offset, offset + len(array)) == shard_range(n, world.world_size, world.rank)
+    lengths = world.all_gather(np.array([len(zdp.shards()["params"][0])]))
+    assert lengths.sum() == n
+
+
+# -- against plain DataParallel ------------------------------------------------------------
+@pytest.mark.parametrize("max_grad_norm", [None, 0.05], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_matches_dp_after_10_adamw_steps_with_accumulation(world, stage, max_grad_norm):
+    # float64, as in test_data_parallel: Adam turns float32 round-off into visible differences
+    reference, ref_norms = dp_run(world, 10, max_grad_norm)
+    model = make_model()
+    zdp = ZeroDataParallel(model, world, stage=stage, bucket_bytes=small_buckets(model),
+                           optimizer=adamw)
+    norms = train(world, zdp, 10, max_grad_norm=max_grad_norm)
+    np.testing.assert_allclose(model.flat_data, reference.flat_data, rtol=1e-5, atol=1e-8)
+    if max_grad_norm is not None:
+        assert ref_norms[0] > max_grad_norm  # the clipping really happened
+        np.testing.assert_allclose(norms, ref_norms, rtol=1e-9)
+
+
+@pytest.mark.parametrize("bucket_kind", ["one", "several", "one-column"])
+def test_stage2_gradient_shard_matches_single_process_including_tied_embedding(world,
+                                                                                bucket_kind):
+    x, y = global_batch(0)
+    reference = make_model()
+    _, cache = reference.forward(x, y)
+    reference.backward(cache)
+    model = make_model()
+    bucket_bytes = {"one": 2**30, "several": small_buckets(model), "one-column": 1}[bucket_kind]
+    zdp = ZeroDataParallel(model, world, stage=2, bucket_bytes=bucket_bytes)
+    if bucket_kind == "several":
+        assert len(zdp.buckets) > 1
+    _, cache = zdp.forward(local_slice(world, x), local_slice(world, y))
+    zdp.backward(cache)
+    grad = gather_full(world, zdp.grad_shard(), zdp.start, model.num_params)
+    np.testing.assert_allclose(grad, reference.flat_grad, rtol=1e-9, atol=1e-12)
+    # the tied wte gets the output-head term for every vocabulary row, the lookup term only for
+    # rows of tokens in the batch: rows of absent tokens are non-zero too
+    wte = reference.param("wte")
+    absent = np.setdiff1d(np.arange(256), x)
+    assert len(absent) and np.abs(wte.grad[absent]).sum() > 0
+    wte_grad = grad[wte.offset:wte.offset + wte.size].reshape(wte.shape)
+    np.testing.assert_allclose(wte_grad, wte.grad, rtol=1e-9, atol=1e-12)
+
+
+# -- tiny vectors: empty shards ------------------------------------------------------------
+@pytest.mark.parametrize("numel", [1, 3, 7])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sharded_adamw_on_a_short_vector_with_empty_shards(world, stage, numel):
+    W = world.world_size
+    reference = FlatModel(numel)
+    ref_opt = adamw(reference.flat_data, decay_mask(reference.params, dtype=np.float64))
+    model = FlatModel(numel)
+    zdp = ZeroDataParallel(model, world, stage=stage, bucket_bytes=1, optimizer=adamw)
+    start, stop = shard_range(numel, W, world.rank)
+    assert zdp.shards()["adam.m"][0].shape == (stop - start,)
+    rng = np.random.default_rng(5)
+    for _ in range(4):
+        grads = rng.standard_normal((W, numel))  # every rank's gradient, the same on all
+        reference.flat_grad[...] = grads.mean(axis=0)
+        clip_grad_norm(reference.flat_grad, 0.5)
+        ref_opt.step(reference.flat_grad)
+        zdp.backward(grads[world.rank])
+        zdp.step(max_grad_norm=0.5)
+    np.testing.assert_allclose(model.flat_data, reference.flat_data, rtol=1e-12, atol=1e-14)
+
+
+# -- step preconditions and uneven data --------------------------------------------------------
+@pytest.mark.parametrize("stage", [1, 2])
+def test_step_refuses_without_a_synchronized_backward(world, stage):
+    model = make_model()
+    zdp = ZeroDataParallel(model, world, stage=stage)
+    x, y = global_batch(0)
+    _, cache = zdp.forward(local_slice(world, x), local_slice(world, y))
+    with zdp.no_sync():
+        zdp.backward(cache)
+    with pytest.raises(RtxmpiError, match="synchronized backward"):
+        zdp.step()
+    zdp.backward(cache)
+    zdp.step()
+    with pytest.raises(RtxmpiError, match="synchronized backward"):
+        zdp.step()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_uneven_batches_finish_together(world):
+    model = make_model()
+    zdp = ZeroDataParallel(model, world, stage=2, bucket_bytes=small_buckets(model))
+    x, y = global_batch(0)
+    batches = [(local_slice(world, x), local_slice(world, y))] * (3 if world.rank == 0 else 5)
+    steps = 0
+    for xb, yb in zdp.join(batches):
+        _, cache = zdp.forward(xb, yb)
+        zdp.backward(cache)
+        zdp.step()
+        steps += 1
+    assert steps == 3
+    weights = world.all_gather(model.flat_data.copy()).reshape(world.world_size, -1)
+    assert (weights == weights[0]).all()
+
+
+# -- checkpoint shards -------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", [1, 2])
+def test_shards_round_trip_at_the_same_world_size(world, stage):
+    model = make_model()
+    zdp = ZeroDataParallel(model, world, stage=stage, optimizer=adamw)
+    train(world, zdp, 2)
+    full = gather_shards(world, zdp)
+    fresh_model = make_model(seed=1)
+    fresh = ZeroDataParallel(fresh_model, world, stage=stage, optimizer=adamw)
+    fresh.load_shards(lambda name, offset, length: full[name][offset:offset + length])
+    np.testing.assert_array_equal(fresh_model.flat_data, model.flat_data)
+    for name, (array, _, _) in zdp.shards().items():
+        np.testing.assert_array_equal(fresh.shards()[name][0], array)
+
+
+@pytest.mark.parametrize("stages", [(1, 2), (2, 1)], ids=["stage1-to-2", "stage2-to-1"])
+def test_shards_written_at_another_world_size_and_stage_resume_the_run(world, stages):
+    saved_stage, loaded_stage = stages
+    model = make_model()
+    zdp = ZeroDataParallel(model, world, stage=saved_stage, optimizer=adamw)
+    train(world, zdp, 3)
+    full = gather_shards(world, zdp)
+    train(world, zdp, 3, first_step=3)  # the uninterrupted run
+    for written_at in (3, world.world_size + 1):
+        resumed_model = make_model(seed=2)
+        resumed = ZeroDataParallel(resumed_model, world, stage=loaded_stage, offload="cpu",
+                                   optimizer=adamw)
+        resumed.load_shards(sliced_reader(full, written_at))
+        assert resumed.optimizer.step_count == 3
+        train(world, resumed, 3, first_step=3)
+        np.testing.assert_allclose(resumed_model.flat_data, model.flat_data, rtol=1e-10,
+                                   atol=1e-13)
+
+
+def test_load_shards_refuses_a_short_read(world):
+    zdp = ZeroDataParallel(make_model(), world, stage=2)
+
+    def read(name, offset, length):
+        return np.zeros(length + 1)
+
+    with pytest.raises(Exception, match="returned shape"):
+        zdp.load_shards(read)
+
+
+# -- offload and memory ------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_cpu_offload_gives_the_same_parameters(world, stage, dtype):
+    plain_model, offload_model = make_model(dtype=dtype), make_model(dtype=dtype)
+    plain = ZeroDataParallel(plain_model, world, stage=stage, optimizer=adamw)
+    offloaded = ZeroDataParallel(offload_model, world, stage=stage, optimizer=adamw,
+                                 offload="cpu")
+    assert offloaded.shards()["params"][0] is not offload_model.flat_data[offloaded.start:]
+    assert not np.shares_memory(offloaded.optimizer.params, offload_model.flat_data)
+    train(world, plain, 3, max_grad_norm=0.05)
+    train(world, offloaded, 3, max_grad_norm=0.05)
+    np.testing.assert_array_equal(offload_model.flat_data, plain_model.flat_data)
+    assert offloaded.memory_bytes()["params"] > plain.memory_bytes()["params"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_optimizer_state_is_one_world_size_th_of_dp(world, stage):
+    model = make_model(dtype=np.float32)
+    dp_opt_bytes = optimizer_bytes(AdamW(model.flat_data.copy(),
+                                         decay_mask=decay_mask(model.params)))
+    zdp = ZeroDataParallel(model, world, stage=stage)
+    mine = zdp.memory_bytes()
+    per_rank = world.all_gather(np.array([mine["optimizer"]], np.int64))
+    assert per_rank.sum() == dp_opt_bytes  # the shards hold DP's state exactly once
+    S = shard_size(model.num_params, world.world_size)
+    assert per_rank.max() == dp_opt_bytes // model.num_params * S  # ~1/W each
+    assert mine["grads"] >= model.flat_grad.nbytes
