@@ -155,6 +155,7 @@ class ZeroDataParallel:
             group.broadcast(model.flat_data, src=0)
         self._sync = True
         self._synced = False
+        self._averaged = False  # stage 2: this rank's slice of flat_grad holds the group average
         self._ready_count = 0
         if stage == 1:
             self._dp = DataParallel(model, group, bucket_bytes=self.bucket_bytes,
@@ -163,9 +164,7 @@ class ZeroDataParallel:
             self.buckets, self._buckets_of = build_column_buckets(
                 model.params, self.numel, W, self.bucket_bytes, model.flat_grad.itemsize)
             self._next_launch = 0
-            # the reduced gradient shard (padded to S); at W == 1 the gradient itself
-            self._grad_buf = (model.flat_grad if W == 1
-                              else self.xp.zeros(self.shard_size, model.flat_grad.dtype))
+            self.overlapped_buckets = 0  # launched asynchronously during the last backward
         # what the optimizer updates: the parameter shard itself, or a host master copy
         mask = decay_mask(model.params, xp=np if offload else self.xp,
                           dtype=model.flat_data.dtype)[self.start:self.stop]
@@ -179,7 +178,9 @@ class ZeroDataParallel:
             self._master = shard
             self._host_grad = None
             self.optimizer = optimizer(shard, mask)
-        self._send = self.xp.zeros(self.shard_size, model.flat_data.dtype)
+        # all_gather needs S elements from every rank: a short (or empty) shard is padded
+        short = W > 1 and self.stop - self.start < self.shard_size
+        self._send = self.xp.zeros(self.shard_size if short else 0, model.flat_data.dtype)
 
     def __repr__(self):
         return (f"<ZeroDataParallel stage={self.stage} offload={self.offload} "
@@ -207,9 +208,12 @@ class ZeroDataParallel:
 
         After it returns (outside no_sync) `grad_shard()` holds the group average of every rank's
         accumulated gradient for this rank's shard (stage 1: all of model.flat_grad is the
-        average; stage 2: model.flat_grad keeps the local sum, only the shard is reduced).
-        Collective outside no_sync.
+        average; stage 2: model.flat_grad[start:stop] is, the rest is zero). Collective outside
+        no_sync.
         """
+        if self.stage == 2 and self._averaged:  # back to a sum, so backward can add to it
+            self.grad_shard()[...] *= self.group.world_size
+            self._averaged = False
         if self.stage == 1:
             if self._sync:
                 self._dp.backward(cache, scale=scale)
@@ -230,13 +234,20 @@ class ZeroDataParallel:
         if self._ready_count != len(self.model.params):
             raise RtxmpiError(f"backward reported {self._ready_count} of {len(self.model.params)} "
                               "parameter gradients; every parameter must report exactly once")
-        # what is left (at least the bucket holding parameter 0) is reduced blocking, in order
+        self.overlapped_buckets = self._next_launch
+        # what is left (at least the bucket holding parameter 0) is reduced blocking, in order;
+        # a bucket's result overwrites only its own columns of this rank's slice, which no other
+        # bucket reads, and only after its own columns were packed
         for b in self.buckets[self._next_launch:]:
             self._store(b, self.group.reduce_scatter(self._packed(b), op="sum"))
         for b in self.buckets[:self._next_launch]:
             self._store(b, b.work.wait())
             b.work = b.send = None
-        self._grad_buf *= self._grad_buf.dtype.type(1.0 / self.group.world_size)
+        grad = self.model.flat_grad
+        grad[:self.start] = 0  # other ranks' slices: sent, and no longer this rank's to keep
+        grad[self.stop:] = 0
+        self.grad_shard()[...] *= grad.dtype.type(1.0 / self.group.world_size)
+        self._averaged = True
 
     def _grad_ready(self, i):
         self._ready_count += 1
@@ -272,16 +283,17 @@ class ZeroDataParallel:
         return out
 
     def _store(self, bucket, reduced):
-        self._grad_buf[bucket.col_start:bucket.col_stop] = reduced.reshape(-1)
+        """Columns [a, b) of this rank's reduced shard into its slice of flat_grad (clipped at
+        the end of a short shard: the rest is padding)."""
+        n = self.stop - self.start
+        a, b = bucket.col_start, min(bucket.col_stop, n)
+        if b > a:
+            self.model.flat_grad[self.start + a:self.start + b] = reduced.reshape(-1)[:b - a]
 
     def grad_shard(self):
         """This rank's reduced gradient, a 1-D view of length stop - start (after a
         synchronized backward: the group average). Local."""
-        if self.stage == 1:
-            return self.model.flat_grad[self.start:self.stop]
-        if self.group.world_size == 1:
-            return self.model.flat_grad
-        return self._grad_buf[:self.stop - self.start]
+        return self.model.flat_grad[self.start:self.stop]
 
     # -- optimizer step ---------------------------------------------------------------------
     def grad_norm(self):
@@ -324,15 +336,17 @@ class ZeroDataParallel:
             flat[self.start:self.stop] = self.xp.asarray(self._master, dtype=flat.dtype)
         if self.group.world_size == 1:
             return
-        self._send[:n] = flat[self.start:self.stop]
-        gathered = self.group.all_gather(self._send)
+        send = flat[self.start:self.stop]
+        if len(self._send):
+            self._send[:n] = send
+            send = self._send
+        gathered = self.group.all_gather(send)
         flat[...] = gathered[:self.numel]
 
     def zero_grad(self):
         """Drop the accumulated gradients without stepping (e.g. an agreed overflow skip). Local."""
         self.model.zero_grad()
-        if self.stage == 2 and self.group.world_size > 1:
-            self._grad_buf.fill(0)
+        self._averaged = False
         self._synced = False
 
     # -- uneven data ---------------------------------------------------------------------------
@@ -395,18 +409,18 @@ class ZeroDataParallel:
     def memory_bytes(self):
         """Bytes this rank holds: {"params", "grads", "optimizer", "total"}.
 
-        params: the model's full flat_data plus the master copy when offloaded and the
-        all_gather send buffer; grads: the full flat_grad (backward writes into it) plus, stage 2,
-        the reduced shard, plus, offload, its host copy; optimizer: every state array of the
-        sharded optimizer (m, v, decay mask, scratch). Local.
+        params: the model's full flat_data, plus the master copy when offloaded, plus the padded
+        all_gather send buffer on a rank whose shard is short; grads: the full flat_grad
+        (backward writes into it; stage 2 keeps the reduced shard in this rank's slice of it),
+        plus the host copy of the shard when offloaded; optimizer: every state array of the
+        sharded optimizer (m, v, decay mask, scratch). Transient buffers (the W*S all_gather
+        result, stage-2 packed buckets) are not counted. Local.
         """
         model = self.model
         params = model.flat_data.nbytes + self._send.nbytes
         if self.offload:
             params += self._master.nbytes
         grads = model.flat_grad.nbytes
-        if self.stage == 2 and self.group.world_size > 1:
-            grads += self._grad_buf.nbytes
         if self._host_grad is not None:
             grads += self._host_grad.nbytes
         optimizer = optimizer_bytes(self.optimizer)

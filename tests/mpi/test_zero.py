@@ -169,29 +169,56 @@ def test_zero_matches_dp_after_10_adamw_steps_with_accumulation(world, stage, ma
         np.testing.assert_allclose(norms, ref_norms, rtol=1e-9)
 
 
-@pytest.mark.parametrize("bucket_kind", ["one", "several", "one-column"])
+@pytest.mark.parametrize("bucket_kind", ["one", "several", "one-column", "odd-size-model"])
 def test_stage2_gradient_shard_matches_single_process_including_tied_embedding(world,
                                                                                 bucket_kind):
     x, y = global_batch(0)
-    reference = make_model()
+    if bucket_kind == "odd-size-model":  # 2095 parameters: padded shards at W = 2 and 4
+        cfg = GPTConfig(vocab_size=255, seq_len=T, n_layer=2, n_head=1, n_embd=5)
+        x, y = np.minimum(x, 254), np.minimum(y, 254)
+        reference, model = GPT(cfg, dtype=np.float64), GPT(cfg, dtype=np.float64)
+        assert model.num_params % 2
+    else:
+        reference, model = make_model(), make_model()
     _, cache = reference.forward(x, y)
     reference.backward(cache)
-    model = make_model()
-    bucket_bytes = {"one": 2**30, "several": small_buckets(model), "one-column": 1}[bucket_kind]
+    bucket_bytes = {"one": 2**30, "one-column": 1}.get(bucket_kind, small_buckets(model))
     zdp = ZeroDataParallel(model, world, stage=2, bucket_bytes=bucket_bytes)
-    if bucket_kind == "several":
-        assert len(zdp.buckets) > 1
     _, cache = zdp.forward(local_slice(world, x), local_slice(world, y))
     zdp.backward(cache)
+    if bucket_kind in ("several", "odd-size-model"):
+        assert len(zdp.buckets) > 1
+        if world.world_size > 1:  # some reductions really started while backward ran
+            assert zdp.overlapped_buckets > 0
+    outside = np.r_[model.flat_grad[:zdp.start], model.flat_grad[zdp.stop:]]
+    assert not outside.any()  # other ranks' slices are dropped after the reduce_scatter
     grad = gather_full(world, zdp.grad_shard(), zdp.start, model.num_params)
     np.testing.assert_allclose(grad, reference.flat_grad, rtol=1e-9, atol=1e-12)
     # the tied wte gets the output-head term for every vocabulary row, the lookup term only for
     # rows of tokens in the batch: rows of absent tokens are non-zero too
     wte = reference.param("wte")
-    absent = np.setdiff1d(np.arange(256), x)
+    absent = np.setdiff1d(np.arange(model.cfg.vocab_size), x)
     assert len(absent) and np.abs(wte.grad[absent]).sum() > 0
     wte_grad = grad[wte.offset:wte.offset + wte.size].reshape(wte.shape)
     np.testing.assert_allclose(wte_grad, wte.grad, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_synchronized_backwards_before_a_step_add_like_dp(world, stage):
+    reference = make_model()
+    ddp = DataParallel(reference, world, bucket_bytes=small_buckets(reference))
+    model = make_model()
+    zdp = ZeroDataParallel(model, world, stage=stage, bucket_bytes=small_buckets(model))
+    for wrapper in (ddp, zdp):
+        for step in (0, 1):
+            x, y = global_batch(step)
+            _, cache = wrapper.forward(local_slice(world, x), local_slice(world, y))
+            if step == 1:
+                with wrapper.no_sync():  # a local micro-batch after a synchronized one
+                    wrapper.backward(cache, scale=0.25)
+            wrapper.backward(cache, scale=0.5)
+    np.testing.assert_allclose(zdp.grad_shard(), reference.flat_grad[zdp.start:zdp.stop],
+                               rtol=1e-12, atol=1e-15)
 
 
 # -- tiny vectors: empty shards ------------------------------------------------------------
