@@ -8,6 +8,9 @@ Every rank reads its slice of the same global batch (chosen from the seed and th
 index, so the run is the same at any world size), gradients are averaged with bucketed all_reduce
 overlapping backward, and rank 0 shows progress, writes one JSON line per step to --metrics-jsonl,
 evaluates the validation loss every --eval-every steps and prints a generated sample at the end.
+With --ckpt-dir and --ckpt-every K a sharded checkpoint is committed after every step S with
+S % K == 0 and at the end; --resume continues from the latest committed one at step S + 1, at any
+world size (docs/checkpoint.md).
 A bad flag or data path gives a one-line error and exit code 2 on every rank.
 """
 import argparse
@@ -16,11 +19,13 @@ import math
 import os
 import sys
 import time
+from dataclasses import asdict
 
 import numpy as np
 from tqdm import tqdm
 
 import rtxmpi
+from rtxmpi.checkpoint import Shard, latest_step, load_checkpoint, save_checkpoint
 from rtxmpi.control import agree
 from rtxmpi.data import BatchSampler, decode, encode, eval_batches, load_corpus
 from rtxmpi.errors import ConfigError
@@ -54,6 +59,11 @@ def parse_args(argv=None):
     p.add_argument("--eval-batches", type=int, default=8, help="global batches per validation")
     p.add_argument("--metrics-jsonl", default=None, help="append one JSON object per step (rank 0)")
     p.add_argument("--sample-tokens", type=int, default=200, help="bytes to generate at the end (0: none)")
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (sharded HDF5, docs/checkpoint.md)")
+    p.add_argument("--ckpt-every", type=int, default=0,
+                   help="checkpoint after every K-th step and at the end (0: only at the end)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest committed checkpoint in --ckpt-dir (none: start fresh)")
     p.add_argument("--timeout-s", type=float, default=None, help="deadline of every collective wait")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -68,6 +78,10 @@ def check_args(args, world_size):
         raise ConfigError("--eval-every and --sample-tokens must be >= 0")
     if not args.lr > 0 or not args.bucket_mb > 0:
         raise ConfigError("--lr and --bucket-mb must be > 0")
+    if args.ckpt_every < 0:
+        raise ConfigError(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
+    if args.ckpt_dir is None and (args.ckpt_every or args.resume):
+        raise ConfigError(f"{'--ckpt-every' if args.ckpt_every else '--resume'} needs --ckpt-dir DIR")
     dp = world_size if args.dp is None else args.dp
     if dp != world_size:
         raise ConfigError(f"--dp {dp} != world_size {world_size}: data parallelism is the only "
@@ -110,6 +124,65 @@ def evaluate(model, world, tokens, args):
     return float(total[0] / total[1])
 
 
+def checkpoint_meta(args, cfg, model, optimizer, sampler):
+    """What a resume needs besides the flat tensors (JSON, stored in metadata.json)."""
+    return {"model": args.model, "model_config": asdict(cfg), "dtype": np.dtype(model.dtype).str,
+            "param_layout": [[p.name, list(p.shape), p.offset] for p in model.params],
+            "optimizer_step": optimizer.step_count, "sampler": sampler.state_dict(),
+            "samples_consumed": sampler.samples_consumed, "seed": args.seed,
+            "global_batch": args.global_batch, "seq_len": args.seq_len}
+
+
+def save(world, args, step, cfg, model, optimizer, sampler):
+    """Commit a checkpoint of `step`: each rank writes its 1/world_size of params, m and v."""
+    t0 = time.perf_counter()
+    r, n = world.rank, world.world_size
+    shards = {"params": Shard.even(model.flat_data, r, n), "adam.m": Shard.even(optimizer.m, r, n),
+              "adam.v": Shard.even(optimizer.v, r, n)}
+    path = save_checkpoint(world, args.ckpt_dir, step, shards,
+                           meta=checkpoint_meta(args, cfg, model, optimizer, sampler),
+                           rank_state={"rank": r, "world_size": n}, overwrite=True)
+    if r == 0:
+        mb = 3 * model.num_params * np.dtype(model.dtype).itemsize / 1e6
+        print(f"checkpoint: saved step {step} to {path} ({mb:.1f} MB over {n} rank files, "
+              f"{time.perf_counter() - t0:.2f} s)", flush=True)
+
+
+def resume(world, args, cfg, model, optimizer, sampler):
+    """Load the latest committed checkpoint in --ckpt-dir; returns its step (0: none, fresh).
+    Without --resume, refuses a --ckpt-dir that already holds checkpoints (ConfigError)."""
+    found = np.array([-1 if world.rank else (latest_step(args.ckpt_dir) or 0)], np.int64)
+    world.broadcast(found, src=0)
+    if not args.resume:
+        if found[0] > 0:
+            raise ConfigError(f"--ckpt-dir {args.ckpt_dir} already holds checkpoints (latest step "
+                              f"{found[0]}); pass --resume or use an empty directory")
+        return 0
+    if found[0] == 0:
+        if world.rank == 0:
+            print(f"checkpoint: no committed checkpoint in {args.ckpt_dir}; starting fresh", flush=True)
+        return 0
+    ckpt = load_checkpoint(world, args.ckpt_dir, step=int(found[0]))
+    saved_cfg = GPTConfig(**ckpt.meta["model_config"])
+    if saved_cfg != cfg:
+        raise ConfigError(f"checkpoint {ckpt.path} holds model {ckpt.meta['model']} {saved_cfg}, "
+                          f"this run builds {cfg}; use the same --model and --seq-len")
+    for name, target in (("params", model.flat_data), ("adam.m", optimizer.m), ("adam.v", optimizer.v)):
+        if isinstance(target, np.ndarray) and target.dtype == np.dtype(ckpt.tensors[name]["dtype"]):
+            ckpt.read(name, out=target)  # straight into the live buffer: no extra copy
+        else:
+            target[...] = model.xp.asarray(ckpt.read(name), dtype=target.dtype)
+    optimizer.step_count = int(ckpt.meta["optimizer_step"])
+    sampler.load_state_dict(ckpt.meta["sampler"])
+    if world.rank == 0:
+        for path in ckpt.ignored:
+            print(f"checkpoint: ignoring uncommitted {path}", flush=True)
+        print(f"checkpoint: resumed from {ckpt.path} (saved at world size {ckpt.world_size_saved}, "
+              f"{sampler.samples_consumed} samples consumed); continuing at step {ckpt.step + 1}",
+              flush=True)
+    return ckpt.step
+
+
 def train(args):
     world = rtxmpi.init(timeout_s=args.timeout_s)
     rank, world_size = world.rank, world.world_size
@@ -130,10 +203,17 @@ def train(args):
               f"({model.num_params / 1e6:.2f} M params), corpus {corpus.source} "
               f"({corpus.train.size / 1e6:.1f} MB train / {corpus.val.size / 1e6:.2f} MB val), "
               f"global batch {args.global_batch} x {args.seq_len} tokens", flush=True)
-    bar = tqdm(total=args.steps, disable=rank != 0 or args.no_progress, unit="step", mininterval=1.0)
+    start_step = resume(world, args, cfg, model, optimizer, sampler) + 1 if args.ckpt_dir else 1
+    if start_step > args.steps:
+        if rank == 0:
+            print(f"nothing to do: the checkpoint is at step {start_step - 1} >= --steps {args.steps}",
+                  flush=True)
+        return None
+    bar = tqdm(total=args.steps, initial=start_step - 1, disable=rank != 0 or args.no_progress,
+               unit="step", mininterval=1.0)
     tokens_per_step = args.global_batch * args.seq_len
     start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    for step in range(start_step, args.steps + 1):
         t0 = time.perf_counter()
         x, y = sampler.next_batch()
         xs, ys = np.split(x, args.micro_batches), np.split(y, args.micro_batches)
@@ -169,11 +249,14 @@ def train(args):
             if metrics:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
+        if args.ckpt_dir and ((args.ckpt_every and step % args.ckpt_every == 0) or step == args.steps):
+            save(world, args, step, cfg, model, optimizer, sampler)
     bar.close()
     elapsed = time.perf_counter() - start
+    steps_run = args.steps - start_step + 1
     if rank == 0:
-        print(f"done: {args.steps} steps in {elapsed:.1f} s, "
-              f"{args.steps * tokens_per_step / elapsed:.0f} tokens/s, "
+        print(f"done: {steps_run} steps in {elapsed:.1f} s, "
+              f"{steps_run * tokens_per_step / elapsed:.0f} tokens/s, "
               f"final loss {record['loss']:.3f}, val_loss {record['val_loss']:.3f} nats/byte", flush=True)
         if args.sample_tokens:
             prompt = encode("def ")[None, :].astype(np.int64)

@@ -2,6 +2,9 @@
 
     rtxmpi info                       environment of one process
     mpiexec -n 4 rtxmpi info          ... and of every rank: hosts, local ranks, devices
+    rtxmpi ckpt ls DIR                checkpoints in DIR: step, committed, world size, size, latest
+    rtxmpi ckpt verify DIR [--step S] every file and dataset: sizes and checksums (exit 1 if bad)
+    rtxmpi ckpt inspect DIR [--step S] the tensor table (name, dtype, shape, pieces) and the meta
 """
 import argparse
 import platform
@@ -87,6 +90,66 @@ def cmd_info(args):
     return 0
 
 
+def _human_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def cmd_ckpt_ls(args):
+    """One line per step dir: step, committed or not, saved world size, size on disk, latest."""
+    from .checkpoint import list_checkpoints
+
+    found = list_checkpoints(args.dir)
+    if not found:
+        print(f"{args.dir}: no checkpoints")
+        return 0
+    print(f"{'step':>10} {'state':<12} {'world_size':>10} {'size':>10}  path")
+    for c in found:
+        state = "committed" if c.committed else "UNCOMMITTED"
+        print(f"{c.step:>10} {state:<12} {c.world_size:>10} {_human_bytes(c.bytes):>10}  {c.path}"
+              f"{'  <- latest' if c.latest else ''}")
+    return 0
+
+
+def cmd_ckpt_verify(args):
+    """Read every dataset of a committed checkpoint and check sizes and checksums."""
+    from .checkpoint import verify_checkpoint
+    from .errors import CheckpointError
+
+    try:
+        checked = verify_checkpoint(args.dir, args.step)
+    except CheckpointError as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return 1
+    print(f"ok: {len(checked)} datasets verified (sizes and crc32 checksums)")
+    return 0
+
+
+def cmd_ckpt_inspect(args):
+    """The tensor table and the meta of a committed checkpoint (metadata.json only; no data read)."""
+    import json
+
+    from .checkpoint import load_checkpoint
+    from .errors import CheckpointError
+
+    try:
+        ckpt = load_checkpoint(None, args.dir, args.step)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{ckpt.path}: step {ckpt.step}, saved by {ckpt.world_size_saved} rank(s)")
+    print(f"{'tensor':<24} {'dtype':<8} {'global shape':<14} pieces (file [offset, offset+length))")
+    for name, info in ckpt.tensors.items():
+        pieces = ", ".join(f"{p['file']} [{p['offset']}, {p['offset'] + p['length']})"
+                           for p in info["pieces"])
+        print(f"{name:<24} {np.dtype(info['dtype']).name:<8} {str((info['global_size'],)):<14} {pieces}")
+    print("meta:")
+    print(json.dumps(ckpt.meta, indent=1, sort_keys=True))
+    return 0
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="rtxmpi", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,6 +158,16 @@ def build_parser():
     info.add_argument("--timeout-s", type=float, default=60.0, dest="timeout_s",
                       help="deadline of the rank exchange (seconds)")
     info.set_defaults(func=cmd_info)
+    ckpt = sub.add_parser("ckpt", help="list, verify and inspect checkpoints (one process)")
+    ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    for name, func, text in (("ls", cmd_ckpt_ls, "step dirs, committed or not, and which is latest"),
+                             ("verify", cmd_ckpt_verify, "sizes and checksums of every dataset"),
+                             ("inspect", cmd_ckpt_inspect, "tensor table and meta")):
+        cmd = ckpt_sub.add_parser(name, help=text)
+        cmd.add_argument("dir", help="checkpoint directory (holds step_XXXXXXXX/ and latest)")
+        if name != "ls":
+            cmd.add_argument("--step", type=int, default=None, help="step (default: the latest committed)")
+        cmd.set_defaults(func=func)
     return parser
 
 

@@ -1,0 +1,17 @@
+"""Durable sharded checkpoints: HDF5 shard files per rank, metadata.json as the commit marker.
+
+    from rtxmpi.checkpoint import Shard, save_checkpoint, load_checkpoint
+    save_checkpoint(group, "CKPT", step, {"params": Shard.even(flat, rank, size)}, meta={...})
+    ckpt = load_checkpoint(group, "CKPT")          # latest committed; any world size
+    ckpt.read("params", offset, length)            # only the files overlapping the range
+
+Format and protocol: `format.py`, `save.py`, docs/checkpoint.md.
+"""
+from rtxmpi.checkpoint.format import latest_step
+from rtxmpi.checkpoint.load import (Checkpoint, CheckpointInfo, list_checkpoints, load_checkpoint,
+                                    verify_checkpoint)
+from rtxmpi.checkpoint.save import save_checkpoint
+from rtxmpi.checkpoint.shard import Shard
+
+__all__ = ["Shard", "save_checkpoint", "load_checkpoint", "latest_step", "list_checkpoints",
+           "verify_checkpoint", "Checkpoint", "CheckpointInfo"]

@@ -1,0 +1,276 @@
+"""The on-disk format of a checkpoint: names, checksums, the HDF5 rank file, metadata.json, latest.
+
+    CKPT/latest                         text: the newest committed step dir name ("step_00000100")
+    CKPT/step_00000100/metadata.json    the commit marker, written LAST by the coordinator
+    CKPT/step_00000100/rank_00003.h5    rank 3's pieces: /tensors/<name> (1-D), /rank_state/...
+
+Each dataset in a rank file is one contiguous piece [global_offset, global_offset + length) of a
+global 1-D tensor, stored contiguously (no chunking, no compression) with attributes
+`global_shape` (int64[1]), `global_offset` (int64) and `checksum` ("crc32:xxxxxxxx" of its bytes).
+Small per-rank state is the JSON string attribute `rank_state_json` plus small arrays under
+/rank_state/. Nothing here needs MPI: these functions are the single-process layer that the
+collective save/load and the `rtxmpi ckpt` command build on. No pickle anywhere: HDF5 and JSON.
+"""
+import json
+import os
+import re
+import zlib
+
+import h5py
+import numpy as np
+
+from rtxmpi.errors import CheckpointError
+
+FORMAT_VERSION = 1
+METADATA = "metadata.json"
+LATEST = "latest"
+TMP_SUFFIX = ".tmp"
+STEP_RE = re.compile(r"^step_(\d{8,})$")
+READ_CHUNK_BYTES = 16 << 20  # checksums and reads stream through datasets in pieces of this size
+
+
+def step_dir_name(step):
+    """"step_00000100" for step 100."""
+    return f"step_{int(step):08d}"
+
+
+def rank_file_name(rank):
+    """"rank_00003.h5" for rank 3."""
+    return f"rank_{int(rank):05d}.h5"
+
+
+def parse_step(name):
+    """The step of a step dir name, or None when `name` is not one."""
+    match = STEP_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def crc32_update(crc, array):
+    """Running crc32 over the raw bytes of a contiguous array."""
+    return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1), crc)
+
+
+def format_checksum(crc):
+    return f"crc32:{crc & 0xFFFFFFFF:08x}"
+
+
+def checksum(array):
+    """"crc32:xxxxxxxx" of an array's bytes (C order)."""
+    return format_checksum(crc32_update(0, array))
+
+
+def check_tensor_name(name):
+    """Tensor names become HDF5 dataset names: non-empty, no '/', not '.' or '..'."""
+    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+        raise CheckpointError(f"tensor name {name!r} is not usable as a dataset name "
+                              f"(non-empty, no '/')")
+
+
+# ---------------------------------------------------------------- durability helpers
+def fsync_path(path):
+    """fsync a file or directory by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path, text):
+    """Write `text` to `path` via `path.tmp`, fsync, rename over `path`, fsync the directory."""
+    tmp = path + TMP_SUFFIX
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
+# ---------------------------------------------------------------- rank files
+def _as_host(array):
+    """numpy view of a numpy or cupy 1-D array (cupy is copied to the host, one tensor at a time)."""
+    if type(array).__module__.startswith("cupy"):
+        array = array.get()
+    return np.ascontiguousarray(array)
+
+
+def write_rank_file(path, shards, rank_state=None):
+    """Write one rank's pieces to `path` (no tmp/rename here; see `save.py`), fsync it.
+
+    shards: {name: Shard}; rank_state: dict of JSON-able values and small numpy arrays (top-level
+    keys only). Returns {name: {"offset", "length", "checksum", "dtype", "global_size"}} of what
+    was written. Raises CheckpointError (bad name), TypeError (rank_state not JSON-able), OSError.
+    """
+    rank_state = dict(rank_state or {})
+    arrays = {k: v for k, v in rank_state.items() if isinstance(v, np.ndarray)}
+    plain = {k: v for k, v in rank_state.items() if k not in arrays}
+    plain_json = json.dumps(plain, sort_keys=True)  # TypeError when not JSON-able
+    written = {}
+    with h5py.File(path, "w", libver="latest") as f:
+        f.attrs["format_version"] = FORMAT_VERSION
+        f.attrs["rank_state_json"] = plain_json
+        tensors = f.create_group("tensors")
+        for name, shard in shards.items():  # one tensor at a time: at most one host copy alive
+            check_tensor_name(name)
+            data = _as_host(shard.data)
+            crc = checksum(data)
+            ds = tensors.create_dataset(name, data=data)
+            ds.attrs["global_shape"] = np.array([shard.global_size], np.int64)
+            ds.attrs["global_offset"] = np.int64(shard.global_offset)
+            ds.attrs["checksum"] = crc
+            written[name] = {"offset": int(shard.global_offset), "length": int(data.size),
+                             "checksum": crc, "dtype": data.dtype.str,
+                             "global_size": int(shard.global_size)}
+            del data
+        state = f.create_group("rank_state")
+        for key, value in arrays.items():
+            check_tensor_name(key)
+            value = np.ascontiguousarray(value)
+            ds = state.create_dataset(key, data=value)
+            ds.attrs["checksum"] = checksum(value)
+    fsync_path(path)
+    return written
+
+
+def _open(path):
+    try:
+        return h5py.File(path, "r")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: rank file is missing") from None
+    except OSError as exc:  # truncated or not HDF5
+        raise CheckpointError(f"{path}: cannot open as HDF5 (truncated or corrupt?): {exc}") from None
+
+
+def read_piece(path, name, expected, start=0, stop=None, out=None, *, h5file=None):
+    """Read elements [start, stop) of dataset /tensors/<name> in the rank file `path`, verifying
+    the WHOLE dataset's checksum while streaming through it (the only extra memory is one read
+    chunk). `expected`: the piece's metadata entry {"length", "checksum", "dtype"}.
+
+    out: optional 1-D array of stop - start elements to fill; returns it (or a new array).
+    Raises CheckpointError naming the file and dataset: missing, wrong shape/dtype, bad checksum.
+    """
+    where = f"{path}: dataset /tensors/{name}"
+    length, dtype = int(expected["length"]), np.dtype(expected["dtype"])
+    stop = length if stop is None else stop
+    if not 0 <= start <= stop <= length:
+        raise CheckpointError(f"{where}: range [{start}, {stop}) outside its {length} elements")
+    f = h5file if h5file is not None else _open(path)
+    try:
+        try:
+            ds = f["tensors"][name]
+        except KeyError:
+            raise CheckpointError(f"{where} is missing") from None
+        if ds.shape != (length,) or ds.dtype != dtype:
+            raise CheckpointError(f"{where} has shape {ds.shape} dtype {ds.dtype}; metadata says "
+                                  f"({length},) {dtype}")
+        if "offset" in expected and int(ds.attrs.get("global_offset", -1)) != int(expected["offset"]):
+            raise CheckpointError(f"{where}: global_offset attribute {ds.attrs.get('global_offset')} "
+                                  f"!= metadata {expected['offset']}")
+        if ds.attrs.get("checksum") != expected["checksum"]:
+            raise CheckpointError(f"{where}: checksum attribute {ds.attrs.get('checksum')!r} != "
+                                  f"metadata {expected['checksum']!r}")
+        if out is None:
+            out = np.empty(stop - start, dtype)
+        chunk = max(1, READ_CHUNK_BYTES // max(1, dtype.itemsize))
+        buf = np.empty(min(chunk, length), dtype)
+        crc = 0
+        try:
+            for a in range(0, length, chunk):
+                b = min(a + chunk, length)
+                view = buf[:b - a]
+                ds.read_direct(view, np.s_[a:b])
+                crc = crc32_update(crc, view)
+                lo, hi = max(a, start), min(b, stop)
+                if lo < hi:
+                    out[lo - start:hi - start] = view[lo - a:hi - a]
+        except OSError as exc:  # truncated data
+            raise CheckpointError(f"{where}: read failed (truncated?): {exc}") from None
+        if format_checksum(crc) != expected["checksum"]:
+            raise CheckpointError(f"{where}: checksum mismatch: data has {format_checksum(crc)}, "
+                                  f"metadata says {expected['checksum']} (corrupt file)")
+        return out
+    finally:
+        if h5file is None:
+            f.close()
+
+
+def read_rank_state(path):
+    """The rank_state dict stored in a rank file (arrays verified). Raises CheckpointError."""
+    with _open(path) as f:
+        try:
+            state = json.loads(f.attrs["rank_state_json"])
+        except (KeyError, ValueError) as exc:
+            raise CheckpointError(f"{path}: attribute rank_state_json unreadable: {exc}") from None
+        for key, ds in f.get("rank_state", {}).items():
+            value = ds[()]
+            if checksum(value) != ds.attrs.get("checksum"):
+                raise CheckpointError(f"{path}: dataset /rank_state/{key}: checksum mismatch")
+            state[key] = value
+    return state
+
+
+# ---------------------------------------------------------------- metadata and latest
+def write_metadata(step_dir, metadata):
+    """metadata.json via tmp + fsync + rename + fsync(dir): the commit of a checkpoint."""
+    write_text_atomic(os.path.join(step_dir, METADATA), json.dumps(metadata, indent=1, sort_keys=True))
+
+
+def read_metadata(step_dir):
+    """The parsed metadata.json of a step dir. Raises CheckpointError (missing: uncommitted)."""
+    path = os.path.join(step_dir, METADATA)
+    try:
+        with open(path) as f:
+            metadata = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{step_dir}: no {METADATA}: the checkpoint was never committed") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable: {exc}") from None
+    if metadata.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format_version {metadata.get('format_version')!r}, "
+                              f"this rtxmpi reads {FORMAT_VERSION}")
+    return metadata
+
+
+def is_committed(step_dir):
+    return os.path.isfile(os.path.join(step_dir, METADATA))
+
+
+def write_latest(ckpt_dir, step):
+    """Replace CKPT/latest atomically with the step dir name of `step`."""
+    write_text_atomic(os.path.join(ckpt_dir, LATEST), step_dir_name(step) + "\n")
+
+
+def read_latest(ckpt_dir):
+    """The step named by CKPT/latest, or None (missing or unparsable)."""
+    try:
+        with open(os.path.join(ckpt_dir, LATEST)) as f:
+            return parse_step(f.read().strip())
+    except OSError:
+        return None
+
+
+def step_dirs(ckpt_dir):
+    """{step: path} of every step dir in `ckpt_dir` (committed or not); {} when it does not exist."""
+    try:
+        names = os.listdir(ckpt_dir)
+    except FileNotFoundError:
+        return {}
+    found = {}
+    for name in names:
+        step = parse_step(name)
+        if step is not None and os.path.isdir(os.path.join(ckpt_dir, name)):
+            found[step] = os.path.join(ckpt_dir, name)
+    return dict(sorted(found.items()))
+
+
+def latest_step(ckpt_dir):
+    """The newest committed step: the one CKPT/latest names when that dir is committed, else
+    (latest missing, or naming an uncommitted dir) the highest committed step dir; None if none.
+    Single process; never writes."""
+    dirs = step_dirs(ckpt_dir)
+    named = read_latest(ckpt_dir)
+    if named is not None and named in dirs and is_committed(dirs[named]):
+        return named
+    committed = [s for s, path in dirs.items() if is_committed(path)]
+    return max(committed) if committed else None

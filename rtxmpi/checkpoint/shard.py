@@ -1,0 +1,36 @@
+"""`Shard`: the piece of a global 1-D tensor that one rank owns and writes."""
+from dataclasses import dataclass
+
+from rtxmpi.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Elements [global_offset, global_offset + data.size) of a global 1-D tensor of global_size.
+
+    data: 1-D numpy or cupy array (contiguous or not; cupy is copied to the host when written).
+    Raises CheckpointError when data is not 1-D or the range falls outside the tensor.
+    """
+
+    data: object
+    global_offset: int
+    global_size: int
+
+    def __post_init__(self):
+        shape = getattr(self.data, "shape", None)
+        if shape is None or len(shape) != 1:
+            raise CheckpointError(f"Shard data must be a 1-D array, got shape {shape}")
+        offset, size = int(self.global_offset), int(self.global_size)
+        if offset < 0 or offset + shape[0] > size:
+            raise CheckpointError(f"Shard [{offset}, {offset + shape[0]}) lies outside a tensor "
+                                  f"of {size} elements")
+        object.__setattr__(self, "global_offset", offset)
+        object.__setattr__(self, "global_size", size)
+
+    @classmethod
+    def even(cls, full, rank, world_size):
+        """Rank `rank`'s 1/world_size slice of a tensor every rank holds whole (data parallel):
+        elements [rank * n // world_size, (rank + 1) * n // world_size) of the 1-D `full`, a view."""
+        n = int(full.shape[0])
+        start, stop = rank * n // world_size, (rank + 1) * n // world_size
+        return cls(full[start:stop], start, n)

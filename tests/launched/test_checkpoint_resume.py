@@ -1,0 +1,142 @@
+"""examples/train.py with --ckpt-dir/--ckpt-every/--resume, and `rtxmpi ckpt`, as users launch them.
+
+The reference is one uninterrupted 2-rank run of 12 steps checkpointing every 6 steps. An
+interrupted run (a rank killed while saving step 12) resumed with --resume must end bitwise equal
+to it; its step-6 checkpoint resumed at 1 and 4 ranks must continue to (nearly) the same loss.
+"""
+import json
+import shutil
+import sys
+
+import h5py
+import numpy as np
+import pytest
+from conftest import REPO, launch_env, mpiexec_argv, run_command
+
+from rtxmpi.checkpoint import list_checkpoints, load_checkpoint
+
+TRAIN = REPO / "examples" / "train.py"
+ARGS = ["--model", "tiny", "--steps", "12", "--global-batch", "8", "--seq-len", "32",
+        "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
+
+
+def train(n, tmp, ckpt_dir, *extra, metrics=None, **env):
+    args = [*ARGS, "--ckpt-dir", ckpt_dir, *extra]
+    if metrics:
+        args += ["--metrics-jsonl", metrics]
+    return run_command(mpiexec_argv(n) + [sys.executable, TRAIN, *args], outer_timeout_s=120,
+                       env=launch_env(RTXMPI_CACHE_DIR=tmp / "cache", **env))
+
+
+def records(path):
+    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def tensors(ckpt_dir, step):
+    ckpt = load_checkpoint(None, ckpt_dir, step)
+    return {name: ckpt.read(name) for name in ckpt.tensors}, ckpt
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted 2-rank run: 12 steps, a checkpoint after steps 6 and 12."""
+    tmp = tmp_path_factory.mktemp("reference")
+    proc = train(2, tmp, tmp / "ckpt", "--ckpt-every", "6", metrics=tmp / "m.jsonl")
+    assert proc.returncode == 0, str(proc)
+    assert len(proc.lines("checkpoint: saved step")) == 2, str(proc)
+    return tmp
+
+
+def test_checkpoints_hold_params_optimizer_and_data_position(reference):
+    assert [c.step for c in list_checkpoints(reference / "ckpt") if c.committed] == [6, 12]
+    arrays, ckpt = tensors(reference / "ckpt", 6)
+    assert set(arrays) == {"params", "adam.m", "adam.v"} and ckpt.world_size_saved == 2
+    meta = ckpt.meta
+    assert meta["optimizer_step"] == 6 and meta["sampler"] == {"samples_consumed": 48, "seed": 0}
+    assert meta["model"] == "tiny" and meta["param_layout"][0][2] == 0
+
+
+def test_rank_killed_mid_save_keeps_previous_and_resume_matches_uninterrupted(reference, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = train(2, tmp_path, ckpt, "--ckpt-every", "6", RTXMPI_TEST_CRASH_IN_SAVE="1:12")
+    assert proc.returncode != 0 and not proc.outer_timeout, str(proc)
+    state = {c.step: c.committed for c in list_checkpoints(ckpt)}
+    assert state == {6: True, 12: False}
+    assert (ckpt / "latest").read_text().strip() == "step_00000006"
+
+    metrics = tmp_path / "m.jsonl"
+    proc = train(2, tmp_path, ckpt, "--ckpt-every", "6", "--resume", metrics=metrics)
+    assert proc.returncode == 0, str(proc)
+    assert f"checkpoint: ignoring uncommitted {ckpt / 'step_00000012'}" in proc.stdout
+    assert "continuing at step 7" in proc.stdout
+    got, want = records(metrics), records(reference / "m.jsonl")
+    assert sorted(got) == list(range(7, 13))
+    assert got[12]["loss"] == want[12]["loss"]  # bitwise: same world size, same reduction order
+    resumed, _ = tensors(ckpt, 12)
+    uninterrupted, _ = tensors(reference / "ckpt", 12)
+    for name in uninterrupted:
+        assert np.array_equal(resumed[name], uninterrupted[name]), name
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_two_rank_checkpoint_resumes_at_other_world_sizes(reference, tmp_path, n):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copytree(reference / "ckpt" / "step_00000006", ckpt / "step_00000006")
+    metrics = tmp_path / "m.jsonl"
+    proc = train(n, tmp_path, ckpt, "--resume", metrics=metrics)
+    assert proc.returncode == 0, str(proc)
+    assert "saved at world size 2" in proc.stdout and "continuing at step 7" in proc.stdout
+    got, want = records(metrics), records(reference / "m.jsonl")
+    assert sorted(got) == list(range(7, 13)) and got[12]["world_size"] == n
+    # the same global batches; only the order of the gradient sums differs (float32 rounding)
+    for step in range(7, 13):
+        assert abs(got[step]["loss"] - want[step]["loss"]) < 1e-3, step
+    _, last = tensors(ckpt, 12)
+    assert last.world_size_saved == n
+
+
+def test_ckpt_ls_verify_inspect_and_a_flipped_byte(reference, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference / "ckpt", ckpt)
+    cli = [sys.executable, "-m", "rtxmpi.cli", "ckpt"]
+    proc = run_command(cli + ["ls", ckpt], outer_timeout_s=60)
+    assert proc.returncode == 0 and "<- latest" in proc.lines("        12")[0], str(proc)
+    proc = run_command(cli + ["inspect", ckpt, "--step", "6"], outer_timeout_s=60)
+    assert proc.returncode == 0 and "rank_00001.h5 [" in proc.stdout and '"optimizer_step": 6' in proc.stdout
+    proc = run_command(cli + ["verify", ckpt], outer_timeout_s=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok: "), str(proc)
+
+    path = ckpt / "step_00000012" / "rank_00001.h5"
+    with h5py.File(path, "r") as f:
+        offset = f["tensors/adam.m"].id.get_offset()
+    with open(path, "r+b") as f:
+        f.seek(offset + 10)
+        byte = f.read(1)
+        f.seek(offset + 10)
+        f.write(bytes([byte[0] ^ 0x40]))
+    proc = run_command(cli + ["verify", ckpt], outer_timeout_s=60)
+    assert proc.returncode == 1, str(proc)
+    assert f"{path}: dataset /tensors/adam.m: checksum mismatch" in proc.stderr
+    assert run_command(cli + ["verify", ckpt, "--step", "6"], outer_timeout_s=60).returncode == 0
+
+
+def test_resume_without_checkpoint_starts_fresh(tmp_path):
+    proc = train(1, tmp_path, tmp_path / "empty", "--resume", "--steps", "2")
+    assert proc.returncode == 0, str(proc)
+    assert "no committed checkpoint in" in proc.stdout and "starting fresh" in proc.stdout
+    assert [c.step for c in list_checkpoints(tmp_path / "empty")] == [2]  # saved at the end
+
+
+def test_fresh_run_refuses_a_directory_with_checkpoints(reference, tmp_path):
+    proc = train(1, tmp_path, reference / "ckpt", "--steps", "2")
+    assert proc.returncode == 2, str(proc)
+    assert "already holds checkpoints (latest step 12); pass --resume" in proc.stderr
+
+
+def test_ckpt_every_without_ckpt_dir_is_a_one_line_error(tmp_path):
+    proc = run_command(mpiexec_argv(2) + [sys.executable, TRAIN, *ARGS, "--ckpt-every", "3"],
+                       outer_timeout_s=60, env=launch_env(RTXMPI_CACHE_DIR=tmp_path / "cache"))
+    assert proc.returncode == 2 and not proc.outer_timeout, str(proc)
+    assert "error: --ckpt-every needs --ckpt-dir DIR" in proc.stderr
+    assert "Traceback" not in proc.stderr

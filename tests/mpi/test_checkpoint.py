@@ -1,0 +1,152 @@
+"""Collective save/load of sharded checkpoints; holds at any world size (-n 1, 2, 4)."""
+import os
+import shutil
+import tempfile
+
+import h5py
+import numpy as np
+import pytest
+
+from rtxmpi.checkpoint import Shard, latest_step, load_checkpoint, save_checkpoint
+from rtxmpi.checkpoint import format as fmt
+from rtxmpi.errors import CheckpointError
+
+
+@pytest.fixture
+def ckpt_dir(world):
+    """A fresh directory, the same path on every rank (made by rank 0, broadcast)."""
+    buf = np.zeros(256, np.uint8)
+    if world.rank == 0:
+        path = tempfile.mkdtemp(prefix="rtxmpi-ckpt-").encode()
+        buf[:len(path)] = np.frombuffer(path, np.uint8)
+    world.broadcast(buf, src=0)
+    path = bytes(buf).rstrip(b"\0").decode()
+    yield path
+    world.barrier()
+    if world.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def full_tensors():
+    """The same global tensors on every rank (odd sizes, several dtypes)."""
+    rng = np.random.default_rng(42)
+    return {"params": rng.standard_normal(1013).astype(np.float32),
+            "adam.v": rng.random(1013), "tiny": np.arange(3, dtype=np.int32)}
+
+
+def uneven_bounds(n, world_size):
+    """Piece boundaries of a ZeRO-like uneven split: rank r owns a share growing with r."""
+    weights = np.arange(1, world_size + 1)
+    return np.concatenate([[0], np.cumsum(weights) * n // weights.sum()])
+
+
+def save_even(world, ckpt_dir, step, arrays):
+    shards = {k: Shard.even(a, world.rank, world.world_size) for k, a in arrays.items()}
+    return save_checkpoint(world, ckpt_dir, step, shards, meta={"step": step},
+                           rank_state={"rank": world.rank, "rng": np.full(2, world.rank)})
+
+
+def test_save_and_load_at_this_world_size_is_exact(world, ckpt_dir):
+    arrays = full_tensors()
+    path = save_even(world, ckpt_dir, 100, arrays)
+    assert path == os.path.join(ckpt_dir, "step_00000100")
+    ckpt = load_checkpoint(world, ckpt_dir)
+    assert (ckpt.step, ckpt.world_size_saved, ckpt.meta) == (100, world.world_size, {"step": 100})
+    for name, a in arrays.items():
+        got = ckpt.read(name)
+        assert got.dtype == a.dtype and np.array_equal(got, a), name
+    state = ckpt.rank_state(world.rank)
+    assert state["rank"] == world.rank and np.array_equal(state["rng"], np.full(2, world.rank))
+    assert sorted(os.listdir(path)) == ["metadata.json"] + [fmt.rank_file_name(r)
+                                                            for r in range(world.world_size)]
+
+
+def test_each_rank_writes_only_its_slice(world, ckpt_dir):
+    arrays = full_tensors()
+    save_even(world, ckpt_dir, 1, arrays)
+    world.barrier()
+    total = 0
+    for r in range(world.world_size):
+        with h5py.File(os.path.join(ckpt_dir, "step_00000001", fmt.rank_file_name(r)), "r") as f:
+            total += f["tensors/params"].size
+    assert total == arrays["params"].size  # no duplicate bytes
+
+
+def test_ranges_spanning_several_rank_files_read_back(world, ckpt_dir):
+    full = np.random.default_rng(1).standard_normal(997)
+    bounds = uneven_bounds(full.size, world.world_size)
+    lo, hi = bounds[world.rank], bounds[world.rank + 1]
+    save_checkpoint(world, ckpt_dir, 7, {"w": Shard(full[lo:hi].copy(), int(lo), full.size)})
+    ckpt = load_checkpoint(world, ckpt_dir, step=7)
+    assert [p["offset"] for p in ckpt.tensors["w"]["pieces"]] == [int(b) for b in bounds[:-1]]
+    rng = np.random.default_rng(100 + world.rank)  # every rank asks for different ranges
+    for _ in range(5):
+        start = int(rng.integers(0, full.size))
+        length = int(rng.integers(0, full.size - start + 1))
+        assert np.array_equal(ckpt.read("w", start, length), full[start:start + length])
+    assert np.array_equal(ckpt.read("w", 0, 0), full[:0])
+
+
+def test_rank_failing_mid_save_raises_everywhere_and_commits_nothing(world, ckpt_dir, monkeypatch,
+                                                                     assert_raised_on_every_rank):
+    arrays = full_tensors()
+    save_even(world, ckpt_dir, 1, arrays)
+    if world.rank == world.world_size - 1:
+        def broken_writer(path, shards, rank_state=None):
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            raise RuntimeError("injected disk failure")
+
+        monkeypatch.setattr(fmt, "write_rank_file", broken_writer)
+    error = assert_raised_on_every_rank(world, lambda: save_even(world, ckpt_dir, 2, arrays),
+                                        CheckpointError, match=["injected disk failure",
+                                                                f"rank {world.world_size - 1}"])
+    assert "rank_%05d.h5" % (world.world_size - 1) in str(error)
+    step_dir = os.path.join(ckpt_dir, "step_00000002")
+    assert not os.path.exists(os.path.join(step_dir, "metadata.json"))
+    assert latest_step(ckpt_dir) == 1
+    with open(os.path.join(ckpt_dir, "latest")) as f:
+        assert f.read().strip() == "step_00000001"
+    world.barrier()
+    monkeypatch.undo()
+    save_even(world, ckpt_dir, 2, arrays)  # the next save of that step replaces the leftovers
+    assert latest_step(ckpt_dir) == 2
+
+
+def test_flipped_byte_raises_on_every_rank_naming_file_and_dataset(world, ckpt_dir,
+                                                                   assert_raised_on_every_rank):
+    save_even(world, ckpt_dir, 3, full_tensors())
+    last = fmt.rank_file_name(world.world_size - 1)
+    world.barrier()
+    if world.rank == 0:
+        path = os.path.join(ckpt_dir, "step_00000003", last)
+        with h5py.File(path, "r") as f:
+            offset = f["tensors/params"].id.get_offset()
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 1]))
+    world.barrier()
+    ckpt = load_checkpoint(world, ckpt_dir)
+    # only the rank that reads the last piece hits it; every rank must raise
+    n = ckpt.tensors["params"]["global_size"]
+    reads_last = world.rank == world.world_size - 1
+    assert_raised_on_every_rank(
+        world, lambda: ckpt.read("params", n - 1 if reads_last else 0, 1), CheckpointError,
+        match=[last, "/tensors/params", "checksum mismatch"])
+
+
+def test_no_checkpoint_raises_on_every_rank(world, ckpt_dir, assert_raised_on_every_rank):
+    assert_raised_on_every_rank(world, lambda: load_checkpoint(world, ckpt_dir), CheckpointError,
+                                match=["no committed checkpoint"])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_different_tensors_on_ranks_raise_on_every_rank(world, ckpt_dir,
+                                                        assert_raised_on_every_rank):
+    name = "params" if world.rank == 0 else "other"
+    shards = {name: Shard(np.zeros(4), 0, 4)}
+    assert_raised_on_every_rank(world, lambda: save_checkpoint(world, ckpt_dir, 1, shards),
+                                CheckpointError, match=["different tensors"])
+    assert latest_step(ckpt_dir) is None
