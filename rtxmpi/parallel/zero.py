@@ -27,7 +27,7 @@ import numpy as np
 from ..backend import xp_of
 from ..control import agree
 from ..errors import CheckpointError, ConfigError, RtxmpiError
-from ..nn import AdamW, clip_grad_norm, decay_mask, grad_norm_sq
+from ..nn import AdamW, clip_grad_norm, grad_norm_sq
 from .data import DEFAULT_BUCKET_BYTES, DataParallel
 
 STAGES = (1, 2)
@@ -107,6 +107,17 @@ def optimizer_bytes(optimizer):
                if hasattr(v, "nbytes") and v is not params and k != "params")
 
 
+def shard_decay_mask(params, start, stop, xp=np, dtype=np.float32):
+    """rtxmpi.nn.decay_mask(params)[start:stop], built for the shard alone (no N-element array):
+    1 where weight decay applies, 0 elsewhere."""
+    mask = np.zeros(stop - start, dtype=dtype)
+    for p in params:
+        lo, hi = max(p.offset, start), min(p.offset + p.size, stop)
+        if p.decay and hi > lo:
+            mask[lo - start:hi - start] = 1
+    return mask if xp is np else xp.asarray(mask)
+
+
 def _default_optimizer(params, decay_mask):
     return AdamW(params, decay_mask=decay_mask)
 
@@ -166,8 +177,8 @@ class ZeroDataParallel:
             self._next_launch = 0
             self.overlapped_buckets = 0  # launched asynchronously during the last backward
         # what the optimizer updates: the parameter shard itself, or a host master copy
-        mask = decay_mask(model.params, xp=np if offload else self.xp,
-                          dtype=model.flat_data.dtype)[self.start:self.stop]
+        mask = shard_decay_mask(model.params, self.start, self.stop,
+                                xp=np if offload else self.xp, dtype=model.flat_data.dtype)
         shard = model.flat_data[self.start:self.stop]
         if offload == "cpu":
             dtype = np.promote_types(model.flat_data.dtype, np.float32)

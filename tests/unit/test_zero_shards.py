@@ -5,8 +5,10 @@ import numpy as np
 import pytest
 
 from rtxmpi.errors import ConfigError
-from rtxmpi.nn import AdamW
-from rtxmpi.parallel.zero import build_column_buckets, optimizer_bytes, shard_range, shard_size
+from rtxmpi.nn import AdamW, decay_mask
+from rtxmpi.nn.params import layout
+from rtxmpi.parallel.zero import (build_column_buckets, optimizer_bytes, shard_decay_mask,
+                                  shard_range, shard_size)
 
 
 def ranges(numel, world_size):
@@ -88,6 +90,15 @@ def test_each_parameter_maps_to_exactly_the_buckets_holding_its_elements(world_s
         assert set(touched) == expected
     for b in buckets:
         assert b.num_params == sum(b.index in t for t in buckets_of) > 0
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
+def test_shard_decay_mask_is_the_slice_of_the_full_mask(world_size):
+    specs = layout([("w", (3, 2), True), ("b", (2,), False), ("e", (5,), True), ("g", (1,), False)])
+    full = decay_mask(specs)
+    for rank in range(world_size):
+        start, stop = shard_range(len(full), world_size, rank)
+        np.testing.assert_array_equal(shard_decay_mask(specs, start, stop), full[start:stop])
 
 
 def test_optimizer_bytes_count_the_state_not_the_parameters():
