@@ -9,8 +9,6 @@ from rtxmpi.checkpoint import format as fmt
 from rtxmpi.checkpoint.agree import raise_if_any_failed
 from rtxmpi.errors import CheckpointError
 
-latest_step = fmt.latest_step
-
 
 class Checkpoint:
     """A committed checkpoint opened for reading; data is read lazily, range by range.
