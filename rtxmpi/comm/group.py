@@ -148,7 +148,7 @@ class ProcessGroup:
     def _run(self, op, seq, arrived, transfer, finish, async_op):
         """Start `transfer(nonblocking)`; complete it now or return a Work."""
         if async_op:
-            return Work(self, op, seq, transfer(True), finish)
+            return Work(self, op, seq, transfer(True), finish, keep=transfer)  # holds the buffers
         if not arrived and self.world_size > 1:
             self.backend.arrive(op, seq, self.timeout_s)
         with self.backend.blocking(op, seq, self.timeout_s):
@@ -350,7 +350,7 @@ class ProcessGroup:
         self._p2p_seq += 1
         buf = np.ascontiguousarray(x)
         work = Work(self, f"send to {dst}", self._p2p_seq,
-                    self.backend.send(buf, dst, tag), lambda: None)
+                    self.backend.send(buf, dst, tag), lambda: None, keep=buf)
         return work if async_op else work.wait()
 
     @_host_staged

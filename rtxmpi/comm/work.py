@@ -11,12 +11,15 @@ class Work:
     `test()`; until then the input array must not be read or written.
     """
 
-    __slots__ = ("group", "op", "seq", "_requests", "_finish", "_result", "_done")
+    __slots__ = ("group", "op", "seq", "_requests", "_finish", "_keep", "_result", "_done")
 
-    def __init__(self, group, op, seq, requests, finish):
+    def __init__(self, group, op, seq, requests, finish, keep=None):
+        """keep: objects whose memory MPI reads or writes until the requests complete (send and
+        receive buffers); held here so they cannot be freed and reused while in flight."""
         self.group, self.op, self.seq = group, op, seq
         self._requests = requests
         self._finish = finish
+        self._keep = keep
         self._result = None
         self._done = False
 
@@ -24,7 +27,7 @@ class Work:
         self._done = True
         self._requests = None
         self._result = self._finish()
-        self._finish = None
+        self._finish = self._keep = None
         return self._result
 
     def test(self):

@@ -735,3 +735,17 @@ def test_device_array_send_recv_ring(world, fake_cupy, async_op):
     else:
         assert sent is None
     assert got is target and (target.data == (rank - 1) % n).all()
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather", "all_to_all"])
+def test_async_collective_keeps_a_temporary_input_alive_until_wait(world, collective):
+    n = 4 * world.world_size
+    expected = {"reduce_scatter": lambda: np.full(4, sum(r + 0.5 for r in range(world.world_size))),
+                "all_gather": lambda: np.repeat(np.arange(world.world_size) + 0.5, n),
+                "all_to_all": lambda: np.repeat(np.arange(world.world_size) + 0.5, 4)}[collective]()
+    for _ in range(5):
+        # the input is a temporary (and a strided one, so the group makes its own contiguous copy)
+        work = getattr(world, collective)(np.full(2 * n, world.rank + 0.5)[::2], async_op=True)
+        junk = [np.full(2 * n, -1e9) for _ in range(20)]  # would reuse freed memory
+        np.testing.assert_array_equal(work.wait(), expected)
+        del junk
