@@ -140,3 +140,18 @@ def test_ckpt_every_without_ckpt_dir_is_a_one_line_error(tmp_path):
     assert proc.returncode == 2 and not proc.outer_timeout, str(proc)
     assert "error: --ckpt-every needs --ckpt-dir DIR" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_six_steps_then_resume_to_twelve_continues_at_step_seven(tmp_path):
+    """A run ended at --steps 6 extended with --resume --steps 12. Not bitwise equal to the
+    12-step reference: the cosine schedule is a function of --steps (docs/checkpoint.md)."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    proc = train(2, tmp_path, ckpt, "--steps", "6", metrics=metrics)
+    assert proc.returncode == 0 and len(proc.lines("checkpoint: saved step 6")) == 1, str(proc)
+    proc = train(2, tmp_path, ckpt, "--resume", metrics=metrics)
+    assert proc.returncode == 0 and "continuing at step 7" in proc.stdout, str(proc)
+    got = records(metrics)
+    assert sorted(got) == list(range(1, 13))
+    assert got[12]["loss"] < got[1]["loss"] and abs(got[7]["loss"] - got[6]["loss"]) < 0.5
+    arrays, last = tensors(ckpt, 12)
+    assert last.meta["optimizer_step"] == 12 and last.meta["samples_consumed"] == 12 * 8
