@@ -32,15 +32,33 @@ from rtxmpi.errors import ConfigError
 from rtxmpi.nn import (GPT, MODEL_SIZES, AdamW, GPTConfig, clip_grad_norm, cosine_lr, decay_mask,
                        grad_norm_sq)
 from rtxmpi.parallel.data import DataParallel
+from rtxmpi.parallel.zero import ZeroDataParallel
 
 EXIT_CONFIG = 2
 
 
+def _is_rank0():
+    from mpi4py import MPI  # initialized by `import rtxmpi`; works before rtxmpi.init()
+
+    return MPI.COMM_WORLD.Get_rank() == 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line, once (rank 0), with exit code 2."""
+
+    def error(self, message):
+        if _is_rank0():
+            print(f"error: {message} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CONFIG)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=None,
                    help="text file or directory (default: the Python standard library's source)")
     p.add_argument("--cache-dir", default=None, help="token cache (default $RTXMPI_CACHE_DIR or ~/.cache/rtxmpi)")
+    p.add_argument("--val-fraction", type=float, default=0.05,
+                   help="share of files (by path hash) held out for validation")
     p.add_argument("--model", default="small", choices=sorted(MODEL_SIZES), help="model size")
     p.add_argument("--steps", type=int, default=300, help="the step the run ends at")
     p.add_argument("--global-batch", type=int, default=32, help="sequences per step over all ranks")
@@ -48,6 +66,8 @@ def parse_args(argv=None):
                    help="gradient-accumulation micro-batches per step on each rank")
     p.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
     p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: world size)")
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2),
+                   help="0: replicated optimizer; 1: sharded optimizer state; 2: + sharded gradients")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up (default steps/20)")
@@ -57,7 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=50, help="validation every N steps (0: only at the end)")
     p.add_argument("--eval-batches", type=int, default=8, help="global batches per validation")
-    p.add_argument("--metrics-jsonl", default=None, help="append one JSON object per step (rank 0)")
+    p.add_argument("--metrics-jsonl", default=None,
+                   help="append one JSON object per step (rank 0; a resumed run continues the file)")
     p.add_argument("--sample-tokens", type=int, default=200, help="bytes to generate at the end (0: none)")
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (sharded HDF5, docs/checkpoint.md)")
     p.add_argument("--ckpt-every", type=int, default=0,
@@ -78,6 +99,18 @@ def check_args(args, world_size):
         raise ConfigError("--eval-every and --sample-tokens must be >= 0")
     if not args.lr > 0 or not args.bucket_mb > 0:
         raise ConfigError("--lr and --bucket-mb must be > 0")
+    if args.min_lr is not None and not 0 <= args.min_lr <= args.lr:
+        raise ConfigError(f"--min-lr {args.min_lr} must be in [0, --lr {args.lr}]")
+    if args.warmup_steps is not None and not 0 <= args.warmup_steps <= args.steps:
+        raise ConfigError(f"--warmup-steps {args.warmup_steps} must be in [0, --steps {args.steps}]")
+    if not args.grad_clip >= 0 or not args.weight_decay >= 0:
+        raise ConfigError("--grad-clip and --weight-decay must be >= 0 (--grad-clip 0: no clipping)")
+    if not 0 <= args.val_fraction < 1:
+        raise ConfigError(f"--val-fraction {args.val_fraction} must be in [0, 1)")
+    if args.metrics_jsonl is not None:
+        folder = os.path.dirname(os.path.abspath(args.metrics_jsonl))
+        if os.path.isdir(args.metrics_jsonl) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ConfigError(f"--metrics-jsonl {args.metrics_jsonl}: not a writable file path")
     if args.ckpt_every < 0:
         raise ConfigError(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
     if args.ckpt_dir is None and (args.ckpt_every or args.resume):
@@ -101,7 +134,7 @@ def check_args(args, world_size):
 def load_data(world, args):
     """Rank 0 tokenizes (or finds the cache) first; then the others map the cache."""
     load = lambda progress: load_corpus(args.data, cache_dir=args.cache_dir, seq_len=args.seq_len,  # noqa: E731
-                                        progress=progress)
+                                        val_fraction=args.val_fraction, progress=progress)
     corpus, failed = None, False
     if world.rank == 0:
         try:
@@ -124,33 +157,84 @@ def evaluate(model, world, tokens, args):
     return float(total[0] / total[1])
 
 
-def checkpoint_meta(args, cfg, model, optimizer, sampler):
+class Replicated:
+    """ZeRO stage 0: DataParallel with a whole AdamW on every rank, behind the calls of
+    ZeroDataParallel (grad_norm, step(lr, max_grad_norm, total_norm), shards, load_shards), so the
+    training loop and the checkpoint format are the same at every stage."""
+
+    def __init__(self, model, world, bucket_bytes, optimizer):
+        self.model, self.group = model, world
+        self.ddp = DataParallel(model, world, bucket_bytes=bucket_bytes)
+        self.optimizer = optimizer(model.flat_data, decay_mask(model.params))
+        self.forward, self.backward, self.no_sync = self.ddp.forward, self.ddp.backward, self.ddp.no_sync
+        self.zero_grad = self.ddp.zero_grad
+
+    def grad_norm(self):
+        return math.sqrt(grad_norm_sq(self.model.flat_grad))  # averaged: identical on every rank
+
+    def step(self, lr=None, max_grad_norm=None, total_norm=None):
+        if max_grad_norm is not None:
+            clip_grad_norm(self.model.flat_grad, max_grad_norm, total_norm=total_norm)
+        self.ddp.step(self.optimizer, lr=lr)
+
+    def shards(self):
+        """Each rank writes an even 1/world_size of every replicated tensor (no duplicate bytes)."""
+        r, n = self.group.rank, self.group.world_size
+        state = self.optimizer.state_dict()
+        steps = np.array([state["step"]], np.int64)
+        pieces = {"params": self.model.flat_data, "adam.m": state["m"], "adam.v": state["v"],
+                  "adam.step": steps}
+        shards = {name: Shard.even(full, r, n) for name, full in pieces.items()}
+        return {name: (sh.data, sh.global_offset, sh.global_size) for name, sh in shards.items()}
+
+    def load_shards(self, read):
+        n = self.model.flat_data.shape[0]
+        self.optimizer.load_state_dict({"step": int(read("adam.step", 0, 1)[0]),
+                                        "m": read("adam.m", 0, n), "v": read("adam.v", 0, n)})
+        self.model.flat_data[...] = read("params", 0, n)
+        self.ddp.zero_grad()
+
+
+def build_engine(args, model, world):
+    """The data-parallel engine for --zero-stage: Replicated (0) or ZeroDataParallel (1, 2)."""
+    def optimizer(params, mask):
+        return AdamW(params, lr=args.lr, weight_decay=args.weight_decay, decay_mask=mask)
+
+    bucket_bytes = int(args.bucket_mb * 2**20)
+    if args.zero_stage == 0:
+        return Replicated(model, world, bucket_bytes, optimizer)
+    return ZeroDataParallel(model, world, stage=args.zero_stage, bucket_bytes=bucket_bytes,
+                            optimizer=optimizer)
+
+
+def checkpoint_meta(args, cfg, model, engine, sampler):
     """What a resume needs besides the flat tensors (JSON, stored in metadata.json)."""
     return {"model": args.model, "model_config": asdict(cfg), "dtype": np.dtype(model.dtype).str,
             "param_layout": [[p.name, list(p.shape), p.offset] for p in model.params],
-            "optimizer_step": optimizer.step_count, "sampler": sampler.state_dict(),
+            "optimizer_step": engine.optimizer.step_count, "sampler": sampler.state_dict(),
             "samples_consumed": sampler.samples_consumed, "seed": args.seed,
-            "global_batch": args.global_batch, "seq_len": args.seq_len}
+            "global_batch": args.global_batch, "seq_len": args.seq_len,
+            "zero_stage": args.zero_stage}
 
 
-def save(world, args, step, cfg, model, optimizer, sampler):
-    """Commit a checkpoint of `step`: each rank writes its 1/world_size of params, m and v."""
+def save(world, args, step, cfg, model, engine, sampler):
+    """Commit a checkpoint of `step`: each rank writes its piece of params, m, v and the step."""
     t0 = time.perf_counter()
-    r, n = world.rank, world.world_size
-    shards = {"params": Shard.even(model.flat_data, r, n), "adam.m": Shard.even(optimizer.m, r, n),
-              "adam.v": Shard.even(optimizer.v, r, n)}
+    shards = {name: Shard(*piece) for name, piece in engine.shards().items()}
     path = save_checkpoint(world, args.ckpt_dir, step, shards,
-                           meta=checkpoint_meta(args, cfg, model, optimizer, sampler),
-                           rank_state={"rank": r, "world_size": n}, overwrite=True)
-    if r == 0:
+                           meta=checkpoint_meta(args, cfg, model, engine, sampler),
+                           rank_state={"rank": world.rank, "world_size": world.world_size},
+                           overwrite=True)
+    if world.rank == 0:
         mb = 3 * model.num_params * np.dtype(model.dtype).itemsize / 1e6
-        print(f"checkpoint: saved step {step} to {path} ({mb:.1f} MB over {n} rank files, "
-              f"{time.perf_counter() - t0:.2f} s)", flush=True)
+        print(f"checkpoint: saved step {step} to {path} ({mb:.1f} MB over {world.world_size} rank "
+              f"files, {time.perf_counter() - t0:.2f} s)", flush=True)
 
 
-def resume(world, args, cfg, model, optimizer, sampler):
+def resume(world, args, cfg, engine, sampler):
     """Load the latest committed checkpoint in --ckpt-dir; returns its step (0: none, fresh).
-    Without --resume, refuses a --ckpt-dir that already holds checkpoints (ConfigError)."""
+    Any world size and ZeRO stage loads any other's. Without --resume, refuses a --ckpt-dir that
+    already holds checkpoints (ConfigError)."""
     found = np.array([-1 if world.rank else (latest_step(args.ckpt_dir) or 0)], np.int64)
     world.broadcast(found, src=0)
     if not args.resume:
@@ -167,19 +251,14 @@ def resume(world, args, cfg, model, optimizer, sampler):
     if saved_cfg != cfg:
         raise ConfigError(f"checkpoint {ckpt.path} holds model {ckpt.meta['model']} {saved_cfg}, "
                           f"this run builds {cfg}; use the same --model and --seq-len")
-    for name, target in (("params", model.flat_data), ("adam.m", optimizer.m), ("adam.v", optimizer.v)):
-        if isinstance(target, np.ndarray) and target.dtype == np.dtype(ckpt.tensors[name]["dtype"]):
-            ckpt.read(name, out=target)  # straight into the live buffer: no extra copy
-        else:
-            target[...] = model.xp.asarray(ckpt.read(name), dtype=target.dtype)
-    optimizer.step_count = int(ckpt.meta["optimizer_step"])
+    engine.load_shards(ckpt.read)  # reads only the slices this rank keeps
     sampler.load_state_dict(ckpt.meta["sampler"])
     if world.rank == 0:
         for path in ckpt.ignored:
             print(f"checkpoint: ignoring uncommitted {path}", flush=True)
         print(f"checkpoint: resumed from {ckpt.path} (saved at world size {ckpt.world_size_saved}, "
-              f"{sampler.samples_consumed} samples consumed); continuing at step {ckpt.step + 1}",
-              flush=True)
+              f"ZeRO stage {ckpt.meta.get('zero_stage', 0)}, {sampler.samples_consumed} samples "
+              f"consumed); continuing at step {ckpt.step + 1}", flush=True)
     return ckpt.step
 
 
@@ -190,9 +269,7 @@ def train(args):
     corpus = load_data(world, args)
     cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
     model = GPT(cfg, seed=args.seed)
-    ddp = DataParallel(model, world, bucket_bytes=int(args.bucket_mb * 2**20))
-    optimizer = AdamW(model.flat_data, lr=args.lr, weight_decay=args.weight_decay,
-                      decay_mask=decay_mask(model.params))
+    engine = build_engine(args, model, world)
     sampler = BatchSampler(corpus.train, args.seq_len, args.global_batch, seed=args.seed,
                            dp_rank=rank, dp_size=world_size)
     min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
@@ -201,9 +278,10 @@ def train(args):
     if rank == 0:
         print(f"rtxmpi {rtxmpi.__version__}: world_size {world_size}, model {args.model} "
               f"({model.num_params / 1e6:.2f} M params), corpus {corpus.source} "
-              f"({corpus.train.size / 1e6:.1f} MB train / {corpus.val.size / 1e6:.2f} MB val), "
-              f"global batch {args.global_batch} x {args.seq_len} tokens", flush=True)
-    start_step = resume(world, args, cfg, model, optimizer, sampler) + 1 if args.ckpt_dir else 1
+              f"({_size(corpus.train.size)} train / {_size(corpus.val.size)} val), "
+              f"global batch {args.global_batch} x {args.seq_len} tokens, ZeRO stage "
+              f"{args.zero_stage}", flush=True)
+    start_step = resume(world, args, cfg, engine, sampler) + 1 if args.ckpt_dir else 1
     if start_step > args.steps:
         if rank == 0:
             print(f"nothing to do: the checkpoint is at step {start_step - 1} >= --steps {args.steps}",
@@ -219,21 +297,19 @@ def train(args):
         xs, ys = np.split(x, args.micro_batches), np.split(y, args.micro_batches)
         loss_sum = 0.0
         for m in range(args.micro_batches):
-            loss, cache = ddp.forward(xs[m], ys[m])
+            loss, cache = engine.forward(xs[m], ys[m])
             loss_sum += loss
             if m < args.micro_batches - 1:
-                with ddp.no_sync():
-                    ddp.backward(cache, scale=1.0 / args.micro_batches)
+                with engine.no_sync():
+                    engine.backward(cache, scale=1.0 / args.micro_batches)
             else:
-                ddp.backward(cache, scale=1.0 / args.micro_batches)
-        grad_norm = math.sqrt(grad_norm_sq(model.flat_grad))  # identical on every rank
-        if args.grad_clip > 0:
-            clip_grad_norm(model.flat_grad, args.grad_clip, total_norm=grad_norm)
+                engine.backward(cache, scale=1.0 / args.micro_batches)
+        grad_norm = engine.grad_norm()  # global: the same on every rank
         lr = cosine_lr(step, args.lr, warmup, args.steps, min_lr)
         if agree(world, overflow=not math.isfinite(grad_norm)).overflow:
-            ddp.zero_grad()  # every rank skips the step: a non-finite gradient somewhere
+            engine.zero_grad()  # every rank skips the step: a non-finite gradient somewhere
         else:
-            ddp.step(optimizer, lr=lr)
+            engine.step(lr=lr, max_grad_norm=args.grad_clip or None, total_norm=grad_norm)
         losses = np.array([loss_sum / args.micro_batches])
         world.all_reduce(losses, op="avg")
         step_time = time.perf_counter() - t0
@@ -243,14 +319,14 @@ def train(args):
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
             record["val_loss"] = evaluate(model, world, corpus.val, args)
         if rank == 0:
+            bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", **({"val": f"{record['val_loss']:.3f}"}
                                                               if "val_loss" in record else {}))
-            bar.update(1)
             if metrics:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
         if args.ckpt_dir and ((args.ckpt_every and step % args.ckpt_every == 0) or step == args.steps):
-            save(world, args, step, cfg, model, optimizer, sampler)
+            save(world, args, step, cfg, model, engine, sampler)
     bar.close()
     elapsed = time.perf_counter() - start
     steps_run = args.steps - start_step + 1
@@ -268,12 +344,18 @@ def train(args):
     return record
 
 
+def _size(n_bytes):
+    return f"{n_bytes / 1e6:.1f} MB" if n_bytes >= 1e5 else f"{n_bytes / 1e3:.1f} KB"
+
+
 def main(argv=None):
     args = parse_args(argv)
     try:
+        if args.timeout_s is not None and not args.timeout_s > 0:
+            raise ConfigError(f"--timeout-s must be > 0 seconds, got {args.timeout_s}")
         train(args)
     except ConfigError as exc:
-        if not rtxmpi.is_initialized() or rtxmpi.world().rank == 0:
+        if _is_rank0():
             print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)
 

@@ -50,7 +50,7 @@ def reference(tmp_path_factory):
 def test_checkpoints_hold_params_optimizer_and_data_position(reference):
     assert [c.step for c in list_checkpoints(reference / "ckpt") if c.committed] == [6, 12]
     arrays, ckpt = tensors(reference / "ckpt", 6)
-    assert set(arrays) == {"params", "adam.m", "adam.v"} and ckpt.world_size_saved == 2
+    assert set(arrays) == {"params", "adam.m", "adam.v", "adam.step"} and ckpt.world_size_saved == 2
     meta = ckpt.meta
     assert meta["optimizer_step"] == 6 and meta["sampler"] == {"samples_consumed": 48, "seed": 0}
     assert meta["model"] == "tiny" and meta["param_layout"][0][2] == 0
@@ -78,13 +78,14 @@ def test_rank_killed_mid_save_keeps_previous_and_resume_matches_uninterrupted(re
         assert np.array_equal(resumed[name], uninterrupted[name]), name
 
 
-@pytest.mark.parametrize("n", [1, 4])
-def test_two_rank_checkpoint_resumes_at_other_world_sizes(reference, tmp_path, n):
+@pytest.mark.parametrize("n, zero_stage", [(1, 0), (4, 0), (1, 2), (4, 1), (2, 2)])
+def test_two_rank_checkpoint_resumes_at_other_world_sizes_and_zero_stages(reference, tmp_path, n,
+                                                                           zero_stage):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     shutil.copytree(reference / "ckpt" / "step_00000006", ckpt / "step_00000006")
     metrics = tmp_path / "m.jsonl"
-    proc = train(n, tmp_path, ckpt, "--resume", metrics=metrics)
+    proc = train(n, tmp_path, ckpt, "--resume", "--zero-stage", str(zero_stage), metrics=metrics)
     assert proc.returncode == 0, str(proc)
     assert "saved at world size 2" in proc.stdout and "continuing at step 7" in proc.stdout
     got, want = records(metrics), records(reference / "m.jsonl")
@@ -93,7 +94,18 @@ def test_two_rank_checkpoint_resumes_at_other_world_sizes(reference, tmp_path, n
     for step in range(7, 13):
         assert abs(got[step]["loss"] - want[step]["loss"]) < 1e-3, step
     _, last = tensors(ckpt, 12)
-    assert last.world_size_saved == n
+    assert last.world_size_saved == n and last.meta["zero_stage"] == zero_stage
+
+
+def test_zero_stage_2_checkpoint_resumes_with_plain_data_parallel(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = train(4, tmp_path, ckpt, "--steps", "6", "--zero-stage", "2")
+    assert proc.returncode == 0, str(proc)
+    metrics = tmp_path / "m.jsonl"
+    proc = train(2, tmp_path, ckpt, "--resume", "--zero-stage", "0", metrics=metrics)
+    assert proc.returncode == 0, str(proc)
+    assert "saved at world size 4, ZeRO stage 2" in proc.stdout
+    assert sorted(records(metrics)) == list(range(7, 13))
 
 
 def test_ckpt_ls_verify_inspect_and_a_flipped_byte(reference, tmp_path):

@@ -39,12 +39,16 @@ def test_train_30_steps_at_2_ranks_lowers_the_loss(tmp_path):
     (["--global-batch", "6"], "--global-batch 6 is not divisible by the data-parallel size 4"),
     (["--data", "/nonexistent/corpus"], "--data /nonexistent/corpus: no such file or directory"),
     (["--model", "huge"], "invalid choice: 'huge'"),
+    (["--metrics-jsonl", "/nonexistent/dir/m.jsonl"], "--metrics-jsonl /nonexistent/dir/m.jsonl: not a"),
+    (["--warmup-steps", "10"], "--warmup-steps 10 must be in [0, --steps 5]"),
+    (["--timeout-s", "0"], "--timeout-s must be > 0 seconds"),
 ])
 def test_bad_flags_exit_nonzero_fast_with_one_line_error(tmp_path, args, message):
     proc = mpiexec(4, "train.py", ["--steps", "5", "--no-progress", *args], 120, tmp_path)
     assert proc.returncode != 0 and not proc.outer_timeout, str(proc)
     assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert proc.stderr.count("error: ") == 1, proc.stderr  # one line, from rank 0
+    assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr
     assert proc.elapsed_s < 60
 
 
