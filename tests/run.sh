@@ -11,9 +11,9 @@ fi
 MPIEXEC="mpiexec --oversubscribe --mca mpi_yield_when_idle 1 --bind-to none"
 status=0
 echo "== one-process tests and launched-job tests"
-python -m pytest -q tests/unit tests/launched "$@" || status=1
+python -m pytest -q --color=no tests/unit tests/launched "$@" || status=1
 for n in 1 2 4; do
   echo "== MPI tests at -n $n"
-  timeout 900 $MPIEXEC -n "$n" python tests/mpi_pytest.py -q tests/mpi "$@" || status=1
+  timeout 900 $MPIEXEC -n "$n" python tests/mpi_pytest.py -q --color=no tests/mpi "$@" || status=1
 done
 exit $status
