@@ -1,0 +1,184 @@
+"""Per-rank memory of data parallelism (ZeRO stage 0 = DataParallel) and ZeRO stages 1, 2 (3).
+
+    python bench/memory.py                          # launches mpiexec at 1, 2 and 4 ranks
+    python bench/memory.py --ranks 1,2,4 --model small --local-batch 16 --json memory.json
+
+One mpiexec job per (world size, stage), so each job's peak RSS is that configuration's own. Each
+job builds the model, the engine (stage 0: DataParallel + AdamW with the decay mask, as train.py;
+stage k: ZeroDataParallel(stage=k)), runs --steps training steps of --local-batch x --seq-len
+tokens per rank, then one more forward whose cache it keeps, and reports per rank
+(rtxmpi.observe.memory.report): params, grads, optimizer state (the engine's memory_bytes() when it
+has one, else the arrays), activations (the unique buffers of that one micro-batch's forward cache,
+views and parameter buffers not counted), model state = params + grads + optimizer, and the
+process's peak RSS. Tables show the largest value over ranks (shards can be uneven). Stage 3 is
+measured when rtxmpi.parallel.zero.STAGES has it.
+
+Target (issue): at 4 ranks, ZeRO-3 per-rank model-state bytes <= (DP's / 4 + one layer's gathered
+parameters) x 1.05, where "one layer" is the largest of: one transformer block's parameters, the
+embeddings (wte + wpe), the final LayerNorm (+ an untied head).
+"""
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from _common import machine_info, machine_line, markdown_table, write_json  # noqa: E402
+
+MIB = 2**20
+
+
+def largest_layer_bytes(model):
+    """Bytes of the largest group of parameters gathered together in ZeRO-3: a block (h{l}.*),
+    the embeddings (wte, wpe) or the rest (ln_f, lm_head)."""
+    groups = {}
+    for p in model.params:
+        key = p.name.split(".")[0] if p.name.startswith("h") and "." in p.name else (
+            "embeddings" if p.name in ("wte", "wpe") else "final")
+        groups[key] = groups.get(key, 0) + p.size * model.flat_data.itemsize
+    return max(groups.values())
+
+
+def worker(args):
+    import numpy as np
+
+    import rtxmpi
+    from rtxmpi.data import BatchSampler, load_corpus
+    from rtxmpi.nn import GPT, AdamW, GPTConfig, decay_mask
+    from rtxmpi.observe.memory import gather_reports, report
+    from rtxmpi.parallel.data import DataParallel
+    from rtxmpi.parallel.zero import ZeroDataParallel
+
+    world = rtxmpi.init(check=False)
+    corpus = load_corpus(progress=False)
+    cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
+    sampler = BatchSampler(corpus.train, args.seq_len, args.local_batch * world.world_size, seed=0,
+                           dp_rank=world.rank, dp_size=world.world_size)
+    model = GPT(cfg, seed=0)
+    optimizer = None
+    if args.stage == 0:
+        engine = DataParallel(model, world)
+        optimizer = AdamW(model.flat_data, lr=1e-4, decay_mask=decay_mask(model.params))
+        step = lambda: engine.step(optimizer)  # noqa: E731
+    else:
+        engine = ZeroDataParallel(model, world, stage=args.stage)
+        step = lambda: engine.step()  # noqa: E731
+    for _ in range(args.steps):
+        x, y = sampler.next_batch()
+        _, cache = engine.forward(x, y)
+        engine.backward(cache)
+        step()
+        del cache
+    x, y = sampler.next_batch()
+    _, cache = engine.forward(x, y)
+    reports = gather_reports(world, report(engine, model=model, optimizer=optimizer, cache=cache))
+    if world.rank == 0:
+        print("RESULT " + json.dumps({
+            "ranks": world.world_size, "stage": args.stage, "params": model.num_params,
+            "layer_bytes": largest_layer_bytes(model),
+            "per_rank": [r.as_dict() for r in reports]}), flush=True)
+
+
+def available_stages():
+    from rtxmpi.parallel.zero import STAGES
+
+    return [0] + [s for s in (1, 2, 3) if s in STAGES]
+
+
+def launch(args, ranks, stage):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", RTXMPI_CHECK="0")
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = ["mpiexec", "--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
+           "-n", str(ranks), sys.executable, os.path.abspath(__file__), "--worker",
+           "--stage", str(stage), "--model", args.model, "--local-batch", str(args.local_batch),
+           "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
+    print(f"[memory] {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        sys.exit(f"[memory] {ranks} ranks, stage {stage} failed:\n{proc.stdout}\n{proc.stderr}")
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    result = json.loads(line[len("RESULT "):])
+    for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+                "model_state_bytes", "peak_rss_bytes", "rss_bytes"):
+        result[key] = max(r[key] for r in result["per_rank"])
+    return result
+
+
+def mib(n):
+    return f"{n / MIB:.2f}"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", default="1,2,4", help="comma-separated world sizes")
+    p.add_argument("--model", default="small")
+    p.add_argument("--stages", default=None, help="comma-separated stages (default: 0 and every "
+                                                   "stage rtxmpi.parallel.zero.STAGES has)")
+    p.add_argument("--local-batch", type=int, default=16, help="sequences per rank per micro-batch")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=2, help="training steps before measuring")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    stages = ([int(s) for s in args.stages.split(",")] if args.stages else available_stages())
+    ranks = [int(n) for n in args.ranks.split(",")]
+    results = {(n, s): launch(args, n, s) for s in stages for n in ranks}
+    dp = {n: results[(n, 0)]["model_state_bytes"] for n in ranks if (n, 0) in results}
+    first = next(iter(results.values()))
+    rows = []
+    for s in stages:
+        for n in ranks:
+            r = results[(n, s)]
+            ratio = f"{r['model_state_bytes'] / dp[n]:.3f}" if n in dp else "-"
+            r["ratio_to_dp"] = r["model_state_bytes"] / dp[n] if n in dp else None
+            rows.append([s, n, mib(r["params_bytes"]), mib(r["grads_bytes"]),
+                         mib(r["optimizer_bytes"]), mib(r["activations_bytes"]),
+                         mib(r["model_state_bytes"]), ratio, mib(r["peak_rss_bytes"])])
+    info = machine_info()
+    print(f"Per-rank memory (MiB, largest over ranks), model {args.model} "
+          f"({first['params'] / 1e6:.2f} M params, float32), activations of one micro-batch of "
+          f"{args.local_batch} x {args.seq_len} tokens; stage 0 = DataParallel + AdamW")
+    print(markdown_table(["stage", "ranks", "params", "grads", "optimizer", "activations",
+                          "model state", "ratio to DP", "peak RSS"], rows))
+    print("\nModel state per rank (MiB) and ratio to DP at the same world size, side by side:")
+    side = [[s] + [f"{mib(results[(n, s)]['model_state_bytes'])} ({results[(n, s)]['ratio_to_dp']:.3f})"
+                   if results[(n, s)]["ratio_to_dp"] is not None else mib(results[(n, s)]["model_state_bytes"])
+                   for n in ranks] for s in stages]
+    print(markdown_table(["stage"] + [f"{n} rank{'s' if n > 1 else ''}" for n in ranks], side))
+    print()
+    layer = first["layer_bytes"]
+    if 4 in dp:
+        bound = (dp[4] / 4 + layer) * 1.05
+        target = {"bound_bytes": bound, "layer_bytes": layer, "dp_bytes": dp[4]}
+        if (4, 3) in results:
+            got = results[(4, 3)]["model_state_bytes"]
+            target.update(zero3_bytes=got, met=got <= bound)
+            print(f"- Target: ZeRO-3 model state at 4 ranks <= (DP/4 + largest layer) x 1.05 = "
+                  f"({mib(dp[4])}/4 + {mib(layer)}) x 1.05 = {mib(bound)} MiB: {mib(got)} MiB -> "
+                  f"{'met' if got <= bound else 'MISSED'} ({got / bound:.2f} of the bound)")
+        else:
+            best = min(results[(4, s)]["model_state_bytes"] for s in stages if s)
+            print(f"- Target: ZeRO-3 model state at 4 ranks <= (DP/4 + largest layer) x 1.05 = "
+                  f"({mib(dp[4])}/4 + {mib(layer)}) x 1.05 = {mib(bound)} MiB: not measured "
+                  f"(rtxmpi.parallel.zero.STAGES has no stage 3); best stage now {mib(best)} MiB "
+                  f"= {best / bound:.2f} of the bound")
+            target.update(zero3_bytes=None, met=None)
+    else:
+        target = None
+    print(f"\nmachine: {machine_line(info)}")
+    print(f"command: python bench/memory.py {shlex.join(sys.argv[1:])}".rstrip())
+    if args.json:
+        write_json(args.json, {"args": vars(args), "machine": info, "target": target,
+                               "results": [results[k] for k in sorted(results)]})
+
+
+if __name__ == "__main__":
+    main()
