@@ -1,7 +1,7 @@
 """Checkpoint I/O: rtxmpi save_checkpoint / load_checkpoint against plain writes and reads of the
 same bytes, in one MPI job.
 
-    mpiexec -n N python bench/checkpoint.py [--size-mb 256] [--repeats 3] [--dir DIR] [--json FILE]
+    mpiexec -n N python bench/checkpoint.py [--size-mb 256] [--repeats 5] [--dir DIR] [--json FILE]
 
 The checkpoint holds three float32 tensors ("params", "adam.m", "adam.v", as train.py saves) of
 --size-mb MiB in all; rank r owns 1/N of each (the ZeRO / Shard.even shape) and writes only that.
@@ -44,7 +44,7 @@ READS = ("raw read", "h5py read", "rtxmpi load")
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-mb", type=float, default=256.0, help="checkpoint size in MiB, all ranks together")
-    p.add_argument("--repeats", type=int, default=3, help="repetitions of every phase")
+    p.add_argument("--repeats", type=int, default=5, help="repetitions of every phase")
     p.add_argument("--dir", default=None,
                    help="where files go (default: a fresh directory in the temporary directory, "
                         "removed at the end; it must be on the disk you mean to measure, not tmpfs)")
@@ -309,14 +309,14 @@ def main():
         targets["resharded_vs_same_size_time"] = med["resharded load"] / med["same-size load"]
     print()
     verdict = lambda ok: "met" if ok else "MISSED"  # noqa: E731
-    print(f"- Target save >= 0.8x h5py write+fsync bandwidth: {targets['save_vs_write']:.2f}x -> "
+    print(f"- Target save >= 0.8x h5py write+fsync bandwidth: {targets['save_vs_write']:.3f}x -> "
           f"{verdict(targets['save_vs_write'] >= 0.8)}")
-    print(f"- Target load >= 0.8x h5py read bandwidth: {targets['load_vs_read']:.2f}x -> "
+    print(f"- Target load >= 0.8x h5py read bandwidth: {targets['load_vs_read']:.3f}x -> "
           f"{verdict(targets['load_vs_read'] >= 0.8)}")
     if "resharded_vs_same_size_time" in targets:
         r = targets["resharded_vs_same_size_time"]
         print(f"- Target resharded load ({half} ranks reading the {bench.size}-rank checkpoint) "
-              f"<= 1.5x the same-size load time: {r:.2f}x -> {verdict(r <= 1.5)}")
+              f"<= 1.5x the same-size load time: {r:.3f}x -> {verdict(r <= 1.5)}")
     print(f"\nmachine: {machine_line(info)}")
     print(f"command: {command}")
     print(f"total run time {time.perf_counter() - t_start:.1f} s")
