@@ -151,10 +151,10 @@ def main():
     info = machine_info()
     print(f"Per-rank memory (MiB, largest over ranks), model {args.model} "
           f"({first['params'] / 1e6:.2f} M params, float32), activations of one micro-batch of "
-          f"{args.local_batch} x {args.seq_len} tokens; stage 0 = DataParallel + AdamW")
+          f"{args.local_batch} x {args.seq_len} tokens; stage 0 = DataParallel + AdamW\n")
     print(markdown_table(["stage", "ranks", "params", "grads", "optimizer", "activations",
                           "model state", "ratio to DP", "peak RSS"], rows))
-    print("\nModel state per rank (MiB) and ratio to DP at the same world size, side by side:")
+    print("\nModel state per rank (MiB) and ratio to DP at the same world size, side by side:\n")
     side = [[s] + [f"{mib(results[(n, s)]['model_state_bytes'])} ({results[(n, s)]['ratio_to_dp']:.3f})"
                    if results[(n, s)]["ratio_to_dp"] is not None else mib(results[(n, s)]["model_state_bytes"])
                    for n in ranks] for s in stages]
