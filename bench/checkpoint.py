@@ -258,7 +258,7 @@ class Bench:
 def main():
     args = parse_args()
     bench = Bench(args)
-    np, world = bench.np, bench.world
+    world = bench.world
     info = machine_info() if bench.rank == 0 else None
     root = args.dir
     if bench.rank == 0:

@@ -48,8 +48,6 @@ def largest_layer_bytes(model):
 
 
 def worker(args):
-    import numpy as np
-
     import rtxmpi
     from rtxmpi.data import BatchSampler, load_corpus
     from rtxmpi.nn import GPT, AdamW, GPTConfig, decay_mask

@@ -1,6 +1,4 @@
 """rtxmpi.observe.memory across ranks: gather_reports and ZeRO's sharded optimizer bytes."""
-import numpy as np
-
 from rtxmpi.nn import GPT, GPTConfig
 from rtxmpi.observe.memory import gather_reports, report
 from rtxmpi.parallel.zero import ZeroDataParallel, shard_range
