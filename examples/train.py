@@ -10,7 +10,9 @@ overlapping backward, and rank 0 shows progress, writes one JSON line per step t
 evaluates the validation loss every --eval-every steps and prints a generated sample at the end.
 With --ckpt-dir and --ckpt-every K a sharded checkpoint is committed after every step S with
 S % K == 0 and at the end; --resume continues from the latest committed one at step S + 1, at any
-world size (docs/checkpoint.md).
+world size (docs/checkpoint.md). Rank 0 logs every step to CKPT/wal.h5 (the write-ahead log);
+--deterministic makes a resume re-run the logged steps after the checkpoint and check them bit for
+bit against the log (docs/wal.md). --stop-after-step S ends the run early as if pre-empted.
 A bad flag or data path gives a one-line error and exit code 2 on every rank.
 """
 import argparse
@@ -26,15 +28,18 @@ from tqdm import tqdm
 
 import rtxmpi
 from rtxmpi.checkpoint import Shard, latest_step, load_checkpoint, save_checkpoint
+from rtxmpi.checkpoint.agree import raise_if_any_failed
 from rtxmpi.control import agree
 from rtxmpi.data import BatchSampler, decode, encode, eval_batches, load_corpus
-from rtxmpi.errors import ConfigError
+from rtxmpi.errors import CheckpointError, ConfigError
 from rtxmpi.nn import (GPT, MODEL_SIZES, AdamW, GPTConfig, clip_grad_norm, cosine_lr, decay_mask,
                        grad_norm_sq)
 from rtxmpi.parallel.data import DataParallel
 from rtxmpi.parallel.zero import ZeroDataParallel
+from rtxmpi.wal import ResumeParity, WriteAheadLog, params_digest, read_wal, wal_path
 
 EXIT_CONFIG = 2
+EXIT_CHECKPOINT = 3  # a checkpoint or write-ahead log error, e.g. resume parity failed
 
 
 def _is_rank0():
@@ -85,6 +90,14 @@ def parse_args(argv=None):
                    help="checkpoint after every K-th step and at the end (0: only at the end)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest committed checkpoint in --ckpt-dir (none: start fresh)")
+    p.add_argument("--stop-after-step", type=int, default=None, metavar="S",
+                   help="end this run after step S with a committed checkpoint, as if pre-empted "
+                        "(the schedule still follows --steps); needs --ckpt-dir")
+    p.add_argument("--wal-every", type=int, default=10, metavar="K",
+                   help="write-ahead log CKPT/wal.h5: durable and a parameter digest every K steps")
+    p.add_argument("--deterministic", action="store_true",
+                   help="bitwise-reproducible run; --resume re-runs the logged steps after the "
+                        "checkpoint and checks them against the log (docs/wal.md)")
     p.add_argument("--timeout-s", type=float, default=None, help="deadline of every collective wait")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
@@ -113,8 +126,13 @@ def check_args(args, world_size):
             raise ConfigError(f"--metrics-jsonl {args.metrics_jsonl}: not a writable file path")
     if args.ckpt_every < 0:
         raise ConfigError(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
-    if args.ckpt_dir is None and (args.ckpt_every or args.resume):
-        raise ConfigError(f"{'--ckpt-every' if args.ckpt_every else '--resume'} needs --ckpt-dir DIR")
+    if args.ckpt_dir is None and (args.ckpt_every or args.resume or args.stop_after_step):
+        flag = "--ckpt-every" if args.ckpt_every else "--resume" if args.resume else "--stop-after-step"
+        raise ConfigError(f"{flag} needs --ckpt-dir DIR")
+    if args.stop_after_step is not None and not 1 <= args.stop_after_step <= args.steps:
+        raise ConfigError(f"--stop-after-step {args.stop_after_step} must be in [1, --steps {args.steps}]")
+    if args.wal_every < 1:
+        raise ConfigError(f"--wal-every must be >= 1, got {args.wal_every}")
     dp = world_size if args.dp is None else args.dp
     if dp != world_size:
         raise ConfigError(f"--dp {dp} != world_size {world_size}: data parallelism is the only "
@@ -217,13 +235,15 @@ def checkpoint_meta(args, cfg, model, engine, sampler):
             "zero_stage": args.zero_stage}
 
 
-def save(world, args, step, cfg, model, engine, sampler):
-    """Commit a checkpoint of `step`: each rank writes its piece of params, m, v and the step."""
+def save(world, args, step, cfg, model, engine, sampler, rng):
+    """Commit a checkpoint of `step`: each rank writes its piece of params, m, v and the step,
+    and its generator's state."""
     t0 = time.perf_counter()
     shards = {name: Shard(*piece) for name, piece in engine.shards().items()}
     path = save_checkpoint(world, args.ckpt_dir, step, shards,
                            meta=checkpoint_meta(args, cfg, model, engine, sampler),
-                           rank_state={"rank": world.rank, "world_size": world.world_size},
+                           rank_state={"rank": world.rank, "world_size": world.world_size,
+                                       "rng": rng.bit_generator.state},
                            overwrite=True)
     if world.rank == 0:
         mb = 3 * model.num_params * np.dtype(model.dtype).itemsize / 1e6
@@ -231,10 +251,11 @@ def save(world, args, step, cfg, model, engine, sampler):
               f"files, {time.perf_counter() - t0:.2f} s)", flush=True)
 
 
-def resume(world, args, cfg, engine, sampler):
+def resume(world, args, cfg, engine, sampler, rng):
     """Load the latest committed checkpoint in --ckpt-dir; returns its step (0: none, fresh).
     Any world size and ZeRO stage loads any other's. Without --resume, refuses a --ckpt-dir that
-    already holds checkpoints (ConfigError)."""
+    already holds checkpoints (ConfigError). The per-rank generator continues from its saved state
+    at the same world size; at another, it restarts from (seed, rank, step) (docs/wal.md)."""
     found = np.array([-1 if world.rank else (latest_step(args.ckpt_dir) or 0)], np.int64)
     world.broadcast(found, src=0)
     if not args.resume:
@@ -253,6 +274,12 @@ def resume(world, args, cfg, engine, sampler):
                           f"this run builds {cfg}; use the same --model and --seq-len")
     engine.load_shards(ckpt.read)  # reads only the slices this rank keeps
     sampler.load_state_dict(ckpt.meta["sampler"])
+    saved = ckpt.rank_state(world.rank).get("rng")
+    if saved is not None and ckpt.world_size_saved == world.world_size:
+        rng.bit_generator.state = saved
+    else:
+        rng.bit_generator.state = np.random.default_rng(
+            [args.seed, world.rank, ckpt.step]).bit_generator.state
     if world.rank == 0:
         for path in ckpt.ignored:
             print(f"checkpoint: ignoring uncommitted {path}", flush=True)
@@ -260,6 +287,119 @@ def resume(world, args, cfg, engine, sampler):
               f"ZeRO stage {ckpt.meta.get('zero_stage', 0)}, {sampler.samples_consumed} samples "
               f"consumed); continuing at step {ckpt.step + 1}", flush=True)
     return ckpt.step
+
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def check_deterministic(world):
+    """--deterministic: warn (rank 0) when numpy's BLAS may run more than one thread per rank
+    (the variables are read once, when numpy loads, so they must be set before the job starts)."""
+    if world.rank != 0:
+        return
+    loose = [f"{v}={os.environ.get(v, 'unset')}" for v in THREAD_VARIABLES
+             if os.environ.get(v, "1" if v != "OMP_NUM_THREADS" else None) != "1"]
+    if loose:
+        print(f"warning: --deterministic with {', '.join(loose)}: numpy's BLAS may use several "
+              f"threads, reproducible only on the same machine; export OMP_NUM_THREADS=1",
+              file=sys.stderr, flush=True)
+    print(f"deterministic: bitwise reproducible at world size {world.world_size} with the same "
+          f"flags, MPI library and machine type (docs/wal.md)", flush=True)
+
+
+class StepLog:
+    """The write-ahead log CKPT/wal.h5 as the loop sees it (docs/wal.md). Every rank holds one;
+    rank 0 writes. A fresh run starts an empty log. A resume from the checkpoint at step C reads
+    the durable records (a crashed writer's tail is simply absent) up to the last logged step L:
+    without --deterministic it keeps the records up to C and appends the re-run steps C+1.. anew;
+    with it, the log is left as it is while steps C+1..L are re-run and each is checked bit for bit
+    against it (CheckpointError on every rank at the first difference), then it is kept up to L
+    and continued at L+1."""
+
+    def __init__(self, world, args, model, ckpt_step):
+        self.world, self.args, self.model = world, args, model
+        self.path, self.wal, self.parity, self.records = wal_path(args.ckpt_dir), None, None, None
+        error, verify_until = None, 0
+        if world.rank == 0:
+            try:
+                verify_until = self._open(ckpt_step)
+            except (CheckpointError, OSError) as exc:
+                error = exc
+        raise_if_any_failed(world, error, "opening the write-ahead log")
+        until = np.array([verify_until], np.int64)
+        world.broadcast(until, src=0)
+        self.verify_until = int(until[0])
+
+    def _open(self, ckpt_step):
+        """Rank 0: open or check the log; returns the last step to verify (0: none)."""
+        args, world = self.args, self.world
+        if not (args.resume and os.path.exists(self.path)):
+            if args.resume and ckpt_step:
+                print(f"wal: no log at {self.path}; a new one starts at step {ckpt_step + 1}", flush=True)
+            os.makedirs(args.ckpt_dir, exist_ok=True)
+            self.wal = WriteAheadLog(self.path, args.wal_every)
+            return 0
+        records = self.records = read_wal(self.path)
+        kept, logged = records[records["step"] <= ckpt_step], records[records["step"] > ckpt_step]
+        last = int(records["step"][-1]) if len(records) else 0
+        at_ckpt = kept[kept["step"] == ckpt_step]
+        if len(at_ckpt) and at_ckpt["params_digest"][0] >= 0:
+            logged_digest, digest = int(at_ckpt["params_digest"][0]), params_digest(self.model.flat_data)
+            if digest != logged_digest:
+                message = (f"{self.path} step {ckpt_step}: the checkpoint's parameter digest "
+                           f"{digest:08x} != logged {logged_digest:08x}: log and checkpoint are of "
+                           f"different runs")
+                if args.deterministic:
+                    raise CheckpointError(message)
+                print(f"wal: warning: {message}", flush=True)
+        same_world = bool((logged["world_size"] == world.world_size).all())
+        if len(logged) and args.deterministic and same_world:
+            self.parity = ResumeParity(self.path, logged)
+            print(f"wal: last logged step {last}; re-running steps {ckpt_step + 1}..{last} from the "
+                  f"checkpoint and checking them bit for bit against the log", flush=True)
+            return last
+        self.wal = WriteAheadLog(self.path, args.wal_every, records=kept)
+        if len(logged):
+            why = ("no parity check without --deterministic" if not args.deterministic else
+                   f"logged at world size {int(logged['world_size'][0])}, not bitwise comparable: "
+                   f"no parity check")
+            print(f"wal: last logged step {last}; re-running steps {ckpt_step + 1}..{last} from the "
+                  f"checkpoint ({why})", flush=True)
+        else:
+            print(f"wal: last logged step {last}, the checkpoint's", flush=True)
+        return 0
+
+    def step(self, step, record, samples_consumed, sync):
+        """After `step`: check it against the log while re-running logged steps (collective: one
+        agree), else append it (rank 0), durable now when `sync` (checkpoint or last step)."""
+        if step <= self.verify_until:
+            error = None
+            if self.world.rank == 0:
+                digest = params_digest(self.model.flat_data) if self.parity.wants_digest(step) else None
+                message = self.parity.check(step, record["loss"], record["lr"], record["grad_norm"],
+                                            digest=digest)
+                error = CheckpointError(message) if message else None
+            raise_if_any_failed(self.world, error, "resume parity")
+            if step == self.verify_until and self.world.rank == 0:
+                print(f"wal: resume parity ok: steps {step - len(self.parity.logged) + 1}..{step} "
+                      f"reproduce the log bit for bit ({len(self.parity.logged)} losses, "
+                      f"{self.parity.digests_checked} parameter digests)", flush=True)
+                self.wal = WriteAheadLog(self.path, self.args.wal_every,
+                                         records=self.records[self.records["step"] <= step])
+            return
+        if self.wal is None:
+            return
+        every = self.args.wal_every
+        digest = params_digest(self.model.flat_data) if sync or step % every == 0 else None
+        self.wal.append(step=step, samples_consumed=samples_consumed, loss=record["loss"],
+                        lr=record["lr"], grad_norm=record["grad_norm"],
+                        world_size=self.world.world_size, params_digest=digest)
+        if sync:
+            self.wal.sync()
+
+    def close(self):
+        if self.wal is not None:
+            self.wal.close()
 
 
 def train(args):
@@ -270,6 +410,7 @@ def train(args):
     cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
     model = GPT(cfg, seed=args.seed)
     engine = build_engine(args, model, world)
+    rng = np.random.default_rng([args.seed, rank])  # per-rank randomness (dropout, ...), checkpointed
     sampler = BatchSampler(corpus.train, args.seq_len, args.global_batch, seed=args.seed,
                            dp_rank=rank, dp_size=world_size)
     min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
@@ -281,17 +422,22 @@ def train(args):
               f"({_size(corpus.train.size)} train / {_size(corpus.val.size)} val), "
               f"global batch {args.global_batch} x {args.seq_len} tokens, ZeRO stage "
               f"{args.zero_stage}", flush=True)
-    start_step = resume(world, args, cfg, engine, sampler) + 1 if args.ckpt_dir else 1
-    if start_step > args.steps:
+    if args.deterministic:
+        check_deterministic(world)
+    start_step = resume(world, args, cfg, engine, sampler, rng) + 1 if args.ckpt_dir else 1
+    last_step = args.steps if args.stop_after_step is None else args.stop_after_step
+    if start_step > last_step:
         if rank == 0:
-            print(f"nothing to do: the checkpoint is at step {start_step - 1} >= --steps {args.steps}",
+            print(f"nothing to do: the checkpoint is at step {start_step - 1} >= "
+                  f"{'--steps' if last_step == args.steps else '--stop-after-step'} {last_step}",
                   flush=True)
         return None
+    log = StepLog(world, args, model, start_step - 1) if args.ckpt_dir else None
     bar = tqdm(total=args.steps, initial=start_step - 1, disable=rank != 0 or args.no_progress,
                unit="step", mininterval=1.0)
     tokens_per_step = args.global_batch * args.seq_len
     start = time.perf_counter()
-    for step in range(start_step, args.steps + 1):
+    for step in range(start_step, last_step + 1):
         t0 = time.perf_counter()
         x, y = sampler.next_batch()
         xs, ys = np.split(x, args.micro_batches), np.split(y, args.micro_batches)
@@ -325,16 +471,26 @@ def train(args):
             if metrics:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
-        if args.ckpt_dir and ((args.ckpt_every and step % args.ckpt_every == 0) or step == args.steps):
-            save(world, args, step, cfg, model, engine, sampler)
+        ckpt_now = args.ckpt_dir and ((args.ckpt_every and step % args.ckpt_every == 0)
+                                      or step == last_step)
+        if log:
+            log.step(step, record, sampler.samples_consumed, sync=ckpt_now)  # durable before commit
+        if ckpt_now:
+            save(world, args, step, cfg, model, engine, sampler, rng)
     bar.close()
+    if log:
+        log.close()
     elapsed = time.perf_counter() - start
-    steps_run = args.steps - start_step + 1
+    steps_run = last_step - start_step + 1
     if rank == 0:
+        val = f", val_loss {record['val_loss']:.3f}" if "val_loss" in record else ""
         print(f"done: {steps_run} steps in {elapsed:.1f} s, "
               f"{steps_run * tokens_per_step / elapsed:.0f} tokens/s, "
-              f"final loss {record['loss']:.3f}, val_loss {record['val_loss']:.3f} nats/byte", flush=True)
-        if args.sample_tokens:
+              f"final loss {record['loss']:.3f}{val} nats/byte", flush=True)
+        if last_step < args.steps:
+            print(f"stopped after step {last_step} (--stop-after-step); continue with --resume up to "
+                  f"step {args.steps}", flush=True)
+        elif args.sample_tokens:
             prompt = encode("def ")[None, :].astype(np.int64)
             out = model.generate(prompt, args.sample_tokens, temperature=0.8, top_k=40,
                                  rng=np.random.default_rng(args.seed))
@@ -358,6 +514,10 @@ def main(argv=None):
         if _is_rank0():
             print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)
+    except CheckpointError as exc:  # raised on every rank together (e.g. resume parity)
+        if _is_rank0():
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CHECKPOINT)
 
 
 if __name__ == "__main__":

@@ -185,9 +185,9 @@ class ResumeParity:
     """Checks a re-run of logged steps against the log (single process: the coordinator).
 
     logged: records of the steps to be re-run (step > the checkpoint's step), from `read_wal`.
-    `check(step, loss, lr, digest)` returns None when the recomputed values equal the logged ones
-    bit for bit (loss and lr as float64; digest only where one was logged), else a one-line
-    message naming the log, the step and the first differing value. `last_step` is the last
+    `check(step, loss, lr, grad_norm, digest)` returns None when the recomputed values equal the
+    logged ones bit for bit (as float64; grad_norm and digest only when given and, for the digest,
+    logged), else a one-line message naming the log, the step and the first differing value. `last_step` is the last
     logged step (0: nothing to re-run).
     """
 
@@ -202,7 +202,7 @@ class ResumeParity:
         r = self.logged.get(step)
         return r is not None and int(r["params_digest"]) != NO_DIGEST
 
-    def check(self, step, loss, lr, digest=None):
+    def check(self, step, loss, lr, grad_norm=None, *, digest=None):
         r = self.logged.get(step)
         if r is None:
             return None
@@ -212,8 +212,11 @@ class ResumeParity:
                     f"with the logged run's --steps, --lr, --min-lr and --warmup-steps)")
         if not _same_bits(loss, r["loss"]):
             return (f"{where}: recomputed loss {float(loss)!r} != logged {float(r['loss'])!r}: the "
-                    f"run diverged from its log (same world size, --zero-stage, --bucket-mb and "
-                    f"machine type needed)")
+                    f"run diverged from its log (bitwise needs the logged run's world size, "
+                    f"flags, MPI library and machine type)")
+        if grad_norm is not None and not _same_bits(grad_norm, r["grad_norm"]):
+            return (f"{where}: recomputed gradient norm {float(grad_norm)!r} != logged "
+                    f"{float(r['grad_norm'])!r}: the run diverged from its log")
         if int(r["params_digest"]) != NO_DIGEST and digest is not None:
             self.digests_checked += 1
             if int(digest) != int(r["params_digest"]):

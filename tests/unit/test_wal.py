@@ -119,10 +119,11 @@ def test_resume_parity_is_bitwise_and_names_the_step(tmp_path):
     records["params_digest"] = [NO_DIGEST, 77, NO_DIGEST]
     parity = ResumeParity("CKPT/wal.h5", records)
     assert parity.last_step == 13 and parity.wants_digest(12) and not parity.wants_digest(11)
-    assert parity.check(11, 2.5, 1e-3) is None and parity.check(12, 2.4, 1e-3, 77) is None
+    assert parity.check(11, 2.5, 1e-3) is None and parity.check(12, 2.4, 1e-3, digest=77) is None
     assert parity.digests_checked == 1
     message = parity.check(13, np.nextafter(2.3, 3.0), 1e-3)
     assert message.startswith("CKPT/wal.h5 step 13: recomputed loss") and "\n" not in message
-    assert "parameter digest" in parity.check(12, 2.4, 1e-3, 78)
+    assert "parameter digest" in parity.check(12, 2.4, 1e-3, digest=78)
     assert "learning rate" in parity.check(11, 2.5, 2e-3)
+    assert "gradient norm" in parity.check(11, 2.5, 1e-3, 1.0)  # logged 0.0
     assert parity.check(14, 0.0, 0.0) is None  # not logged: nothing to compare
