@@ -10,6 +10,26 @@ Parameter order (parameter index = position in `model.params` = forward order):
         h{l}.mlp.w_proj, h{l}.mlp.b_proj,
     ln_f.g, ln_f.b, and lm_head (V, C) only when the embeddings are untied.
 The output head computes logits = ln_f(x) @ W.T with W = wte (tied) or lm_head (untied).
+
+Units and parameter providers (the hook ZeRO-3 uses): the parameters are grouped into `units`,
+contiguous ranges of parameter indices in forward order: unit 0 = the embeddings (wte, wpe), units
+1..L = the blocks, unit L+1 = the head (ln_f.g, ln_f.b, and lm_head when untied). The passes walk
+the units in order and take every parameter and gradient array from `model.provider`:
+
+    provider.fetch(u, then=None) -> list of unit u's parameter arrays (shaped as the params);
+        `then` names the unit the model will fetch next (None: none soon), a prefetch hint
+    provider.release(u)          -> the model is done with the arrays fetch(u) returned
+    provider.grads(u)            -> list of arrays to add unit u's gradients into (the same
+        arrays on every call until grads_ready(u))
+    provider.grads_ready(u)      -> unit u's gradient for this backward is final
+    provider.transient           -> True when released arrays may be freed or reused: the model
+        then keeps no reference to them in its caches and fetches again for backward
+
+Forward fetches units 0, 1, ..., L+1 (the tied head also fetches unit 0 again, after L+1);
+backward fetches L+1 (and 0, tied), L, ..., 1 (the embedding backward needs no parameters) and
+reports grads_ready(L+1), ..., grads_ready(0); with tied embeddings unit 0's gradient buffer
+holds the head's contribution from the start of backward until grads_ready(0). The default
+provider, `FlatParams`, hands out the views into flat_data / flat_grad: no copies, no change.
 """
 import math
 from dataclasses import dataclass, fields
@@ -101,6 +121,50 @@ def _init_flat(cfg, specs, seed):
     return flat
 
 
+class FlatParams:
+    """The default parameter provider: each unit's arrays are the Param views into the model's
+    flat_data / flat_grad; fetch and release cost nothing and nothing is ever freed."""
+
+    transient = False
+
+    def __init__(self, model):
+        self._data = [[p.data for p in model.params[a:b]] for a, b in model.units]
+        self._grad = [[p.grad for p in model.params[a:b]] for a, b in model.units]
+
+    def fetch(self, unit, then=None):
+        return self._data[unit]
+
+    def release(self, unit):
+        pass
+
+    def grads(self, unit):
+        return self._grad[unit]
+
+    def grads_ready(self, unit):
+        pass
+
+
+# Which arrays of a layer cache are parameters (rtxmpi.nn.layers keeps them for backward): a
+# transient provider's caches hold None there, and backward puts freshly fetched arrays back.
+def _block_cache_with(cache, params):
+    """A block cache (layers.block_forward) holding `params` (12 arrays, or None) as weights."""
+    g1, _, w_qkv, _, w_aproj, _, g2, _, w_fc, _, w_mproj, _ = params or (None,) * 12
+    (xhat1, rstd1, _), attn, (xhat2, rstd2, _), (fc, gelu, mproj) = cache
+    qkv, q, k, v, att, aproj, n_head = attn
+    return ((xhat1, rstd1, g1),
+            ((qkv[0], w_qkv, qkv[2]), q, k, v, att, (aproj[0], w_aproj, aproj[2]), n_head),
+            (xhat2, rstd2, g2),
+            ((fc[0], w_fc, fc[2]), gelu, (mproj[0], w_mproj, mproj[2])))
+
+
+def _linear_cache_with(cache, w):
+    return (cache[0], w, cache[2])
+
+
+def _layernorm_cache_with(cache, g):
+    return (cache[0], cache[1], g)
+
+
 class _Cache:
     """What `GPT.forward` keeps for `GPT.backward`."""
 
@@ -118,7 +182,8 @@ class GPT:
     dtype of parameters, gradients and activations.
 
     Attributes: cfg, xp, dtype, params (list[Param] in index order), flat_data, flat_grad (1-D
-    contiguous, length num_params), num_params.
+    contiguous, length num_params), num_params, units (list of (first, stop) parameter-index
+    ranges: embeddings, each block, head), provider (FlatParams(self) unless use_provider()).
     """
 
     def __init__(self, cfg, seed=0, xp=np, dtype=np.float32):
@@ -134,9 +199,25 @@ class GPT:
         self.flat_grad = xp.zeros(self.num_params, dtype=dtype)
         self.params = bind(specs, self.flat_data, self.flat_grad)
         self._by_name = {p.name: p for p in self.params}
-        self._blocks = [self.params[2 + 12 * l: 2 + 12 * (l + 1)] for l in range(cfg.n_layer)]
         self._ln_f = self.params[2 + 12 * cfg.n_layer: 4 + 12 * cfg.n_layer]
         self._head = self.params[0] if cfg.tie_embeddings else self.params[-1]
+        L = cfg.n_layer
+        self.units = [(0, 2)] + [(2 + 12 * l, 14 + 12 * l) for l in range(L)] + [
+            (2 + 12 * L, len(self.params))]
+        self.provider = FlatParams(self)
+
+    def use_provider(self, provider, drop_flat=False):
+        """Take parameters and gradients from `provider` (see the module docstring) from now on.
+
+        drop_flat: also let go of flat_data, flat_grad and the Param views (they become None), so
+        that only the provider holds parameter memory (ZeRO-3); load_flat then raises ConfigError
+        and zero_grad does nothing. Local.
+        """
+        self.provider = provider
+        if drop_flat:
+            self.flat_data = self.flat_grad = None
+            for p in self.params:
+                p.data = p.grad = None
 
     # ------------------------------------------------------------------ parameters
     def param(self, name):
@@ -147,12 +228,16 @@ class GPT:
             raise ConfigError(f"no parameter named {name!r}; see [p.name for p in model.params]")
 
     def zero_grad(self):
-        """Set every gradient to zero (the whole flat_grad buffer)."""
-        self.flat_grad.fill(0)
+        """Set every gradient to zero (the whole flat_grad buffer; nothing once dropped)."""
+        if self.flat_grad is not None:
+            self.flat_grad.fill(0)
 
     def load_flat(self, array):
         """Copy a flat parameter vector (numpy or cupy, any float dtype, length num_params) into
         flat_data (cast to the model dtype). Raises ConfigError on a wrong size or rank."""
+        if self.flat_data is None:
+            raise ConfigError("this model's parameters are held by its provider (ZeRO-3): load "
+                              "them through it, e.g. ZeroDataParallel.load_shards")
         shape = getattr(array, "shape", None)
         if shape != (self.num_params,):
             raise ConfigError(f"load_flat expects a 1-D array of {self.num_params} elements "
@@ -183,16 +268,30 @@ class GPT:
         return self.xp.asarray(arr)
 
     # ------------------------------------------------------------------ passes
-    def _trunk(self, idx):
-        """Embeddings, blocks and final LayerNorm: returns h (B, T, C) and the caches."""
-        wte, wpe = self.params[0].data, self.params[1].data
-        x, emb_cache = layers.embedding_forward(idx, wte, wpe)
+    def _logits(self, idx):
+        """All units forward: logits (B, T, V) and the caches (_Cache without ce)."""
+        P, L, last = self.provider, self.cfg.n_layer, len(self.units) - 1
+        wte, wpe = P.fetch(0, then=1)
+        x, emb_cache = layers.embedding_forward(idx, wte, wpe)  # the cache keeps no parameter
+        P.release(0)
         block_caches = []
-        for block in self._blocks:
-            x, cache = layers.block_forward(x, [p.data for p in block], self.cfg.n_head)
-            block_caches.append(cache)
-        h, ln_f_cache = layers.layernorm_forward(x, self._ln_f[0].data, self._ln_f[1].data)
-        return h, emb_cache, block_caches, ln_f_cache
+        for u in range(1, L + 1):
+            params = P.fetch(u, then=u + 1)
+            x, cache = layers.block_forward(x, params, self.cfg.n_head)
+            block_caches.append(_block_cache_with(cache, None) if P.transient else cache)
+            P.release(u)
+        tied = self.cfg.tie_embeddings
+        head = P.fetch(last, then=0 if tied else None)
+        w = P.fetch(0)[0] if tied else head[2]
+        h, ln_f_cache = layers.layernorm_forward(x, head[0], head[1])
+        logits, head_cache = layers.linear_forward(h, w.T)
+        if tied:
+            P.release(0)
+        P.release(last)
+        if P.transient:
+            ln_f_cache = _layernorm_cache_with(ln_f_cache, None)
+            head_cache = _linear_cache_with(head_cache, None)
+        return logits, _Cache(emb_cache, block_caches, ln_f_cache, head_cache, None)
 
     def forward(self, idx, targets):
         """Loss and cache for one (micro-)batch.
@@ -205,10 +304,9 @@ class GPT:
         idx, targets = self._as_tokens(idx, "idx"), self._as_tokens(targets, "targets")
         if targets.shape != idx.shape:
             raise ConfigError(f"targets shape {targets.shape} must equal idx shape {idx.shape}")
-        h, emb_cache, block_caches, ln_f_cache = self._trunk(idx)
-        logits, head_cache = layers.linear_forward(h, self._head.data.T)
-        loss, ce_cache = layers.crossentropy_forward(logits, targets)
-        return float(loss), _Cache(emb_cache, block_caches, ln_f_cache, head_cache, ce_cache)
+        logits, cache = self._logits(idx)
+        loss, cache.ce = layers.crossentropy_forward(logits, targets)
+        return float(loss), cache
 
     def backward(self, cache, scale=1.0, grad_ready=None):
         """Add the gradient of `scale * loss` into flat_grad (never overwrites, so successive
@@ -217,31 +315,54 @@ class GPT:
         cache: from `forward` (not consumed; backward twice adds twice). grad_ready: optional
         callable grad_ready(i), called exactly once per parameter index i as soon as param i's
         gradient for this backward is final, in roughly reverse index order; the tied wte
-        (index 0) comes last, after the embedding backward.
+        (index 0) comes last, after the embedding backward. (With a provider, "flat_grad" is
+        wherever provider.grads() points.)
         """
         notify = grad_ready if grad_ready is not None else (lambda i: None)
+        P, L, last = self.provider, self.cfg.n_layer, len(self.units) - 1
+        tied = self.cfg.tie_embeddings
         dlogits = layers.crossentropy_backward(scale, cache.ce)
-        dh, _, _ = layers.linear_backward(dlogits, cache.head, dw_out=self._head.grad.T)
-        if not self.cfg.tie_embeddings:
+        head = P.fetch(last, then=0 if tied else L)
+        head_grads = P.grads(last)
+        if tied:
+            w, dw = P.fetch(0, then=L)[0], P.grads(0)[0]
+        else:
+            w, dw = head[2], head_grads[2]
+        head_cache, ln_f_cache = cache.head, cache.ln_f
+        if P.transient:
+            head_cache = _linear_cache_with(head_cache, w.T)
+            ln_f_cache = _layernorm_cache_with(ln_f_cache, head[0])
+        dh, _, _ = layers.linear_backward(dlogits, head_cache, dw_out=dw.T)
+        if tied:
+            P.release(0)
+        else:
             notify(self._head.index)
         g, b = self._ln_f
-        dx, _, _ = layers.layernorm_backward(dh, cache.ln_f, g.grad, b.grad)
+        dx, _, _ = layers.layernorm_backward(dh, ln_f_cache, head_grads[0], head_grads[1])
+        P.release(last)
         notify(b.index)
         notify(g.index)
-        for block, block_cache in zip(reversed(self._blocks), reversed(cache.blocks)):
-            base = block[0].index
-            dx, _ = layers.block_backward(dx, block_cache, [p.grad for p in block],
+        P.grads_ready(last)
+        for u in range(L, 0, -1):
+            block_cache, params = cache.blocks[u - 1], P.fetch(u, then=u - 1 or None)
+            if P.transient:
+                block_cache = _block_cache_with(block_cache, params)
+            base = self.units[u][0]
+            dx, _ = layers.block_backward(dx, block_cache, P.grads(u),
                                           ready=lambda j, base=base: notify(base + j))
-        layers.embedding_backward(dx, cache.emb, self.params[0].grad, self.params[1].grad)
+            P.release(u)
+            P.grads_ready(u)
+        dwte, dwpe = P.grads(0)
+        layers.embedding_backward(dx, cache.emb, dwte, dwpe)
         notify(1)
         notify(0)
+        P.grads_ready(0)
 
     def logits(self, idx):
         """Next-token logits, no cache kept. idx: (B, T) ids, T <= seq_len.
-        Returns (B, T, V) in the model dtype. Raises ConfigError like `forward`."""
-        idx = self._as_tokens(idx, "idx")
-        h = self._trunk(idx)[0]
-        return layers.linear_forward(h, self._head.data.T)[0]
+        Returns (B, T, V) in the model dtype. Raises ConfigError like `forward`.
+        (Collective when the provider is, as with ZeRO-3.)"""
+        return self._logits(self._as_tokens(idx, "idx"))[0]
 
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, rng=None):
         """Autoregressive sampling: append `max_new_tokens` tokens to each row of idx.

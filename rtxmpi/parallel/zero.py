@@ -1,4 +1,5 @@
-"""ZeRO: data parallelism with the optimizer state (stage 1) and gradients (stage 2) sharded.
+"""ZeRO: data parallelism with the optimizer state (stage 1), gradients (stage 2) and parameters
+(stage 3) sharded.
 
 Source: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models", SC 2020. Every rank keeps the full model for forward and backward; the optimizer (its
@@ -18,6 +19,19 @@ bucket is a range of *columns* [a, b) of that matrix, so its reduce_scatter land
 r's shard. Buckets are launched from the last columns to the first, asynchronously, as soon as
 backward has finished every parameter they touch (which, with backward running from the last
 parameter to the first, happens while the first 1/W of the model is still in backward).
+
+Stage 3: each rank keeps only its shard of the parameters and of the reduced gradient, under the
+same layout (so checkpoints are the same at every stage). The model takes its parameters from a
+`ShardedParams` provider (the `rtxmpi.nn.GPT` unit hooks): a unit (embeddings, a block, the head)
+is gathered from its owners just before the model uses it, in forward and again in backward, and
+freed when the model releases it; the gather of the unit the model announces next is started asynchronously
+first (prefetch), so it overlaps the unit's compute. A unit's gradient is accumulated in a unit
+buffer (the tied wte gets both its head and its embedding terms there), reduced asynchronously
+once backward reports it final, added by each owner into its gradient shard, and the buffer
+dropped. A unit lies in the shards of one or a few consecutive ranks (its owners): the gather is
+one in-place broadcast per owner of that owner's part (about the unit's size in all, whatever
+W), and the gradient reduction is an all_reduce of the unit buffer (2x the bytes of an ideal
+reduce to the owners, which the comm layer does not offer yet; see docs/zero.md).
 """
 import math
 from contextlib import contextmanager
@@ -30,7 +44,7 @@ from ..errors import CheckpointError, ConfigError, RtxmpiError
 from ..nn import AdamW, clip_grad_norm, grad_norm_sq
 from .data import DEFAULT_BUCKET_BYTES, DataParallel
 
-STAGES = (1, 2)
+STAGES = (1, 2, 3)
 OFFLOADS = (None, "cpu")
 
 
@@ -126,31 +140,190 @@ def _to_host(x):
     return x if isinstance(x, np.ndarray) else x.get()
 
 
+# -- stage 3: parameters gathered unit by unit --------------------------------------------------
+class ShardedParams:
+    """The ZeRO-3 parameter provider for a model with units (rtxmpi.nn.GPT; see its docstring).
+
+    model: gives `params` (offset, size, shape) and `units` (contiguous parameter-index ranges);
+    group: the data-parallel ProcessGroup; shard: this rank's 1-D parameter shard under the
+    padded layout (kept, not copied: the optimizer updates it in place); prefetch: start the
+    gather of the unit named by fetch(..., then=) asynchronously.
+
+    Attributes: shard, grad (this rank's reduced-gradient shard: a sum, until the wrapper
+    averages it), gathers (unit gathers started), prefetches (of them, started ahead),
+    prefetch_hits (fetches that found their unit already started), reductions (unit gradient
+    reductions), peak_bytes ({"params", "grads"}: most bytes of gathered units and of unit
+    gradient buffers alive at once; reset_peak() restarts it).
+    fetch / grads_ready are collective (W > 1): every rank's model calls them in the same order.
+    """
+
+    transient = True
+    MAX_REDUCING = 1  # unit gradient reductions in flight at once (bounds the gradient memory)
+
+    def __init__(self, model, group, shard, prefetch=True):
+        self.group, self.shard, self.prefetch = group, shard, bool(prefetch)
+        self.xp = xp_of(shard)
+        self.grad = self.xp.zeros_like(shard)
+        W, numel = group.world_size, model.params[-1].offset + model.params[-1].size
+        S = shard_size(numel, W)
+        self.start, self.stop = shard_range(numel, W, group.rank)
+        self._units = []  # (a, b, [(offset in unit, size, shape)], [(owner rank, lo, hi)])
+        for first, stop in model.units:
+            params = model.params[first:stop]
+            a, b = params[0].offset, params[-1].offset + params[-1].size
+            owners = [(q, max(a, q * S), min(b, (q + 1) * S)) for q in range(W)
+                      if max(a, q * S) < min(b, (q + 1) * S)]
+            views = [(p.offset - a, p.size, p.shape) for p in params]
+            self._units.append((a, b, views, owners))
+        self._gathered, self._in_flight, self._grad_bufs, self._reducing = {}, {}, {}, []
+        self.gathers = self.prefetches = self.prefetch_hits = self.reductions = 0
+        self._live = {"params": 0, "grads": 0}
+        self.peak_bytes = {"params": 0, "grads": 0}
+
+    def reset_peak(self):
+        self.peak_bytes = dict(self._live)
+
+    def _track(self, kind, nbytes):
+        self._live[kind] += nbytes
+        self.peak_bytes[kind] = max(self.peak_bytes[kind], self._live[kind])
+
+    # -- parameters --------------------------------------------------------------------------
+    def _start_gather(self, unit):
+        """A new unit vector with this rank's part copied in, and one async broadcast per owning
+        rank that fills in that rank's part (in place). Collective."""
+        a, b, _, owners = self._units[unit]
+        vector = self.xp.empty(b - a, self.shard.dtype)
+        lo, hi = max(a, self.start), min(b, self.stop)
+        if hi > lo:
+            vector[lo - a:hi - a] = self.shard[lo - self.start:hi - self.start]
+        works = [self.group.broadcast(vector[lo - a:hi - a], src=q, async_op=True)
+                 for q, lo, hi in owners]
+        self.gathers += 1
+        self._track("params", vector.nbytes)
+        return vector, works
+
+    def fetch(self, unit, then=None):
+        """Unit `unit`'s parameter arrays, gathered from their owners (waiting for a prefetch
+        already in flight); then starts the gather of unit `then` (prefetch). Collective."""
+        a, b, views, _ = self._units[unit]
+        if self.group.world_size == 1:
+            vector = self.shard[a:b]  # the whole vector is the shard: no copy
+        elif unit in self._gathered:
+            vector = self._gathered[unit]
+        else:
+            started = self._in_flight.pop(unit, None)
+            if started is not None:
+                self.prefetch_hits += 1
+            vector, works = started if started is not None else self._start_gather(unit)
+            for work in works:
+                work.wait()
+            self._gathered[unit] = vector
+        if (then is not None and self.prefetch and self.group.world_size > 1
+                and then not in self._gathered and then not in self._in_flight):
+            self._in_flight[then] = self._start_gather(then)
+            self.prefetches += 1
+        return [vector[o:o + n].reshape(shape) for o, n, shape in views]
+
+    def release(self, unit):
+        """Drop the gathered copy of `unit` (its arrays must no longer be used). Local."""
+        vector = self._gathered.pop(unit, None)
+        if vector is not None:
+            self._live["params"] -= vector.nbytes
+
+    # -- gradients ---------------------------------------------------------------------------
+    def grads(self, unit):
+        """Arrays to add unit `unit`'s gradients into (a zeroed unit buffer, the same until
+        grads_ready(unit)). Local."""
+        a, b, views, _ = self._units[unit]
+        buffer = self._grad_bufs.get(unit)
+        if buffer is None:
+            buffer = self._grad_bufs[unit] = self.xp.zeros(b - a, self.shard.dtype)
+            self._track("grads", buffer.nbytes)
+        return [buffer[o:o + n].reshape(shape) for o, n, shape in views]
+
+    def grads_ready(self, unit):
+        """Start the reduction (sum) of unit `unit`'s gradient buffer; once it completes, the
+        owners add their parts into `grad` and the buffer is dropped. At most MAX_REDUCING
+        reductions are in flight (the oldest is completed first). Collective (W > 1)."""
+        buffer = self._grad_bufs.pop(unit)
+        if self.group.world_size == 1:
+            self._add_own(unit, buffer)
+            return
+        while len(self._reducing) >= self.MAX_REDUCING:
+            self._complete_oldest()
+        self.reductions += 1
+        self._reducing.append((unit, buffer, self.group.all_reduce(buffer, op="sum",
+                                                                   async_op=True)))
+        for _, _, work in self._reducing:  # let the reductions in flight progress
+            work.test()
+
+    def _add_own(self, unit, buffer):
+        a, b, _, _ = self._units[unit]
+        lo, hi = max(a, self.start), min(b, self.stop)
+        if hi > lo:
+            self.grad[lo - self.start:hi - self.start] += buffer[lo - a:hi - a]
+        self._live["grads"] -= buffer.nbytes
+
+    def _complete_oldest(self):
+        unit, buffer, work = self._reducing.pop(0)
+        work.wait()
+        self._add_own(unit, buffer)
+
+    def finish(self):
+        """Complete every reduction started by grads_ready (its results into `grad`). Call after
+        the model's backward. Collective (completes started operations). Raises RtxmpiError if
+        the model did not release, or report, every unit it fetched."""
+        if self._grad_bufs or self._gathered or self._in_flight:
+            raise RtxmpiError(f"backward left units {sorted(self._grad_bufs)} without "
+                              f"grads_ready, {sorted(self._gathered)} not released, "
+                              f"{sorted(self._in_flight)} prefetched and never fetched")
+        while self._reducing:
+            self._complete_oldest()
+
+    def full(self):
+        """The whole parameter vector (a new array) on every rank. Collective."""
+        W, numel = self.group.world_size, self._units[-1][1]
+        if W == 1:
+            return self.shard.copy()
+        S = shard_size(numel, W)
+        send = self.xp.zeros(S, self.shard.dtype)
+        send[:len(self.shard)] = self.shard
+        return self.group.all_gather(send)[:numel]
+
+
 # -- the wrapper -------------------------------------------------------------------------------
 class ZeroDataParallel:
-    """Wrap a model for ZeRO data-parallel training over `group` (stage 1 or 2).
+    """Wrap a model for ZeRO data-parallel training over `group` (stage 1, 2 or 3).
 
     model: as for DataParallel (`params` with `.offset`, `.size`, `.decay`; `flat_data`,
     `flat_grad`; `forward`; `backward(cache, scale, grad_ready)`), e.g. rtxmpi.nn.GPT.
-    group: the data-parallel ProcessGroup. stage: 1 (optimizer state sharded) or 2 (gradients
-    reduce-scattered too). bucket_bytes: target bytes per gradient bucket (25 MiB).
+    group: the data-parallel ProcessGroup. stage: 1 (optimizer state sharded), 2 (gradients
+    reduce-scattered too) or 3 (parameters sharded too: the model must have GPT's unit hooks,
+    `units` and `use_provider`; it gives up flat_data / flat_grad, its forward, backward, logits
+    and generate become collective, and full_params() rebuilds the whole vector).
+    bucket_bytes: target bytes per gradient bucket (25 MiB; stage 3 reduces per unit instead).
     optimizer: callable(params, decay_mask) -> optimizer over this rank's 1-D parameter shard
     (default AdamW(params, decay_mask=decay_mask)); it must have `step(grad, lr=None)` and, for
     shards()/load_shards(), AdamW's state_dict()/load_state_dict().
     offload: None, or "cpu": master parameters, gradient shard copy and optimizer state in host
     memory (numpy), in float32 or wider; on a numpy model that is the same memory, kept separate.
-    Parameters are broadcast from group rank 0 when wrapped.
+    Parameters are broadcast from group rank 0 when wrapped. prefetch (stage 3): gather the next
+    unit while the current one computes (False: every gather blocking; same results).
 
     Collective: every rank of `group` must construct it and call backward (outside no_sync),
-    step, grad_norm, load_shards and join the same number of times in the same order.
-    Raises ConfigError (stage, offload, bucket_bytes).
+    step, grad_norm, load_shards, full_params and join the same number of times in the same
+    order; at stage 3 forward and every backward (no_sync too) as well.
+    Raises ConfigError (stage, offload, bucket_bytes, a stage-3 model without unit hooks).
     """
 
     def __init__(self, model, group, stage=1, bucket_bytes=DEFAULT_BUCKET_BYTES,
-                 optimizer=_default_optimizer, offload=None):
+                 optimizer=_default_optimizer, offload=None, prefetch=True):
         if stage not in STAGES:
-            raise ConfigError(f"ZeRO stage must be one of {STAGES}, got {stage!r} (stage 3 is not "
-                              "implemented yet)")
+            raise ConfigError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
+        if stage == 3 and not (hasattr(model, "units") and hasattr(model, "use_provider")):
+            raise ConfigError(f"ZeRO stage 3 needs a model with parameter units and a provider "
+                              f"hook (`units`, `use_provider`, e.g. rtxmpi.nn.GPT); "
+                              f"{type(model).__name__} has none: use stage 1 or 2")
         if offload not in OFFLOADS:
             raise ConfigError(f"offload must be one of {OFFLOADS}, got {offload!r}")
         if not bucket_bytes > 0:
@@ -166,12 +339,12 @@ class ZeroDataParallel:
             group.broadcast(model.flat_data, src=0)
         self._sync = True
         self._synced = False
-        self._averaged = False  # stage 2: this rank's slice of flat_grad holds the group average
+        self._averaged = False  # stages 2, 3: this rank's gradient shard holds the group average
         self._ready_count = 0
         if stage == 1:
             self._dp = DataParallel(model, group, bucket_bytes=self.bucket_bytes,
                                     broadcast_params=False)
-        else:
+        elif stage == 2:
             self.buckets, self._buckets_of = build_column_buckets(
                 model.params, self.numel, W, self.bucket_bytes, model.flat_grad.itemsize)
             self._next_launch = 0
@@ -179,9 +352,17 @@ class ZeroDataParallel:
         # what the optimizer updates: the parameter shard itself, or a host master copy
         mask = shard_decay_mask(model.params, self.start, self.stop,
                                 xp=np if offload else self.xp, dtype=model.flat_data.dtype)
-        shard = model.flat_data[self.start:self.stop]
+        shard, dtype = model.flat_data[self.start:self.stop], model.flat_data.dtype
+        # all_gather needs S elements from every rank: a short (or empty) shard is padded
+        short = W > 1 and self.stop - self.start < self.shard_size and stage != 3
+        self._send = self.xp.zeros(self.shard_size if short else 0, model.flat_data.dtype)
+        self.provider = None
+        if stage == 3:  # keep only the shard; the model's full buffers go
+            self.provider = ShardedParams(model, group, shard.copy(), prefetch=prefetch)
+            model.use_provider(self.provider, drop_flat=True)
+            shard = self.provider.shard
         if offload == "cpu":
-            dtype = np.promote_types(model.flat_data.dtype, np.float32)
+            dtype = np.promote_types(dtype, np.float32)
             self._master = _to_host(shard).astype(dtype)  # a copy, always
             self._host_grad = np.zeros_like(self._master)
             self.optimizer = optimizer(self._master, mask.astype(dtype))
@@ -189,9 +370,6 @@ class ZeroDataParallel:
             self._master = shard
             self._host_grad = None
             self.optimizer = optimizer(shard, mask)
-        # all_gather needs S elements from every rank: a short (or empty) shard is padded
-        short = W > 1 and self.stop - self.start < self.shard_size
-        self._send = self.xp.zeros(self.shard_size if short else 0, model.flat_data.dtype)
 
     def __repr__(self):
         return (f"<ZeroDataParallel stage={self.stage} offload={self.offload} "
@@ -206,7 +384,10 @@ class ZeroDataParallel:
     def no_sync(self):
         """Inside, backward accumulates gradients locally without communicating (accumulation).
 
-        The next backward outside no_sync reduces the accumulated sum. Local: no collective.
+        The next backward outside no_sync reduces the accumulated sum. Local: no collective
+        (stages 1, 2). Stage 3 has no full gradient to accumulate into: forward and backward
+        still gather parameters and reduce each unit's gradient into the shards (collective),
+        and no_sync only defers the averaging, so the result is the same.
         """
         previous, self._sync = self._sync, False
         try:
@@ -219,13 +400,22 @@ class ZeroDataParallel:
 
         After it returns (outside no_sync) `grad_shard()` holds the group average of every rank's
         accumulated gradient for this rank's shard (stage 1: all of model.flat_grad is the
-        average; stage 2: model.flat_grad[start:stop] is, the rest is zero). Collective outside
-        no_sync.
+        average; stage 2: model.flat_grad[start:stop] is, the rest is zero; stage 3: the
+        provider's gradient shard). Collective outside no_sync; at stage 3 always (parameters
+        are gathered, and each unit's gradient is reduced at every backward, so that
+        no full gradient is ever kept: no_sync only postpones the averaging).
         """
-        if self.stage == 2 and self._averaged:  # back to a sum, so backward can add to it
+        if self._averaged:  # back to a sum, so backward can add to it
             self.grad_shard()[...] *= self.group.world_size
             self._averaged = False
-        if self.stage == 1:
+        if self.stage == 3:
+            self.model.backward(cache, scale=scale)
+            self.provider.finish()
+            if self._sync and self.group.world_size > 1:
+                grad = self.grad_shard()
+                grad *= grad.dtype.type(1.0 / self.group.world_size)
+                self._averaged = True
+        elif self.stage == 1:
             if self._sync:
                 self._dp.backward(cache, scale=scale)
             else:
@@ -304,6 +494,8 @@ class ZeroDataParallel:
     def grad_shard(self):
         """This rank's reduced gradient, a 1-D view of length stop - start (after a
         synchronized backward: the group average). Local."""
+        if self.provider is not None:
+            return self.provider.grad
         return self.model.flat_grad[self.start:self.stop]
 
     # -- optimizer step ---------------------------------------------------------------------
@@ -341,7 +533,13 @@ class ZeroDataParallel:
         return norm
 
     def _gather_params(self):
-        """Every rank's updated shard into every rank's model.flat_data. Collective."""
+        """Every rank's updated shard into every rank's model.flat_data (stage 3: only the
+        offloaded master into the shard; units are gathered when used). Collective (stage < 3)."""
+        if self.provider is not None:
+            if self.offload:
+                shard = self.provider.shard
+                shard[...] = self.xp.asarray(self._master, dtype=shard.dtype)
+            return
         n, flat = self.stop - self.start, self.model.flat_data
         if self.offload:  # otherwise the optimizer updated the model's own shard in place
             flat[self.start:self.stop] = self.xp.asarray(self._master, dtype=flat.dtype)
@@ -357,8 +555,18 @@ class ZeroDataParallel:
     def zero_grad(self):
         """Drop the accumulated gradients without stepping (e.g. an agreed overflow skip). Local."""
         self.model.zero_grad()
+        if self.provider is not None:
+            self.provider.grad.fill(0)
         self._averaged = False
         self._synced = False
+
+    def full_params(self):
+        """The whole flat parameter vector (a new array, model dtype) on every rank: at stage 3
+        an all_gather of the shards, otherwise a copy of model.flat_data. Collective at stage 3;
+        call it on every rank at every stage."""
+        if self.provider is not None:
+            return self.provider.full()
+        return self.model.flat_data.copy()
 
     # -- uneven data ---------------------------------------------------------------------------
     def join(self, batches):
@@ -420,18 +628,23 @@ class ZeroDataParallel:
     def memory_bytes(self):
         """Bytes this rank holds: {"params", "grads", "optimizer", "total"}.
 
-        params: the model's full flat_data, plus the master copy when offloaded, plus the padded
-        all_gather send buffer on a rank whose shard is short; grads: the full flat_grad
-        (backward writes into it; stage 2 keeps the reduced shard in this rank's slice of it),
-        plus the host copy of the shard when offloaded; optimizer: every state array of the
-        sharded optimizer (m, v, decay mask, scratch). Transient buffers (the W*S all_gather
-        result, stage-2 packed buckets) are not counted. Local.
+        params: the model's full flat_data (stage 3: only this rank's shard), plus the master copy
+        when offloaded, plus the padded all_gather send buffer on a rank whose shard is short
+        (stages 1, 2); grads: the full flat_grad (backward writes into it; stage 2 keeps the
+        reduced shard in this rank's slice of it; stage 3: only the reduced shard), plus the host
+        copy of the shard when offloaded; optimizer: every state array of the sharded optimizer
+        (m, v, decay mask, scratch). Transient buffers (the W*S all_gather result, stage-2
+        packed buckets, stage-3 gathered units and unit gradients: see provider.peak_bytes) are
+        not counted. Local.
         """
         model = self.model
-        params = model.flat_data.nbytes + self._send.nbytes
+        if self.provider is not None:
+            params, grads = self.provider.shard.nbytes, self.provider.grad.nbytes
+        else:
+            params = model.flat_data.nbytes + self._send.nbytes
+            grads = model.flat_grad.nbytes
         if self.offload:
             params += self._master.nbytes
-        grads = model.flat_grad.nbytes
         if self._host_grad is not None:
             grads += self._host_grad.nbytes
         optimizer = optimizer_bytes(self.optimizer)

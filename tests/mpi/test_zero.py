@@ -1,4 +1,5 @@
-"""ZeRO stages 1 and 2 against plain DataParallel on the same global batch, at any world size."""
+"""ZeRO stages 1, 2 and 3 against plain DataParallel on the same global batch, at any world
+size."""
 from contextlib import nullcontext
 
 import numpy as np
@@ -9,7 +10,8 @@ from rtxmpi.errors import ConfigError, RtxmpiError
 from rtxmpi.nn import GPT, AdamW, GPTConfig, clip_grad_norm, decay_mask
 from rtxmpi.nn.params import layout
 from rtxmpi.parallel.data import DataParallel
-from rtxmpi.parallel.zero import ZeroDataParallel, optimizer_bytes, shard_range, shard_size
+from rtxmpi.parallel.zero import (ShardedParams, ZeroDataParallel, optimizer_bytes, shard_range,
+                                  shard_size)
 
 GLOBAL_BATCH = 8  # divisible by 1, 2 and 4 ranks
 T = 16
@@ -30,8 +32,14 @@ def local_slice(world, x):
     return x[world.rank * b:(world.rank + 1) * b]
 
 
-def make_model(seed=0, dtype=np.float64):
-    return GPT(GPTConfig.named("tiny", seq_len=T), seed=seed, dtype=dtype)
+def make_model(seed=0, dtype=np.float64, **overrides):
+    return GPT(GPTConfig.named("tiny", seq_len=T, **overrides), seed=seed, dtype=dtype)
+
+
+def odd_model():
+    """2095 parameters: padded shards at W = 2 and 4, units straddling shard boundaries."""
+    cfg = GPTConfig(vocab_size=255, seq_len=T, n_layer=2, n_head=1, n_embd=5)
+    return GPT(cfg, dtype=np.float64)
 
 
 def small_buckets(model):
@@ -124,24 +132,30 @@ class FlatModel:
 
 
 # -- construction --------------------------------------------------------------------------
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_wrapping_broadcasts_parameters_from_rank_0(world, stage):
     model = make_model(seed=world.rank)
-    ZeroDataParallel(model, world, stage=stage)
-    np.testing.assert_array_equal(model.flat_data, make_model(seed=0).flat_data)
+    zdp = ZeroDataParallel(model, world, stage=stage)
+    np.testing.assert_array_equal(zdp.full_params(), make_model(seed=0).flat_data)
 
 
 def test_bad_stage_offload_or_bucket_size_raise_config_error(world):
     model = make_model()
-    for kwargs in ({"stage": 3}, {"stage": 0}, {"offload": "nvme"}, {"bucket_bytes": 0}):
+    for kwargs in ({"stage": 4}, {"stage": 0}, {"offload": "nvme"}, {"bucket_bytes": 0}):
         with pytest.raises(ConfigError):
             ZeroDataParallel(model, world, **kwargs)
 
 
-def test_shards_follow_the_padded_layout(world):
+def test_stage3_refuses_a_model_without_unit_hooks(world):
+    with pytest.raises(ConfigError, match="stage 3 needs a model with parameter units"):
+        ZeroDataParallel(FlatModel(10), world, stage=3)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_shards_follow_the_padded_layout(world, stage):
     model = make_model()
-    zdp = ZeroDataParallel(model, world, stage=2)
     n = model.num_params
+    zdp = ZeroDataParallel(model, world, stage=stage)
     for name, (array, offset, size) in zdp.shards().items():
         if name == "adam.step":
             assert (offset, offset + len(array), size) == (*shard_range(1, world.world_size,
@@ -155,7 +169,7 @@ def test_shards_follow_the_padded_layout(world):
 
 # -- against plain DataParallel ------------------------------------------------------------
 @pytest.mark.parametrize("max_grad_norm", [None, 0.05], ids=["no-clip", "clip"])
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_matches_dp_after_10_adamw_steps_with_accumulation(world, stage, max_grad_norm):
     # float64, as in test_data_parallel: Adam turns float32 round-off into visible differences
     reference, ref_norms = dp_run(world, 10, max_grad_norm)
@@ -163,7 +177,7 @@ def test_zero_matches_dp_after_10_adamw_steps_with_accumulation(world, stage, ma
     zdp = ZeroDataParallel(model, world, stage=stage, bucket_bytes=small_buckets(model),
                            optimizer=adamw)
     norms = train(world, zdp, 10, max_grad_norm=max_grad_norm)
-    np.testing.assert_allclose(model.flat_data, reference.flat_data, rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(zdp.full_params(), reference.flat_data, rtol=1e-5, atol=1e-8)
     if max_grad_norm is not None:
         assert ref_norms[0] > max_grad_norm  # the clipping really happened
         np.testing.assert_allclose(norms, ref_norms, rtol=1e-9)
@@ -174,9 +188,8 @@ def test_stage2_gradient_shard_matches_single_process_including_tied_embedding(w
                                                                                 bucket_kind):
     x, y = global_batch(0)
     if bucket_kind == "odd-size-model":  # 2095 parameters: padded shards at W = 2 and 4
-        cfg = GPTConfig(vocab_size=255, seq_len=T, n_layer=2, n_head=1, n_embd=5)
         x, y = np.minimum(x, 254), np.minimum(y, 254)
-        reference, model = GPT(cfg, dtype=np.float64), GPT(cfg, dtype=np.float64)
+        reference, model = odd_model(), odd_model()
         assert model.num_params % 2
     else:
         reference, model = make_model(), make_model()
@@ -203,7 +216,7 @@ def test_stage2_gradient_shard_matches_single_process_including_tied_embedding(w
     np.testing.assert_allclose(wte_grad, wte.grad, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_two_synchronized_backwards_before_a_step_add_like_dp(world, stage):
     reference = make_model()
     ddp = DataParallel(reference, world, bucket_bytes=small_buckets(reference))
@@ -219,6 +232,89 @@ def test_two_synchronized_backwards_before_a_step_add_like_dp(world, stage):
             wrapper.backward(cache, scale=0.5)
     np.testing.assert_allclose(zdp.grad_shard(), reference.flat_grad[zdp.start:zdp.stop],
                                rtol=1e-12, atol=1e-15)
+
+
+# -- stage 3: parameters gathered unit by unit ------------------------------------------------
+@pytest.mark.parametrize("kind", ["tied", "untied", "odd-size-model"])
+def test_stage3_gradient_shard_matches_single_process_including_tied_embedding(world, kind):
+    x, y = global_batch(0)
+    if kind == "odd-size-model":
+        x, y = np.minimum(x, 254), np.minimum(y, 254)
+        reference, model = odd_model(), odd_model()
+    else:
+        tie = kind == "tied"
+        reference, model = make_model(tie_embeddings=tie), make_model(tie_embeddings=tie)
+    ref_loss, cache = reference.forward(x, y)
+    reference.backward(cache)
+    zdp = ZeroDataParallel(model, world, stage=3)
+    loss, cache = zdp.forward(local_slice(world, x), local_slice(world, y))
+    zdp.backward(cache)
+    grad = gather_full(world, zdp.grad_shard(), zdp.start, model.num_params)
+    np.testing.assert_allclose(grad, reference.flat_grad, rtol=1e-9, atol=1e-12)
+    losses = world.all_gather(np.array([loss]))
+    np.testing.assert_allclose(losses.mean(), ref_loss, rtol=1e-12)
+    # the tied wte holds the output-head term for every vocabulary row (rows of tokens absent
+    # from the batch too) plus the lookup term: both before the reduction
+    wte = reference.param("wte")
+    absent = np.setdiff1d(np.arange(model.cfg.vocab_size), x)
+    wte_grad = grad[wte.offset:wte.offset + wte.size].reshape(wte.shape)
+    if model.cfg.tie_embeddings:
+        assert len(absent) and np.abs(wte.grad[absent]).sum() > 0
+    else:
+        assert not wte.grad[absent].any()
+    np.testing.assert_allclose(wte_grad, wte.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_stage3_logits_and_generation_match_the_unsharded_model(world):
+    reference, model = make_model(), make_model()
+    zdp = ZeroDataParallel(model, world, stage=3)
+    x, _ = global_batch(0)
+    np.testing.assert_allclose(model.logits(x), reference.logits(x), rtol=1e-12, atol=1e-14)
+    out = model.generate(x[:, :4], 3, temperature=0)
+    np.testing.assert_array_equal(out, reference.generate(x[:, :4], 3, temperature=0))
+    assert zdp.provider.gathers > 0 or world.world_size == 1
+
+
+def test_stage3_prefetch_is_issued_and_results_do_not_depend_on_it(world):
+    runs = {}
+    for prefetch in (True, False):
+        model = make_model()
+        zdp = ZeroDataParallel(model, world, stage=3, optimizer=adamw, prefetch=prefetch)
+        train(world, zdp, 2, max_grad_norm=0.05)
+        runs[prefetch] = zdp
+    on, off = runs[True].provider, runs[False].provider
+    np.testing.assert_array_equal(runs[True].full_params(), runs[False].full_params())
+    assert off.prefetches == off.prefetch_hits == 0
+    if world.world_size > 1:
+        # every unit's gather but the first of each pass was started one unit ahead, and used
+        assert on.prefetches > 0 and on.prefetch_hits == on.prefetches
+        assert on.gathers == off.gathers
+        assert on.prefetches >= on.gathers // 2
+
+
+def test_stage3_keeps_only_shards_one_world_size_th_of_dp(world):
+    model = make_model(dtype=np.float32)
+    n, itemsize = model.num_params, model.flat_data.itemsize
+    unit_bytes = [(model.params[b - 1].offset + model.params[b - 1].size
+                   - model.params[a].offset) * itemsize for a, b in model.units]
+    dp_total = 2 * model.flat_data.nbytes + optimizer_bytes(
+        AdamW(model.flat_data.copy(), decay_mask=decay_mask(model.params)))
+    zdp = ZeroDataParallel(model, world, stage=3)
+    assert isinstance(model.provider, ShardedParams) and model.provider is zdp.provider
+    assert model.flat_data is None and model.flat_grad is None  # no full buffer stays
+    x, y = global_batch(0)
+    _, cache = zdp.forward(local_slice(world, x), local_slice(world, y))
+    zdp.backward(cache)
+    zdp.step()
+    mine = zdp.memory_bytes()
+    W = world.world_size
+    assert mine["params"] == mine["grads"] == (zdp.stop - zdp.start) * itemsize
+    assert mine["total"] <= dp_total / W * 1.05 + max(unit_bytes)
+    per_rank = world.all_gather(np.array([mine["total"]], np.int64))
+    assert per_rank.sum() == dp_total  # the shards hold DP's state exactly once
+    # transient: at most the unit in use and the one prefetched are gathered at once
+    if W > 1:
+        assert zdp.provider.peak_bytes["params"] <= 2 * max(unit_bytes)
 
 
 # -- tiny vectors: empty shards ------------------------------------------------------------
@@ -244,7 +340,7 @@ def test_sharded_adamw_on_a_short_vector_with_empty_shards(world, stage, numel):
 
 
 # -- step preconditions and uneven data --------------------------------------------------------
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_step_refuses_without_a_synchronized_backward(world, stage):
     model = make_model()
     zdp = ZeroDataParallel(model, world, stage=stage)
@@ -261,9 +357,10 @@ def test_step_refuses_without_a_synchronized_backward(world, stage):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_uneven_batches_finish_together(world):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_uneven_batches_finish_together(world, stage):
     model = make_model()
-    zdp = ZeroDataParallel(model, world, stage=2, bucket_bytes=small_buckets(model))
+    zdp = ZeroDataParallel(model, world, stage=stage, bucket_bytes=small_buckets(model))
     x, y = global_batch(0)
     batches = [(local_slice(world, x), local_slice(world, y))] * (3 if world.rank == 0 else 5)
     steps = 0
@@ -273,12 +370,12 @@ def test_uneven_batches_finish_together(world):
         zdp.step()
         steps += 1
     assert steps == 3
-    weights = world.all_gather(model.flat_data.copy()).reshape(world.world_size, -1)
+    weights = world.all_gather(zdp.full_params()).reshape(world.world_size, -1)
     assert (weights == weights[0]).all()
 
 
 # -- checkpoint shards -------------------------------------------------------------------------
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_shards_round_trip_at_the_same_world_size(world, stage):
     model = make_model()
     zdp = ZeroDataParallel(model, world, stage=stage, optimizer=adamw)
@@ -287,12 +384,13 @@ def test_shards_round_trip_at_the_same_world_size(world, stage):
     fresh_model = make_model(seed=1)
     fresh = ZeroDataParallel(fresh_model, world, stage=stage, optimizer=adamw)
     fresh.load_shards(lambda name, offset, length: full[name][offset:offset + length])
-    np.testing.assert_array_equal(fresh_model.flat_data, model.flat_data)
+    np.testing.assert_array_equal(fresh.full_params(), zdp.full_params())
     for name, (array, _, _) in zdp.shards().items():
         np.testing.assert_array_equal(fresh.shards()[name][0], array)
 
 
-@pytest.mark.parametrize("stages", [(1, 2), (2, 1)], ids=["stage1-to-2", "stage2-to-1"])
+@pytest.mark.parametrize("stages", [(1, 2), (2, 1), (3, 1), (2, 3)],
+                         ids=["stage1-to-2", "stage2-to-1", "stage3-to-1", "stage2-to-3"])
 def test_shards_written_at_another_world_size_and_stage_resume_the_run(world, stages):
     saved_stage, loaded_stage = stages
     model = make_model()
@@ -307,7 +405,7 @@ def test_shards_written_at_another_world_size_and_stage_resume_the_run(world, st
         resumed.load_shards(sliced_reader(full, written_at))
         assert resumed.optimizer.step_count == 3
         train(world, resumed, 3, first_step=3)
-        np.testing.assert_allclose(resumed_model.flat_data, model.flat_data, rtol=1e-10,
+        np.testing.assert_allclose(resumed.full_params(), zdp.full_params(), rtol=1e-10,
                                    atol=1e-13)
 
 
@@ -323,23 +421,26 @@ def test_load_shards_refuses_a_short_read(world):
 
 # -- offload and memory ------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_cpu_offload_gives_the_same_parameters(world, stage, dtype):
     plain_model, offload_model = make_model(dtype=dtype), make_model(dtype=dtype)
     plain = ZeroDataParallel(plain_model, world, stage=stage, optimizer=adamw)
     offloaded = ZeroDataParallel(offload_model, world, stage=stage, optimizer=adamw,
                                  offload="cpu")
-    assert offloaded.shards()["params"][0] is not offload_model.flat_data[offloaded.start:]
-    assert not np.shares_memory(offloaded.optimizer.params, offload_model.flat_data)
+    model_params = (offloaded.provider.shard if stage == 3
+                    else offload_model.flat_data[offloaded.start:offloaded.stop])
+    assert offloaded.shards()["params"][0] is not model_params
+    assert not np.shares_memory(offloaded.optimizer.params, model_params)
     train(world, plain, 3, max_grad_norm=0.05)
     train(world, offloaded, 3, max_grad_norm=0.05)
-    np.testing.assert_array_equal(offload_model.flat_data, plain_model.flat_data)
+    np.testing.assert_array_equal(offloaded.full_params(), plain.full_params())
     assert offloaded.memory_bytes()["params"] > plain.memory_bytes()["params"]
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_optimizer_state_is_one_world_size_th_of_dp(world, stage):
     model = make_model(dtype=np.float32)
+    flat_grad_bytes = model.flat_grad.nbytes
     dp_opt_bytes = optimizer_bytes(AdamW(model.flat_data.copy(),
                                          decay_mask=decay_mask(model.params)))
     zdp = ZeroDataParallel(model, world, stage=stage)
@@ -348,4 +449,5 @@ def test_optimizer_state_is_one_world_size_th_of_dp(world, stage):
     assert per_rank.sum() == dp_opt_bytes  # the shards hold DP's state exactly once
     S = shard_size(model.num_params, world.world_size)
     assert per_rank.max() == dp_opt_bytes // model.num_params * S  # ~1/W each
-    assert mine["grads"] >= model.flat_grad.nbytes
+    if stage < 3:
+        assert mine["grads"] >= flat_grad_bytes

@@ -1,5 +1,6 @@
 """GPT on flat buffers: whole-model gradient check, accumulation, grad_ready order, layout,
-initialization, dtype agreement, generation, errors, and a short overfit run."""
+initialization, dtype agreement, generation, errors, a short overfit run, and the parameter-provider
+hooks (units, fetch/release/grads/grads_ready order, transient providers)."""
 import math
 
 import numpy as np
@@ -301,3 +302,113 @@ def test_tiny_gpt_overfits_one_batch(rng):
         clip_grad_norm(model.flat_grad, 1.0)
         opt.step(model.flat_grad)
     assert first > 5.0 and loss < 0.5, (first, loss)
+
+
+# ------------------------------------------------------------------------- provider hooks
+class CopyingProvider:
+    """A transient provider: hands out copies, poisons them (NaN) on release, keeps each unit's
+    gradient in its own buffer until grads_ready, and records every call."""
+
+    transient = True
+
+    def __init__(self, model):
+        self.model, self.calls, self.live = model, [], {}
+        self.flat = model.flat_data.copy()
+        self.grad = np.zeros_like(self.flat)
+        self.buffers = {}
+
+    def _span(self, unit):
+        first, stop = self.model.units[unit]
+        return self.model.params[first:stop]
+
+    def fetch(self, unit, then=None):
+        self.calls.append(("fetch", unit, then))
+        arrays = [self.flat[p.offset:p.offset + p.size].reshape(p.shape).copy()
+                  for p in self._span(unit)]
+        self.live[unit] = arrays
+        return arrays
+
+    def release(self, unit):
+        self.calls.append(("release", unit))
+        for array in self.live.pop(unit):
+            array.fill(np.nan)  # any later use shows up as NaN in the loss or gradients
+
+    def grads(self, unit):
+        if unit not in self.buffers:
+            self.buffers[unit] = [np.zeros(p.shape) for p in self._span(unit)]
+        return self.buffers[unit]
+
+    def grads_ready(self, unit):
+        self.calls.append(("grads_ready", unit))
+        for p, g in zip(self._span(unit), self.buffers.pop(unit)):
+            self.grad[p.offset:p.offset + p.size] += g.reshape(-1)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_units_are_contiguous_parameter_ranges_in_forward_order(tie):
+    model = GPT(micro_cfg(tie), seed=0)
+    L = model.cfg.n_layer
+    assert len(model.units) == L + 2
+    assert model.units[0] == (0, 2) and model.units[-1][1] == len(model.params)
+    assert all(prev[1] == cur[0] for prev, cur in zip(model.units, model.units[1:]))
+    assert [model.params[a].name for a, _ in model.units[1:-1]] == [f"h{l}.ln1.g"
+                                                                     for l in range(L)]
+    assert model.params[model.units[-1][0]].name == "ln_f.g"
+
+
+def test_default_provider_hands_out_the_flat_buffer_views():
+    model = GPT(micro_cfg(), seed=0)
+    for u, (first, stop) in enumerate(model.units):
+        for array, grad, p in zip(model.provider.fetch(u), model.provider.grads(u),
+                                  model.params[first:stop]):
+            assert array is p.data and grad is p.grad
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_transient_provider_gives_the_same_loss_gradients_and_logits(rng, tie):
+    cfg = micro_cfg(tie)
+    reference, model = GPT(cfg, seed=0, dtype=np.float64), GPT(cfg, seed=0, dtype=np.float64)
+    idx, targets = batch(rng, cfg)
+    ref_loss, cache = reference.forward(idx, targets)
+    reference.backward(cache)
+    provider = CopyingProvider(model)
+    model.use_provider(provider)
+    loss, cache = model.forward(idx, targets)
+    ready = []
+    model.backward(cache, grad_ready=ready.append)
+    assert loss == ref_loss
+    np.testing.assert_array_equal(provider.grad, reference.flat_grad)  # no NaN: nothing stale
+    assert sorted(ready) == list(range(len(model.params)))
+    assert not model.flat_grad.any()  # every gradient went to the provider
+    np.testing.assert_array_equal(model.logits(idx), reference.logits(idx))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_provider_calls_follow_the_documented_order(rng, tie):
+    cfg = micro_cfg(tie)  # 2 blocks: units 0 (embeddings), 1, 2 (blocks), 3 (head)
+    model = GPT(cfg, seed=0, dtype=np.float64)
+    provider = CopyingProvider(model)
+    model.use_provider(provider)
+    _, cache = model.forward(*batch(rng, cfg))
+    head_forward = ([("fetch", 3, 0), ("fetch", 0, None), ("release", 0), ("release", 3)] if tie
+                    else [("fetch", 3, None), ("release", 3)])
+    assert provider.calls == [("fetch", 0, 1), ("release", 0), ("fetch", 1, 2), ("release", 1),
+                              ("fetch", 2, 3), ("release", 2)] + head_forward
+    provider.calls.clear()
+    model.backward(cache)
+    head_backward = ([("fetch", 3, 0), ("fetch", 0, 2), ("release", 0)] if tie
+                     else [("fetch", 3, 2)])
+    assert provider.calls == head_backward + [
+        ("release", 3), ("grads_ready", 3), ("fetch", 2, 1), ("release", 2), ("grads_ready", 2),
+        ("fetch", 1, None), ("release", 1), ("grads_ready", 1), ("grads_ready", 0)]
+    assert not provider.live and not provider.buffers
+
+
+def test_dropping_the_flat_buffers_leaves_the_provider_in_charge():
+    model = GPT(micro_cfg(), seed=0)
+    model.use_provider(CopyingProvider(model), drop_flat=True)
+    assert model.flat_data is None and model.flat_grad is None
+    assert all(p.data is None and p.grad is None for p in model.params)
+    model.zero_grad()  # nothing to zero
+    with pytest.raises(ConfigError, match="provider"):
+        model.load_flat(np.zeros(model.num_params))
