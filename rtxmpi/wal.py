@@ -75,7 +75,7 @@ class WriteAheadLog:
             raise ConfigError(f"WAL every={every}: must be >= 1")
         self.path, self.every = os.fspath(path), int(every)
         records = np.zeros(0, RECORD_DTYPE) if records is None else np.asarray(records, RECORD_DTYPE)
-        tmp = self.path + ".tmp"
+        tmp, self._file = self.path + ".tmp", None
         try:
             self._file = h5py.File(tmp, "w", libver="latest")
             self._file.attrs["rtxmpi_wal_version"] = WAL_VERSION
@@ -88,6 +88,9 @@ class WriteAheadLog:
             os.replace(tmp, self.path)
             _fsync_dir(self.path)
         except OSError as exc:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
             raise CheckpointError(f"{self.path}: cannot create the write-ahead log: {exc}") from None
 
     @property

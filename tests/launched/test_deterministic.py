@@ -78,6 +78,9 @@ def test_two_deterministic_runs_are_bitwise_equal(straight, tmp_path):
     assert list(got["step"]) == list(range(1, 21))
     for field in ("loss", "lr", "grad_norm", "samples_consumed", "params_digest"):
         assert np.array_equal(got[field], want[field]), field
+    last = load_checkpoint(None, tmp_path / "ckpt", 20)
+    for rank in (0, 1):  # each rank's generator, seeded from (seed, rank), is in its rank_state
+        assert last.rank_state(rank)["rng"] == np.random.default_rng([0, rank]).bit_generator.state
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])
