@@ -339,7 +339,10 @@ class StepLog:
             os.makedirs(args.ckpt_dir, exist_ok=True)
             self.wal = WriteAheadLog(self.path, args.wal_every)
             return 0
-        records = self.records = read_wal(self.path)
+        try:
+            records = self.records = read_wal(self.path)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc}; move it away to resume without the log") from None
         kept, logged = records[records["step"] <= ckpt_step], records[records["step"] > ckpt_step]
         last = int(records["step"][-1]) if len(records) else 0
         at_ckpt = kept[kept["step"] == ckpt_step]

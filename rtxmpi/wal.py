@@ -143,7 +143,8 @@ def read_wal(path):
     """The durable records of the log at `path`: a structured array of RECORD_DTYPE, in order.
 
     Tolerates a writer that crashed (rows after its last sync are simply absent) and a file cut
-    short (the rows before the cut are returned: a valid log's steps are >= 1 and increasing). Single process; safe while a writer appends.
+    short (the rows before the cut are returned: a valid log's steps are >= 1 and increasing).
+    Single process; safe while a writer appends.
     Raises CheckpointError: no file, not HDF5, or not an rtxmpi write-ahead log.
     """
     path = os.fspath(path)

@@ -133,6 +133,15 @@ def test_tampered_log_fails_resume_parity_with_a_one_line_error(straight, tmp_pa
     assert len(read_wal(ckpt / "wal.h5")) == 20  # the evidence is kept
 
 
+def test_a_file_that_is_not_a_log_stops_the_resume_with_a_one_line_error(straight, tmp_path):
+    ckpt = without_last_checkpoint(straight(0), tmp_path / "ckpt")
+    (ckpt / "wal.h5").write_bytes(b"not hdf5")
+    proc = train(tmp_path, ckpt, "--resume")
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, str(proc)
+    assert f"rank 0: {ckpt / 'wal.h5'}: not an rtxmpi write-ahead log" in proc.stderr
+    assert "move it away to resume without the log" in proc.stderr
+
+
 def test_resume_without_deterministic_reports_the_last_step_and_rewrites_the_log(straight, tmp_path):
     ckpt = without_last_checkpoint(straight(0), tmp_path / "ckpt")
     proc = train(tmp_path, ckpt, "--ckpt-every", "10", "--resume")
