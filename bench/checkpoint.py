@@ -310,12 +310,12 @@ def main():
     half = bench.size // 2
     for k in ("same-size load", "resharded load"):
         if k in med:
-            rows.append([f"{k} ({half} ranks)", fmt(med[k] * 1e3, 1), fmt(gbps[k]),
+            rows.append([f"{k} ({half} rank{'s' if half > 1 else ''})", fmt(med[k] * 1e3, 1), fmt(gbps[k]),
                          fmt(min(bench.times[k]) * 1e3, 1),
                          f"{med[k] / med['same-size load']:.2f}x same-size time"
                          if k == "resharded load" else ""])
     evicted = statistics.median(bench.evicted) if bench.evicted else None
-    print(f"Checkpoint I/O, {bench.size} ranks, {bench.total_bytes / 2**20:.0f} MiB "
+    print(f"Checkpoint I/O, {bench.size} rank{'s' if bench.size > 1 else ''}, {bench.total_bytes / 2**20:.0f} MiB "
           f"({len(NAMES)} float32 tensors, 1/{bench.size} per rank), median of {args.repeats}; "
           f"time = slowest rank; GB/s = all ranks' bytes / time")
     print(f"reads start after: {method}"
@@ -334,7 +334,7 @@ def main():
           f"{verdict(targets['load_vs_read'] >= 0.8)}")
     if "resharded_vs_same_size_time" in targets:
         r = targets["resharded_vs_same_size_time"]
-        print(f"- Target resharded load ({half} ranks reading the {bench.size}-rank checkpoint) "
+        print(f"- Target resharded load ({half} rank{'s' if half > 1 else ''} reading the {bench.size}-rank checkpoint) "
               f"<= 1.5x the same-size load time: {r:.3f}x -> {verdict(r <= 1.5)}")
     print(f"- CPU work per byte on one core (rank 0, after the run): zlib.crc32 {cpu['crc32']:.1f} "
           f"GB/s, memory copy {cpu['copy']:.1f} GB/s")
