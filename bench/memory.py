@@ -10,7 +10,9 @@ tokens per rank, then one more forward whose cache it keeps, and reports per ran
 (rtxmpi.observe.memory.report): params, grads, optimizer state (the engine's memory_bytes() when it
 has one, else the arrays), activations (the unique buffers of that one micro-batch's forward cache,
 views and parameter buffers not counted), model state = params + grads + optimizer, and the
-process's peak RSS. Tables show the largest value over ranks (shards can be uneven). Stage 3 is
+process's peak RSS; "transient" is the peak of buffers the engine allocates and frees within a
+step when it tracks them (ZeRO-3: gathered units and unit gradients), not part of model state.
+Tables show the largest value over ranks (shards can be uneven). Stage 3 is
 measured when rtxmpi.parallel.zero.STAGES has it.
 
 Target (issue): at 4 ranks, ZeRO-3 per-rank model-state bytes <= (DP's / 4 + one layer's gathered
@@ -108,7 +110,7 @@ def launch(args, ranks, stage):
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
     result = json.loads(line[len("RESULT "):])
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
-                "model_state_bytes", "peak_rss_bytes", "rss_bytes"):
+                "model_state_bytes", "peak_rss_bytes", "rss_bytes", "transient_peak_bytes"):
         result[key] = max(r[key] for r in result["per_rank"])
     return result
 
@@ -145,13 +147,14 @@ def main():
             r["ratio_to_dp"] = r["model_state_bytes"] / dp[n] if n in dp else None
             rows.append([s, n, mib(r["params_bytes"]), mib(r["grads_bytes"]),
                          mib(r["optimizer_bytes"]), mib(r["activations_bytes"]),
-                         mib(r["model_state_bytes"]), ratio, mib(r["peak_rss_bytes"])])
+                         mib(r["transient_peak_bytes"]), mib(r["model_state_bytes"]), ratio,
+                         mib(r["peak_rss_bytes"])])
     info = machine_info()
     print(f"Per-rank memory (MiB, largest over ranks), model {args.model} "
           f"({first['params'] / 1e6:.2f} M params, float32), activations of one micro-batch of "
           f"{args.local_batch} x {args.seq_len} tokens; stage 0 = DataParallel + AdamW\n")
     print(markdown_table(["stage", "ranks", "params", "grads", "optimizer", "activations",
-                          "model state", "ratio to DP", "peak RSS"], rows))
+                          "transient", "model state", "ratio to DP", "peak RSS"], rows))
     print("\nModel state per rank (MiB) and ratio to DP at the same world size, side by side:\n")
     side = [[s] + [f"{mib(results[(n, s)]['model_state_bytes'])} ({results[(n, s)]['ratio_to_dp']:.3f})"
                    if results[(n, s)]["ratio_to_dp"] is not None else mib(results[(n, s)]["model_state_bytes"])

@@ -15,6 +15,9 @@ What is counted (all in bytes, per rank):
       to the array that owns the memory (`arr.base`), each owner counted once, whole; buffers of
       the model's parameters and gradients (e.g. the weight a linear layer's cache keeps for its
       backward) are excluded, since they are counted as params/grads already.
+  transient_peak: buffers an engine allocates and frees within a step, at their peak, when the
+      engine tracks them (ZeRO-3: `engine.provider.peak_bytes`, gathered units + unit gradient
+      buffers); 0 otherwise.
   rss: the process's resident set now (/proc/self/statm) and its peak (getrusage ru_maxrss).
       These include the interpreter, libraries and MPI buffers, so they exceed the sum above.
 Nothing here communicates except `gather_reports`.
@@ -26,7 +29,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 _FIELDS = ("rank", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
-           "rss_bytes", "peak_rss_bytes")
+           "rss_bytes", "peak_rss_bytes", "transient_peak_bytes")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,8 @@ class MemoryReport:
     rank: the group rank reported. params_bytes, grads_bytes, optimizer_bytes: model state held by
     this rank. activations_bytes: unique buffers kept alive by one forward cache (0 without one).
     rss_bytes: resident set size now. peak_rss_bytes: the largest resident set so far.
+    transient_peak_bytes: the most bytes of step-transient buffers the engine held at once (ZeRO-3
+    gathered units and unit gradients), 0 where the engine does not track them.
     """
 
     rank: int
@@ -45,6 +50,7 @@ class MemoryReport:
     activations_bytes: int
     rss_bytes: int
     peak_rss_bytes: int
+    transient_peak_bytes: int = 0
 
     @property
     def model_state_bytes(self):
@@ -148,6 +154,16 @@ def optimizer_state_bytes(optimizer):
 
 
 # -- reports -------------------------------------------------------------------------------------
+def transient_peak_bytes(engine):
+    """The peak bytes of step-transient buffers `engine` tracks: the sum of the values of
+    `engine.provider.peak_bytes` (ZeroDataParallel stage 3: gathered units and unit gradient
+    buffers); 0 when there is none."""
+    peak = getattr(getattr(engine, "provider", None), "peak_bytes", None)
+    if isinstance(peak, dict):
+        return int(sum(peak.values()))
+    return int(peak or 0)
+
+
 def report(engine=None, *, model=None, optimizer=None, cache=None, rank=None):
     """This rank's MemoryReport (bytes). Local: no communication.
 
@@ -179,7 +195,8 @@ def report(engine=None, *, model=None, optimizer=None, cache=None, rank=None):
     activations = 0 if cache is None else cache_bytes(cache, exclude=exclude)
     return MemoryReport(rank=int(rank), params_bytes=params, grads_bytes=grads,
                         optimizer_bytes=opt, activations_bytes=activations,
-                        rss_bytes=rss_bytes(), peak_rss_bytes=peak_rss_bytes())
+                        rss_bytes=rss_bytes(), peak_rss_bytes=peak_rss_bytes(),
+                        transient_peak_bytes=transient_peak_bytes(engine))
 
 
 def gather_reports(group, mine):

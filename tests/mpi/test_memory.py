@@ -1,7 +1,10 @@
 """rtxmpi.observe.memory across ranks: gather_reports and ZeRO's sharded optimizer bytes."""
+import numpy as np
+import pytest
+
 from rtxmpi.nn import GPT, GPTConfig
 from rtxmpi.observe.memory import gather_reports, report
-from rtxmpi.parallel.zero import ZeroDataParallel, shard_range
+from rtxmpi.parallel.zero import STAGES, ZeroDataParallel, shard_range
 
 
 def test_gather_reports_returns_every_rank_in_order(world):
@@ -21,3 +24,18 @@ def test_zero1_optimizer_bytes_are_this_ranks_shard(world):
     assert mine.optimizer_bytes == 4 * 4 * (stop - start)  # m, v, decay mask, scratch (float32)
     total = sum(r.optimizer_bytes for r in gather_reports(world, mine))
     assert total == 4 * 4 * model.num_params
+
+
+@pytest.mark.skipif(3 not in STAGES, reason="ZeRO stage 3 is not available")
+def test_zero3_reports_sharded_params_and_transient_peak(world):
+    model = GPT(GPTConfig.named("tiny", seq_len=8))
+    numel = model.num_params
+    zdp = ZeroDataParallel(model, world, stage=3)
+    x = np.arange(16, dtype=np.int64).reshape(2, 8) % 256
+    _, cache = zdp.forward(x, x)
+    zdp.backward(cache)
+    zdp.step()
+    mine = report(zdp)
+    start, stop = shard_range(numel, world.world_size, world.rank)
+    assert 4 * (stop - start) <= mine.params_bytes <= 4 * -(-numel // world.world_size)
+    assert mine.transient_peak_bytes > 0

@@ -49,6 +49,14 @@ def test_engine_memory_bytes_is_used_when_present():
     assert (r.params_bytes, r.grads_bytes, r.optimizer_bytes) == (10, 20, 30)
 
 
+def test_transient_peak_from_a_provider_else_zero():
+    model = GPT(CFG)
+    engine = _Engine(model)
+    assert report(engine).transient_peak_bytes == 0
+    engine.provider = type("Provider", (), {"peak_bytes": {"params": 100, "grads": 28}})()
+    assert report(engine).transient_peak_bytes == 128
+
+
 def test_report_without_engine_or_model_raises():
     with pytest.raises(ValueError):
         report()
@@ -117,6 +125,6 @@ def test_peak_rss_grows_after_touching_memory():
 
 
 def test_gather_reports_single_process_and_dict():
-    r = MemoryReport(0, 1, 2, 3, 4, 5, 6)
+    r = MemoryReport(0, 1, 2, 3, 4, 5, 6, 7)
     assert gather_reports(None, r) == [r]
     assert r.as_dict()["model_state_bytes"] == 6
