@@ -368,8 +368,11 @@ class StepLog:
                    f"no parity check")
             print(f"wal: last logged step {last}; re-running steps {ckpt_step + 1}..{last} from the "
                   f"checkpoint ({why})", flush=True)
-        else:
+        elif last == ckpt_step:
             print(f"wal: last logged step {last}, the checkpoint's", flush=True)
+        else:
+            print(f"wal: the log ends at step {last}, before the checkpoint at step {ckpt_step}; "
+                  f"it continues at step {ckpt_step + 1}", flush=True)
         return 0
 
     def step(self, step, record, samples_consumed, sync):
@@ -384,7 +387,7 @@ class StepLog:
                 error = CheckpointError(message) if message else None
             raise_if_any_failed(self.world, error, "resume parity")
             if step == self.verify_until and self.world.rank == 0:
-                print(f"wal: resume parity ok: steps {step - len(self.parity.logged) + 1}..{step} "
+                print(f"wal: resume parity ok: steps {self.parity.first_step}..{step} "
                       f"reproduce the log bit for bit ({len(self.parity.logged)} losses, "
                       f"{self.parity.digests_checked} parameter digests)", flush=True)
                 self.wal = WriteAheadLog(self.path, self.args.wal_every,

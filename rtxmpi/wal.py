@@ -191,14 +191,14 @@ class ResumeParity:
     logged: records of the steps to be re-run (step > the checkpoint's step), from `read_wal`.
     `check(step, loss, lr, grad_norm, digest)` returns None when the recomputed values equal the
     logged ones bit for bit (as float64; grad_norm and digest only when given and, for the digest,
-    logged), else a one-line message naming the log, the step and the first differing value. `last_step` is the last
-    logged step (0: nothing to re-run).
+    logged), else a one-line message naming the log, the step and the first differing value.
+    `first_step` and `last_step` are the first and last logged steps (0: nothing to re-run).
     """
 
     def __init__(self, path, logged):
         self.path = path
         self.logged = {int(r["step"]): r for r in logged}
-        self.last_step = max(self.logged, default=0)
+        self.first_step, self.last_step = min(self.logged, default=0), max(self.logged, default=0)
         self.digests_checked = 0
 
     def wants_digest(self, step):

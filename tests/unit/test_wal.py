@@ -118,7 +118,7 @@ def test_resume_parity_is_bitwise_and_names_the_step(tmp_path):
     records["step"], records["loss"], records["lr"] = [11, 12, 13], [2.5, 2.4, 2.3], 1e-3
     records["params_digest"] = [NO_DIGEST, 77, NO_DIGEST]
     parity = ResumeParity("CKPT/wal.h5", records)
-    assert parity.last_step == 13 and parity.wants_digest(12) and not parity.wants_digest(11)
+    assert (parity.first_step, parity.last_step) == (11, 13) and parity.wants_digest(12) and not parity.wants_digest(11)
     assert parity.check(11, 2.5, 1e-3) is None and parity.check(12, 2.4, 1e-3, digest=77) is None
     assert parity.digests_checked == 1
     message = parity.check(13, np.nextafter(2.3, 3.0), 1e-3)
