@@ -175,15 +175,20 @@ def read_piece(path, name, expected, start=0, stop=None, out=None, *, h5file=Non
         chunk = max(1, READ_CHUNK_BYTES // max(1, dtype.itemsize))
         buf = np.empty(min(chunk, length), dtype)
         crc = 0
+        direct = isinstance(out, np.ndarray) and out.dtype == dtype and out.flags.c_contiguous
         try:
             for a in range(0, length, chunk):
                 b = min(a + chunk, length)
-                view = buf[:b - a]
-                ds.read_direct(view, np.s_[a:b])
+                if direct and start <= a and b <= stop:  # wholly wanted: straight into `out`
+                    view = out[a - start:b - start]
+                    ds.read_direct(view, np.s_[a:b])
+                else:
+                    view = buf[:b - a]
+                    ds.read_direct(view, np.s_[a:b])
+                    lo, hi = max(a, start), min(b, stop)
+                    if lo < hi:
+                        out[lo - start:hi - start] = view[lo - a:hi - a]
                 crc = crc32_update(crc, view)
-                lo, hi = max(a, start), min(b, stop)
-                if lo < hi:
-                    out[lo - start:hi - start] = view[lo - a:hi - a]
         except OSError as exc:  # truncated data
             raise CheckpointError(f"{where}: read failed (truncated?): {exc}") from None
         if format_checksum(crc) != expected["checksum"]:
