@@ -100,6 +100,21 @@ def test_stop_after_step_10_then_resume_equals_the_straight_run(straight, tmp_pa
     assert list(read_wal(ckpt / "wal.h5")["step"]) == list(range(1, 21))
 
 
+def test_four_ranks_stop_and_resume_equal_the_straight_run(tmp_path):
+    """At 4 ranks the sums are no longer a + b: Open MPI's algorithm, fixed for a message size and
+    communicator, must add in the same order in every run."""
+    common = ["--deterministic", "--ckpt-every", "10"]
+    proc = train(tmp_path, tmp_path / "straight", *common, n=4, metrics=tmp_path / "a.jsonl")
+    assert proc.returncode == 0, str(proc)
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "b.jsonl"
+    proc = train(tmp_path, ckpt, *common, "--stop-after-step", "10", n=4, metrics=metrics)
+    assert proc.returncode == 0, str(proc)
+    proc = train(tmp_path, ckpt, *common, "--resume", n=4, metrics=metrics)
+    assert proc.returncode == 0, str(proc)
+    assert losses(metrics) == losses(tmp_path / "a.jsonl")
+    assert_same_checkpoint(ckpt, tmp_path / "straight")
+
+
 def test_killed_after_step_15_resumes_deterministic_and_parity_passes(straight, tmp_path):
     ref, ckpt = straight(0), tmp_path / "ckpt"
     proc = train(tmp_path, ckpt, "--deterministic", "--ckpt-every", "5",
