@@ -71,8 +71,9 @@ def parse_args(argv=None):
                    help="gradient-accumulation micro-batches per step on each rank")
     p.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
     p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: world size)")
-    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2),
-                   help="0: replicated optimizer; 1: sharded optimizer state; 2: + sharded gradients")
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
+                   help="0: replicated optimizer; 1: sharded optimizer state; 2: + sharded "
+                        "gradients; 3: + sharded parameters, gathered layer by layer")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up (default steps/20)")
@@ -189,6 +190,9 @@ class Replicated:
 
     def grad_norm(self):
         return math.sqrt(grad_norm_sq(self.model.flat_grad))  # averaged: identical on every rank
+
+    def full_params(self):
+        return self.model.flat_data
 
     def step(self, lr=None, max_grad_norm=None, total_norm=None):
         if max_grad_norm is not None:
@@ -316,13 +320,14 @@ class StepLog:
     against it (CheckpointError on every rank at the first difference), then it is kept up to L
     and continued at L+1."""
 
-    def __init__(self, world, args, model, ckpt_step):
-        self.world, self.args, self.model = world, args, model
+    def __init__(self, world, args, engine, ckpt_step):
+        self.world, self.args, self.engine = world, args, engine
         self.path, self.wal, self.parity, self.records = wal_path(args.ckpt_dir), None, None, None
         error, verify_until = None, 0
+        digest = self._digest() if ckpt_step else None
         if world.rank == 0:
             try:
-                verify_until = self._open(ckpt_step)
+                verify_until = self._open(ckpt_step, digest)
             except (CheckpointError, OSError) as exc:
                 error = exc
         raise_if_any_failed(world, error, "opening the write-ahead log")
@@ -330,7 +335,11 @@ class StepLog:
         world.broadcast(until, src=0)
         self.verify_until = int(until[0])
 
-    def _open(self, ckpt_step):
+    def _digest(self):
+        """crc32 of the whole parameter vector. Every rank calls it (a gather at ZeRO stage 3)."""
+        return params_digest(self.engine.full_params())
+
+    def _open(self, ckpt_step, digest):
         """Rank 0: open or check the log; returns the last step to verify (0: none)."""
         args, world = self.args, self.world
         if not (args.resume and os.path.exists(self.path)):
@@ -347,7 +356,7 @@ class StepLog:
         last = int(records["step"][-1]) if len(records) else 0
         at_ckpt = kept[kept["step"] == ckpt_step]
         if len(at_ckpt) and at_ckpt["params_digest"][0] >= 0:
-            logged_digest, digest = int(at_ckpt["params_digest"][0]), params_digest(self.model.flat_data)
+            logged_digest = int(at_ckpt["params_digest"][0])
             if digest != logged_digest:
                 message = (f"{self.path} step {ckpt_step}: the checkpoint's parameter digest "
                            f"{digest:08x} != logged {logged_digest:08x}: log and checkpoint are of "
@@ -379,9 +388,9 @@ class StepLog:
         """After `step`: check it against the log while re-running logged steps (collective: one
         agree), else append it (rank 0), durable now when `sync` (checkpoint or last step)."""
         if step <= self.verify_until:
-            error = None
+            error, digest = None, self._digest()
             if self.world.rank == 0:
-                digest = params_digest(self.model.flat_data) if self.parity.wants_digest(step) else None
+                digest = digest if self.parity.wants_digest(step) else None
                 message = self.parity.check(step, record["loss"], record["lr"], record["grad_norm"],
                                             digest=digest)
                 error = CheckpointError(message) if message else None
@@ -393,10 +402,9 @@ class StepLog:
                 self.wal = WriteAheadLog(self.path, self.args.wal_every,
                                          records=self.records[self.records["step"] <= step])
             return
+        digest = self._digest() if sync or step % self.args.wal_every == 0 else None
         if self.wal is None:
             return
-        every = self.args.wal_every
-        digest = params_digest(self.model.flat_data) if sync or step % every == 0 else None
         self.wal.append(step=step, samples_consumed=samples_consumed, loss=record["loss"],
                         lr=record["lr"], grad_norm=record["grad_norm"],
                         world_size=self.world.world_size, params_digest=digest)
@@ -438,7 +446,7 @@ def train(args):
                   f"{'--steps' if last_step == args.steps else '--stop-after-step'} {last_step}",
                   flush=True)
         return None
-    log = StepLog(world, args, model, start_step - 1) if args.ckpt_dir else None
+    log = StepLog(world, args, engine, start_step - 1) if args.ckpt_dir else None
     bar = tqdm(total=args.steps, initial=start_step - 1, disable=rank != 0 or args.no_progress,
                unit="step", mininterval=1.0)
     tokens_per_step = args.global_batch * args.seq_len
@@ -488,6 +496,8 @@ def train(args):
         log.close()
     elapsed = time.perf_counter() - start
     steps_run = last_step - start_step + 1
+    sample = last_step == args.steps and args.sample_tokens
+    full = engine.full_params() if sample else None  # every rank: a gather at ZeRO stage 3
     if rank == 0:
         val = f", val_loss {record['val_loss']:.3f}" if "val_loss" in record else ""
         print(f"done: {steps_run} steps in {elapsed:.1f} s, "
@@ -496,10 +506,12 @@ def train(args):
         if last_step < args.steps:
             print(f"stopped after step {last_step} (--stop-after-step); continue with --resume up to "
                   f"step {args.steps}", flush=True)
-        elif args.sample_tokens:
+        elif sample:
             prompt = encode("def ")[None, :].astype(np.int64)
-            out = model.generate(prompt, args.sample_tokens, temperature=0.8, top_k=40,
-                                 rng=np.random.default_rng(args.seed))
+            sampler_model = GPT(cfg, seed=args.seed)  # a plain local copy: generation talks to no one
+            sampler_model.load_flat(full)
+            out = sampler_model.generate(prompt, args.sample_tokens, temperature=0.8, top_k=40,
+                                         rng=np.random.default_rng(args.seed))
             print("---- sample ----\n" + decode(out[0]) + "\n----------------", flush=True)
     if metrics:
         metrics.close()

@@ -78,7 +78,7 @@ def test_rank_killed_mid_save_keeps_previous_and_resume_matches_uninterrupted(re
         assert np.array_equal(resumed[name], uninterrupted[name]), name
 
 
-@pytest.mark.parametrize("n, zero_stage", [(1, 0), (4, 0), (1, 2), (4, 1), (2, 2)])
+@pytest.mark.parametrize("n, zero_stage", [(1, 0), (4, 0), (1, 2), (4, 1), (2, 2), (4, 3)])
 def test_two_rank_checkpoint_resumes_at_other_world_sizes_and_zero_stages(reference, tmp_path, n,
                                                                            zero_stage):
     ckpt = tmp_path / "ckpt"

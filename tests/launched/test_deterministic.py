@@ -83,7 +83,7 @@ def test_two_deterministic_runs_are_bitwise_equal(straight, tmp_path):
         assert last.rank_state(rank)["rng"] == np.random.default_rng([0, rank]).bit_generator.state
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_stop_after_step_10_then_resume_equals_the_straight_run(straight, tmp_path, zero_stage):
     ref = straight(zero_stage)
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
