@@ -43,9 +43,11 @@ from ..control import agree
 from ..errors import CheckpointError, ConfigError, RtxmpiError
 from ..nn import AdamW, clip_grad_norm, grad_norm_sq
 from .data import DEFAULT_BUCKET_BYTES, DataParallel
+from .offload import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_CHUNKS, NvmeStore
 
 STAGES = (1, 2, 3)
-OFFLOADS = (None, "cpu")
+OFFLOADS = (None, "cpu", "nvme")
+NVME_TENSORS = ("params", "adam.m", "adam.v")
 
 
 # -- shard layout ----------------------------------------------------------------------------
@@ -306,18 +308,26 @@ class ZeroDataParallel:
     (default AdamW(params, decay_mask=decay_mask)); it must have `step(grad, lr=None)` and, for
     shards()/load_shards(), AdamW's state_dict()/load_state_dict().
     offload: None, or "cpu": master parameters, gradient shard copy and optimizer state in host
-    memory (numpy), in float32 or wider; on a numpy model that is the same memory, kept separate.
+    memory (numpy), in float32 or wider; on a numpy model that is the same memory, kept separate;
+    or "nvme": master parameters and optimizer state in files under offload_dir (rank_XXXXX/,
+    see rtxmpi.parallel.offload.NvmeStore), updated chunk by chunk (offload_chunk_bytes of
+    each tensor per chunk) with at most offload_max_chunks chunks in memory; the gradient shard
+    copy stays in host memory. The optimizer must be AdamW (its state is streamed). close()
+    removes the files.
     Parameters are broadcast from group rank 0 when wrapped. prefetch (stage 3): gather the next
     unit while the current one computes (False: every gather blocking; same results).
 
     Collective: every rank of `group` must construct it and call backward (outside no_sync),
     step, grad_norm, load_shards, full_params and join the same number of times in the same
     order; at stage 3 forward and every backward (no_sync too) as well.
-    Raises ConfigError (stage, offload, bucket_bytes, a stage-3 model without unit hooks).
+    Raises ConfigError (stage, offload, bucket_bytes, a stage-3 model without unit hooks; with
+    "nvme": no offload_dir, an optimizer other than AdamW, or an offload_dir any rank cannot
+    write, raised on every rank).
     """
 
     def __init__(self, model, group, stage=1, bucket_bytes=DEFAULT_BUCKET_BYTES,
-                 optimizer=_default_optimizer, offload=None, prefetch=True):
+                 optimizer=_default_optimizer, offload=None, prefetch=True, offload_dir=None,
+                 offload_chunk_bytes=DEFAULT_CHUNK_BYTES, offload_max_chunks=DEFAULT_MAX_CHUNKS):
         if stage not in STAGES:
             raise ConfigError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
         if stage == 3 and not (hasattr(model, "units") and hasattr(model, "use_provider")):
@@ -328,6 +338,12 @@ class ZeroDataParallel:
             raise ConfigError(f"offload must be one of {OFFLOADS}, got {offload!r}")
         if not bucket_bytes > 0:
             raise ConfigError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        if offload == "nvme" and offload_dir is None:
+            raise ConfigError('offload="nvme" needs offload_dir, a directory for the optimizer '
+                              'files (e.g. on a local NVMe disk)')
+        if offload == "nvme" and not (offload_chunk_bytes > 0 and offload_max_chunks >= 1):
+            raise ConfigError(f"offload_chunk_bytes must be > 0 and offload_max_chunks >= 1, got "
+                              f"{offload_chunk_bytes} and {offload_max_chunks}")
         self.model, self.group, self.stage, self.offload = model, group, stage, offload
         self.bucket_bytes = int(bucket_bytes)
         self.xp = xp_of(model.flat_data)
@@ -361,7 +377,11 @@ class ZeroDataParallel:
             self.provider = ShardedParams(model, group, shard.copy(), prefetch=prefetch)
             model.use_provider(self.provider, drop_flat=True)
             shard = self.provider.shard
-        if offload == "cpu":
+        self.store = None
+        if offload == "nvme":
+            self._init_nvme(shard, np.promote_types(dtype, np.float32), optimizer, offload_dir,
+                            offload_chunk_bytes, offload_max_chunks)
+        elif offload == "cpu":
             dtype = np.promote_types(dtype, np.float32)
             self._master = _to_host(shard).astype(dtype)  # a copy, always
             self._host_grad = np.zeros_like(self._master)
@@ -370,6 +390,65 @@ class ZeroDataParallel:
             self._master = shard
             self._host_grad = None
             self.optimizer = optimizer(shard, mask)
+
+    def _init_nvme(self, shard, dtype, optimizer, offload_dir, chunk_bytes, max_chunks):
+        """The file store (every rank agrees it could create its files), the master parameters
+        written into it, and an optimizer over one chunk whose state is swapped per chunk."""
+        n = self.stop - self.start
+        chunk = max(1, min(int(chunk_bytes) // dtype.itemsize, n))
+        failed = np.zeros(self.group.world_size, np.int64)
+        error = None
+        try:
+            self.store = NvmeStore(offload_dir, self.group.rank, NVME_TENSORS, n, dtype, chunk,
+                                   max_chunks)
+        except ConfigError as exc:
+            error, failed[self.group.rank] = exc, 1
+        if self.group.world_size > 1:
+            self.group.all_reduce(failed, op="sum")
+        if failed.any():
+            if self.store is not None:
+                self.store.close()
+            ranks = [int(r) for r in np.flatnonzero(failed)]
+            raise ConfigError(f"offload_dir: ranks {ranks} cannot create their offload files"
+                              + (f": {error}" if error else ""))
+        host = _to_host(shard)
+        self.store.write_chunks(lambda lo, hi: {"params": host[lo:hi]}, names=("params",))
+        self._master = None
+        self._host_grad = np.zeros(self.store.num_chunks * chunk, dtype)  # padded to chunks
+        self.optimizer = optimizer(np.zeros(chunk, dtype), np.ones(chunk, dtype))
+        if not isinstance(self.optimizer, AdamW):
+            self.store.close()
+            raise ConfigError(f'offload="nvme" streams AdamW\'s state chunk by chunk; the '
+                              f"optimizer factory returned {type(self.optimizer).__name__}")
+        self.optimizer.m = self.optimizer.v = None  # the chunks' state comes from the files
+
+    def _nvme_step(self, grad, lr):
+        """One AdamW step over the files, chunk by chunk: the optimizer's params, m, v and mask
+        become the chunk's (elementwise update: the same bits as one full-shard step); the new
+        parameters go into the model's shard (its dtype) as each chunk finishes."""
+        opt, step = self.optimizer, self.optimizer.step_count
+        target = (self.provider.shard if self.provider is not None
+                  else self.model.flat_data[self.start:self.stop])
+        params = self.model.params
+
+        def update(i, lo, hi, arrays):
+            opt.params, opt.m, opt.v = arrays["params"], arrays["adam.m"], arrays["adam.v"]
+            opt.decay_mask = np.zeros(len(opt.params), opt.params.dtype)
+            opt.decay_mask[:hi - lo] = shard_decay_mask(params, self.start + lo,
+                                                        self.start + hi, dtype=opt.params.dtype)
+            opt.step_count = step
+            opt.step(grad[lo:lo + len(opt.params)], lr=lr)
+            target[lo:hi] = self.xp.asarray(opt.params[:hi - lo], dtype=target.dtype)
+
+        self.store.stream(update)
+        opt.step_count = step + 1
+        opt.params = opt.m = opt.v = None  # the last chunk's buffers go
+
+    def close(self):
+        """Remove this rank's offload files (offload="nvme"; nothing otherwise). The wrapper
+        cannot step or checkpoint after it. Local. Idempotent."""
+        if self.store is not None:
+            self.store.close()
 
     def __repr__(self):
         return (f"<ZeroDataParallel stage={self.stage} offload={self.offload} "
@@ -521,13 +600,16 @@ class ZeroDataParallel:
                               "the last micro-batch's backward outside no_sync()")
         grad = self.grad_shard()
         if self._host_grad is not None:
-            self._host_grad[...] = _to_host(grad)
+            self._host_grad[:len(grad)] = _to_host(grad)
             grad = self._host_grad
         norm = None
         if max_grad_norm is not None:
             norm = self.grad_norm() if total_norm is None else float(total_norm)
             clip_grad_norm(grad, max_grad_norm, total_norm=norm)
-        self.optimizer.step(grad, lr=lr)
+        if self.store is not None:
+            self._nvme_step(grad, lr)
+        else:
+            self.optimizer.step(grad, lr=lr)
         self._gather_params()
         self.zero_grad()
         return norm
@@ -536,12 +618,12 @@ class ZeroDataParallel:
         """Every rank's updated shard into every rank's model.flat_data (stage 3: only the
         offloaded master into the shard; units are gathered when used). Collective (stage < 3)."""
         if self.provider is not None:
-            if self.offload:
+            if self.offload == "cpu":  # nvme: the chunks were copied in as they were updated
                 shard = self.provider.shard
                 shard[...] = self.xp.asarray(self._master, dtype=shard.dtype)
             return
         n, flat = self.stop - self.start, self.model.flat_data
-        if self.offload:  # otherwise the optimizer updated the model's own shard in place
+        if self.offload == "cpu":  # otherwise already in the model's shard
             flat[self.start:self.stop] = self.xp.asarray(self._master, dtype=flat.dtype)
         if self.group.world_size == 1:
             return
@@ -588,12 +670,18 @@ class ZeroDataParallel:
 
         "params" (the master parameters: the model's shard, or the offloaded copy), "adam.m",
         "adam.v" (this rank's [start, stop) of N), "adam.step" (int64, global size 1, held by
-        rank 0 under the same layout). Arrays are the live buffers: copy to keep. Local.
+        rank 0 under the same layout). Arrays are the live buffers: copy to keep (offload="nvme":
+        np.memmap views of the offload files). Local.
         """
-        state = self.optimizer.state_dict()
         step_start, step_stop = shard_range(1, self.group.world_size, self.group.rank)
+        if self.store is not None:
+            state = {"step": self.optimizer.step_count, "m": self.store.array("adam.m"),
+                     "v": self.store.array("adam.v")}
+            master = self.store.array("params")
+        else:
+            state, master = self.optimizer.state_dict(), self._master
         steps = np.full(step_stop - step_start, state["step"], np.int64)
-        return {"params": (self._master, self.start, self.numel),
+        return {"params": (master, self.start, self.numel),
                 "adam.m": (state["m"], self.start, self.numel),
                 "adam.v": (state["v"], self.start, self.numel),
                 "adam.step": (steps, step_start, 1)}
@@ -616,6 +704,11 @@ class ZeroDataParallel:
                                       f"expected ({length},)")
             return values
 
+        if self.store is not None:  # chunk by chunk into the files and the model's shard
+            self._load_nvme(fetch, int(fetch("adam.step", 0, 1)[0]))
+            self._gather_params()
+            self.zero_grad()
+            return
         self.optimizer.load_state_dict({"step": int(fetch("adam.step", 0, 1)[0]),
                                         "m": fetch("adam.m", self.start, n),
                                         "v": fetch("adam.v", self.start, n)})
@@ -623,6 +716,21 @@ class ZeroDataParallel:
         self._master[...] = _to_host(params) if self.offload else self.xp.asarray(params)
         self._gather_params()
         self.zero_grad()
+
+    def _load_nvme(self, fetch, step):
+        if step < 0:
+            raise CheckpointError(f"optimizer state step must be >= 0, got {step}")
+        target = (self.provider.shard if self.provider is not None
+                  else self.model.flat_data[self.start:self.stop])
+
+        def fill(lo, hi):
+            values = {name: _to_host(fetch(name, self.start + lo, hi - lo))
+                      for name in NVME_TENSORS}
+            target[lo:hi] = self.xp.asarray(values["params"], dtype=target.dtype)
+            return values
+
+        self.store.write_chunks(fill)
+        self.optimizer.step_count = step
 
     # -- memory accounting ---------------------------------------------------------------------
     def memory_bytes(self):
@@ -635,7 +743,10 @@ class ZeroDataParallel:
         copy of the shard when offloaded; optimizer: every state array of the sharded optimizer
         (m, v, decay mask, scratch). Transient buffers (the W*S all_gather result, stage-2
         packed buckets, stage-3 gathered units and unit gradients: see provider.peak_bytes) are
-        not counted. Local.
+        not counted. offload="nvme": optimizer is the most bytes of chunk buffers in memory at
+        once (offload_max_chunks chunks of master parameters, m and v) plus the optimizer's
+        scratch, and two more keys give the bytes in files: "params_on_disk" (master
+        parameters), "optimizer_on_disk" (m, v); total counts memory only. Local.
         """
         model = self.model
         if self.provider is not None:
@@ -643,10 +754,15 @@ class ZeroDataParallel:
         else:
             params = model.flat_data.nbytes + self._send.nbytes
             grads = model.flat_grad.nbytes
-        if self.offload:
+        if self.offload == "cpu":
             params += self._master.nbytes
         if self._host_grad is not None:
             grads += self._host_grad.nbytes
         optimizer = optimizer_bytes(self.optimizer)
-        return {"params": int(params), "grads": int(grads), "optimizer": int(optimizer),
-                "total": int(params + grads + optimizer)}
+        out = {"params": int(params), "grads": int(grads)}
+        if self.store is not None:
+            optimizer += self.store.memory_bound_bytes()
+            tensor_bytes = self.store.disk_bytes() // len(NVME_TENSORS)
+            out.update(params_on_disk=int(tensor_bytes), optimizer_on_disk=int(2 * tensor_bytes))
+        out.update(optimizer=int(optimizer), total=int(params + grads + optimizer))
+        return out

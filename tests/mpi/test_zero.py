@@ -451,3 +451,95 @@ def test_optimizer_state_is_one_world_size_th_of_dp(world, stage):
     assert per_rank.max() == dp_opt_bytes // model.num_params * S  # ~1/W each
     if stage < 3:
         assert mine["grads"] >= flat_grad_bytes
+
+
+# -- NVMe offload --------------------------------------------------------------------------------
+def nvme(world, model, tmp_path, stage, **kwargs):
+    """A ZeroDataParallel with offload="nvme" in small chunks (several per shard)."""
+    kwargs.setdefault("offload_chunk_bytes", 4096)
+    kwargs.setdefault("offload_max_chunks", 2)
+    return ZeroDataParallel(model, world, stage=stage, optimizer=adamw, offload="nvme",
+                            offload_dir=tmp_path / "offload", **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_nvme_offload_gives_bitwise_the_same_parameters(world, tmp_path, stage, dtype):
+    # AdamW is elementwise, so a chunked update computes every element with the same operations
+    # in the same dtype as the whole-shard update: bitwise equal, in float32 too
+    plain = ZeroDataParallel(make_model(dtype=dtype), world, stage=stage, optimizer=adamw)
+    offloaded = nvme(world, make_model(dtype=dtype), tmp_path, stage)
+    assert offloaded.store.num_chunks > offloaded.store.max_chunks or offloaded.numel < 4096
+    train(world, plain, 10, max_grad_norm=0.05)
+    train(world, offloaded, 10, max_grad_norm=0.05)
+    np.testing.assert_array_equal(offloaded.full_params(), plain.full_params())
+    for name, (array, _, _) in plain.shards().items():
+        np.testing.assert_array_equal(offloaded.shards()[name][0], array)
+    offloaded.close()
+
+
+@pytest.mark.parametrize("max_chunks", [1, 3])
+def test_nvme_offload_never_holds_more_than_max_chunks(world, tmp_path, max_chunks):
+    zdp = nvme(world, make_model(dtype=np.float32), tmp_path, 2, offload_chunk_bytes=1024,
+               offload_max_chunks=max_chunks)
+    train(world, zdp, 2)
+    store = zdp.store
+    assert store.chunks_read == store.chunks_written == 2 * store.num_chunks
+    assert store.max_resident == min(max_chunks, store.num_chunks) or store.num_chunks == 0
+    assert store.resident == 0
+    zdp.close()
+
+
+def test_nvme_offload_files_live_under_offload_dir_and_close_removes_them(world, tmp_path):
+    zdp = nvme(world, make_model(), tmp_path, 1)
+    rank_dir = tmp_path / "offload" / f"rank_{world.rank:05d}"
+    n = zdp.stop - zdp.start
+    assert sorted(p.name for p in rank_dir.iterdir()) == ["adam.m.bin", "adam.v.bin",
+                                                          "params.bin"]
+    assert all(p.stat().st_size == n * 8 for p in rank_dir.iterdir())
+    zdp.close()
+    assert not rank_dir.exists()
+
+
+def test_nvme_memory_bytes_show_optimizer_state_on_disk(world, tmp_path):
+    model = make_model(dtype=np.float32)
+    zdp = nvme(world, model, tmp_path, 2, offload_chunk_bytes=1024, offload_max_chunks=2)
+    in_memory = ZeroDataParallel(make_model(dtype=np.float32), world, stage=2).memory_bytes()
+    mine = zdp.memory_bytes()
+    n = zdp.stop - zdp.start
+    assert mine["optimizer_on_disk"] == 2 * n * 4
+    assert mine["params_on_disk"] == n * 4
+    if zdp.store.num_chunks > 2:
+        assert mine["optimizer"] <= 2 * 3 * 1024 + 2 * 1024 < in_memory["optimizer"]
+    zdp.close()
+
+
+def test_nvme_unwritable_offload_dir_raises_config_error_on_every_rank(world, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    offload_dir = blocker if world.rank == world.world_size - 1 else tmp_path / "ok"
+    with pytest.raises(ConfigError, match=f"ranks \\[{world.world_size - 1}\\]"):
+        ZeroDataParallel(make_model(), world, stage=1, offload="nvme", offload_dir=offload_dir)
+    with pytest.raises(ConfigError, match="offload_dir"):
+        ZeroDataParallel(make_model(), world, stage=1, offload="nvme")
+
+
+@pytest.mark.parametrize("stages", [(2, 2), (1, 3), (3, 2)],
+                         ids=["stage2-to-2", "stage1-to-3", "stage3-to-2"])
+def test_nvme_checkpoint_round_trip_resumes_the_run(world, tmp_path, stages):
+    saved_stage, loaded_stage = stages
+    zdp = nvme(world, make_model(), tmp_path / "saved", saved_stage)
+    train(world, zdp, 3)
+    full = gather_shards(world, zdp)
+    train(world, zdp, 3, first_step=3)
+    resumed = nvme(world, make_model(seed=2), tmp_path / "resumed", loaded_stage)
+    resumed.load_shards(sliced_reader(full, world.world_size + 1))
+    assert resumed.optimizer.step_count == 3
+    train(world, resumed, 3, first_step=3)
+    if saved_stage == loaded_stage:  # same reduction order: the same bits
+        np.testing.assert_array_equal(resumed.full_params(), zdp.full_params())
+    else:  # stages sum gradients in different orders
+        np.testing.assert_allclose(resumed.full_params(), zdp.full_params(), rtol=1e-10,
+                                   atol=1e-13)
+    zdp.close()
+    resumed.close()
