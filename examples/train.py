@@ -74,11 +74,6 @@ def parse_args(argv=None):
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
                    help="0: replicated optimizer; 1: sharded optimizer state; 2: + sharded "
                         "gradients; 3: + sharded parameters, gathered layer by layer")
-    p.add_argument("--offload", default="none", choices=("none", "cpu", "nvme"),
-                   help="ZeRO master parameters and optimizer state in host memory (cpu) or in "
-                        "files under --offload-dir, streamed in chunks (nvme); needs --zero-stage >= 1")
-    p.add_argument("--offload-dir", default=None, metavar="DIR",
-                   help="directory for --offload nvme files (DIR/rank_XXXXX/; use a local NVMe disk)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up (default steps/20)")
@@ -94,6 +89,9 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (sharded HDF5, docs/checkpoint.md)")
     p.add_argument("--ckpt-every", type=int, default=0,
                    help="checkpoint after every K-th step and at the end (0: only at the end)")
+    p.add_argument("--async-save", action="store_true",
+                   help="write each checkpoint on a background thread while training goes on; it "
+                        "is committed at the next checkpoint or the end (docs/checkpoint.md)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest committed checkpoint in --ckpt-dir (none: start fresh)")
     p.add_argument("--stop-after-step", type=int, default=None, metavar="S",
@@ -132,19 +130,15 @@ def check_args(args, world_size):
             raise ConfigError(f"--metrics-jsonl {args.metrics_jsonl}: not a writable file path")
     if args.ckpt_every < 0:
         raise ConfigError(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
-    if args.ckpt_dir is None and (args.ckpt_every or args.resume or args.stop_after_step):
-        flag = "--ckpt-every" if args.ckpt_every else "--resume" if args.resume else "--stop-after-step"
+    if args.ckpt_dir is None and (args.ckpt_every or args.resume or args.stop_after_step
+                                  or args.async_save):
+        flag = ("--ckpt-every" if args.ckpt_every else "--resume" if args.resume else
+                "--async-save" if args.async_save else "--stop-after-step")
         raise ConfigError(f"{flag} needs --ckpt-dir DIR")
     if args.stop_after_step is not None and not 1 <= args.stop_after_step <= args.steps:
         raise ConfigError(f"--stop-after-step {args.stop_after_step} must be in [1, --steps {args.steps}]")
     if args.wal_every < 1:
         raise ConfigError(f"--wal-every must be >= 1, got {args.wal_every}")
-    if args.offload != "none" and args.zero_stage == 0:
-        raise ConfigError(f"--offload {args.offload} needs --zero-stage 1, 2 or 3 "
-                          "(stage 0 keeps a replicated optimizer)")
-    if (args.offload == "nvme") != (args.offload_dir is not None):
-        raise ConfigError("--offload nvme needs --offload-dir DIR, and --offload-dir only goes "
-                          "with --offload nvme")
     dp = world_size if args.dp is None else args.dp
     if dp != world_size:
         raise ConfigError(f"--dp {dp} != world_size {world_size}: data parallelism is the only "
@@ -237,8 +231,7 @@ def build_engine(args, model, world):
     if args.zero_stage == 0:
         return Replicated(model, world, bucket_bytes, optimizer)
     return ZeroDataParallel(model, world, stage=args.zero_stage, bucket_bytes=bucket_bytes,
-                            optimizer=optimizer, offload_dir=args.offload_dir,
-                            offload=None if args.offload == "none" else args.offload)
+                            optimizer=optimizer)
 
 
 def checkpoint_meta(args, cfg, model, engine, sampler):
@@ -251,20 +244,40 @@ def checkpoint_meta(args, cfg, model, engine, sampler):
             "zero_stage": args.zero_stage}
 
 
-def save(world, args, step, cfg, model, engine, sampler, rng):
+def save(world, args, step, cfg, model, engine, sampler, rng, pending=None):
     """Commit a checkpoint of `step`: each rank writes its piece of params, m, v and the step,
-    and its generator's state."""
+    and its generator's state. With --async-save, first commits `pending` (the previous save),
+    then snapshots and returns the new save in flight for `finish_save` (collective)."""
+    finish_save(world, model, pending)
     t0 = time.perf_counter()
     shards = {name: Shard(*piece) for name, piece in engine.shards().items()}
     path = save_checkpoint(world, args.ckpt_dir, step, shards,
                            meta=checkpoint_meta(args, cfg, model, engine, sampler),
                            rank_state={"rank": world.rank, "world_size": world.world_size,
                                        "rng": rng.bit_generator.state},
-                           overwrite=True)
+                           overwrite=True, async_save=args.async_save)
+    if args.async_save:
+        return path, t0  # an AsyncSave: committed by the next save() or finish_save()
+    finish_save(world, model, (path, t0))
+    return None
+
+
+def finish_save(world, model, pending):
+    """Commit an async save in flight (collective; CheckpointError on every rank) and report it."""
+    if pending is None:
+        return
+    handle, t0 = pending
+    path = handle if isinstance(handle, str) else handle.finish()
     if world.rank == 0:
         mb = 3 * model.num_params * np.dtype(model.dtype).itemsize / 1e6
-        print(f"checkpoint: saved step {step} to {path} ({mb:.1f} MB over {world.world_size} rank "
-              f"files, {time.perf_counter() - t0:.2f} s)", flush=True)
+        print(f"checkpoint: saved step {step_of(path)} to {path} ({mb:.1f} MB over "
+              f"{world.world_size} rank files, {time.perf_counter() - t0:.2f} s"
+              f"{'' if isinstance(handle, str) else ' to commit, written in the background'})",
+              flush=True)
+
+
+def step_of(step_dir):
+    return int(os.path.basename(step_dir).split("_")[1])
 
 
 def resume(world, args, cfg, engine, sampler, rng):
@@ -463,6 +476,7 @@ def train(args):
                unit="step", mininterval=1.0)
     tokens_per_step = args.global_batch * args.seq_len
     start = time.perf_counter()
+    pending = None  # --async-save: the checkpoint being written in the background
     for step in range(start_step, last_step + 1):
         t0 = time.perf_counter()
         x, y = sampler.next_batch()
@@ -502,7 +516,8 @@ def train(args):
         if log:
             log.step(step, record, sampler.samples_consumed, sync=ckpt_now)  # durable before commit
         if ckpt_now:
-            save(world, args, step, cfg, model, engine, sampler, rng)
+            pending = save(world, args, step, cfg, model, engine, sampler, rng, pending)
+    finish_save(world, model, pending)
     bar.close()
     if log:
         log.close()

@@ -14,7 +14,9 @@ collective save/load and the `rtxmpi ckpt` command build on. No pickle anywhere:
 import json
 import os
 import re
+import threading
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import h5py
 import numpy as np
@@ -48,6 +50,43 @@ def parse_step(name):
 def crc32_update(crc, array):
     """Running crc32 over the raw bytes of a contiguous array."""
     return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1), crc)
+
+
+_CRC_POOL, _CRC_POOL_LOCK = None, threading.Lock()
+
+
+def crc_pool():
+    """The one-thread pool that computes crc32s while the caller's thread does the I/O
+    (zlib.crc32 releases the GIL on large buffers, h5py holds it: the two run side by side).
+    One worker: the jobs a caller submits run in submission order, so a running crc over
+    chunks stays correct."""
+    global _CRC_POOL
+    with _CRC_POOL_LOCK:
+        if _CRC_POOL is None:
+            _CRC_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtxmpi-crc32")
+        return _CRC_POOL
+
+
+class RunningCrc:
+    """crc32 of a sequence of chunks, computed on `crc_pool()` while the caller reads or writes
+    the next chunk. `add(view)`: the caller must not modify `view` until `wait_for(view)` or
+    `value()` returns. value(): the final crc32 (waits for every chunk)."""
+
+    def __init__(self):
+        self.crc, self.futures = 0, []
+
+    def _update(self, view):
+        self.crc = crc32_update(self.crc, view)
+
+    def add(self, view):
+        self.futures.append(crc_pool().submit(self._update, view))
+        return self.futures[-1]
+
+    def value(self):
+        for future in self.futures:
+            future.result()
+        self.futures = []
+        return self.crc
 
 
 def format_checksum(crc):
@@ -88,7 +127,7 @@ def write_text_atomic(path, text):
 
 
 # ---------------------------------------------------------------- rank files
-def _as_host(array):
+def as_host(array):
     """numpy view of a numpy or cupy 1-D array (cupy is copied to the host, one tensor at a time)."""
     if type(array).__module__.startswith("cupy"):
         array = array.get()
@@ -113,9 +152,11 @@ def write_rank_file(path, shards, rank_state=None):
         tensors = f.create_group("tensors")
         for name, shard in shards.items():  # one tensor at a time: at most one host copy alive
             check_tensor_name(name)
-            data = _as_host(shard.data)
-            crc = checksum(data)
+            data = as_host(shard.data)
+            running = RunningCrc()
+            running.add(data)  # the crc32 runs on the pool thread while h5py writes
             ds = tensors.create_dataset(name, data=data)
+            crc = format_checksum(running.value())
             ds.attrs["global_shape"] = np.array([shard.global_size], np.int64)
             ds.attrs["global_offset"] = np.int64(shard.global_offset)
             ds.attrs["checksum"] = crc
@@ -173,24 +214,32 @@ def read_piece(path, name, expected, start=0, stop=None, out=None, *, h5file=Non
         if out is None:
             out = np.empty(stop - start, dtype)
         chunk = max(1, READ_CHUNK_BYTES // max(1, dtype.itemsize))
-        buf = np.empty(min(chunk, length), dtype)
-        crc = 0
+        bufs, buf_jobs = [], [None, None]  # two bounce buffers: one read while the other's crc runs
+        running = RunningCrc()  # chunk i's crc32 runs while chunk i + 1 is read
         direct = isinstance(out, np.ndarray) and out.dtype == dtype and out.flags.c_contiguous
         try:
-            for a in range(0, length, chunk):
+            for i, a in enumerate(range(0, length, chunk)):
                 b = min(a + chunk, length)
                 if direct and start <= a and b <= stop:  # wholly wanted: straight into `out`
                     view = out[a - start:b - start]
                     ds.read_direct(view, np.s_[a:b])
+                    running.add(view)
                 else:
-                    view = buf[:b - a]
+                    k = i % 2
+                    if buf_jobs[k] is not None:
+                        buf_jobs[k].result()  # its previous chunk's crc is done: reuse it
+                    while len(bufs) <= k:
+                        bufs.append(np.empty(min(chunk, length), dtype))
+                    view = bufs[k][:b - a]
                     ds.read_direct(view, np.s_[a:b])
                     lo, hi = max(a, start), min(b, stop)
                     if lo < hi:
                         out[lo - start:hi - start] = view[lo - a:hi - a]
-                crc = crc32_update(crc, view)
+                    buf_jobs[k] = running.add(view)
         except OSError as exc:  # truncated data
+            running.value()
             raise CheckpointError(f"{where}: read failed (truncated?): {exc}") from None
+        crc = running.value()
         if format_checksum(crc) != expected["checksum"]:
             raise CheckpointError(f"{where}: checksum mismatch: data has {format_checksum(crc)}, "
                                   f"metadata says {expected['checksum']} (corrupt file)")

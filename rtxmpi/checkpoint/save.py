@@ -9,10 +9,18 @@ Protocol (DESIGN.md, "Nothing lost"):
     fsyncs, renames, fsyncs the directory, then replaces `CKPT/latest` (tmp + rename).
 A failure anywhere raises CheckpointError on every rank and leaves no metadata.json, so the
 previous committed checkpoint (and `latest`) stays as it was.
+
+Asynchronous save (`async_save=True`): steps 1-2 run in the call, which then copies this rank's
+pieces and rank_state into host buffers and returns an `AsyncSave`; a background thread does step
+3 (no collectives there); `AsyncSave.finish()`, collective and called from the training thread,
+waits for the write and does steps 4-5. At most one async save is in flight per process: a new
+save (sync or async) first finishes the previous one.
 """
+import copy
 import json
 import os
 import shutil
+import threading
 import time
 import zlib
 
@@ -89,25 +97,9 @@ def _metadata(step, world_size, names, pieces, file_bytes, dtypes, sizes, meta):
             "created_unix": time.time(), "files": files, "tensors": tensors, "meta": meta}
 
 
-def save_checkpoint(group, ckpt_dir, step, shards, meta=None, rank_state=None, *, overwrite=False):
-    """Write and commit checkpoint `step` in `ckpt_dir`; returns the committed step dir path.
-
-    group: the ProcessGroup whose ranks each write one file (None: a single process, rank 0).
-    shards: {name: Shard}, the same names on every rank; each rank passes the pieces it owns of
-    every named global 1-D tensor (an empty Shard where it owns nothing); together the pieces must
-    cover each tensor exactly once. For data parallelism use `Shard.even(full, rank, size)`.
-    meta: JSON-able dict (rank 0's is stored in metadata.json). rank_state: this rank's small
-    JSON-able values and small numpy arrays (top-level keys), stored in its own file.
-    overwrite: replace an already committed checkpoint of the same step (default: refuse).
-    Collective: every rank of `group` must call. Tensors are written one at a time.
-    Raises CheckpointError on every rank when any rank fails (nothing is committed then).
-    """
-    rank, world_size = (0, 1) if group is None else (group.rank, group.world_size)
-    ckpt_dir = os.path.abspath(ckpt_dir)
-    step_dir = os.path.join(ckpt_dir, fmt.step_dir_name(step))
-    what = f"saving checkpoint {step_dir}"
-    meta = {} if meta is None else meta
-
+def _begin(group, ckpt_dir, step_dir, shards, meta, overwrite, what):
+    """Collective steps 1-2: every rank passes the same valid tensors; rank 0 prepares step_dir."""
+    rank = 0 if group is None else group.rank
     error = None
     try:
         for name, shard in shards.items():
@@ -133,19 +125,27 @@ def save_checkpoint(group, ckpt_dir, step, shards, meta=None, rank_state=None, *
             error = exc
     raise_if_any_failed(group, error, what)
 
-    error, written, file_bytes = None, {}, 0
+
+def _write(step_dir, rank, step, shards, rank_state):
+    """Step 3, local (no collectives: safe on a background thread): write tmp, fsync, rename.
+    Returns (error or None, {name: written entry}, file bytes)."""
     path = os.path.join(step_dir, fmt.rank_file_name(rank))
     try:
         written = fmt.write_rank_file(path + fmt.TMP_SUFFIX, shards, rank_state)
         _crash_hook(rank, step)
         os.replace(path + fmt.TMP_SUFFIX, path)
         fmt.fsync_path(step_dir)
-        file_bytes = os.path.getsize(path)
+        return None, written, os.path.getsize(path)
     except Exception as exc:  # noqa: BLE001 - any failure of any rank must reach every rank
-        error = CheckpointError(f"{path}: write failed: {type(exc).__name__}: {exc}")
+        return CheckpointError(f"{path}: write failed: {type(exc).__name__}: {exc}"), {}, 0
+
+
+def _commit(group, ckpt_dir, step_dir, step, names, write_result, meta, what):
+    """Collective steps 4-5: agree the writes succeeded, gather the piece table, rank 0 commits."""
+    rank, world_size = (0, 1) if group is None else (group.rank, group.world_size)
+    error, written, file_bytes = write_result
     raise_if_any_failed(group, error, what)
 
-    names = sorted(shards)
     local = np.zeros((1 + len(names), 3), np.int64)
     local[0, 0] = file_bytes
     for t, name in enumerate(names):
@@ -166,3 +166,115 @@ def save_checkpoint(group, ckpt_dir, step, shards, meta=None, rank_state=None, *
             error = exc
     raise_if_any_failed(group, error, what)
     return step_dir
+
+
+def _snapshot(shards, rank_state):
+    """Host copies of this rank's pieces and rank_state: later training cannot change them."""
+    copies = {name: Shard(np.array(fmt.as_host(s.data), copy=True), s.global_offset, s.global_size)
+              for name, s in shards.items()}
+    return copies, copy.deepcopy(rank_state)
+
+
+class AsyncSave:
+    """An asynchronous checkpoint save in flight (returned by `save_checkpoint(async_save=True)`).
+
+    done(): local, non-blocking: this rank's background write has ended (well or not).
+    finish(timeout_s=None): collective, from the thread that makes the group's other collectives:
+    waits up to timeout_s (default the group's timeout_s) for this rank's write, agrees that every
+    rank's write succeeded, gathers the piece table and rank 0 commits (metadata.json, latest).
+    Returns the committed step dir; a second call returns it again (or re-raises). Raises
+    CheckpointError on every rank when any rank's write failed or timed out; nothing is committed.
+    """
+
+    def __init__(self, group, ckpt_dir, step_dir, step, names, meta, what):
+        self.group, self.ckpt_dir, self.path, self.step = group, ckpt_dir, step_dir, step
+        self._names, self._meta, self._what = names, meta, what
+        self._result, self._outcome, self._thread = None, None, None
+
+    def _start(self, shards, rank_state):
+        rank = 0 if self.group is None else self.group.rank
+
+        def run():
+            self._result = _write(self.path, rank, self.step, shards, rank_state)
+
+        self._thread = threading.Thread(target=run, name=f"rtxmpi-ckpt-{self.step}", daemon=True)
+        self._thread.start()
+
+    def done(self):
+        return not self._thread.is_alive()
+
+    def finish(self, timeout_s=None):
+        global _IN_FLIGHT
+        if self._outcome is not None:
+            if isinstance(self._outcome, BaseException):
+                raise self._outcome
+            return self._outcome
+        if _IN_FLIGHT is self:
+            _IN_FLIGHT = None
+        if timeout_s is None:
+            timeout_s = getattr(self.group, "timeout_s", None)
+        self._thread.join(timeout_s)
+        result = self._result
+        if self._thread.is_alive():
+            result = (CheckpointError(f"{self.path}: background write of rank "
+                                      f"{0 if self.group is None else self.group.rank} not done "
+                                      f"after {timeout_s} s"), {}, 0)
+        try:
+            self._outcome = _commit(self.group, self.ckpt_dir, self.path, self.step, self._names,
+                                    result, self._meta, self._what)
+        except CheckpointError as exc:
+            self._outcome = exc
+            raise
+        return self._outcome
+
+
+_IN_FLIGHT = None  # the AsyncSave not yet finished, if any (at most one per process)
+
+
+def finish_pending():
+    """Collective: finish the async save in flight, if any (every rank has one or none alike).
+    Returns its committed step dir, or None. Raises CheckpointError as AsyncSave.finish."""
+    pending = _IN_FLIGHT
+    return None if pending is None else pending.finish()
+
+
+def save_checkpoint(group, ckpt_dir, step, shards, meta=None, rank_state=None, *, overwrite=False,
+                    async_save=False):
+    """Write and commit checkpoint `step` in `ckpt_dir`; returns the committed step dir path
+    (async_save: an `AsyncSave` handle whose finish() commits).
+
+    group: the ProcessGroup whose ranks each write one file (None: a single process, rank 0).
+    shards: {name: Shard}, the same names on every rank; each rank passes the pieces it owns of
+    every named global 1-D tensor (an empty Shard where it owns nothing); together the pieces must
+    cover each tensor exactly once. For data parallelism use `Shard.even(full, rank, size)`.
+    meta: JSON-able dict (rank 0's is stored in metadata.json). rank_state: this rank's small
+    JSON-able values and small numpy arrays (top-level keys), stored in its own file.
+    overwrite: replace an already committed checkpoint of the same step (default: refuse).
+    async_save: copy this rank's pieces to host memory (the caller may then change its arrays),
+    write them on a background thread and return at once; call `.finish()` later (collective).
+    Collective: every rank of `group` must call. Tensors are written one at a time. An async
+    save still in flight is finished first (its failure is raised here, before this save starts).
+    Raises CheckpointError on every rank when any rank fails (nothing is committed then).
+    """
+    finish_pending()
+    rank = 0 if group is None else group.rank
+    ckpt_dir = os.path.abspath(ckpt_dir)
+    step_dir = os.path.join(ckpt_dir, fmt.step_dir_name(step))
+    what = f"saving checkpoint {step_dir}"
+    meta = {} if meta is None else meta
+    _begin(group, ckpt_dir, step_dir, shards, meta, overwrite, what)
+    names = sorted(shards)
+    if not async_save:
+        return _commit(group, ckpt_dir, step_dir, step, names,
+                       _write(step_dir, rank, step, shards, rank_state), meta, what)
+    global _IN_FLIGHT
+    error, snapshot = None, None
+    try:
+        snapshot = _snapshot(shards, rank_state)
+    except Exception as exc:  # noqa: BLE001 - e.g. out of host memory: every rank must know
+        error = CheckpointError(f"{what}: host snapshot failed: {type(exc).__name__}: {exc}")
+    raise_if_any_failed(group, error, what)
+    handle = AsyncSave(group, ckpt_dir, step_dir, step, names, copy.deepcopy(meta), what)
+    handle._start(*snapshot)
+    _IN_FLIGHT = handle
+    return handle

@@ -150,3 +150,67 @@ def test_different_tensors_on_ranks_raise_on_every_rank(world, ckpt_dir,
     assert_raised_on_every_rank(world, lambda: save_checkpoint(world, ckpt_dir, 1, shards),
                                 CheckpointError, match=["different tensors"])
     assert latest_step(ckpt_dir) is None
+
+
+def read_all(ckpt_dir, step):
+    ckpt = load_checkpoint(None, ckpt_dir, step=step)
+    return {name: ckpt.read(name) for name in ckpt.tensors}
+
+
+def test_async_save_equals_sync_save_though_training_changes_the_arrays(world, ckpt_dir):
+    arrays = full_tensors()
+    want = {k: a.copy() for k, a in arrays.items()}
+    sync_dir = os.path.join(ckpt_dir, "sync")
+    save_even(world, sync_dir, 5, arrays)
+    shards = {k: Shard.even(a, world.rank, world.world_size) for k, a in arrays.items()}
+    handle = save_checkpoint(world, ckpt_dir, 5, shards, meta={"step": 5},
+                             rank_state={"rank": world.rank, "rng": np.full(2, world.rank)},
+                             async_save=True)
+    for a in arrays.values():  # "the next training step" changes the live arrays at once
+        a += 1
+    assert not os.path.exists(os.path.join(ckpt_dir, "step_00000005", "metadata.json"))
+    assert handle.finish() == os.path.join(ckpt_dir, "step_00000005")
+    assert handle.finish() == handle.path  # idempotent
+    assert latest_step(ckpt_dir) == 5
+    world.barrier()
+    got, ref = read_all(ckpt_dir, 5), read_all(sync_dir, 5)
+    for name, a in want.items():
+        assert np.array_equal(got[name], a) and np.array_equal(ref[name], a), name
+    for r in range(world.world_size):
+        with h5py.File(os.path.join(ckpt_dir, "step_00000005", fmt.rank_file_name(r)), "r") as f, \
+                h5py.File(os.path.join(sync_dir, "step_00000005", fmt.rank_file_name(r)), "r") as g:
+            for name in want:
+                assert f["tensors"][name].attrs["checksum"] == g["tensors"][name].attrs["checksum"]
+
+
+def test_next_save_finishes_the_async_save_in_flight(world, ckpt_dir):
+    arrays = full_tensors()
+    shards = {k: Shard.even(a, world.rank, world.world_size) for k, a in arrays.items()}
+    first = save_checkpoint(world, ckpt_dir, 1, shards, async_save=True)
+    second = save_checkpoint(world, ckpt_dir, 2, shards, async_save=True)  # commits step 1 first
+    assert fmt.is_committed(first.path) and first.finish() == first.path
+    assert second.finish() == second.path and latest_step(ckpt_dir) == 2
+
+
+def test_async_writer_failure_raises_on_every_rank_at_finish(world, ckpt_dir, monkeypatch,
+                                                             assert_raised_on_every_rank):
+    arrays = full_tensors()
+    save_even(world, ckpt_dir, 1, arrays)
+    if world.rank == world.world_size - 1:
+        def broken_writer(path, shards, rank_state=None):
+            raise RuntimeError("injected disk failure")
+
+        monkeypatch.setattr(fmt, "write_rank_file", broken_writer)
+    shards = {k: Shard.even(a, world.rank, world.world_size) for k, a in arrays.items()}
+    handle = save_checkpoint(world, ckpt_dir, 2, shards, async_save=True)  # returns on every rank
+    assert_raised_on_every_rank(world, handle.finish, CheckpointError,
+                                match=["injected disk failure", f"rank {world.world_size - 1}"])
+    assert not os.path.exists(os.path.join(ckpt_dir, "step_00000002", "metadata.json"))
+    with open(os.path.join(ckpt_dir, "latest")) as f:
+        assert f.read().strip() == "step_00000001"
+    with pytest.raises(CheckpointError):
+        handle.finish()  # the same error again, no collective
+    world.barrier()
+    monkeypatch.undo()
+    save_even(world, ckpt_dir, 2, arrays)  # the in-flight slot is free: a new save works
+    assert latest_step(ckpt_dir) == 2
