@@ -74,6 +74,11 @@ def parse_args(argv=None):
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
                    help="0: replicated optimizer; 1: sharded optimizer state; 2: + sharded "
                         "gradients; 3: + sharded parameters, gathered layer by layer")
+    p.add_argument("--offload", default="none", choices=("none", "cpu", "nvme"),
+                   help="ZeRO master parameters and optimizer state in host memory (cpu) or in "
+                        "files under --offload-dir, streamed in chunks (nvme); needs --zero-stage >= 1")
+    p.add_argument("--offload-dir", default=None, metavar="DIR",
+                   help="directory for --offload nvme files (DIR/rank_XXXXX/; use a local NVMe disk)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up (default steps/20)")
@@ -139,6 +144,12 @@ def check_args(args, world_size):
         raise ConfigError(f"--stop-after-step {args.stop_after_step} must be in [1, --steps {args.steps}]")
     if args.wal_every < 1:
         raise ConfigError(f"--wal-every must be >= 1, got {args.wal_every}")
+    if args.offload != "none" and args.zero_stage == 0:
+        raise ConfigError(f"--offload {args.offload} needs --zero-stage 1, 2 or 3 "
+                          "(stage 0 keeps a replicated optimizer)")
+    if (args.offload == "nvme") != (args.offload_dir is not None):
+        raise ConfigError("--offload nvme needs --offload-dir DIR, and --offload-dir only goes "
+                          "with --offload nvme")
     dp = world_size if args.dp is None else args.dp
     if dp != world_size:
         raise ConfigError(f"--dp {dp} != world_size {world_size}: data parallelism is the only "
@@ -231,7 +242,8 @@ def build_engine(args, model, world):
     if args.zero_stage == 0:
         return Replicated(model, world, bucket_bytes, optimizer)
     return ZeroDataParallel(model, world, stage=args.zero_stage, bucket_bytes=bucket_bytes,
-                            optimizer=optimizer)
+                            optimizer=optimizer, offload_dir=args.offload_dir,
+                            offload=None if args.offload == "none" else args.offload)
 
 
 def checkpoint_meta(args, cfg, model, engine, sampler):
