@@ -2,6 +2,7 @@
 import os
 import shutil
 import tempfile
+import time
 
 import h5py
 import numpy as np
@@ -214,3 +215,20 @@ def test_async_writer_failure_raises_on_every_rank_at_finish(world, ckpt_dir, mo
     monkeypatch.undo()
     save_even(world, ckpt_dir, 2, arrays)  # the in-flight slot is free: a new save works
     assert latest_step(ckpt_dir) == 2
+
+
+def test_async_write_past_its_deadline_raises_on_every_rank(world, ckpt_dir, monkeypatch,
+                                                             assert_raised_on_every_rank):
+    arrays = full_tensors()
+    if world.rank == 0:
+        def slow_writer(path, shards, rank_state=None):
+            time.sleep(1.0)
+            raise RuntimeError("slow disk gave up")
+
+        monkeypatch.setattr(fmt, "write_rank_file", slow_writer)
+    shards = {k: Shard.even(a, world.rank, world.world_size) for k, a in arrays.items()}
+    handle = save_checkpoint(world, ckpt_dir, 3, shards, async_save=True)
+    assert_raised_on_every_rank(world, lambda: handle.finish(timeout_s=0.1), CheckpointError,
+                                match=["not done after 0.1 s", "rank 0"])
+    assert latest_step(ckpt_dir) is None
+    time.sleep(1.2)  # let the slow writer end before the directory is removed

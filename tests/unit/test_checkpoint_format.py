@@ -217,3 +217,27 @@ def test_bad_tensor_name_and_meta_raise(tmp_path):
         save_checkpoint(None, tmp_path, 1, {"a/b": Shard(np.zeros(2), 0, 2)})
     with pytest.raises(CheckpointError, match="not JSON serializable"):
         save_checkpoint(None, tmp_path, 1, {"a": Shard(np.zeros(2), 0, 2)}, meta={"x": object()})
+
+
+def test_reads_spanning_many_chunks_are_exact_and_verified(tmp_path, monkeypatch):
+    monkeypatch.setattr(fmt, "READ_CHUNK_BYTES", 64)  # 16 float32 per chunk: ~63 chunks
+    arrays = tensors(5)
+    path = save(tmp_path, 5, arrays)
+    ckpt = load_checkpoint(None, tmp_path)
+    full = arrays["params"]
+    for start, length in ((0, full.size), (0, 0), (3, 40), (17, 500), (999, 2), (32, 16)):
+        assert np.array_equal(ckpt.read("params", start, length), full[start:start + length])
+    out = np.empty(full.size, np.float32)
+    ckpt.read("params", out=out)  # every chunk straight into out
+    assert np.array_equal(out, full)
+    flip_byte(os.path.join(path, fmt.rank_file_name(0)), "tensors/params", index=4 * 900)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        ckpt.read("params", 0, 10)  # the flipped byte lies in a chunk not wanted: still caught
+
+
+def test_written_checksum_equals_the_checksum_of_the_bytes(tmp_path):
+    arrays = tensors(6)
+    written = fmt.write_rank_file(str(tmp_path / "r.h5"), {n: Shard(a, 0, a.size)
+                                                           for n, a in arrays.items()})
+    for name, a in arrays.items():
+        assert written[name]["checksum"] == fmt.checksum(a), name
