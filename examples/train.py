@@ -554,6 +554,8 @@ def train(args):
             print("---- sample ----\n" + decode(out[0]) + "\n----------------", flush=True)
     if metrics:
         metrics.close()
+    if args.offload == "nvme":
+        engine.close()  # removes this rank's offload files
     return record
 
 

@@ -42,6 +42,7 @@ def test_train_30_steps_at_2_ranks_lowers_the_loss(tmp_path):
     (["--metrics-jsonl", "/nonexistent/dir/m.jsonl"], "--metrics-jsonl /nonexistent/dir/m.jsonl: not a"),
     (["--warmup-steps", "10"], "--warmup-steps 10 must be in [0, --steps 5]"),
     (["--timeout-s", "0"], "--timeout-s must be > 0 seconds"),
+    (["--offload", "cpu"], "--offload cpu needs --zero-stage 1, 2 or 3"),
 ])
 def test_bad_flags_exit_nonzero_fast_with_one_line_error(tmp_path, args, message):
     proc = mpiexec(4, "train.py", ["--steps", "5", "--no-progress", *args], 120, tmp_path)
@@ -63,3 +64,18 @@ def test_readme_loops_run_and_differ_in_at_most_10_lines(tmp_path):
     proc = mpiexec(2, "loop_dp.py", [], 120, tmp_path)
     assert proc.returncode == 0, str(proc)
     assert proc.stdout.count("step 20 loss") == 1  # rank 0 prints
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_nvme_offload_trains_like_no_offload_and_cleans_up(tmp_path, zero_stage):
+    common = ["--model", "tiny", "--steps", "4", "--global-batch", "8", "--seq-len", "32",
+              "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress",
+              "--zero-stage", str(zero_stage)]
+    plain, offloaded = tmp_path / "plain.jsonl", tmp_path / "nvme.jsonl"
+    assert mpiexec(2, "train.py", [*common, "--metrics-jsonl", str(plain)], 120, tmp_path).returncode == 0
+    proc = mpiexec(2, "train.py", [*common, "--metrics-jsonl", str(offloaded), "--offload", "nvme",
+                                   "--offload-dir", str(tmp_path / "nvme")], 120, tmp_path)
+    assert proc.returncode == 0, str(proc)
+    losses = [[json.loads(line)["loss"] for line in f.read_text().splitlines()] for f in (plain, offloaded)]
+    assert losses[0] == losses[1]  # the chunked update is elementwise: bitwise the same
+    assert not list((tmp_path / "nvme").rglob("*.bin"))  # files removed at the end
