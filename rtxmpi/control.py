@@ -28,3 +28,18 @@ def agree_max(group, value):
     buf = np.array([int(value)], np.int64)
     group.all_reduce(buf, op="max")
     return int(buf[0])
+
+
+def join_batches(group, batches):
+    """Iterate `batches` while EVERY rank of `group` still has one; all ranks stop together.
+
+    Each iteration agrees (one 1-byte MAX all_reduce) on whether any rank ran out, so a rank with
+    fewer batches never leaves the others waiting in a collective. Collective: every rank of the
+    group iterates it in step with the others.
+    """
+    iterator = iter(batches)
+    while True:
+        batch = next(iterator, None)
+        if agree(group, out_of_data=batch is None).out_of_data:
+            return
+        yield batch

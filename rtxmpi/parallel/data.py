@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..control import agree
+from ..control import join_batches
 from ..errors import ConfigError, RtxmpiError
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -162,14 +162,6 @@ class DataParallel:
 
     # -- uneven data ---------------------------------------------------------------------------
     def join(self, batches):
-        """Iterate `batches` while EVERY rank still has one; all ranks stop at the same step.
-
-        Each iteration agrees (one 1-byte MAX all_reduce) on whether any rank ran out, so a rank
-        with fewer batches never leaves the others waiting in a collective. Collective.
-        """
-        iterator = iter(batches)
-        while True:
-            batch = next(iterator, None)
-            if agree(self.group, out_of_data=batch is None).out_of_data:
-                return
-            yield batch
+        """Iterate `batches` while EVERY rank still has one; all ranks stop at the same step
+        (rtxmpi.control.join_batches). Collective."""
+        return join_batches(self.group, batches)

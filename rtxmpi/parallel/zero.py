@@ -39,7 +39,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..backend import xp_of
-from ..control import agree
+from ..control import join_batches
 from ..errors import CheckpointError, ConfigError, RtxmpiError
 from ..nn import AdamW, clip_grad_norm, grad_norm_sq
 from .data import DEFAULT_BUCKET_BYTES, DataParallel
@@ -652,16 +652,9 @@ class ZeroDataParallel:
 
     # -- uneven data ---------------------------------------------------------------------------
     def join(self, batches):
-        """Iterate `batches` while EVERY rank still has one; all ranks stop at the same step.
-
-        One 1-byte MAX all_reduce per iteration (see DataParallel.join). Collective.
-        """
-        iterator = iter(batches)
-        while True:
-            batch = next(iterator, None)
-            if agree(self.group, out_of_data=batch is None).out_of_data:
-                return
-            yield batch
+        """Iterate `batches` while EVERY rank still has one; all ranks stop at the same step
+        (rtxmpi.control.join_batches). Collective."""
+        return join_batches(self.group, batches)
 
     # -- checkpoint shards ---------------------------------------------------------------------
     def shards(self):

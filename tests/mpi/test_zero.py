@@ -294,7 +294,7 @@ def test_stage3_prefetch_is_issued_and_results_do_not_depend_on_it(world):
 
 def test_stage3_keeps_only_shards_one_world_size_th_of_dp(world):
     model = make_model(dtype=np.float32)
-    n, itemsize = model.num_params, model.flat_data.itemsize
+    itemsize = model.flat_data.itemsize
     unit_bytes = [(model.params[b - 1].offset + model.params[b - 1].size
                    - model.params[a].offset) * itemsize for a, b in model.units]
     dp_total = 2 * model.flat_data.nbytes + optimizer_bytes(
