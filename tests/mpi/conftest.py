@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import rtxmpi
+from rtxmpi.data import BatchSampler
 
 
 @pytest.fixture(scope="session")
@@ -61,3 +62,20 @@ def assert_raised_on_every_rank(group, fn, exc_type, match=None):
         for text in match:
             assert text in str(error), f"{text!r} not in error message: {error}"
     return error
+
+
+# -- the global batch that data-parallel tests compare against one process -----------------------
+GLOBAL_BATCH = 8  # divisible by 1, 2 and 4 ranks
+T = 16
+
+
+def global_batch(step):
+    """The full (GLOBAL_BATCH, T) global batch of `step`, as one process would read it."""
+    tokens = np.random.default_rng(123).integers(0, 256, 4096).astype(np.uint8)
+    return BatchSampler(tokens, T, GLOBAL_BATCH, seed=7, start_sample=step * GLOBAL_BATCH).next_batch()
+
+
+def local_slice(world, x):
+    """This rank's rows of a global batch."""
+    b = len(x) // world.world_size
+    return x[world.rank * b:(world.rank + 1) * b]

@@ -1,29 +1,11 @@
 """Data parallelism against the one-process reference on the same global batch."""
 import numpy as np
 import pytest
+from conftest import GLOBAL_BATCH, T, global_batch, local_slice
 
-from rtxmpi.data import BatchSampler
 from rtxmpi.errors import RtxmpiError
 from rtxmpi.nn import GPT, AdamW, GPTConfig, decay_mask
 from rtxmpi.parallel.data import DataParallel
-
-GLOBAL_BATCH = 8  # divisible by 1, 2 and 4 ranks
-T = 16
-
-
-def tokens():
-    return np.random.default_rng(123).integers(0, 256, 4096).astype(np.uint8)
-
-
-def global_batch(step):
-    """The full global batch of `step`, as one process would read it."""
-    sampler = BatchSampler(tokens(), T, GLOBAL_BATCH, seed=7, start_sample=step * GLOBAL_BATCH)
-    return sampler.next_batch()
-
-
-def local_slice(world, x):
-    b = len(x) // world.world_size
-    return x[world.rank * b:(world.rank + 1) * b]
 
 
 def make_model(seed=0, dtype=np.float32):

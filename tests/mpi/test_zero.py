@@ -4,8 +4,8 @@ from contextlib import nullcontext
 
 import numpy as np
 import pytest
+from conftest import GLOBAL_BATCH, T, global_batch, local_slice
 
-from rtxmpi.data import BatchSampler
 from rtxmpi.errors import ConfigError, RtxmpiError
 from rtxmpi.nn import GPT, AdamW, GPTConfig, clip_grad_norm, decay_mask
 from rtxmpi.nn.params import layout
@@ -13,23 +13,7 @@ from rtxmpi.parallel.data import DataParallel
 from rtxmpi.parallel.zero import (ShardedParams, ZeroDataParallel, optimizer_bytes, shard_range,
                                   shard_size)
 
-GLOBAL_BATCH = 8  # divisible by 1, 2 and 4 ranks
-T = 16
 LR = 1e-2
-
-
-def tokens():
-    return np.random.default_rng(123).integers(0, 256, 4096).astype(np.uint8)
-
-
-def global_batch(step):
-    sampler = BatchSampler(tokens(), T, GLOBAL_BATCH, seed=7, start_sample=step * GLOBAL_BATCH)
-    return sampler.next_batch()
-
-
-def local_slice(world, x):
-    b = len(x) // world.world_size
-    return x[world.rank * b:(world.rank + 1) * b]
 
 
 def make_model(seed=0, dtype=np.float64, **overrides):
