@@ -11,6 +11,7 @@ with the same shape and dtype. Nothing here decides whether to enter a collectiv
 """
 import contextlib
 import functools
+import operator
 import zlib
 
 import numpy as np
@@ -32,6 +33,19 @@ _DIRECT_REDUCE = {op: {dtype: mpi_op for dtype in SUPPORTED_DTYPES
                   for op, mpi_op in REDUCE_OPS.items()}
 _NONE = {}
 _FP_LEN = 5 + _MAX_DIMS + 1  # seq, op, arg, dtype, ndim, dims..., overflow-hash
+_ARG_SHIFT = 16  # reduce_scatter's fingerprint arg: op code + _ARG_SHIFT * crc32(counts) (0: even)
+
+
+def _counts_crc(counts):
+    """crc32 of reduce_scatter's `counts` for the checking-mode fingerprint (0 for None), also for
+    counts that validation will refuse."""
+    if counts is None:
+        return 0
+    try:
+        values = np.asarray([operator.index(c) for c in counts], np.int64)
+    except (TypeError, ValueError, OverflowError):
+        return zlib.crc32(repr(counts).encode()) | 1  # never 0
+    return zlib.crc32(b"counts" + values.tobytes())
 
 
 def _dtype_code(dtype):
@@ -137,8 +151,12 @@ class ProcessGroup:
             detail = f"seq={int(fp[0])}"
             if called not in ("barrier", "split", "new_group"):
                 detail += f", shape={shape}, dtype={_dtype_from_code(int(fp[3]))}"
-            if called in ("all_reduce", "reduce_scatter"):
+            if called == "all_reduce":
                 detail += f", op={list(REDUCE_OPS)[int(fp[2]) - 1]}"
+            elif called == "reduce_scatter":
+                op_code, crc = int(fp[2]) % _ARG_SHIFT, int(fp[2]) // _ARG_SHIFT
+                detail += f", op={list(REDUCE_OPS)[op_code - 1]}"
+                detail += f", counts crc32={crc:#010x}" if crc else ", counts=None"
             elif called == "broadcast":
                 detail += f", src={int(fp[2])}"
             rows.append(f"rank {r}: {called}({detail})")
@@ -244,22 +262,37 @@ class ProcessGroup:
                          lambda nb: self.backend.all_reduce(buf, mpi_op, nb), finish, async_op)
 
     @_host_staged
-    def reduce_scatter(self, x, op="sum", *, async_op=False, stream=None):
-        """Reduce `x` over the group and return this rank's shard.
+    def reduce_scatter(self, x, op="sum", *, counts=None, async_op=False, stream=None):
+        """Reduce `x` over the group and return this rank's shard of rows.
 
-        x: (N, ...) array, same shape and dtype on every rank; N divisible by the group size.
-        Returns a new (N // world_size, ...) array of x's dtype holding rows
-        [rank * N // world_size, (rank + 1) * N // world_size) of the reduction (or a Work).
-        Collective: every rank of the group must call, in the same order.
-        Raises CollectiveMismatch (checking mode), CollectiveTimeout, TypeError (dtype/op),
-        ValueError (N not divisible).
+        x: (N, ...) array, same shape and dtype on every rank; read only. op: as for all_reduce
+        (float16/bfloat16 reduce in float32, bool sum/max is logical or, min/prod logical and,
+        "avg" needs a floating dtype).
+        counts: None (even shards: N must be divisible by the group size; rank r gets rows
+        [r * N // world_size, (r + 1) * N // world_size)), or a sequence of world_size
+        non-negative ints summing to N, the same on every rank: rank r gets rows
+        [sum(counts[:r]), sum(counts[:r + 1])) — uneven shards, zero-length ones allowed.
+        Returns a new (N // world_size, ...) or (counts[rank], ...) array of x's dtype holding
+        those rows of the reduction (or a Work whose wait() returns it). stream: CUDA stream for
+        cupy arrays. Collective: every rank of the group must call, in the same order, with the
+        same op and counts.
+        Raises CollectiveMismatch (checking mode; also when ranks pass different counts),
+        CollectiveTimeout, TypeError (dtype/op), ValueError (N not divisible; counts of the wrong
+        length, negative, not integers or not summing to N; a 0-d x) — on every rank, as the
+        checks depend only on arguments every rank shares.
         """
         self._check_array(x, "reduce_scatter")
         self._check_reduce_op(x, "reduce_scatter", op)
-        seq, arrived = self._begin("reduce_scatter", x, _REDUCE_CODES[op])
-        self._check_divisible(x, "reduce_scatter")
+        seq, arrived = self._begin("reduce_scatter", x,
+                                   _REDUCE_CODES[op] + _ARG_SHIFT * _counts_crc(counts))
+        if counts is None:
+            self._check_divisible(x, "reduce_scatter")
+            rows = x.shape[0] // self.world_size
+        else:
+            counts = self._check_counts(x, counts)
+            rows = counts[self.rank]
         buf, _, ops = self._reduce_buffer(x)  # read only: no write-back
-        shard_shape = (x.shape[0] // self.world_size,) + tuple(x.shape[1:])
+        shard_shape = (rows,) + tuple(x.shape[1:])
         out = np.empty(shard_shape, buf.dtype)
         mpi_op, size, dtype = ops[op], self.world_size, x.dtype
 
@@ -268,9 +301,37 @@ class ProcessGroup:
                 np.divide(out, size, out=out)
             return out.view(np.bool_) if dtype == np.bool_ else self._result_cast(out, dtype)
 
-        return self._run("reduce_scatter", seq, arrived,
-                         lambda nb: self.backend.reduce_scatter(buf, out.reshape(-1), mpi_op, nb),
-                         finish, async_op)
+        if counts is None:
+            def transfer(nb):
+                return self.backend.reduce_scatter(buf, out.reshape(-1), mpi_op, nb)
+        else:
+            row = int(np.prod(x.shape[1:], dtype=np.int64))
+            recvcounts = [c * row for c in counts]
+
+            def transfer(nb):
+                return self.backend.reduce_scatter_counts(buf, out.reshape(-1), recvcounts,
+                                                          mpi_op, nb)
+
+        return self._run("reduce_scatter", seq, arrived, transfer, finish, async_op)
+
+    def _check_counts(self, x, counts):
+        """reduce_scatter's counts as a list of ints, or ValueError."""
+        what = f"reduce_scatter: counts={counts!r}"
+        if x.ndim == 0:
+            raise ValueError("reduce_scatter: a 0-d array has no rows to scatter by counts")
+        try:
+            values = [operator.index(c) for c in counts]
+        except TypeError:
+            raise ValueError(f"{what} must be a sequence of {self.world_size} ints") from None
+        if len(values) != self.world_size:
+            raise ValueError(f"{what} must have one entry per rank: {len(values)} given, group "
+                             f"size {self.world_size}")
+        if any(v < 0 for v in values):
+            raise ValueError(f"{what} must be non-negative")
+        if sum(values) != x.shape[0]:
+            raise ValueError(f"{what} sum to {sum(values)}, but dim 0 of shape "
+                             f"{tuple(x.shape)} is {x.shape[0]}")
+        return values
 
     @_host_staged
     def all_gather(self, x, *, async_op=False, stream=None):

@@ -91,6 +91,12 @@ class MPIBackend:
             return [self.comm.Ireduce_scatter_block(buf, out, mpi_op)]
         self.comm.Reduce_scatter_block(buf, out, mpi_op)
 
+    def reduce_scatter_counts(self, buf, out, recvcounts, mpi_op, nonblocking):
+        """Uneven reduce_scatter: rank r receives recvcounts[r] elements (zero allowed)."""
+        if nonblocking:
+            return [self.comm.Ireduce_scatter(buf, out, recvcounts, mpi_op)]
+        self.comm.Reduce_scatter(buf, out, recvcounts, mpi_op)
+
     def all_gather(self, buf, out, nonblocking):
         send, recv = [as_bytes(buf), MPI.BYTE], [as_bytes(out), MPI.BYTE]
         if nonblocking:

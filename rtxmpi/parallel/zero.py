@@ -27,11 +27,12 @@ is gathered from its owners just before the model uses it, in forward and again 
 freed when the model releases it; the gather of the unit the model announces next is started asynchronously
 first (prefetch), so it overlaps the unit's compute. A unit's gradient is accumulated in a unit
 buffer (the tied wte gets both its head and its embedding terms there), reduced asynchronously
-once backward reports it final, added by each owner into its gradient shard, and the buffer
-dropped. A unit lies in the shards of one or a few consecutive ranks (its owners): the gather is
-one in-place broadcast per owner of that owner's part (about the unit's size in all, whatever
-W), and the gradient reduction is an all_reduce of the unit buffer (2x the bytes of an ideal
-reduce to the owners, which the comm layer does not offer yet; see docs/zero.md).
+once backward reports it final, and the buffer dropped. A unit lies in the shards of one or a
+few consecutive ranks (its owners): the gather is one in-place broadcast per owner of that
+owner's part (about the unit's size in all, whatever W), and the gradient reduction is a
+reduce_scatter with uneven counts (each rank's overlap with the unit, 0 for non-owners) that
+lands each owner's part of the reduced unit in that owner, which adds it into its gradient shard
+((W-1)/W x the unit per rank, half an all_reduce's bytes; see docs/zero.md).
 """
 import math
 from contextlib import contextmanager
@@ -177,6 +178,11 @@ class ShardedParams:
                       if max(a, q * S) < min(b, (q + 1) * S)]
             views = [(p.offset - a, p.size, p.shape) for p in params]
             self._units.append((a, b, views, owners))
+        # reduce_scatter counts per unit: the unit's overlap with each rank's shard
+        self._counts = [[0] * W for _ in self._units]
+        for counts, (_, _, _, owners) in zip(self._counts, self._units):
+            for q, lo, hi in owners:
+                counts[q] = hi - lo
         self._gathered, self._in_flight, self._grad_bufs, self._reducing = {}, {}, {}, []
         self.gathers = self.prefetches = self.prefetch_hits = self.reductions = 0
         self._live = {"params": 0, "grads": 0}
@@ -244,32 +250,38 @@ class ShardedParams:
         return [buffer[o:o + n].reshape(shape) for o, n, shape in views]
 
     def grads_ready(self, unit):
-        """Start the reduction (sum) of unit `unit`'s gradient buffer; once it completes, the
-        owners add their parts into `grad` and the buffer is dropped. At most MAX_REDUCING
-        reductions are in flight (the oldest is completed first). Collective (W > 1)."""
+        """Start the reduce_scatter (sum) of unit `unit`'s gradient buffer straight into its
+        owners' shards (uneven counts: each rank's overlap with the unit, 0 for non-owners);
+        once it completes, each owner adds its part into `grad`, and the buffer is dropped. At
+        most MAX_REDUCING reductions are in flight (the oldest is completed first).
+        Collective (W > 1)."""
         buffer = self._grad_bufs.pop(unit)
         if self.group.world_size == 1:
             self._add_own(unit, buffer)
+            self._live["grads"] -= buffer.nbytes
             return
         while len(self._reducing) >= self.MAX_REDUCING:
             self._complete_oldest()
         self.reductions += 1
-        self._reducing.append((unit, buffer, self.group.all_reduce(buffer, op="sum",
-                                                                   async_op=True)))
+        work = self.group.reduce_scatter(buffer, op="sum", counts=self._counts[unit],
+                                         async_op=True)  # the Work keeps buffer alive
+        self._reducing.append((unit, buffer.nbytes, work))
+        del buffer
         for _, _, work in self._reducing:  # let the reductions in flight progress
             work.test()
 
-    def _add_own(self, unit, buffer):
+    def _add_own(self, unit, part):
+        """Add `part`, this rank's reduced part of unit `unit` (the unit's overlap with
+        [start, stop), possibly empty), into `grad`."""
         a, b, _, _ = self._units[unit]
         lo, hi = max(a, self.start), min(b, self.stop)
         if hi > lo:
-            self.grad[lo - self.start:hi - self.start] += buffer[lo - a:hi - a]
-        self._live["grads"] -= buffer.nbytes
+            self.grad[lo - self.start:hi - self.start] += part
 
     def _complete_oldest(self):
-        unit, buffer, work = self._reducing.pop(0)
-        work.wait()
-        self._add_own(unit, buffer)
+        unit, nbytes, work = self._reducing.pop(0)
+        self._add_own(unit, work.wait())
+        self._live["grads"] -= nbytes
 
     def finish(self):
         """Complete every reduction started by grads_ready (its results into `grad`). Call after

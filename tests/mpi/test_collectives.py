@@ -8,6 +8,7 @@ expected value from every rank's inputs with numpy. Prod inputs stay in {-1, 1, 
 import re
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import ml_dtypes
@@ -291,6 +292,116 @@ def test_zero_dim_input_to_sharding_collective_raises_value_error(
         world, assert_raised_on_every_rank, collective):
     assert_raised_on_every_rank(world, lambda: getattr(world, collective)(np.array(1.0)),
                                 ValueError, match=["divisible"])
+
+
+def uneven_counts(n, pattern):
+    """world_size counts for reduce_scatter(counts=): uneven, with zeros, at any world size."""
+    return {"zeros_between": [(r % 3) * 2 if r % 2 == 0 else 0 for r in range(n)],
+            "ramp": [r + 1 for r in range(n)],
+            "one_owner": [5 if r == n - 1 else 0 for r in range(n)],
+            "all_zero": [0] * n}[pattern]
+
+
+@pytest.mark.parametrize("pattern", ["zeros_between", "ramp", "one_owner", "all_zero"])
+@pytest.mark.parametrize("op,dtype", [("sum", "float32"), ("avg", "float64"), ("max", "int32"),
+                                      ("prod", "int8"), ("sum", "float16"), ("avg", "bfloat16"),
+                                      ("sum", "bool"), ("min", "bool"), ("min", "uint8")])
+def test_reduce_scatter_uneven_counts_returns_this_ranks_rows(world, op, dtype, pattern):
+    n, rank = world.world_size, world.rank
+    counts = uneven_counts(n, pattern)
+    shape = (sum(counts), 3)
+    x = rank_values(rank, shape, dtype, op)
+    before = x.copy()
+    full = reduce_reference(all_ranks(world, lambda r: rank_values(r, shape, dtype, op)), op)
+    out = world.reduce_scatter(x, op, counts=counts)
+    lo = sum(counts[:rank])
+    assert_exact(out, full[lo:lo + counts[rank]])
+    assert_exact(x, before)  # the input is read only
+    # every rank got its own piece of the same reduction
+    crc = lambda a: zlib.crc32(np.ascontiguousarray(a).tobytes())  # noqa: E731
+    seen = world.all_gather(np.array([crc(out)], np.int64))
+    assert seen.tolist() == all_ranks(world, lambda r: crc(full[sum(counts[:r]):sum(counts[:r + 1])]))
+
+
+def test_reduce_scatter_uneven_counts_strided_and_numpy_ints(world):
+    n, rank = world.world_size, world.rank
+    counts = np.array(uneven_counts(n, "ramp"), np.int64)  # numpy ints are accepted
+    base_shape = (2 * int(counts.sum()), 3)
+    take = lambda b: b[::2, 1:]  # noqa: E731
+    x = take(rank_values(rank, base_shape, "float32"))
+    full = reduce_reference(all_ranks(world, lambda r: take(rank_values(r, base_shape,
+                                                                        "float32"))), "sum")
+    out = world.reduce_scatter(x, counts=counts)
+    lo = int(counts[:rank].sum())
+    assert_exact(out, full[lo:lo + counts[rank]])
+
+
+@pytest.mark.parametrize("pattern", ["zeros_between", "ramp", "one_owner"])
+@pytest.mark.parametrize("dtype,op", [("float32", "sum"), ("bfloat16", "avg"), ("bool", "sum")])
+def test_reduce_scatter_uneven_counts_async_matches_blocking(world, pattern, dtype, op):
+    counts = uneven_counts(world.world_size, pattern)
+    make = lambda: rank_values(world.rank, (sum(counts), 2), dtype, op)  # noqa: E731
+    expected = world.reduce_scatter(make(), op, counts=counts)
+    work = world.reduce_scatter(make(), op, counts=counts, async_op=True)
+    assert isinstance(work, rtxmpi.Work)
+    junk = [np.full(64, -1e9) for _ in range(10)]  # would reuse a freed temporary input
+    assert_exact(work.wait(), expected)
+    del junk
+
+
+def test_reduce_scatter_even_counts_match_the_even_path(world):
+    n = world.world_size
+    x = rank_values(world.rank, (3 * n, 2), "float32")
+    assert_exact(world.reduce_scatter(x, counts=[3] * n), world.reduce_scatter(x))
+
+
+@pytest.mark.parametrize("bad", ["too_short", "too_long", "negative", "wrong_sum", "floats",
+                                 "not_a_sequence"])
+def test_reduce_scatter_bad_counts_raise_value_error_on_every_rank(
+        world, assert_raised_on_every_rank, bad):
+    n = world.world_size
+    counts = {"too_short": [2] * (n - 1), "too_long": [2] * (n + 1),
+              "negative": [4] + [-2] + [2] * (n - 2) if n > 1 else [-2],
+              "wrong_sum": [2] * (n - 1) + [3], "floats": [2.0] * n, "not_a_sequence": 2}[bad]
+    x = np.ones((2 * n, 3), np.float32)
+    before = x.copy()
+    assert_raised_on_every_rank(world, lambda: world.reduce_scatter(x, counts=counts), ValueError,
+                                match=["reduce_scatter", "counts"])
+    assert_exact(x, before)
+    assert_exact(world.reduce_scatter(x, counts=[2] * n), np.full((2, 3), n, np.float32))
+
+
+def test_reduce_scatter_counts_on_zero_dim_input_raise_value_error(
+        world, assert_raised_on_every_rank):
+    assert_raised_on_every_rank(
+        world, lambda: world.reduce_scatter(np.array(1.0), counts=[0] * world.world_size),
+        ValueError, match=["0-d"])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_reduce_scatter_mismatched_counts_raise_collective_mismatch_on_every_rank(
+        world, assert_raised_on_every_rank):
+    n = world.world_size
+    counts = [2] * n
+    if world.rank == 1:  # same sum, different split: the data alone would not notice
+        counts[0], counts[1] = 3, 1
+    x = np.ones((2 * n, 3), np.float32)
+    error = assert_raised_on_every_rank(world, lambda: world.reduce_scatter(x, counts=counts),
+                                        CollectiveMismatch, match=["reduce_scatter", "counts"])
+    assert "rank 1: reduce_scatter(" in str(error)
+    # the group stays usable
+    assert_exact(world.reduce_scatter(x, counts=[2] * n), np.full((2, 3), n, np.float32))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_reduce_scatter_counts_against_even_call_raise_collective_mismatch(
+        world, assert_raised_on_every_rank):
+    n = world.world_size
+    x = np.ones((2 * n, 3), np.float32)
+    call = ((lambda: world.reduce_scatter(x, counts=[2] * n)) if world.rank == 0
+            else (lambda: world.reduce_scatter(x)))
+    error = assert_raised_on_every_rank(world, call, CollectiveMismatch)
+    assert "counts=None" in str(error) and "counts crc32=" in str(error)
 
 
 # -- all_gather -----------------------------------------------------------------------------------

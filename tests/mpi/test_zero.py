@@ -301,6 +301,33 @@ def test_stage3_keeps_only_shards_one_world_size_th_of_dp(world):
         assert zdp.provider.peak_bytes["params"] <= 2 * max(unit_bytes)
 
 
+def test_stage3_reduces_each_unit_gradient_with_one_uneven_reduce_scatter(world, monkeypatch):
+    model = make_model(dtype=np.float64)
+    units = [(model.params[a].offset, model.params[b - 1].offset + model.params[b - 1].size)
+             for a, b in model.units]
+    zdp = ZeroDataParallel(model, world, stage=3)
+    x, y = global_batch(0)
+    _, cache = zdp.forward(local_slice(world, x), local_slice(world, y))
+    calls = {"reduce_scatter": [], "all_reduce": []}
+    for name in calls:
+        real = getattr(world, name)
+        monkeypatch.setattr(world, name, lambda t, *args, real=real, name=name, **kw: (
+            calls[name].append((t.shape, kw.get("counts"))) or real(t, *args, **kw)))
+    zdp.backward(cache)
+    monkeypatch.undo()
+    W = world.world_size
+    if W == 1:
+        assert calls == {"reduce_scatter": [], "all_reduce": []}
+        return
+    assert calls["all_reduce"] == []  # no unit gradient is all_reduced any more
+    ranges = [shard_range(zdp.numel, W, q) for q in range(W)]
+    # backward reports the units last to first; each goes to the ranks whose shards it overlaps
+    expected = [((b - a,), [max(0, min(b, stop) - max(a, start)) for start, stop in ranges])
+                for a, b in reversed(units)]
+    assert calls["reduce_scatter"] == expected
+    assert zdp.provider.reductions == len(units)
+
+
 # -- tiny vectors: empty shards ------------------------------------------------------------
 @pytest.mark.parametrize("numel", [1, 3, 7])
 @pytest.mark.parametrize("stage", [1, 2])
