@@ -35,6 +35,7 @@ sys.path.insert(0, HERE)
 
 from _common import (fmt, machine_info, machine_line, launch_command, markdown_table,  # noqa: E402
                      progress, write_json)
+from rtxmpi.checkpoint.format import fsync_path  # noqa: E402 - the same fsync the protocol uses
 
 NAMES = ("params", "adam.m", "adam.v")
 WRITES = ("raw write", "h5py write", "rtxmpi save")
@@ -54,14 +55,6 @@ def parse_args():
                         "only the latter; none = measure reads from the page cache")
     p.add_argument("--json", default=None, help="write every number and the machine facts here")
     return p.parse_args()
-
-
-def _fsync(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _cached_kib():
@@ -131,7 +124,7 @@ class Bench:
         with h5py.File(path, "w", libver="latest") as f:
             for name in NAMES:
                 f.create_dataset(name, data=self.data[name])
-        _fsync(path)
+        fsync_path(path)
 
     def rtxmpi_save(self, ckpt_dir, step, group=None, data=None, start=None):
         from rtxmpi.checkpoint import Shard, save_checkpoint
