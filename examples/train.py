@@ -13,6 +13,9 @@ S % K == 0 and at the end; --resume continues from the latest committed one at s
 world size (docs/checkpoint.md). Rank 0 logs every step to CKPT/wal.h5 (the write-ahead log);
 --deterministic makes a resume re-run the logged steps after the checkpoint and check them bit for
 bit against the log (docs/wal.md). --stop-after-step S ends the run early as if pre-empted.
+SIGTERM or SIGUSR1 to any rank stops every rank after the same step with a committed checkpoint
+and exit code 75 (--requeue: and requeues the Slurm job); --elastic shrink continues on the
+surviving ranks after a rank dies (ULFM; docs/elastic.md).
 A bad flag or data path gives a one-line error and exit code 2 on every rank.
 """
 import argparse
@@ -27,6 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 import rtxmpi
+from rtxmpi import elastic
 from rtxmpi.checkpoint import Shard, latest_step, load_checkpoint, save_checkpoint
 from rtxmpi.checkpoint.agree import raise_if_any_failed
 from rtxmpi.control import agree
@@ -40,6 +44,7 @@ from rtxmpi.wal import ResumeParity, WriteAheadLog, params_digest, read_wal, wal
 
 EXIT_CONFIG = 2
 EXIT_CHECKPOINT = 3  # a checkpoint or write-ahead log error, e.g. resume parity failed
+EXIT_PREEMPTED = elastic.EXIT_PREEMPTED  # 75: stopped by SIGTERM/SIGUSR1 with a committed checkpoint
 
 
 def _is_rank0():
@@ -108,6 +113,12 @@ def parse_args(argv=None):
                    help="bitwise-reproducible run; --resume re-runs the logged steps after the "
                         "checkpoint and checks them against the log (docs/wal.md)")
     p.add_argument("--timeout-s", type=float, default=None, help="deadline of every collective wait")
+    p.add_argument("--elastic", default="off", choices=elastic.POLICIES,
+                   help="on a rank failure: off (exit non-zero), shrink (continue on the survivors; "
+                        "needs mpiexec --with-ft ulfm), restart (exit non-zero for `rtxmpi run`)")
+    p.add_argument("--min-ranks", type=int, default=1, help="--elastic shrink: fewest ranks to go on with")
+    p.add_argument("--requeue", action="store_true",
+                   help="after a pre-emption signal: scontrol requeue $SLURM_JOB_ID (rank 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -142,6 +153,8 @@ def check_args(args, world_size):
         raise ConfigError(f"{flag} needs --ckpt-dir DIR")
     if args.stop_after_step is not None and not 1 <= args.stop_after_step <= args.steps:
         raise ConfigError(f"--stop-after-step {args.stop_after_step} must be in [1, --steps {args.steps}]")
+    if not 1 <= args.min_ranks <= world_size:
+        raise ConfigError(f"--min-ranks {args.min_ranks} must be in [1, world_size {world_size}]")
     if args.wal_every < 1:
         raise ConfigError(f"--wal-every must be >= 1, got {args.wal_every}")
     if args.offload != "none" and args.zero_stage == 0:
@@ -218,12 +231,14 @@ class Replicated:
     def shards(self):
         """Each rank writes an even 1/world_size of every replicated tensor (no duplicate bytes)."""
         r, n = self.group.rank, self.group.world_size
-        state = self.optimizer.state_dict()
-        steps = np.array([state["step"]], np.int64)
-        pieces = {"params": self.model.flat_data, "adam.m": state["m"], "adam.v": state["v"],
-                  "adam.step": steps}
-        shards = {name: Shard.even(full, r, n) for name, full in pieces.items()}
+        shards = {name: Shard.even(full, r, n) for name, full in self.pieces().items()}
         return {name: (sh.data, sh.global_offset, sh.global_size) for name, sh in shards.items()}
+
+    def pieces(self):
+        """The full replicated tensors, by checkpoint name (also what a shrink hands over)."""
+        state = self.optimizer.state_dict()
+        return {"params": self.model.flat_data, "adam.m": state["m"], "adam.v": state["v"],
+                "adam.step": np.array([state["step"]], np.int64)}
 
     def load_shards(self, read):
         n = self.model.flat_data.shape[0]
@@ -308,7 +323,13 @@ def resume(world, args, cfg, engine, sampler, rng):
         if world.rank == 0:
             print(f"checkpoint: no committed checkpoint in {args.ckpt_dir}; starting fresh", flush=True)
         return 0
-    ckpt = load_checkpoint(world, args.ckpt_dir, step=int(found[0]))
+    return restore(world, args, cfg, engine, sampler, rng,
+                   load_checkpoint(world, args.ckpt_dir, step=int(found[0])))
+
+
+def restore(world, args, cfg, engine, sampler, rng, ckpt):
+    """Load `ckpt` (a loaded checkpoint, or the surviving replica's state after an elastic
+    shrink) into engine, sampler and rng; returns its step (collective)."""
     saved_cfg = GPTConfig(**ckpt.meta["model_config"])
     if saved_cfg != cfg:
         raise ConfigError(f"checkpoint {ckpt.path} holds model {ckpt.meta['model']} {saved_cfg}, "
@@ -475,7 +496,9 @@ def train(args):
               f"{args.zero_stage}", flush=True)
     if args.deterministic:
         check_deterministic(world)
-    start_step = resume(world, args, cfg, engine, sampler, rng) + 1 if args.ckpt_dir else 1
+    replica = elastic.recovered_state()  # after an elastic shrink: the surviving replica's state
+    start_step = (restore(world, args, cfg, engine, sampler, rng, replica) if replica else
+                  resume(world, args, cfg, engine, sampler, rng) if args.ckpt_dir else 0) + 1
     last_step = args.steps if args.stop_after_step is None else args.stop_after_step
     if start_step > last_step:
         if rank == 0:
@@ -489,14 +512,19 @@ def train(args):
     tokens_per_step = args.global_batch * args.seq_len
     start = time.perf_counter()
     pending = None  # --async-save: the checkpoint being written in the background
+    loop = elastic.Loop(world)  # pre-emption, phases, what survivors hand over (docs/elastic.md)
+    loop.track(meta=lambda: checkpoint_meta(args, cfg, model, engine, sampler),
+               tensors=engine.pieces if args.zero_stage == 0 else None, close=(log, metrics))
     for step in range(start_step, last_step + 1):
         t0 = time.perf_counter()
+        loop.phase("forward", step)
         x, y = sampler.next_batch()
         xs, ys = np.split(x, args.micro_batches), np.split(y, args.micro_batches)
         loss_sum = 0.0
         for m in range(args.micro_batches):
             loss, cache = engine.forward(xs[m], ys[m])
             loss_sum += loss
+            loop.phase("backward", step)
             if m < args.micro_batches - 1:
                 with engine.no_sync():
                     engine.backward(cache, scale=1.0 / args.micro_batches)
@@ -504,12 +532,14 @@ def train(args):
                 engine.backward(cache, scale=1.0 / args.micro_batches)
         grad_norm = engine.grad_norm()  # global: the same on every rank
         lr = cosine_lr(step, args.lr, warmup, args.steps, min_lr)
-        if agree(world, overflow=not math.isfinite(grad_norm)).overflow:
+        losses = np.array([loss_sum / args.micro_batches])
+        world.all_reduce(losses, op="avg")
+        flags = loop.agree(overflow=not math.isfinite(grad_norm))  # + stop: a signal on any rank
+        if flags.overflow:
             engine.zero_grad()  # every rank skips the step: a non-finite gradient somewhere
         else:
             engine.step(lr=lr, max_grad_norm=args.grad_clip or None, total_norm=grad_norm)
-        losses = np.array([loss_sum / args.micro_batches])
-        world.all_reduce(losses, op="avg")
+        loop.applied(step)
         step_time = time.perf_counter() - t0
         record = {"step": step, "loss": float(losses[0]), "lr": lr, "grad_norm": float(grad_norm),
                   "tokens_per_s": tokens_per_step / step_time, "step_time_ms": step_time * 1e3,
@@ -524,11 +554,15 @@ def train(args):
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
         ckpt_now = args.ckpt_dir and ((args.ckpt_every and step % args.ckpt_every == 0)
-                                      or step == last_step)
+                                      or step == last_step or flags.stop)
         if log:
             log.step(step, record, sampler.samples_consumed, sync=ckpt_now)  # durable before commit
         if ckpt_now:
+            loop.phase("save", step)
             pending = save(world, args, step, cfg, model, engine, sampler, rng, pending)
+        if flags.stop:  # pre-empted: every rank stops after this step
+            record["preempted"], last_step = True, step
+            break
     finish_save(world, model, pending)
     bar.close()
     if log:
@@ -543,7 +577,8 @@ def train(args):
               f"{steps_run * tokens_per_step / elapsed:.0f} tokens/s, "
               f"final loss {record['loss']:.3f}{val} nats/byte", flush=True)
         if last_step < args.steps:
-            print(f"stopped after step {last_step} (--stop-after-step); continue with --resume up to "
+            why = "pre-empted" if record.get("preempted") else "--stop-after-step"
+            print(f"stopped after step {last_step} ({why}); continue with --resume up to "
                   f"step {args.steps}", flush=True)
         elif sample:
             prompt = encode("def ")[None, :].astype(np.int64)
@@ -568,7 +603,8 @@ def main(argv=None):
     try:
         if args.timeout_s is not None and not args.timeout_s > 0:
             raise ConfigError(f"--timeout-s must be > 0 seconds, got {args.timeout_s}")
-        train(args)
+        elastic.configure(policy=args.elastic, min_ranks=args.min_ranks)
+        record = elastic.run(train, args)  # --elastic shrink: re-entered on the survivors
     except ConfigError as exc:
         if _is_rank0():
             print(f"error: {exc}", file=sys.stderr, flush=True)
@@ -577,6 +613,10 @@ def main(argv=None):
         if _is_rank0():
             print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CHECKPOINT)
+    if record and record.get("preempted"):  # every rank: the stop was agreed
+        if args.requeue and rtxmpi.world().rank == 0:
+            print(elastic.requeue(), flush=True)
+        sys.exit(EXIT_PREEMPTED)
 
 
 if __name__ == "__main__":

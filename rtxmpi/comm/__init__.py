@@ -8,10 +8,12 @@ from ..errors import ConfigError
 from .group import ProcessGroup, validate_timeout
 from .launch import check_launch
 from .monitor import Monitor, install_excepthook
+from . import traced
 from .mpi import MPIBackend
 from .work import Work
 
 DEFAULT_TIMEOUT_S = 300.0
+traced.install()  # collective spans while rtxmpi.observe.trace is on
 BACKENDS = ("auto", "mpi", "nccl")
 
 _world = None
@@ -54,6 +56,28 @@ def init(backend="auto", timeout_s=None, check=None):
     return _world
 
 
+def replace_world(comm):
+    """Make `comm` the world group (e.g. the communicator ULFM's shrink returned) and return it.
+
+    The new group numbers ranks 0..comm size-1 and keeps the old world's device, timeout_s and
+    check; it has its own Monitor (control communicator, watchdog). Objects built on the old
+    world keep the old group: rebuild them. Collective over `comm`. Raises ConfigError before init().
+    """
+    global _world
+    old = world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    monitor = Monitor(comm)
+    monitor.start_watchdog()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank = node.Get_rank()
+    node.Free()
+    members = list(range(size))
+    _world = ProcessGroup(MPIBackend(comm, monitor, "world", members), name="world", rank=rank,
+                          world_size=size, members=members, local_rank=local_rank,
+                          device=old.device, timeout_s=old.timeout_s, check=old.check)
+    return _world
+
+
 def world():
     """The world group created by init(). Raises ConfigError before init()."""
     if _world is None:
@@ -65,4 +89,4 @@ def is_initialized():
     return _world is not None
 
 
-__all__ = ["init", "world", "is_initialized", "ProcessGroup", "Work"]
+__all__ = ["init", "world", "replace_world", "is_initialized", "ProcessGroup", "Work"]

@@ -32,6 +32,7 @@ import traceback
 from mpi4py import MPI
 
 from ..errors import CollectiveError, CollectiveTimeout
+from .failure import is_process_failure, rank_failure
 
 TAG_QUERY = 7001
 TAG_REPLY = 7002
@@ -48,6 +49,7 @@ class Monitor:
     def __init__(self, world_comm):
         self.ctl = world_comm.Dup()  # control messages never mix with user traffic
         self.ctl.Set_name("rtxmpi-control")
+        self.comm = world_comm  # for the failed ranks ULFM reports
         self.rank = world_comm.Get_rank()
         self.state = None  # (group, seq, op) of the wait this rank is in, or None
         self._pending_sends = []
@@ -84,6 +86,10 @@ class Monitor:
                         return  # completed during the probe window: a late arrival, not an error
                 if now - start > SPIN_BEFORE_SLEEP_S:
                     time.sleep(0)  # yield the core: ranks may outnumber cores
+        except MPI.Exception as exc:
+            if is_process_failure(exc):
+                raise rank_failure(exc, self.comm, op=f"{op} #{seq}", group=group) from None
+            raise
         finally:
             self.state = None
 
@@ -166,8 +172,11 @@ class _Blocking:
     def __enter__(self):
         self.monitor.blocking_entry = self.entry
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
         self.monitor.blocking_entry = None
+        if exc is not None and is_process_failure(exc):
+            group, seq, op, _ = self.entry
+            raise rank_failure(exc, self.monitor.comm, op=f"{op} #{seq}", group=group) from None
         return False
 
 

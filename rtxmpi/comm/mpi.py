@@ -10,6 +10,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .failure import is_process_failure, rank_failure
+
 REDUCE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
 # bool buffers travel as uint8 0/1: logical or is MAX, logical and is MIN
 BOOL_OPS = {"sum": MPI.MAX, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.MIN}
@@ -36,7 +38,14 @@ class MPIBackend:
 
     # -- waiting ---------------------------------------------------------------------------
     def test(self, requests):
-        return MPI.Request.Testall(requests)
+        try:
+            return MPI.Request.Testall(requests)
+        except MPI.Exception as exc:
+            raise self._translate(exc, "test") from None
+
+    def _translate(self, exc, op):
+        """RankFailure for a ULFM process-failure error, else the MPI.Exception unchanged."""
+        return rank_failure(exc, self.comm, op=op, group=self.group_name) if is_process_failure(exc) else exc
 
     def wait(self, requests, *, op, seq, timeout_s):
         self.monitor.wait(requests, op=op, seq=seq, group=self.group_name,
@@ -48,10 +57,13 @@ class MPIBackend:
         A few direct Test() calls first: ranks usually arrive within microseconds of each other,
         and the deadline-aware wait costs more per poll than the arrival takes.
         """
-        request = self.comm.Ibarrier()
-        for _ in range(ARRIVE_SPIN_TESTS):
-            if request.Test():
-                return
+        try:
+            request = self.comm.Ibarrier()
+            for _ in range(ARRIVE_SPIN_TESTS):
+                if request.Test():
+                    return
+        except MPI.Exception as exc:
+            raise self._translate(exc, f"{op} #{seq}") from None
         self.wait([request], op=op, seq=seq, timeout_s=timeout_s)
 
     def barrier(self):
@@ -77,6 +89,8 @@ class MPIBackend:
         monitor.blocking_entry = (self.group_name, seq, "all_reduce", time.monotonic() + timeout_s)
         try:
             self.comm.Allreduce(MPI.IN_PLACE, buf, mpi_op)
+        except MPI.Exception as exc:
+            raise self._translate(exc, f"all_reduce #{seq}") from None
         finally:
             monitor.blocking_entry = None
 

@@ -1,0 +1,9 @@
+"""Elasticity: pre-emption, failure detection, shrink-and-continue, supervised restart.
+
+See docs/elastic.md. Layer "elastic" (DESIGN.md): above state, below observe/apps.
+"""
+from .loop import PHASES, POLICIES, Loop, configure, recovered_state, run, stop_request
+from .preempt import EXIT_PREEMPTED, StopRequest, requeue
+
+__all__ = ["Loop", "configure", "run", "recovered_state", "stop_request", "requeue", "StopRequest",
+           "EXIT_PREEMPTED", "PHASES", "POLICIES"]

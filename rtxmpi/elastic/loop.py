@@ -1,0 +1,180 @@
+"""The training loop's hooks: phases, the agreed step boundary, and recovery by re-entry.
+
+    elastic.configure(policy="shrink", min_ranks=2)
+    record = elastic.run(train, args)               # re-enters train(args) after a shrink
+
+    def train(args):
+        world = rtxmpi.init()
+        loop = elastic.Loop(world)
+        loop.track(tensors=..., meta=...)           # what survivors hand over after a failure
+        for step in range(start, last + 1):
+            loop.phase("forward", step)
+            ...
+            flags = loop.agree(overflow=not finite)   # + stop: a pre-emption signal on any rank
+            ... optimizer step ...
+            loop.applied(step)
+            if flags.stop: save a checkpoint, stop
+
+`run` catches RankFailure (and ULFM's MPI errors) under policy "shrink": the survivors shrink the
+world (rtxmpi.elastic.shrink), exchange the newest replica's state when the loop tracked full
+tensors, and call the function again; its resume code then restores from `recovered_state()`
+(or, for sharded state, from the last committed checkpoint). Objects of the failed attempt are
+kept alive (MPI may still own their buffers) and are released with the process.
+"""
+import sys
+import time
+
+from mpi4py import MPI
+
+from ..comm.failure import is_process_failure, rank_failure
+from ..control import agree
+from ..errors import ConfigError, RankFailure
+from .fault import FaultPlan
+from .preempt import StopRequest
+from .shrink import exchange_replica, shrink_world
+
+PHASES = ("forward", "backward", "step", "save", "eval")
+POLICIES = ("off", "shrink", "restart")
+
+
+class _Config:
+    policy = "off"
+    min_ranks = 1
+    stop = None  # the process's StopRequest, installed once
+    recovered = None  # ReplicaState handed to the next attempt
+    failure_time = None  # time.time() when this process saw the failure
+    attempts = []  # Loop objects of failed attempts, kept alive
+    current = None  # the Loop of the attempt in progress
+
+
+_config = _Config()
+
+
+def configure(policy="off", min_ranks=1):
+    """Choose what a rank failure does. policy: "off" (the job fails, non-zero exit), "shrink"
+    (survivors continue in the same processes while at least `min_ranks` remain) or "restart"
+    (the job fails; `rtxmpi run` relaunches it from the last committed checkpoint).
+    Local; call it on every rank before `run`. Raises ConfigError."""
+    if policy not in POLICIES:
+        raise ConfigError(f"elastic policy must be one of {POLICIES}, got {policy!r}")
+    if not isinstance(min_ranks, int) or min_ranks < 1:
+        raise ConfigError(f"min_ranks must be an int >= 1, got {min_ranks!r}")
+    _config.policy, _config.min_ranks = policy, min_ranks
+
+
+def stop_request():
+    """This process's StopRequest (SIGTERM/SIGUSR1 handlers installed on first use)."""
+    if _config.stop is None:
+        _config.stop = StopRequest().install()
+    return _config.stop
+
+
+def recovered_state():
+    """The surviving replica's state handed over by a shrink (a ReplicaState), else None. Taken
+    once: the attempt that restores from it calls this."""
+    state, _config.recovered = _config.recovered, None
+    return state
+
+
+class Loop:
+    """Step-boundary hooks of one attempt of a training loop over `world` (see the module doc).
+
+    Every rank of `world` creates it, after rtxmpi.init(). Attributes: stop (StopRequest),
+    step, phase (the current ones), applied_step (last step whose update this rank applied).
+    """
+
+    def __init__(self, world):
+        self.world = world
+        self.stop = stop_request()
+        self.launch_rank = MPI.COMM_WORLD.Get_rank()
+        self.faults = FaultPlan(self.launch_rank, PHASES)
+        self.step, self.phase_name, self.applied_step = 0, None, None
+        self._tensors = self._meta = None
+        self._close = []
+        _config.current = self
+
+    def track(self, *, meta, tensors=None, close=()):
+        """What survivors hand over after a failure. meta() -> JSON-able dict (the checkpoint meta);
+        tensors() -> {name: full 1-D array}, or None when state is sharded (then a shrink reloads
+        the last committed checkpoint). close: objects (or None) whose close() runs before the
+        next attempt (open files such as the write-ahead log). Local."""
+        self._meta, self._tensors = meta, tensors
+        self._close = [c for c in close if c is not None]
+
+    def phase(self, name, step):
+        """Mark the start of phase `name` (one of PHASES) of `step`. Local and cheap."""
+        self.phase_name, self.step = name, step
+        if self.faults.faults:
+            self.faults.at(name, step)
+
+    def agree(self, **flags):
+        """control.agree(world, **flags, stop=<a stop was requested on this rank>): the step
+        boundary's one agreed reduction; `.stop` is True on every rank when any rank got a signal.
+        Collective."""
+        return agree(self.world, **flags, stop=self.stop.requested)
+
+    def applied(self, step):
+        """This rank applied (or agreed to skip) the update of `step`. Local."""
+        self.applied_step = step
+        if _config.failure_time is not None:
+            elapsed = time.time() - _config.failure_time
+            _config.failure_time = None
+            if self.world.rank == 0:
+                print(f"elastic: step {step} completed {elapsed:.3f} s after the failure was seen "
+                      f"(t={time.time():.6f})", flush=True)
+
+
+def _as_failure(exc, world):
+    if isinstance(exc, RankFailure):
+        return exc
+    if world is not None and is_process_failure(exc):
+        return rank_failure(exc, world.backend.comm)
+    return None
+
+
+def run(fn, args):
+    """Call fn(args); under policy "shrink", after a RankFailure shrink the world and call it again
+    with args.resume = True (the survivors restore from `recovered_state()`, or from the last
+    committed checkpoint). Returns what fn returns. Raises RankFailure (policy "off"/"restart",
+    or fewer than min_ranks survive), and whatever fn raises otherwise.
+    """
+    from ..comm import is_initialized, world
+
+    while True:
+        try:
+            return fn(args)
+        except (RankFailure, MPI.Exception) as exc:
+            group = world() if is_initialized() else None
+            failure = _as_failure(exc, group)
+            if failure is None or _config.policy != "shrink" or group is None:
+                raise
+            recover(group, failure, _config.current)
+            _config.current = None
+            args.resume = True
+
+
+def recover(group, failure, loop):
+    """Shrink after `failure` and prepare the next attempt's state (collective over survivors)."""
+    _config.failure_time = seen = time.time()
+    _config.attempts.append(loop)
+    new, old_size = shrink_world(group, _config.min_ranks)
+    shrunk = time.time()
+    state = None
+    if loop is not None and loop._tensors is not None:
+        applied = -1 if loop.applied_step is None else loop.applied_step
+        state = exchange_replica(new, applied, loop._tensors, loop._meta, old_size)
+        if state.step < 0:
+            state = None  # no step applied anywhere yet: start over from the initial state
+    _config.recovered = state
+    for c in loop._close if loop is not None else ():
+        try:
+            c.close()
+        except Exception as exc:  # noqa: BLE001 - a broken file must not stop the recovery
+            print(f"elastic: closing {c!r} after the failure: {exc}", file=sys.stderr, flush=True)
+    if new.rank == 0:
+        where = (f"rank {state.source_rank}'s replica at step {state.step}" if state else
+                 "the last committed checkpoint" if loop is None or loop._tensors is None
+                 else "the start")
+        print(f"elastic: {failure}; shrank the world {old_size} -> {new.world_size} ranks in "
+              f"{(shrunk - seen) * 1e3:.0f} ms; continuing from {where}", file=sys.stderr, flush=True)
+    return new

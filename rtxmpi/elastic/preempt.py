@@ -1,0 +1,81 @@
+"""Pre-emption: a signal sets a stop request; ranks agree on it at the next step boundary.
+
+A scheduler announces the end of an allocation with a signal (Slurm: `--signal=B:USR1@60`, or TERM
+under `srun`, with `KillWait` seconds before SIGKILL). Python runs a signal handler between
+bytecodes, so a rank blocked in MPI sees it when the call returns; the handler therefore only sets
+a flag. At the next step boundary every rank passes its flag to one agreed reduction
+(`rtxmpi.control.agree`), so a signal that reached one rank stops all of them after the same step.
+The training loop then writes one committed checkpoint and exits with `EXIT_PREEMPTED`.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: stopped on request with a committed checkpoint; rerun to continue
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequest:
+    """A flag set by SIGTERM / SIGUSR1 (by default) in this process.
+
+    Attributes: requested (bool), signal (the signal number that set it, or None).
+    install() replaces the handlers of `signals` (main thread only); uninstall() restores them.
+    Local: no communication; agree on `requested` at a step boundary before acting on it.
+    """
+
+    def __init__(self, signals=DEFAULT_SIGNALS):
+        self.signals = tuple(signals)
+        self.requested = False
+        self.signal = None
+        self._previous = {}
+
+    def install(self):
+        for signum in self.signals:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def uninstall(self):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if not self.requested:
+            self.requested, self.signal = True, signum
+            os.write(2, f"[rtxmpi pid {os.getpid()}] {signal.Signals(signum).name}: stop requested; "
+                        "stopping at the next step boundary with a checkpoint\n".encode())
+
+    def request(self, signum=None):
+        """Set the flag from code (e.g. a time budget); the same effect as a signal."""
+        self.requested, self.signal = True, signum
+
+
+def requeue(job_id=None, scontrol="scontrol"):
+    """Ask Slurm to requeue this job (`scontrol requeue $SLURM_JOB_ID`); one process calls it.
+
+    job_id: default $SLURM_JOB_ID. Returns a one-line message saying what happened; never raises
+    (a pre-empted job exits with its exit code whether or not the requeue worked).
+    """
+    job_id = job_id or os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return "requeue: not running under Slurm (no SLURM_JOB_ID); not requeued"
+    if shutil.which(scontrol) is None:
+        return f"requeue: {scontrol} not found; job {job_id} not requeued"
+    try:
+        done = subprocess.run([scontrol, "requeue", str(job_id)], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"requeue: scontrol requeue {job_id} failed: {exc}"
+    if done.returncode:
+        return f"requeue: scontrol requeue {job_id} failed: {(done.stderr or done.stdout).strip()}"
+    return f"requeue: job {job_id} requeued"
+
+
+def exit_preempted(message=None):
+    """Flush and exit with EXIT_PREEMPTED (every rank calls it after the agreed stop)."""
+    if message:
+        print(message, flush=True)
+    sys.stdout.flush()
+    sys.exit(EXIT_PREEMPTED)
