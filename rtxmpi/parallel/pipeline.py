@@ -1,0 +1,387 @@
+"""Pipeline parallelism: a GPT's layers split into contiguous stages, micro-batches run by a
+schedule (GPipe or 1F1B, rtxmpi.parallel.schedule), activations and their gradients exchanged with
+send/recv on the `pp` group.
+
+Source: GPipe (Huang et al., NeurIPS 2019), PipeDream-Flush / 1F1B (Narayanan et al., SC 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"), Megatron-LM's
+embedding group for tied input/output embeddings.
+
+Layout. The GPT's units (embeddings, blocks 0..L-1, head; rtxmpi.nn.gpt) are split by blocks:
+`stage_layout` partitions the L blocks into pp contiguous non-empty groups (balanced by parameter
+count, the embeddings counted with the first block and the head with the last, or a given
+`split` of blocks per stage); stage 0 also holds the embeddings, the last stage the head. A stage's
+parameters are therefore one contiguous range [flat_start, flat_stop) of the GPT's flat layout,
+which the stage keeps in its own flat buffers (1/pp of the memory). With tied embeddings and
+pp > 1 the last stage also keeps a copy of wte for the output head, appended after its range; after
+each backward the two wte gradients are summed over the two ranks that hold them (the "embedding
+group", first and last stage of each pipeline), so both copies receive the same update and stay
+identical (they start identical: copied from the same model and broadcast from stage 0).
+
+Step. `train_step(x, y)` splits this rank's batch into micro_batches equal micro-batches and runs
+its stage's op list: F/B of a micro-batch, blocking receives, non-blocking sends (completed at the
+end of the step). The loss of each micro-batch is scaled by 1/micro_batches, so the gradient is
+that of the mean loss over this rank's batch; then gradients are summed over the embedding group
+and averaged over the dp group, i.e. over the whole global batch (the one-process gradient). The
+returned loss is the global mean, the same on every rank.
+
+Checks before anything is sent: the constructor validates the layout and builds and simulates the
+whole schedule of every stage (`check_schedule`) on every rank; `train_step` checks the batch shape
+against micro_batches. Both depend only on arguments every rank of the pipeline shares, so a bad
+setting raises ConfigError (a ValueError) on every rank and nothing is sent.
+"""
+import math
+import time
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..nn import layers
+from ..nn.gpt import GPT, param_layout
+from ..nn.optim import AdamW, clip_grad_norm, grad_norm_sq
+from ..nn.params import bind, decay_mask, layout
+from .schedule import build_schedule, partition
+
+_ACT, _GRAD = 0, 1  # message kinds; tag = 2 * micro_batch + kind
+
+
+def stage_layout(cfg, stages, split=None):
+    """Blocks per stage of a GPT with config `cfg` split into `stages` pipeline stages.
+
+    split: None (balanced by parameter count: embeddings counted with the first block, the head,
+    and a tied wte copy, with the last) or a sequence of `stages` positive ints (blocks per stage)
+    summing to cfg.n_layer. Returns a list of (first_block, stop_block) per stage.
+    Raises ConfigError when stages > n_layer (every stage needs a block) or split does not fit.
+    Local (pure).
+    """
+    specs = param_layout(cfg)
+    C, L = cfg.n_embd, cfg.n_layer
+    block = sum(s.size for s in specs[2:14])
+    emb = specs[0].size + specs[1].size
+    head = 2 * C + cfg.vocab_size * C  # ln_f and the output matrix (lm_head or the wte copy)
+    costs = [block] * L
+    costs[0] += emb
+    costs[-1] += head
+    return partition(costs, stages, split)
+
+
+class PipelineStage:
+    """The part of a GPT that one pipeline stage holds and runs, on its own flat buffers.
+
+    model: a GPT (rtxmpi.nn.GPT) whose parameters are copied (the caller may drop it afterwards);
+    stage, stages: this stage's index and the pipeline depth; blocks: (first, stop) block range.
+    Attributes: cfg, stage, stages, is_first, is_last, blocks, param_start / param_stop (indices in
+    the GPT's param list), flat_start / flat_stop (range in the GPT's flat layout), tied_copy (True
+    when the last stage holds a wte copy for the head), params (list[Param] on the stage's own
+    buffers, the GPT's names), flat_data, flat_grad (1-D; the copy, if any, at the end), num_params.
+
+    forward(inp, targets) -> (out, cache): inp is (B, T) token ids on stage 0, else the (B, T, C)
+    activation of the previous stage; out is the (B, T, C) activation for the next stage, or on
+    the last stage the micro-batch's mean cross-entropy (Python float; targets (B, T) ids needed).
+    backward(cache, dout=None, scale=1.0) -> dinp: adds the parameter gradients (of scale * loss on
+    the last stage, else given dout = d loss / d out) into flat_grad; returns d loss / d inp, or
+    None on stage 0. Local: no communication.
+    """
+
+    def __init__(self, model, stage, stages, blocks):
+        cfg = model.cfg
+        self.cfg, self.stage, self.stages, self.blocks = cfg, stage, stages, tuple(blocks)
+        self.is_first, self.is_last = stage == 0, stage == stages - 1
+        self.xp, self.dtype = model.xp, model.dtype
+        first, stop = blocks
+        self.param_start = 0 if self.is_first else 2 + 12 * first
+        self.param_stop = len(model.params) if self.is_last else 2 + 12 * stop
+        own = model.params[self.param_start:self.param_stop]
+        self.flat_start, self.flat_stop = own[0].offset, own[-1].offset + own[-1].size
+        self.tied_copy = cfg.tie_embeddings and self.is_last and not self.is_first
+        entries = [(p.name, p.shape, p.decay) for p in own]
+        if self.tied_copy:
+            entries.append(("wte.head_copy", model.params[0].shape, True))
+        specs = layout(entries)
+        xp = self.xp
+        self.num_params = specs[-1].stop
+        self.flat_data = xp.empty(self.num_params, dtype=self.dtype)
+        self.flat_data[:self.flat_stop - self.flat_start] = model.flat_data[self.flat_start:self.flat_stop]
+        if self.tied_copy:
+            self.flat_data[self.flat_stop - self.flat_start:] = model.params[0].data.reshape(-1)
+        self.flat_grad = xp.zeros(self.num_params, dtype=self.dtype)
+        self.params = bind(specs, self.flat_data, self.flat_grad)
+        self.own_size = self.flat_stop - self.flat_start  # without the wte copy
+        base = 2 if self.is_first else 0  # local index of block `first`'s first parameter
+        self._blocks = [self.params[base + 12 * k: base + 12 * (k + 1)] for k in range(stop - first)]
+        if self.is_last:
+            k = base + 12 * (stop - first)
+            self._ln_f = self.params[k:k + 2]
+            if not cfg.tie_embeddings:
+                self._head = self.params[k + 2]
+            else:
+                self._head = self.params[-1] if self.tied_copy else self.params[0]
+        self.wte = self.params[0] if self.is_first else (self.params[-1] if self.tied_copy else None)
+
+    def zero_grad(self):
+        self.flat_grad.fill(0)
+
+    def forward(self, inp, targets=None):
+        caches = {}
+        if self.is_first:
+            x, caches["emb"] = layers.embedding_forward(inp, self.params[0].data, self.params[1].data)
+        else:
+            x = inp
+        caches["blocks"] = []
+        for ps in self._blocks:
+            x, c = layers.block_forward(x, [p.data for p in ps], self.cfg.n_head)
+            caches["blocks"].append(c)
+        if not self.is_last:
+            return x, caches
+        g, b = self._ln_f
+        h, caches["ln_f"] = layers.layernorm_forward(x, g.data, b.data)
+        logits, caches["head"] = layers.linear_forward(h, self._head.data.T)
+        loss, caches["ce"] = layers.crossentropy_forward(logits, targets)
+        return float(loss), caches
+
+    def backward(self, cache, dout=None, scale=1.0):
+        if self.is_last:
+            dlogits = layers.crossentropy_backward(scale, cache["ce"])
+            dh, _, _ = layers.linear_backward(dlogits, cache["head"], dw_out=self._head.grad.T)
+            g, b = self._ln_f
+            dx, _, _ = layers.layernorm_backward(dh, cache["ln_f"], g.grad, b.grad)
+        else:
+            dx = dout
+        for ps, c in zip(reversed(self._blocks), reversed(cache["blocks"])):
+            dx, _ = layers.block_backward(dx, c, [p.grad for p in ps])
+        if self.is_first:
+            layers.embedding_backward(dx, cache["emb"], self.params[0].grad, self.params[1].grad)
+            return None
+        return dx
+
+
+class PipelineParallel:
+    """Train a GPT split into pipeline stages over `pp_group`, replicated over `dp_group`.
+
+    model: GPT (rtxmpi.nn.GPT), the same config and seed on every rank; this rank copies its
+    stage's parameters (stage = pp_group.rank) and the caller may drop the model.
+    pp_group: ProcessGroup of the pipeline (group rank = stage). dp_group: ProcessGroup of the
+    data-parallel replicas of this stage (None: no data parallelism); every replica runs the same
+    schedule on its own slice of the global batch.
+    micro_batches: m, micro-batches per step on each pipeline (>= 1; >= pp for 1F1B).
+    schedule: "1f1b" (default) or "gpipe". split: blocks per stage (see stage_layout), None:
+    balanced by parameter count. optimizer: callable(params_flat, decay_mask) -> AdamW-like
+    (default AdamW(lr=3e-4)); it updates this stage's flat_data (own range and the wte copy).
+    Construction broadcasts the stage's parameters from dp rank 0 and the tied wte from stage 0
+    to the last stage, so every copy starts identical.
+
+    Collective: every rank of pp_group and dp_group must construct it and call train_step / step /
+    grad_norm / eval_loss the same number of times in the same order, with same-shaped batches.
+    Raises ConfigError on every rank (before any send) for an unknown schedule, pp > n_layer,
+    micro_batches < 1 or < pp with 1F1B, a split that does not fit, a schedule that fails
+    check_schedule.
+
+    Attributes: stage (PipelineStage), schedule (this stage's op list), schedules (every stage's),
+    layouts (blocks per stage), micro_batches, timeline (after train_step: list of (kind,
+    micro_batch, start_s, stop_s) per op of this rank, perf_counter seconds; recv spans are the
+    time blocked waiting).
+    """
+
+    def __init__(self, model, pp_group, dp_group=None, *, micro_batches, schedule="1f1b",
+                 split=None, optimizer=None):
+        if not isinstance(model, GPT):
+            raise ConfigError(f"PipelineParallel needs an rtxmpi.nn.GPT, got {type(model).__name__}")
+        p = pp_group.world_size
+        self.pp_group, self.dp_group = pp_group, dp_group
+        self.micro_batches, self.schedule_name = micro_batches, schedule
+        self.layouts = stage_layout(model.cfg, p, split)
+        self.schedules = build_schedule(schedule, micro_batches, p)  # every stage's, checked
+        self.schedule = self.schedules[pp_group.rank]
+        self.stage = PipelineStage(model, pp_group.rank, p, self.layouts[pp_group.rank])
+        self.cfg = model.cfg
+        self.num_params = model.num_params
+        self.timeline = []
+        st = self.stage
+        # the embedding group: first and last stage (each pipeline), for the tied wte gradient
+        self.embed_group = None
+        if model.cfg.tie_embeddings and p > 1:
+            self.embed_group = pp_group.new_group([0, p - 1])
+        if dp_group is not None and dp_group.world_size > 1:
+            dp_group.broadcast(st.flat_data, src=0)
+        if self.embed_group is not None:
+            self.embed_group.broadcast(st.wte.data, src=0)
+        make = optimizer or (lambda params, mask: AdamW(params, lr=3e-4, decay_mask=mask))
+        self.optimizer = make(st.flat_data, decay_mask(st.params, xp=st.xp, dtype=st.dtype))
+
+    @classmethod
+    def from_mesh(cls, model, mesh, **kwargs):
+        """Build over a DeviceMesh (rtxmpi.mesh): pp_group = mesh.group("pp"), dp_group =
+        mesh.group("dp"). Raises ConfigError when mesh.tp or mesh.sp > 1 (the pipeline stage runs
+        the plain GPT layers; combine with tensor or sequence parallelism is not supported)."""
+        if mesh.tp > 1 or mesh.sp > 1:
+            raise ConfigError(f"pipeline parallelism with tp({mesh.tp}) or sp({mesh.sp}) > 1 is not "
+                              f"supported: its stages run the plain GPT layers; use tp=1 sp=1")
+        return cls(model, mesh.group("pp"), mesh.group("dp"), **kwargs)
+
+    # ---------------------------------------------------------------------------------- a step
+    def _check_batch(self, x, y):
+        m = self.micro_batches
+        if getattr(x, "ndim", None) != 2 or getattr(y, "shape", None) != x.shape:
+            raise ConfigError(f"pipeline batch: x and y must be (B, T) arrays of the same shape, "
+                              f"got {getattr(x, 'shape', None)} and {getattr(y, 'shape', None)}")
+        B, T = x.shape
+        if B % m or B == 0:
+            raise ConfigError(f"the per-rank batch {B} is not divisible by micro_batches {m}: every "
+                              f"micro-batch must have the same size; use a batch that is a "
+                              f"multiple of {m} per data-parallel rank")
+        if T > self.cfg.seq_len:
+            raise ConfigError(f"batch has T={T} positions but the model's seq_len is "
+                              f"{self.cfg.seq_len}")
+        return B // m, T
+
+    def train_step(self, x, y):
+        """Forward and backward of this rank's batch through the pipeline; gradients accumulate
+        into stage.flat_grad (summed over the embedding group, averaged over dp). Returns the
+        global mean loss (Python float, the same on every rank).
+
+        x, y: (B, T) integer token ids and targets, this dp replica's slice of the global batch,
+        the same on every stage of the pipeline (stage 0 reads x, the last stage y, the others
+        only the shape); B divisible by micro_batches. Collective (pp, dp and embedding groups).
+        Raises ConfigError (before any send, on every rank) on a bad shape; CollectiveTimeout when
+        a peer does not send or receive in time.
+        """
+        b, T = self._check_batch(x, y)
+        self._run(x, y, b, T, backward=True)
+        st = self.stage
+        if self.embed_group is not None:
+            self.embed_group.all_reduce(st.wte.grad, op="sum")
+        if self.dp_group is not None and self.dp_group.world_size > 1:
+            self.dp_group.all_reduce(st.flat_grad, op="avg")
+        return self._global_loss()
+
+    def eval_loss(self, x, y):
+        """Mean loss of a batch, forward only (every micro-batch forward in order, no backward,
+        no gradients); x, y as for train_step. Returns the mean over the global batch (the same
+        on every rank). Collective like train_step."""
+        b, T = self._check_batch(x, y)
+        self._run(x, y, b, T, backward=False)
+        return self._global_loss()
+
+    def _global_loss(self):
+        losses = np.array([self._loss_sum / self.micro_batches], np.float64)
+        self.pp_group.broadcast(losses, src=self.pp_group.world_size - 1)
+        if self.dp_group is not None and self.dp_group.world_size > 1:
+            self.dp_group.all_reduce(losses, op="avg")
+        return float(losses[0])
+
+    def _run(self, x, y, b, T, backward):
+        st, pp, m, xp = self.stage, self.pp_group, self.micro_batches, self.stage.xp
+        C = self.cfg.n_embd
+        ops = self.schedule if backward else [op for op in self.schedule
+                                              if op.kind in ("F", "send_act", "recv_act")]
+        inputs, outputs, caches, grads = {}, {}, {}, {}
+        sends, timeline, now = [], [], time.perf_counter
+        self._loss_sum, scale = 0.0, 1.0 / m
+        for op in ops:
+            i, kind = op.micro_batch, op.kind
+            t0 = now()
+            if kind == "F":
+                inp = x[i * b:(i + 1) * b] if st.is_first else inputs.pop(i)
+                out, cache = st.forward(inp, y[i * b:(i + 1) * b] if st.is_last else None)
+                if st.is_last:
+                    self._loss_sum += out
+                else:
+                    outputs[i] = out
+                if backward:
+                    caches[i] = cache
+            elif kind == "B":
+                dinp = st.backward(caches.pop(i), dout=grads.pop(i, None), scale=scale)
+                if dinp is not None:
+                    outputs[i] = dinp
+            elif kind.startswith("send_"):
+                tag = 2 * i + (_ACT if kind == "send_act" else _GRAD)
+                sends.append(pp.send(outputs.pop(i), op.peer, tag, async_op=True))
+            else:
+                buf = xp.empty((b, T, C), dtype=st.dtype)
+                if kind == "recv_act":
+                    inputs[i] = pp.recv(buf, op.peer, 2 * i + _ACT)
+                else:
+                    grads[i] = pp.recv(buf, op.peer, 2 * i + _GRAD)
+            timeline.append((kind, i, t0, now()))
+            for w in sends:  # let sends in flight progress
+                w.test()
+        for w in sends:
+            w.wait()
+        self.timeline = timeline
+
+    # ---------------------------------------------------------------------------------- optimizer
+    def grad_norm(self):
+        """Global L2 norm of the gradient (every stage's own parameters, the wte copy counted
+        once). Collective over pp_group; the same on every rank."""
+        st = self.stage
+        total = np.array([grad_norm_sq(st.flat_grad[:st.own_size])], np.float64)
+        if self.pp_group.world_size > 1:
+            self.pp_group.all_reduce(total, op="sum")
+        return math.sqrt(float(total[0]))
+
+    def step(self, lr=None, max_grad_norm=None, total_norm=None):
+        """Clip (to max_grad_norm, by the global norm: total_norm or grad_norm(), collective)
+        then update this stage's parameters, and zero the gradients."""
+        st = self.stage
+        if max_grad_norm is not None:
+            norm = self.grad_norm() if total_norm is None else total_norm
+            clip_grad_norm(st.flat_grad, max_grad_norm, total_norm=norm)
+        self.optimizer.step(st.flat_grad, lr=lr)
+        st.zero_grad()
+
+    def zero_grad(self):
+        """Drop the accumulated gradients (e.g. an agreed overflow skip). Local."""
+        self.stage.zero_grad()
+
+    # ---------------------------------------------------------------------------------- state
+    def full_params(self):
+        """The whole model's flat parameter vector (GPT layout, length num_params) on every rank.
+        Collective over pp_group (one all_reduce of num_params elements)."""
+        st = self.stage
+        full = st.xp.zeros(self.num_params, dtype=st.dtype)
+        full[st.flat_start:st.flat_stop] = st.flat_data[:st.own_size]
+        if self.pp_group.world_size > 1:
+            self.pp_group.all_reduce(full, op="sum")
+        return full
+
+    def _dp_piece(self):
+        """This dp rank's [lo, hi) of the stage's own range (local offsets)."""
+        r, n = (0, 1) if self.dp_group is None else (self.dp_group.rank, self.dp_group.world_size)
+        return r * self.stage.own_size // n, (r + 1) * self.stage.own_size // n
+
+    def shards(self):
+        """Checkpoint pieces: name -> (local 1-D array, global_offset, global_size). "params",
+        "adam.m", "adam.v": the stage's own range of the GPT flat layout, split evenly over dp
+        (the wte copy is not written: stage 0 holds the same values); "adam.step": one int64 held
+        by stage 0, dp rank 0. Together the world's pieces cover each tensor once. Local."""
+        lo, hi = self._dp_piece()
+        st, n, state = self.stage, self.num_params, self.optimizer.state_dict()
+        first = self.pp_group.rank == 0 and (self.dp_group is None or self.dp_group.rank == 0)
+        steps = np.full(1 if first else 0, state["step"], np.int64)
+        return {"params": (st.flat_data[lo:hi], st.flat_start + lo, n),
+                "adam.m": (state["m"][lo:hi], st.flat_start + lo, n),
+                "adam.v": (state["v"][lo:hi], st.flat_start + lo, n),
+                "adam.step": (steps, 0, 1)}
+
+    def load_shards(self, read):
+        """Load parameters and optimizer state from a checkpoint of any layout: read(name, offset,
+        length) -> 1-D array of the global vector's elements. Reads the stage's own range (and
+        wte for the copy). Local; drops accumulated gradients."""
+        st = self.stage
+        spans = [(0, st.own_size, st.flat_start)]
+        if st.tied_copy:
+            spans.append((st.own_size, st.num_params, 0))
+        state = {"step": int(read("adam.step", 0, 1)[0])}
+        for name in ("params", "adam.m", "adam.v"):
+            full = st.xp.empty(st.num_params, dtype=st.dtype)
+            for lo, hi, offset in spans:
+                values = read(name, offset, hi - lo)
+                if getattr(values, "shape", None) != (hi - lo,):
+                    raise ConfigError(f"read({name!r}, {offset}, {hi - lo}) returned shape "
+                                      f"{getattr(values, 'shape', None)}")
+                full[lo:hi] = st.xp.asarray(values, dtype=st.dtype)
+            if name == "params":
+                st.flat_data[...] = full
+            else:
+                state[name[5:]] = full
+        self.optimizer.load_state_dict(state)
+        st.zero_grad()
