@@ -11,7 +11,7 @@ class Work:
     `test()`; until then the input array must not be read or written.
     """
 
-    __slots__ = ("group", "op", "seq", "_requests", "_finish", "_keep", "_result", "_done")
+    __slots__ = ("group", "op", "seq", "_requests", "_finish", "_keep", "_result", "_done", "_span")
 
     def __init__(self, group, op, seq, requests, finish, keep=None):
         """keep: objects whose memory MPI reads or writes until the requests complete (send and
@@ -22,6 +22,7 @@ class Work:
         self._keep = keep
         self._result = None
         self._done = False
+        self._span = None  # (start_s, args) while traced (rtxmpi.comm.traced)
 
     def _complete(self):
         self._done = True

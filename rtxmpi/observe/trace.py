@@ -1,9 +1,16 @@
-"""Span recorder and metric registry that every layer may call.
+"""Span recorder and counter registry that every layer may call.
 
 Cheap and off by default: `span()` returns a shared no-op context manager while tracing is off, so
-instrumented code costs one function call. When on, each span is recorded as
-(name, category, start_us, duration_us, args) on this rank; the observe layer merges ranks into a
-Chrome-trace timeline.
+instrumented code costs one function call, and layers that register a switch (`on_switch`; the
+collectives of rtxmpi.comm do) swap their instrumented code in only while tracing is on. When on,
+each span is recorded as (name, category, start_us, duration_us, args) on this rank, times from
+time.perf_counter() in microseconds (this process's clock; rtxmpi.observe.timeline estimates the
+offsets between ranks and merges them into one Chrome-trace timeline).
+
+Categories used across rtxmpi (the observe layer reads them): "step" (one training step), "data"
+(loading a batch), "forward", "backward", "optimizer", "compute" (other compute, e.g. one layer),
+"eval", "comm" (a collective or point-to-point transfer; args: op, bytes, group, async, world_size),
+"wait" (blocked in Work.wait for an asynchronous collective), "checkpoint".
 """
 import time
 from contextlib import contextmanager
@@ -11,6 +18,8 @@ from contextlib import contextmanager
 _enabled = False
 _events = []
 _counters = {}
+_switches = []
+_now = time.perf_counter
 
 
 class _NoSpan:
@@ -27,22 +36,36 @@ _NO_SPAN = _NoSpan()
 
 
 def enable(on=True):
-    """Turn span recording on or off for this process."""
+    """Turn span recording on or off for this process (and every registered switch with it)."""
     global _enabled
     _enabled = bool(on)
+    for switch in _switches:
+        switch(_enabled)
 
 
 def enabled():
     return _enabled
 
 
+def on_switch(callback):
+    """Call `callback(on)` now and whenever tracing is turned on or off. A layer uses it to swap
+    in instrumented code only while tracing is on, so that off costs nothing at all."""
+    _switches.append(callback)
+    callback(_enabled)
+
+
+def now_us():
+    """This process's trace clock (time.perf_counter) in microseconds."""
+    return _now() * 1e6
+
+
 @contextmanager
 def _record(name, category, args):
-    start = time.perf_counter()
+    start = _now()
     try:
         yield
     finally:
-        end = time.perf_counter()
+        end = _now()
         _events.append((name, category, start * 1e6, (end - start) * 1e6, args))
 
 
@@ -51,6 +74,13 @@ def span(name, category="compute", **args):
     if not _enabled:
         return _NO_SPAN
     return _record(name, category, args)
+
+
+def add(name, category, start_s, end_s, args=None):
+    """Record an already-timed span from `start_s` to `end_s` (time.perf_counter seconds), e.g. an
+    asynchronous collective from its launch to its completion. No-op while tracing is off."""
+    if _enabled:
+        _events.append((name, category, start_s * 1e6, (end_s - start_s) * 1e6, args or {}))
 
 
 def count(name, value=1.0):
@@ -69,3 +99,8 @@ def events(clear=False):
     if clear:
         _events.clear()
     return out
+
+
+def drop_before(start_us):
+    """Forget spans that ended before `start_us` (bounds memory on long runs)."""
+    _events[:] = [e for e in _events if e[2] + e[3] >= start_us]
