@@ -1,0 +1,375 @@
+"""`ParallelGPT`: the GPT of rtxmpi.nn split over a DeviceMesh's tp and sp axes, and
+`HybridParallel`, which trains it with data parallelism over the dp and sp axes.
+
+The model computes exactly what `rtxmpi.nn.GPT` computes (same config, same parameter names and
+initialization: each rank draws the full GPT's parameters from the seed and keeps its tp slice,
+`rtxmpi.parallel.tensor.shard_param`), with
+- tensor parallelism over mesh.group("tp") (Megatron-LM): attention heads and the MLP's hidden
+  width split (column-parallel qkv and fc, row-parallel projections), vocabulary-parallel
+  embedding, head and cross-entropy; optionally Megatron sequence parallelism
+  (`sequence_parallel=True`): LayerNorm/residual regions split along the sequence over tp;
+- Ulysses sequence parallelism over mesh.group("sp"): each sp rank holds T/sp positions of each
+  sample, attention runs on the full sequence of H/(tp*sp) heads after an all-to-all.
+Every sp rank computes the mean loss over its own positions; the batch is split over dp; so the
+global loss and the gradient of every (dp, sp)-replicated parameter are averages over
+mesh.group("dp", "sp") (mesh.loss_group) — which `HybridParallel` takes with the bucketed
+all_reduce of rtxmpi.parallel.data.DataParallel.
+
+Shape legend: B this rank's samples, T positions per sample, Ts = T/sp this rank's positions,
+C, H, V as in rtxmpi.nn.gpt; Cl = C/tp, Hl = H/tp, Fl = 4C/tp, Vl = V/tp.
+"""
+import math
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..nn import layers
+from ..nn.gpt import GPTConfig, _init_flat, param_layout
+from ..nn.optim import AdamW, clip_grad_norm
+from ..nn.params import bind, decay_mask, layout
+from . import tensor as tpl
+from .data import DEFAULT_BUCKET_BYTES, DataParallel
+from .sequence import check_heads, ulysses_attention_backward, ulysses_attention_forward
+
+# block parameter positions (rtxmpi.nn.layers.BLOCK_PARAM_NAMES) used in the sequence-split region
+# under sequence_parallel: ln1.g, ln1.b, attn.b_proj, ln2.g, ln2.b, mlp.b_proj
+_SP_PARTIAL = (0, 1, 5, 6, 7, 11)
+
+
+class _Cache:
+    __slots__ = ("emb", "blocks", "ln_f", "head", "ce", "T")
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+class ParallelGPT:
+    """One rank's part of a GPT under tensor (tp) and sequence (sp) parallelism.
+
+    cfg: GPTConfig; mesh: rtxmpi.mesh.DeviceMesh (uses group("tp") and group("sp")); seed: the
+    same on every rank; xp, dtype: as for rtxmpi.nn.GPT; sequence_parallel: Megatron sequence
+    parallelism inside tp.
+    Raises ConfigError (on every rank: it depends only on shared arguments) when n_head, 4*n_embd
+    or vocab_size is not divisible by tp, or n_head/tp not by sp.
+    Collective (forward and backward): every rank of group("tp") and group("sp") calls them in the
+    same order, tp peers with the same tokens.
+
+    Attributes (as rtxmpi.nn.GPT, for this rank's slices): cfg, xp, dtype, params (the GPT's names,
+    local shapes), flat_data, flat_grad, num_params (local), units, full_specs (the GPT's layout),
+    mesh, tp_group, sp_group, tp, sp, tp_rank, sp_rank, vocab_start, sequence_parallel.
+    """
+
+    def __init__(self, cfg, mesh, seed=0, xp=np, dtype=np.float32, sequence_parallel=False):
+        if not isinstance(cfg, GPTConfig):
+            raise ConfigError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
+        dtype = np.dtype(dtype)
+        if dtype.kind != "f":
+            raise ConfigError(f"ParallelGPT dtype must be a floating type, got {dtype.name}")
+        self.cfg, self.mesh, self.xp, self.dtype = cfg, mesh, xp, dtype
+        self.tp_group, self.sp_group = mesh.group("tp"), mesh.group("sp")
+        tp, sp = mesh.tp, mesh.sp
+        self.tp, self.sp, self.tp_rank, self.sp_rank = tp, sp, mesh.tp_rank, mesh.sp_rank
+        self.sequence_parallel = bool(sequence_parallel) and tp > 1
+        self.n_head_local = tpl.split_size(
+            cfg.n_head, tp, "n_head", f" (tp={tp}): each tensor-parallel rank needs whole "
+            f"attention heads; use n_head divisible by tp")
+        tpl.split_size(4 * cfg.n_embd, tp, "MLP width 4*n_embd", f" (tp={tp})")
+        self.vocab_start, _ = tpl.vocab_range(cfg.vocab_size, self.tp_rank, tp)
+        check_heads(self.n_head_local, sp)
+        self.full_specs = param_layout(cfg)
+        specs = layout(tpl.local_layout(self.full_specs, tp))
+        self.num_params = specs[-1].stop
+        full = _init_flat(cfg, self.full_specs, seed)
+        local = np.empty(self.num_params, np.float64)
+        for spec, full_spec in zip(specs, self.full_specs):
+            piece = tpl.shard_param(spec.name, full[full_spec.offset:full_spec.stop]
+                                    .reshape(full_spec.shape), self.tp_rank, tp)
+            local[spec.offset:spec.stop] = piece.reshape(-1)
+        self.flat_data = xp.asarray(local.astype(dtype))
+        self.flat_grad = xp.zeros(self.num_params, dtype=dtype)
+        self.params = bind(specs, self.flat_data, self.flat_grad)
+        L = cfg.n_layer
+        self.units = [(0, 2)] + [(2 + 12 * l, 14 + 12 * l) for l in range(L)] + [
+            (2 + 12 * L, len(self.params))]
+        self._sharded = [p for p in self.params if not tpl.is_replicated(p.name)]
+        self._replicated = [p for p in self.params if tpl.is_replicated(p.name)]
+
+    # ------------------------------------------------------------------ parameters
+    def zero_grad(self):
+        self.flat_grad.fill(0)
+
+    def gather_full(self, local):
+        """The full GPT flat vector (the layout of rtxmpi.nn.GPT) from every tp rank's `local`
+        flat vector (num_params long: parameters, gradients or optimizer state). Collective on
+        group("tp") (one all_gather). Returns an array of param_layout(cfg)[-1].stop elements."""
+        xp, tp = self.xp, self.tp
+        pieces = self.tp_group.all_gather(xp.ascontiguousarray(local)).reshape(tp, -1)
+        out = xp.empty(self.full_specs[-1].stop, local.dtype)
+        for p, full_spec in zip(self.params, self.full_specs):
+            parts = [pieces[r, p.offset:p.offset + p.size].reshape(p.shape) for r in range(tp)]
+            out[full_spec.offset:full_spec.stop] = tpl.unshard_param(p.name, parts).reshape(-1)
+        return out
+
+    def local_from_full(self, full):
+        """This rank's local flat vector (num_params) from a full GPT flat vector. Local."""
+        xp = self.xp
+        out = xp.empty(self.num_params, self.dtype)
+        for p, full_spec in zip(self.params, self.full_specs):
+            piece = tpl.shard_param(p.name, xp.asarray(full[full_spec.offset:full_spec.stop])
+                                    .reshape(full_spec.shape), self.tp_rank, self.tp)
+            out[p.offset:p.offset + p.size] = piece.reshape(-1)
+        return out
+
+    def grad_norm_sq(self):
+        """Squared L2 norm of the FULL model's gradient (float): the tp-split parts summed over
+        group("tp"), the replicated ones counted once. Collective on group("tp")."""
+        total = np.zeros(1, np.float64)
+        for p in self._sharded + (self._replicated if self.tp_rank == 0 else []):
+            total[0] += float((p.grad.astype(np.float64) ** 2).sum())
+        if self.tp > 1:
+            self.tp_group.all_reduce(total)
+        return float(total[0])
+
+    # ------------------------------------------------------------------ validation
+    def _check_tokens(self, arr, what):
+        if getattr(arr, "ndim", None) != 2 or arr.dtype.kind not in "iu":
+            raise ConfigError(f"{what} must be a (B, Ts) integer array, got "
+                              f"{getattr(arr, 'shape', type(arr).__name__)}")
+        B, Ts = arr.shape
+        if B == 0 or Ts == 0:
+            raise ConfigError(f"{what} must have at least one position, got shape {arr.shape}")
+        if Ts * self.sp > self.cfg.seq_len:
+            raise ConfigError(f"{what} has {Ts} positions per sp rank, {Ts * self.sp} in all, but "
+                              f"the model's seq_len is {self.cfg.seq_len}")
+        if self.sequence_parallel and Ts % self.tp:
+            raise ConfigError(f"sequence_parallel: {Ts} positions per rank are not divisible by "
+                              f"tp({self.tp}); use a sequence length divisible by tp * sp")
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self.cfg.vocab_size:
+            raise ConfigError(f"{what} holds token ids in [{lo}, {hi}] but vocab_size is "
+                              f"{self.cfg.vocab_size}")
+        return self.xp.asarray(arr)
+
+    def _block_params(self, l, grads=False):
+        a, b = self.units[l + 1]
+        return [p.grad if grads else p.data for p in self.params[a:b]]
+
+    def _head_weight(self, grad=False):
+        p = self.params[0] if self.cfg.tie_embeddings else self.params[-1]
+        return p.grad if grad else p.data
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, idx, targets):
+        """Loss and cache for this rank's tokens.
+
+        idx, targets: (B, Ts) ids: this rank's samples (its dp slice of the global batch, the same
+        on every tp rank) at its positions [sp_rank * Ts, (sp_rank + 1) * Ts) (mesh.seq_slice).
+        Returns (loss, cache): loss is a Python float, the mean cross-entropy over this rank's
+        B*Ts positions (the same on every tp rank; average it over mesh.loss_group for the global
+        loss). Raises ConfigError on a bad shape, dtype, length or id (locally).
+        """
+        idx, targets = self._check_tokens(idx, "idx"), self._check_tokens(targets, "targets")
+        if targets.shape != idx.shape:
+            raise ConfigError(f"targets shape {targets.shape} must equal idx shape {idx.shape}")
+        tp, sp_on = self.tp_group, self.sequence_parallel
+        Ts = idx.shape[1]
+        wte, wpe = self.params[0].data, self.params[1].data
+        x, emb_cache = tpl.vocab_embedding_forward(idx, wte, self.vocab_start, tp, sp_on)
+        p0, Tl = self._positions(Ts)
+        x += wpe[p0:p0 + Tl]
+        blocks = []
+        for l in range(self.cfg.n_layer):
+            x, cache = self._block_forward(x, self._block_params(l))
+            blocks.append(cache)
+        g, b = self.params[self.units[-1][0]].data, self.params[self.units[-1][0] + 1].data
+        h, ln_f_cache = layers.layernorm_forward(x, g, b)
+        logits, head_cache = tpl.column_linear_forward(h, self._head_weight().T, None, tp, sp_on)
+        loss, ce_cache = tpl.vocab_crossentropy_forward(logits, targets, self.vocab_start, tp)
+        return float(loss), _Cache(emb=emb_cache, blocks=blocks, ln_f=ln_f_cache, head=head_cache,
+                                   ce=ce_cache, T=Ts)
+
+    def _positions(self, Ts):
+        """(first position, count) of the activations this rank holds between layers."""
+        p0 = self.sp_rank * Ts
+        if self.sequence_parallel:
+            Tl = Ts // self.tp
+            return p0 + self.tp_rank * Tl, Tl
+        return p0, Ts
+
+    def _block_forward(self, x, params):
+        g1, b1, w_qkv, b_qkv, w_aproj, b_aproj, g2, b2, w_fc, b_fc, w_mproj, b_mproj = params
+        tp, sp_on = self.tp_group, self.sequence_parallel
+        h1, ln1 = layers.layernorm_forward(x, g1, b1)
+        qkv, c_qkv = tpl.column_linear_forward(h1, w_qkv, b_qkv, tp, sp_on)  # (B, Ts, 3Cl)
+        a, c_att = ulysses_attention_forward(qkv, self.n_head_local, self.sp_group)
+        x1, c_aproj = tpl.row_linear_forward(a, w_aproj, b_aproj, tp, sp_on)
+        x1 += x
+        h2, ln2 = layers.layernorm_forward(x1, g2, b2)
+        f, c_fc = tpl.column_linear_forward(h2, w_fc, b_fc, tp, sp_on)  # (B, Ts, Fl)
+        f, c_gelu = layers.gelu_forward(f)
+        y, c_mproj = tpl.row_linear_forward(f, w_mproj, b_mproj, tp, sp_on)
+        y += x1
+        return y, (ln1, c_qkv, c_att, c_aproj, ln2, c_fc, c_gelu, c_mproj)
+
+    # ------------------------------------------------------------------ backward
+    def _partial(self, grads, which):
+        """Gradient outputs for parameters of the sequence-split region: the real buffers, or
+        (sequence_parallel) zeroed scratch views to be summed over tp by `_sum_partial`."""
+        if not self.sequence_parallel:
+            return grads, None
+        scratch = self.xp.zeros(sum(grads[j].size for j in which), self.dtype)
+        out, at = list(grads), 0
+        for j in which:
+            out[j] = scratch[at:at + grads[j].size].reshape(grads[j].shape)
+            at += grads[j].size
+        return out, scratch
+
+    def _sum_partial(self, grads, which, scratch, partial):
+        if scratch is None:
+            return
+        self.tp_group.all_reduce(scratch)
+        for j in which:
+            grads[j] += partial[j]
+
+    def backward(self, cache, scale=1.0, grad_ready=None):
+        """Add the gradient of `scale * loss` (this rank's loss) into flat_grad (accumulates).
+
+        grad_ready: optional callable grad_ready(i), called once per parameter index i when its
+        gradient for this backward is final (reverse index order; the tied wte last), as
+        rtxmpi.nn.GPT.backward. Collective on group("tp") and group("sp").
+        """
+        notify = grad_ready if grad_ready is not None else (lambda i: None)
+        tp, L = self.tp_group, self.cfg.n_layer
+        head_start, head_stop = self.units[-1]
+        dlogits = tpl.vocab_crossentropy_backward(scale, cache.ce)
+        dw = self._head_weight(grad=True)
+        dh, _, _ = tpl.column_linear_backward(dlogits, cache.head, tp, dw_out=dw.T)
+        if not self.cfg.tie_embeddings:
+            notify(len(self.params) - 1)
+        head_grads = [self.params[head_start].grad, self.params[head_start + 1].grad]
+        partial, scratch = self._partial(head_grads, (0, 1))
+        dx, _, _ = layers.layernorm_backward(dh, cache.ln_f, partial[0], partial[1])
+        self._sum_partial(head_grads, (0, 1), scratch, partial)
+        notify(head_start + 1)
+        notify(head_start)
+        for l in range(L - 1, -1, -1):
+            dx = self._block_backward(dx, cache.blocks[l], l)
+            base = self.units[l + 1][0]
+            for j in range(11, -1, -1):
+                notify(base + j)
+        # embeddings: wpe gets the gradient of this rank's positions; wte of its vocabulary rows
+        if self.sequence_parallel:
+            dx = tpl.gather_sequence(dx, tp)
+        p0 = self.sp_rank * cache.T
+        self.params[1].grad[p0:p0 + cache.T] += dx.sum(axis=0)
+        tpl.vocab_embedding_backward(dx, cache.emb, self.params[0].grad)
+        notify(1)
+        notify(0)
+
+    def _block_backward(self, dy, cache, l):
+        ln1, c_qkv, c_att, c_aproj, ln2, c_fc, c_gelu, c_mproj = cache
+        tp = self.tp_group
+        grads = self._block_params(l, grads=True)
+        d, scratch = self._partial(grads, _SP_PARTIAL)
+        df, _, _ = tpl.row_linear_backward(dy, c_mproj, tp, d[10], d[11])
+        df = layers.gelu_backward(df, c_gelu)
+        dh2, _, _ = tpl.column_linear_backward(df, c_fc, tp, d[8], d[9])
+        dx1, _, _ = layers.layernorm_backward(dh2, ln2, d[6], d[7])
+        dx1 += dy
+        da, _, _ = tpl.row_linear_backward(dx1, c_aproj, tp, d[4], d[5])
+        dqkv = ulysses_attention_backward(da, c_att, self.sp_group)
+        dh1, _, _ = tpl.column_linear_backward(dqkv, c_qkv, tp, d[2], d[3])
+        dx, _, _ = layers.layernorm_backward(dh1, ln1, d[0], d[1])
+        dx += dx1
+        self._sum_partial(grads, _SP_PARTIAL, scratch, d)
+        return dx
+
+
+class HybridParallel:
+    """Train a ParallelGPT on a DeviceMesh with pp = 1: tensor parallelism over tp, Ulysses over
+    sp, bucketed data parallelism (DataParallel, all_reduce overlapping backward) over
+    mesh.loss_group = group("dp", "sp"), and AdamW on this rank's slice.
+
+    model: ParallelGPT; optimizer: callable (flat_params, decay_mask) -> optimizer (default AdamW).
+    Offers the calls the training loop uses for every engine (examples/train.py): forward,
+    backward, no_sync, grad_norm, step(lr, max_grad_norm, total_norm), zero_grad, full_params,
+    shards, load_shards; a checkpoint holds the FULL model's flat vectors, so it loads at any
+    layout. Collective: every rank of the mesh constructs it and calls the same methods in the same
+    order. Raises ConfigError when mesh.pp > 1 (the pipeline engine owns that axis).
+    """
+
+    def __init__(self, model, bucket_bytes=DEFAULT_BUCKET_BYTES, optimizer=None):
+        mesh = model.mesh
+        if mesh.pp > 1:
+            raise ConfigError(f"HybridParallel runs pp=1; got pp({mesh.pp}): use the pipeline "
+                              "engine (rtxmpi.parallel.pipeline) for pipeline parallelism")
+        self.model, self.mesh = model, mesh
+        self.group = mesh.loss_group
+        self.ddp = DataParallel(model, self.group, bucket_bytes=bucket_bytes,
+                                broadcast_params=False)  # identical by construction
+        make = optimizer or (lambda params, mask: AdamW(params, decay_mask=mask))
+        self.optimizer = make(model.flat_data, decay_mask(model.params, model.xp, model.dtype))
+        self.no_sync, self.zero_grad = self.ddp.no_sync, self.ddp.zero_grad
+
+    def forward(self, idx, targets):
+        """(loss, cache) for this rank's samples: idx, targets (B, T) = this dp rank's rows of
+        the global batch with the FULL sequence (mesh.batch_slice); this sp rank's positions are
+        taken here. loss: mean over this rank's tokens (average over mesh.loss_group)."""
+        T = idx.shape[1]
+        cols = self.mesh.seq_slice(T)
+        return self.model.forward(idx[:, cols], targets[:, cols])
+
+    def backward(self, cache, scale=1.0):
+        """Backward, then (outside no_sync) gradients averaged over mesh.loss_group."""
+        self.ddp.backward(cache, scale=scale)
+
+    def grad_norm(self):
+        """Global gradient L2 norm (the one-process model's), the same on every rank."""
+        return math.sqrt(self.model.grad_norm_sq())
+
+    def step(self, lr=None, max_grad_norm=None, total_norm=None):
+        if max_grad_norm is not None:
+            if total_norm is None:
+                total_norm = self.grad_norm()
+            clip_grad_norm(self.model.flat_grad, max_grad_norm, total_norm=total_norm)
+        self.ddp.step(self.optimizer, lr=lr)
+
+    def full_params(self):
+        """The full GPT flat parameter vector (rtxmpi.nn.GPT layout). Collective on tp."""
+        return self.model.gather_full(self.model.flat_data)
+
+    def shards(self):
+        """{name: (data, global_offset, global_size)}: each world rank writes an even
+        1/world_size of the FULL flat params and AdamW m and v (as the data-parallel engine), so
+        the checkpoint is the one-process model's and loads at any layout. Collective on tp."""
+        from ..checkpoint import Shard
+
+        r, n = self.mesh.rank, self.mesh.world_size
+        state = self.optimizer.state_dict()
+        pieces = {"params": self.full_params(), "adam.m": self.model.gather_full(state["m"]),
+                  "adam.v": self.model.gather_full(state["v"]),
+                  "adam.step": np.array([state["step"]], np.int64)}
+        shards = {name: Shard.even(full, r, n) for name, full in pieces.items()}
+        return {name: (sh.data, sh.global_offset, sh.global_size) for name, sh in shards.items()}
+
+    def load_shards(self, read):
+        """Load from a checkpoint of full flat vectors (`read(name, start, stop)`). Local reads."""
+        model = self.model
+        n = model.full_specs[-1].stop
+        self.optimizer.load_state_dict({
+            "step": int(read("adam.step", 0, 1)[0]),
+            "m": model.local_from_full(read("adam.m", 0, n)),
+            "v": model.local_from_full(read("adam.v", 0, n))})
+        model.flat_data[...] = model.local_from_full(read("params", 0, n))
+        self.ddp.zero_grad()
+
+
+def check_zero(zero_stage, mesh):
+    """ZeRO with tensor or sequence parallelism is not supported yet: ConfigError."""
+    if zero_stage and (mesh.tp > 1 or mesh.sp > 1):
+        raise ConfigError(f"ZeRO stage {zero_stage} with tp({mesh.tp}) or sp({mesh.sp}) > 1 is not "
+                          "supported yet; use --zero-stage 0 with tensor/sequence parallelism")
+
+
+__all__ = ["ParallelGPT", "HybridParallel", "check_zero"]

@@ -1,0 +1,282 @@
+"""Tensor parallelism (Megatron-LM), with Megatron sequence parallelism, as forward/backward pairs.
+
+Sources: Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
+Parallelism" (2019) for the column/row split of the MLP and the head split of attention, the
+vocabulary-parallel embedding and cross-entropy; Korthikanti et al., "Reducing Activation
+Recomputation in Large Transformer Models" (2022) for sequence parallelism.
+
+Shape legend: B batch, T sequence length (this rank's positions), C channels, tp = group size,
+V vocabulary; a tensor split over tp keeps 1/tp of a dim (`Cout/tp`, `V/tp`).
+
+A column-parallel linear keeps w[:, cols] (its output dim split): its input is replicated on every
+tp rank and its output is split. A row-parallel linear keeps w[rows, :] (its input dim split): it
+takes the split activation and its output is a partial sum, all-reduced over tp (the bias is added
+after the sum). Chained, column then row, a layer has one all-reduce in forward and one in backward.
+
+With sequence_parallel=True the activations between the layers (LayerNorm, residual, dropout
+regions) are split along the sequence over tp, (B, T/tp, C): the column-parallel linear first
+all-gathers the sequence, and the row-parallel linear reduce-scatters along the sequence instead
+of all-reducing. The same bytes move; activations outside the matmuls take 1/tp of the memory.
+Parameters used in the split region (LayerNorm gains and biases, the row-parallel bias, the
+position embedding) then get partial gradients: the caller sums them over tp (`ParallelGPT` does).
+
+Every function here is a collective on the tp group (every tp rank calls it in the same order,
+with the same shapes) unless said otherwise. Inputs are not validated (inner loop); the model
+validates once, at the edge.
+"""
+from rtxmpi.backend import xp_of
+from rtxmpi.errors import ConfigError
+from rtxmpi.nn import layers
+
+
+def split_size(n, parts, what, hint=""):
+    """n // parts, or ConfigError naming `what` when parts does not divide n."""
+    if n % parts:
+        raise ConfigError(f"{what} ({n}) is not divisible by {parts}{hint}")
+    return n // parts
+
+
+# ------------------------------------------------------------------------- sequence gather/scatter
+def gather_sequence(x, group):
+    """All-gather dim 1 (the sequence): (B, T/tp, ...) on each rank -> (B, T, ...), tp-rank order."""
+    if group.world_size == 1:
+        return x
+    xp = xp_of(x)
+    full = group.all_gather(xp.ascontiguousarray(x.swapaxes(0, 1)))  # (T, B, ...)
+    return xp.ascontiguousarray(full.swapaxes(0, 1))
+
+
+def reduce_scatter_sequence(x, group):
+    """Sum over tp and keep this rank's sequence chunk: (B, T, ...) -> (B, T/tp, ...)."""
+    if group.world_size == 1:
+        return x
+    xp = xp_of(x)
+    part = group.reduce_scatter(xp.ascontiguousarray(x.swapaxes(0, 1)))  # (T/tp, B, ...)
+    return xp.ascontiguousarray(part.swapaxes(0, 1))
+
+
+def _reduce(x, group, sequence_parallel):
+    """The sum over tp of a partial (B, T, C): all-reduce, or reduce-scatter along T."""
+    if sequence_parallel:
+        return reduce_scatter_sequence(x, group)
+    if group.world_size > 1:
+        group.all_reduce(x)
+    return x
+
+
+# ----------------------------------------------------------------------------- parallel linears
+def column_linear_forward(x, w, b, group, sequence_parallel=False):
+    """Column-parallel linear: y = x @ w + b with w = W[:, cols] local.
+
+    x: (B, T, Cin) replicated over tp, or (B, T/tp, Cin) with sequence_parallel; w: (Cin, Cout/tp);
+    b: (Cout/tp,) or None. Returns y: (B, T, Cout/tp), cache. Collective on `group` only with
+    sequence_parallel (all-gather of x).
+    """
+    if sequence_parallel:
+        x = gather_sequence(x, group)
+    y, cache = layers.linear_forward(x, w, b)
+    return y, (cache, sequence_parallel)
+
+
+def column_linear_backward(dy, cache, group, dw_out=None, db_out=None):
+    """Gradients of `column_linear_forward`: dx is summed over tp (all-reduce, or reduce-scatter
+    along T with sequence_parallel). dy: (B, T, Cout/tp). Returns dx (the shape of the forward's x),
+    dw: (Cin, Cout/tp), db (added into dw_out / db_out when given). Collective on `group`."""
+    linear_cache, sequence_parallel = cache
+    dx, dw, db = layers.linear_backward(dy, linear_cache, dw_out, db_out)
+    return _reduce(dx, group, sequence_parallel), dw, db
+
+
+def row_linear_forward(x, w, b, group, sequence_parallel=False):
+    """Row-parallel linear: y = sum_tp(x_local @ w_local) + b with w = W[rows, :] local.
+
+    x: (B, T, Cin/tp) (split like the column-parallel output before it); w: (Cin/tp, Cout);
+    b: (Cout,) replicated, added once after the sum. Returns y: (B, T, Cout) replicated, or
+    (B, T/tp, Cout) with sequence_parallel (reduce-scatter). Collective on `group`.
+    """
+    y, cache = layers.linear_forward(x, w, None)
+    y = _reduce(y, group, sequence_parallel)
+    if b is not None:
+        y += b
+    return y, (cache, sequence_parallel, b is not None)
+
+
+def row_linear_backward(dy, cache, group, dw_out=None, db_out=None):
+    """Gradients of `row_linear_forward`. dy: (B, T, Cout), or (B, T/tp, Cout) with
+    sequence_parallel (all-gathered first). Returns dx: (B, T, Cin/tp), dw: (Cin/tp, Cout), db:
+    (Cout,) or None. With sequence_parallel db is this rank's partial sum (sum it over tp).
+    Collective on `group` only with sequence_parallel."""
+    linear_cache, sequence_parallel, has_bias = cache
+    db = None
+    if has_bias:
+        db = layers._accumulate(dy.reshape(-1, dy.shape[-1]).sum(axis=0), db_out)
+    if sequence_parallel:
+        dy = gather_sequence(dy, group)
+    dx, dw, _ = layers.linear_backward(dy, linear_cache, dw_out)
+    return dx, dw, db
+
+
+# ------------------------------------------------------------------------------- vocab parallel
+def vocab_range(vocab_size, rank, world_size):
+    """(first, stop) of the vocabulary rows rank `rank` holds; ConfigError when V % tp != 0."""
+    per = split_size(vocab_size, world_size, "vocab_size", f" (tp={world_size})")
+    return rank * per, (rank + 1) * per
+
+
+def vocab_embedding_forward(idx, wte, vocab_start, group, sequence_parallel=False):
+    """Vocabulary-parallel token embedding: x[b, t] = W[idx[b, t]] with W's rows split over tp.
+
+    idx: (B, T) integer ids in [0, V) (the same on every tp rank); wte: (V/tp, C), rows
+    [vocab_start, vocab_start + V/tp) of W. Each rank looks up the ids it owns (zeros elsewhere);
+    the sum over tp (all-reduce, or reduce-scatter along T) is the embedding.
+    Returns x: (B, T, C) or (B, T/tp, C) with sequence_parallel, cache. Collective on `group`.
+    """
+    xp = xp_of(wte)
+    local = (idx >= vocab_start) & (idx < vocab_start + wte.shape[0])
+    ids = xp.where(local, idx - vocab_start, 0)
+    x = wte[ids]
+    x *= local[..., None].astype(x.dtype)
+    return _reduce(x, group, sequence_parallel), (ids, local, wte.shape, sequence_parallel)
+
+
+def vocab_embedding_backward(dx, cache, dwte_out=None):
+    """Gradient of `vocab_embedding_forward` for the local rows. dx: (B, T, C), the gradient of
+    the whole sequence (with sequence_parallel, all-gather it first: `gather_sequence`). Returns
+    dwte: (V/tp, C), added into dwte_out. Rows of repeated ids are summed by a stable sort and a
+    segmented sum (deterministic). Local: no collective."""
+    ids, local, shape, _ = cache
+    xp = xp_of(dx)
+    C = dx.shape[-1]
+    dwte = xp.zeros(shape, dx.dtype) if dwte_out is None else dwte_out
+    keep = local.reshape(-1)
+    rows = ids.reshape(-1)[keep]
+    if rows.size:
+        order = xp.argsort(rows, kind="stable")
+        sorted_rows = rows[order]
+        starts = xp.flatnonzero(sorted_rows[1:] != sorted_rows[:-1]) + 1
+        starts = xp.concatenate([xp.zeros(1, dtype=starts.dtype), starts])
+        picked = dx.reshape(-1, C)[keep][order]
+        dwte[sorted_rows[starts]] += xp.add.reduceat(picked, starts, axis=0)
+    return dwte
+
+
+def vocab_crossentropy_forward(logits, targets, vocab_start, group):
+    """Mean cross-entropy over all B*T positions with the logits split over tp by vocabulary.
+
+    logits: (B, T, V/tp), columns [vocab_start, vocab_start + V/tp) of the full logits;
+    targets: (B, T) ids in [0, V), the same on every tp rank. The full (B, T, V) logits are never
+    formed: the row max is all-reduced (max), then the sum of exponentials and the target's logit
+    in one all-reduce (sum) of 2*B*T values. Returns loss (0-d array of the logits' dtype, the same
+    on every tp rank), cache (the local (N, V/tp) softmax). Collective on `group`.
+    """
+    xp = xp_of(logits)
+    Vl = logits.shape[-1]
+    l2 = logits.reshape(-1, Vl)
+    tgt = targets.reshape(-1)
+    N = l2.shape[0]
+    m = l2.max(axis=1)
+    if group.world_size > 1:
+        group.all_reduce(m, op="max")
+    probs = l2 - m[:, None]
+    local = (tgt >= vocab_start) & (tgt < vocab_start + Vl)
+    cols = xp.where(local, tgt - vocab_start, 0)
+    rows = xp.arange(N)
+    sums = xp.empty((2, N), probs.dtype)
+    sums[1] = probs[rows, cols] * local  # logit[target] - max, on the rank that owns the target
+    xp.exp(probs, out=probs)
+    probs.sum(axis=1, out=sums[0])
+    if group.world_size > 1:
+        group.all_reduce(sums)
+    probs /= sums[0][:, None]
+    nll = xp.log(sums[0])
+    nll -= sums[1]
+    return nll.mean(), (probs, cols, local, logits.shape)
+
+
+def vocab_crossentropy_backward(dloss, cache):
+    """Gradient of `vocab_crossentropy_forward` times `dloss` for the local vocabulary columns:
+    dlogits (B, T, V/tp) = dloss * (softmax - onehot(targets)) / (B*T). Local: no collective."""
+    probs, cols, local, shape = cache
+    xp = xp_of(probs)
+    N = probs.shape[0]
+    c = float(dloss) / N
+    dlogits = probs * c
+    rows = xp.flatnonzero(local)
+    dlogits[rows, cols[rows]] -= c
+    return dlogits.reshape(shape)
+
+
+# --------------------------------------------------------------------- parameter shards over tp
+# How each GPT parameter (by the name after "h{l}.") is split over tp:
+#   "vocab": rows (vocabulary) split;  "qkv": the q, k, v column blocks each split by heads;
+#   "cols": output dim split (column-parallel);  "rows": input dim split (row-parallel);
+#   None: replicated (LayerNorm, position embedding, row-parallel biases).
+_SPLIT = {"wte": "vocab", "lm_head": "vocab", "attn.w_qkv": "qkv", "attn.b_qkv": "qkv",
+          "attn.w_proj": "rows", "mlp.w_fc": "cols", "mlp.b_fc": "cols", "mlp.w_proj": "rows"}
+
+
+def split_kind(name):
+    """How parameter `name` (a GPT parameter name) is split over tp: "vocab", "qkv", "cols",
+    "rows" or None (replicated)."""
+    return _SPLIT.get(name.split(".", 1)[1] if name.startswith("h") else name)
+
+
+def _local_shape(kind, shape, tp):
+    if kind is None:
+        return tuple(shape)
+    if kind in ("vocab", "rows"):
+        return (shape[0] // tp,) + tuple(shape[1:])
+    return tuple(shape[:-1]) + (shape[-1] // tp,)  # "cols", "qkv"
+
+
+def shard_param(name, full, rank, tp):
+    """This tp rank's part of the full parameter `full` (an array of the GPT shape). Local.
+    For "qkv" the local columns are [q_local | k_local | v_local], heads contiguous inside each:
+    exactly the layout `layers.attention_forward` uses for n_head / tp heads."""
+    kind = split_kind(name)
+    if kind is None:
+        return full
+    if kind in ("vocab", "rows"):
+        n = full.shape[0] // tp
+        return full[rank * n:(rank + 1) * n]
+    if kind == "cols":
+        n = full.shape[-1] // tp
+        return full[..., rank * n:(rank + 1) * n]
+    C3 = full.shape[-1]
+    n = C3 // 3 // tp
+    blocks = full.reshape(full.shape[:-1] + (3, C3 // 3))[..., rank * n:(rank + 1) * n]
+    return blocks.reshape(full.shape[:-1] + (3 * n,))
+
+
+def unshard_param(name, pieces):
+    """Inverse of `shard_param`: the full parameter from the tp ranks' pieces (in tp-rank order;
+    for a replicated parameter the first piece). Local."""
+    xp = xp_of(pieces[0])
+    kind = split_kind(name)
+    if kind is None:
+        return pieces[0]
+    if kind in ("vocab", "rows"):
+        return xp.concatenate(pieces, axis=0)
+    if kind == "cols":
+        return xp.concatenate(pieces, axis=-1)
+    lead, n = pieces[0].shape[:-1], pieces[0].shape[-1] // 3
+    blocks = [p.reshape(lead + (3, n)) for p in pieces]
+    return xp.concatenate(blocks, axis=-1).reshape(lead + (3 * n * len(pieces),))
+
+
+def local_layout(specs, tp):
+    """(name, local shape, decay) for each full ParamSpec, in the same order: the layout of one tp
+    rank's flat buffers. Local."""
+    return [(s.name, _local_shape(split_kind(s.name), s.shape, tp), s.decay) for s in specs]
+
+
+def is_replicated(name):
+    """True for a parameter every tp rank holds whole."""
+    return split_kind(name) is None
+
+
+__all__ = ["column_linear_forward", "column_linear_backward", "row_linear_forward",
+           "row_linear_backward", "vocab_embedding_forward", "vocab_embedding_backward",
+           "vocab_crossentropy_forward", "vocab_crossentropy_backward", "gather_sequence",
+           "reduce_scatter_sequence", "vocab_range", "split_kind", "shard_param",
+           "unshard_param", "local_layout", "is_replicated", "split_size"]
