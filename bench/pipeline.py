@@ -1,0 +1,258 @@
+"""Pipeline parallelism: the 1F1B bubble measured against (p-1)/(m+p-1), and PP=2 next to DP=2.
+
+    python bench/pipeline.py                     # launches mpiexec -n 4 (bubble) and -n 2 (PP vs DP)
+    python bench/pipeline.py --stages 4 --micro-batches 8 --model small --steps 6 --json pp.json
+
+Part 1, bubble (mpiexec -n STAGES, one pipeline, dp = 1): every rank records, for each op of its
+1F1B (and GPipe) schedule, the wall time (perf_counter) and the CPU time of this thread
+(thread_time) it took; a receive's wall time is the time blocked waiting for the peer. Per rank:
+    wall bubble  = 1 - (wall time in F and B) / (step wall time)   -- the rank's idle share
+    recv wait    = (wall time blocked in receives) / (step wall time)
+The table shows the mean over ranks and steps (after warm-up). On a machine with fewer cores than
+ranks (the CI box: 4 ranks on 2 cores) wall times are distorted: in the steady phase all stages
+compute at once and each op runs slower than in the ramp phases, which shrinks the measured
+bubble. So the bench also reports the
+    replay bubble = the bubble of the same schedule run with each stage's measured CPU time per F
+                    and per B (median over steps), zero-cost messages and one core per stage:
+                    a critical-path replay of the op lists (rtxmpi.parallel.schedule ops)
+which is what the schedule costs on a machine with a core per stage, with the real, unequal stage
+costs (stage 0 has the embeddings, the last stage the head and the loss).
+
+Part 2 (mpiexec -n 2): the step time of PP=2 (1F1B, --micro-batches) and of DP=2 (bucketed
+all_reduce) on the same model and global batch, interleaved step by step in the same job (the
+faster layout on 2 cores is DP: PP's bubble idles half a stage per ramp, DP computes all the time).
+"""
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from _common import machine_info, machine_line, markdown_table, write_json  # noqa: E402
+
+
+def replay(lists, cost):
+    """Makespan and per-stage busy time of op lists when F/B of stage s take cost[s][kind] seconds
+    and messages are free: each op starts when its stage is free and (receives) its message was
+    sent. Returns (makespan_s, [busy_s per stage])."""
+    p = len(lists)
+    clock, pc, sent, busy = [0.0] * p, [0] * p, {}, [0.0] * p
+    while any(pc[s] < len(lists[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while pc[s] < len(lists[s]):
+                op = lists[s][pc[s]]
+                if op.kind.startswith("recv_"):
+                    key = (op.peer, s, op.kind[5:], op.micro_batch)
+                    if key not in sent:
+                        break
+                    clock[s] = max(clock[s], sent[key])
+                elif op.kind.startswith("send_"):
+                    sent[(s, op.peer, op.kind[5:], op.micro_batch)] = clock[s]
+                else:
+                    clock[s] += cost[s][op.kind]
+                    busy[s] += cost[s][op.kind]
+                pc[s] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("schedule deadlocks")
+    return max(clock), busy
+
+
+def worker_bubble(args):
+    import numpy as np
+
+    import rtxmpi
+    from rtxmpi.data import BatchSampler, load_corpus
+    from rtxmpi.nn import GPT, GPTConfig
+    from rtxmpi.parallel.pipeline import PipelineParallel
+
+    world = rtxmpi.init(check=False)
+    p, m = world.world_size, args.micro_batches
+    corpus = load_corpus(progress=False)
+    cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
+    global_batch = args.micro_batch_size * m
+    out = {}
+    for schedule in ("1f1b", "gpipe"):
+        engine = PipelineParallel(GPT(cfg, seed=0), world, micro_batches=m, schedule=schedule)
+        sampler = BatchSampler(corpus.train, args.seq_len, global_batch, seed=0)
+        rows = []
+        for step in range(args.warmup + args.steps):
+            x, y = sampler.next_batch()
+            world.barrier()
+            # thread CPU time per op: wrap the stage's compute
+            cpu = {"F": [], "B": []}
+            fwd, bwd = engine.stage.forward, engine.stage.backward
+
+            def timed(fn, kind):
+                def run(*a, **k):
+                    c0 = time.thread_time()
+                    r = fn(*a, **k)
+                    cpu[kind].append(time.thread_time() - c0)
+                    return r
+                return run
+
+            engine.stage.forward, engine.stage.backward = timed(fwd, "F"), timed(bwd, "B")
+            t0 = time.perf_counter()
+            engine.train_step(x, y)
+            del engine.stage.forward, engine.stage.backward  # back to the class methods
+            engine.zero_grad()
+            tl = engine.timeline
+            total = tl[-1][3] - t0
+            compute = sum(b - a for k, _, a, b in tl if k in ("F", "B"))
+            wait = sum(b - a for k, _, a, b in tl if k.startswith("recv"))
+            if step >= args.warmup:
+                rows.append((total, compute, wait, float(np.median(cpu["F"])),
+                             float(np.median(cpu["B"]))))
+        arr = np.array(rows)
+        mine = {"step_s": float(np.median(arr[:, 0])),
+                "wall_bubble": float(np.mean(1 - arr[:, 1] / arr[:, 0])),
+                "recv_wait": float(np.mean(arr[:, 2] / arr[:, 0])),
+                "cpu_F_s": float(np.median(arr[:, 3])), "cpu_B_s": float(np.median(arr[:, 4]))}
+        everyone = world.backend.comm.gather(mine, root=0)
+        if world.rank == 0:
+            cost = [{"F": r["cpu_F_s"], "B": r["cpu_B_s"]} for r in everyone]
+            makespan, busy = replay(engine.schedules, cost)
+            equal = [{"F": np.mean([c["F"] for c in cost]), "B": np.mean([c["B"] for c in cost])}] * p
+            ms_eq, busy_eq = replay(engine.schedules, equal)
+            out[schedule] = {
+                "ranks": everyone,
+                "wall_bubble": float(np.mean([r["wall_bubble"] for r in everyone])),
+                "recv_wait": float(np.mean([r["recv_wait"] for r in everyone])),
+                "replay_bubble": float(np.mean([1 - b / makespan for b in busy])),
+                "replay_equal_bubble": float(np.mean([1 - b / ms_eq for b in busy_eq])),
+                "step_ms": 1e3 * float(np.median([r["step_s"] for r in everyone])),
+                "theory": (p - 1) / (m + p - 1)}
+    if world.rank == 0:
+        print("RESULT " + json.dumps({"stages": p, "micro_batches": m, "params": GPT(cfg).num_params,
+                                      "schedules": out}), flush=True)
+
+
+def worker_compare(args):
+    import numpy as np
+    from mpi4py import MPI
+
+    import rtxmpi
+    from rtxmpi.data import BatchSampler, load_corpus
+    from rtxmpi.nn import GPT, AdamW, GPTConfig, decay_mask
+    from rtxmpi.parallel.data import DataParallel
+    from rtxmpi.parallel.pipeline import PipelineParallel
+
+    world = rtxmpi.init(check=False)
+    comm = MPI.COMM_WORLD
+    corpus = load_corpus(progress=False)
+    cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
+    m = args.compare_micro_batches
+    global_batch = args.global_batch
+    pp = PipelineParallel(GPT(cfg, seed=0), world, micro_batches=m, schedule="1f1b")
+    dp_model = GPT(cfg, seed=0)
+    ddp = DataParallel(dp_model, world)
+    dp_opt = AdamW(dp_model.flat_data, lr=1e-4, decay_mask=decay_mask(dp_model.params))
+    sampler = BatchSampler(corpus.train, args.seq_len, global_batch, seed=0)
+    b = global_batch // world.world_size
+
+    def step_pp(x, y):
+        pp.train_step(x, y)
+        pp.step(lr=1e-4)
+
+    def step_dp(x, y):
+        xs, ys = x[world.rank * b:(world.rank + 1) * b], y[world.rank * b:(world.rank + 1) * b]
+        _, cache = ddp.forward(xs, ys)
+        ddp.backward(cache)
+        ddp.step(dp_opt, lr=1e-4)
+
+    times = {"pp": [], "dp": []}
+    for i in range(args.warmup + args.steps):
+        x, y = sampler.next_batch()
+        order = (("pp", step_pp), ("dp", step_dp))
+        for name, fn in (order if i % 2 == 0 else order[::-1]):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn(x, y)
+            elapsed = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            if i >= args.warmup:
+                times[name].append(elapsed)
+    if world.rank == 0:
+        tokens = global_batch * args.seq_len
+        result = {"global_batch": global_batch, "micro_batches": m}
+        for name, ts in times.items():
+            result[f"{name}_step_ms"] = float(np.median(ts)) * 1e3
+            result[f"{name}_tokens_per_s"] = tokens / float(np.median(ts))
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def launch(args, ranks, part):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", RTXMPI_CHECK="0")
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = ["mpiexec", "--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
+           "-n", str(ranks), sys.executable, os.path.abspath(__file__), "--worker", part,
+           "--model", args.model, "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--micro-batches", str(args.micro_batches),
+           "--micro-batch-size", str(args.micro_batch_size), "--global-batch",
+           str(args.global_batch), "--compare-micro-batches", str(args.compare_micro_batches)]
+    print(f"[pipeline] {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"[pipeline] {part} at {ranks} ranks failed:\n{proc.stdout}\n{proc.stderr}")
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages (= ranks) for the bubble")
+    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
+    p.add_argument("--model", default="small")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--global-batch", type=int, default=16, help="PP vs DP: sequences per step")
+    p.add_argument("--compare-micro-batches", type=int, default=4, help="PP=2 micro-batches")
+    p.add_argument("--steps", type=int, default=6, help="timed steps")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", default=None)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker == "bubble":
+        return worker_bubble(args)
+    if args.worker == "compare":
+        return worker_compare(args)
+    bubble = launch(args, args.stages, "bubble")
+    compare = launch(args, 2, "compare")
+    rows = []
+    for name, r in bubble["schedules"].items():
+        rows.append([name, bubble["stages"], bubble["micro_batches"], f"{r['theory']:.3f}",
+                     f"{r['replay_bubble']:.3f}", f"{r['replay_equal_bubble']:.3f}",
+                     f"{r['wall_bubble']:.3f}", f"{r['recv_wait']:.3f}", f"{r['step_ms']:.0f}"])
+    print(f"Pipeline bubble, model {args.model} ({bubble['params'] / 1e6:.2f} M params), "
+          f"micro-batch {args.micro_batch_size} x {args.seq_len} tokens, {args.steps} steps")
+    print(markdown_table(["schedule", "stages", "micro-batches", "theory (p-1)/(m+p-1)",
+                          "replay (measured stage CPU costs)", "replay (equal stages)",
+                          "wall bubble", "recv wait", "step ms"], rows))
+    print()
+    print("per stage (1F1B): CPU ms per F / B, wall bubble, recv wait")
+    print(markdown_table(["stage", "F ms", "B ms", "wall bubble", "recv wait"],
+                         [[s, f"{r['cpu_F_s'] * 1e3:.1f}", f"{r['cpu_B_s'] * 1e3:.1f}",
+                           f"{r['wall_bubble']:.3f}", f"{r['recv_wait']:.3f}"]
+                          for s, r in enumerate(bubble["schedules"]["1f1b"]["ranks"])]))
+    print()
+    print(f"PP=2 (1F1B, {compare['micro_batches']} micro-batches) vs DP=2, global batch "
+          f"{compare['global_batch']} x {args.seq_len}, median of {args.steps} interleaved steps")
+    print(markdown_table(["layout", "step ms", "tokens/s"],
+                         [["PP=2", f"{compare['pp_step_ms']:.0f}", f"{compare['pp_tokens_per_s']:,.0f}"],
+                          ["DP=2", f"{compare['dp_step_ms']:.0f}", f"{compare['dp_tokens_per_s']:,.0f}"]]))
+    info = machine_info()
+    print(f"\nmachine: {machine_line(info)}")
+    print(f"command: python bench/pipeline.py {shlex.join(sys.argv[1:])}".rstrip())
+    if args.json:
+        write_json(args.json, {"args": vars(args), "machine": info, "bubble": bubble,
+                               "compare": compare})
+
+
+if __name__ == "__main__":
+    main()
