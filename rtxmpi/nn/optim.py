@@ -7,6 +7,7 @@ import math
 
 from rtxmpi.backend import xp_of
 from rtxmpi.errors import ConfigError
+from rtxmpi.kernels import adamw_step
 
 
 def _check_flat(name, array, like=None):
@@ -59,37 +60,12 @@ class AdamW:
         lr: overrides the constructor's rate for this step (schedules); weight decay uses it too.
         """
         _check_flat("grad", grad, like=self.params)
-        xp = xp_of(self.params)
         lr = self.lr if lr is None else float(lr)
         b1, b2 = self.betas
         self.step_count += 1
-        t = self.step_count
-        p, m, v, tmp = self.params, self.m, self.v, self._tmp
-
-        m -= grad  # m = b1 m + (1 - b1) g  =  b1 (m - g) + g, without a temporary
-        m *= b1
-        m += grad
-        xp.multiply(grad, grad, out=tmp)  # v = b2 v + (1 - b2) g^2  =  b2 (v - g^2) + g^2
-        v -= tmp
-        v *= b2
-        v += tmp
-
-        if self.weight_decay and lr:
-            if self.decay_mask is None:
-                p *= 1.0 - lr * self.weight_decay
-            else:  # p -= lr * wd * mask * p
-                xp.multiply(self.decay_mask, p, out=tmp)
-                tmp *= lr * self.weight_decay
-                p -= tmp
-
-        # lr/bias1 * m / (sqrt(v)/sqrt(bias2) + eps) = c * m / (sqrt(v) + eps * sqrt(bias2)),
-        # c = lr * sqrt(bias2) / bias1
-        sqrt_bias2 = math.sqrt(1.0 - b2 ** t)
-        xp.sqrt(v, out=tmp)
-        tmp += self.eps * sqrt_bias2
-        xp.divide(m, tmp, out=tmp)
-        tmp *= lr * sqrt_bias2 / (1.0 - b1 ** t)
-        p -= tmp
+        adamw_step(self.params, grad, self.m, self.v, lr=lr, beta1=b1, beta2=b2, eps=self.eps,
+                   weight_decay=self.weight_decay, step=self.step_count,
+                   decay_mask=self.decay_mask, tmp=self._tmp)
 
     def state_dict(self):
         """{"step": int, "m": array, "v": array}; m and v are the live arrays (copy to keep)."""

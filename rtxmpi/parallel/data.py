@@ -7,7 +7,8 @@ bucket (no copy). Buckets are fixed by parameter index (identical on every rank,
 order). Backward produces gradients from the last parameter to the first; when every parameter of
 a bucket is final, its all_reduce starts asynchronously while backward goes on. The bucket that
 completes last has nothing left to overlap with and is reduced with the blocking (faster) call.
-After all buckets: one pass scales by 1/world_size (the average).
+After all buckets: the epilogue (`rtxmpi.kernels.grad_epilogue`) scales by 1/world_size (the
+average) and flags non-finite values (`DataParallel.nonfinite`).
 """
 from contextlib import contextmanager
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from ..control import join_batches
 from ..errors import ConfigError, RtxmpiError
+from ..kernels import grad_epilogue
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -77,6 +79,9 @@ class DataParallel:
         self._sync = True
         self._synced = False  # a synchronized backward happened since the last step
         self._ready_count = 0
+        # after a synchronized multi-rank backward: 0-d bool array, True when an averaged
+        # gradient is inf or NaN (identical on every rank, as the gradients are); else None
+        self.nonfinite = None
         if broadcast_params and group.world_size > 1:
             group.broadcast(model.flat_data, src=0)
 
@@ -139,7 +144,8 @@ class DataParallel:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
-        self.model.flat_grad *= self.model.flat_grad.dtype.type(1.0 / self.group.world_size)
+        # the epilogue (rtxmpi.kernels; one fused pass on GPU): average, and flag inf/NaN
+        _, self.nonfinite = grad_epilogue(self.model.flat_grad, 1.0 / self.group.world_size)
 
     # -- optimizer step ---------------------------------------------------------------------
     def step(self, optimizer, lr=None):
