@@ -40,6 +40,7 @@ from rtxmpi.backend import xp_of
 from rtxmpi.errors import ConfigError
 from rtxmpi.nn import layers
 from rtxmpi.nn.params import bind, layout
+from rtxmpi.observe.trace import span
 
 MODEL_SIZES = {
     "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64},
@@ -277,7 +278,8 @@ class GPT:
         block_caches = []
         for u in range(1, L + 1):
             params = P.fetch(u, then=u + 1)
-            x, cache = layers.block_forward(x, params, self.cfg.n_head)
+            with span(f"block {u} forward", "compute", layer=u):
+                x, cache = layers.block_forward(x, params, self.cfg.n_head)
             block_caches.append(_block_cache_with(cache, None) if P.transient else cache)
             P.release(u)
         tied = self.cfg.tie_embeddings
@@ -348,8 +350,9 @@ class GPT:
             if P.transient:
                 block_cache = _block_cache_with(block_cache, params)
             base = self.units[u][0]
-            dx, _ = layers.block_backward(dx, block_cache, P.grads(u),
-                                          ready=lambda j, base=base: notify(base + j))
+            with span(f"block {u} backward", "compute", layer=u):
+                dx, _ = layers.block_backward(dx, block_cache, P.grads(u),
+                                              ready=lambda j, base=base: notify(base + j))
             P.release(u)
             P.grads_ready(u)
         dwte, dwpe = P.grads(0)
