@@ -5,6 +5,10 @@
     rtxmpi ckpt ls DIR                checkpoints in DIR: step, committed, world size, size, latest
     rtxmpi ckpt verify DIR [--step S] every file and dataset: sizes and checksums (exit 1 if bad)
     rtxmpi ckpt inspect DIR [--step S] the tensor table (name, dtype, shape, pieces) and the meta
+    rtxmpi run -n N [--min-ranks K] [--max-restarts R] -- python train.py ...
+    rtxmpi plan --model small --world-size 4 [--profile F]   ranked layouts and why the first
+    mpiexec -n 4 rtxmpi plan --calibrate --save-profile F  ... measuring this machine first
+                                      supervise: forward signals, relaunch after a failure
 """
 import argparse
 import platform
@@ -150,6 +154,32 @@ def cmd_ckpt_inspect(args):
     return 0
 
 
+def cmd_run(args):
+    """Supervise `mpiexec -n N COMMAND` (rtxmpi.elastic.supervisor; docs/elastic.md)."""
+    import shlex
+
+    from .elastic.supervisor import Supervisor
+    from .errors import ConfigError
+
+    command = args.job[1:] if args.job[:1] == ["--"] else args.job
+    try:
+        supervisor = Supervisor(command, n=args.n, min_ranks=args.min_ranks,
+                                max_ranks=args.max_ranks, max_restarts=args.max_restarts,
+                                grace_s=args.grace_s, hostfile=args.hostfile,
+                                mpiexec=shlex.split(args.mpiexec), resume_flag=args.resume_flag)
+        return supervisor.run()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def cmd_plan(args):
+    """Rank parallel layouts by predicted step time (rtxmpi/parallel/planner.py, docs/planner.md)."""
+    from .parallel import planner
+
+    return planner.main(args)
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="rtxmpi", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -168,6 +198,30 @@ def build_parser():
         if name != "ls":
             cmd.add_argument("--step", type=int, default=None, help="step (default: the latest committed)")
         cmd.set_defaults(func=func)
+    run = sub.add_parser("run", help="supervise an MPI job: forward signals, relaunch after a failure",
+                         description="Exit status: 0 done, 75 pre-empted, 2 bad flags, else the "
+                                     "last attempt's status after --max-restarts relaunches.")
+    run.add_argument("-n", type=int, required=True, help="ranks of the first launch")
+    run.add_argument("--min-ranks", type=int, default=1, help="give up below this many ranks")
+    run.add_argument("--max-ranks", type=int, default=None,
+                     help="grow up to this many ranks when the hostfile offers more slots")
+    run.add_argument("--max-restarts", type=int, default=3, help="relaunches after failures")
+    run.add_argument("--grace-s", type=float, default=30.0,
+                     help="seconds the ranks get to checkpoint after a forwarded signal")
+    run.add_argument("--hostfile", default=None, help="Open MPI hostfile, re-read before every launch")
+    run.add_argument("--mpiexec", default="mpiexec",
+                     help="launcher and its options, e.g. 'mpiexec --oversubscribe --bind-to none'")
+    run.add_argument("--resume-flag", default="--resume",
+                     help="added to the command on relaunches when missing ('' for none)")
+    run.add_argument("job", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
+    run.set_defaults(func=cmd_run)
+    plan = sub.add_parser("plan", help="rank (dp, tp, pp, sp) layouts by predicted step time",
+                          description="Exit status: 0 planned, 1 no layout fits, 2 bad flags. "
+                                      "See docs/planner.md.")
+    from .parallel.planner import add_arguments as add_plan_arguments
+
+    add_plan_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -15,9 +15,25 @@ FAILURE_CLASSES = frozenset(getattr(MPI, name) for name in
                             if hasattr(MPI, name))
 
 
-def is_process_failure(exc):
-    """True for an MPI.Exception that reports a failed process or a revoked communicator."""
-    return isinstance(exc, MPI.Exception) and exc.Get_error_class() in FAILURE_CLASSES
+def is_process_failure(exc, comm=None):
+    """True for an MPI.Exception that reports a failed process or a revoked communicator; also for
+    any other MPI error on `comm` once it is revoked or has failed ranks (a multi-request test
+    reports ERR_IN_STATUS, a nonblocking collective aborted by a revoke ERR_OTHER)."""
+    if not isinstance(exc, MPI.Exception):
+        return False
+    error_class = exc.Get_error_class()
+    if error_class in FAILURE_CLASSES:
+        return True
+    if comm is not None:  # ERR_IN_STATUS, or ERR_OTHER from an aborted nonblocking schedule
+        return _is_revoked(comm) or bool(failed_ranks(comm))
+    return False
+
+
+def _is_revoked(comm):
+    try:
+        return bool(comm.Is_revoked())
+    except (AttributeError, NotImplementedError, MPI.Exception):
+        return False
 
 
 def failed_ranks(comm):
@@ -40,7 +56,8 @@ def rank_failure(exc, comm, *, op="", group="world"):
     """The RankFailure for a ULFM MPI.Exception `exc` raised on `comm` (ranks: comm ranks)."""
     ranks = failed_ranks(comm)
     what = "revoked by a peer that saw a process failure" if (
-        exc.Get_error_class() == getattr(MPI, "ERR_REVOKED", None)) else "a process failed"
+        exc.Get_error_class() == getattr(MPI, "ERR_REVOKED", None) or _is_revoked(comm)
+        and not ranks) else "a process failed"
     return RankFailure(f"{op or 'MPI call'} on group '{group}': {what}; failed ranks "
                        f"{ranks if ranks else '(not yet known)'} [{exc.Get_error_string().strip()}]",
                        ranks=ranks)

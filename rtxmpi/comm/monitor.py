@@ -87,7 +87,7 @@ class Monitor:
                 if now - start > SPIN_BEFORE_SLEEP_S:
                     time.sleep(0)  # yield the core: ranks may outnumber cores
         except MPI.Exception as exc:
-            if is_process_failure(exc):
+            if is_process_failure(exc, self.comm):
                 raise rank_failure(exc, self.comm, op=f"{op} #{seq}", group=group) from None
             raise
         finally:
@@ -174,7 +174,7 @@ class _Blocking:
 
     def __exit__(self, exc_type, exc, tb):
         self.monitor.blocking_entry = None
-        if exc is not None and is_process_failure(exc):
+        if exc is not None and is_process_failure(exc, self.monitor.comm):
             group, seq, op, _ = self.entry
             raise rank_failure(exc, self.monitor.comm, op=f"{op} #{seq}", group=group) from None
         return False

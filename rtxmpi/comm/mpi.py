@@ -10,6 +10,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from . import shm
 from .failure import is_process_failure, rank_failure
 
 REDUCE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
@@ -35,6 +36,11 @@ class MPIBackend:
         self.group_name = group_name
         self.members = members  # world ranks of this communicator, by group rank
         self.size = len(members)
+        # shared-memory all_reduce (comm/shm.py): settings fixed at group creation; the engine
+        # is built by the first blocking all_reduce that selects it (None: not built yet)
+        self.shm_config = shm.CONFIG.copy()
+        self.shm_min_bytes = self.shm_config.threshold if self.size > 1 else shm.NEVER
+        self._shm = None
 
     # -- waiting ---------------------------------------------------------------------------
     def test(self, requests):
@@ -45,7 +51,7 @@ class MPIBackend:
 
     def _translate(self, exc, op):
         """RankFailure for a ULFM process-failure error, else the MPI.Exception unchanged."""
-        return rank_failure(exc, self.comm, op=op, group=self.group_name) if is_process_failure(exc) else exc
+        return rank_failure(exc, self.comm, op=op, group=self.group_name) if is_process_failure(exc, self.comm) else exc
 
     def wait(self, requests, *, op, seq, timeout_s):
         self.monitor.wait(requests, op=op, seq=seq, group=self.group_name,
@@ -88,17 +94,30 @@ class MPIBackend:
         monitor = self.monitor
         monitor.blocking_entry = (self.group_name, seq, "all_reduce", time.monotonic() + timeout_s)
         try:
-            self.comm.Allreduce(MPI.IN_PLACE, buf, mpi_op)
+            if buf.nbytes < self.shm_min_bytes or not self._shm_all_reduce(buf, mpi_op):
+                self.comm.Allreduce(MPI.IN_PLACE, buf, mpi_op)
         except MPI.Exception as exc:
             raise self._translate(exc, f"all_reduce #{seq}") from None
         finally:
             monitor.blocking_entry = None
 
+    def _shm_all_reduce(self, buf, mpi_op):
+        """The shared-memory / hierarchical all_reduce (comm/shm.py) when the group's layout
+        allows it; False when not (the caller then runs MPI's). Collective: every rank selects
+        it from the same message size and the same (collectively built) engine."""
+        engine = self._shm
+        if engine is None:
+            engine = self._shm = shm.NodeAllReduce.create(self.comm, self.shm_config) or False
+            if engine is False:
+                self.shm_min_bytes = shm.NEVER  # one rank per node: MPI from now on
+        return engine is not False and engine.all_reduce(buf, mpi_op)
+
     # -- transfers: each returns a list of requests when nonblocking, else None -------------
     def all_reduce(self, buf, mpi_op, nonblocking):
         if nonblocking:
             return [self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op)]
-        self.comm.Allreduce(MPI.IN_PLACE, buf, mpi_op)
+        if buf.nbytes < self.shm_min_bytes or not self._shm_all_reduce(buf, mpi_op):
+            self.comm.Allreduce(MPI.IN_PLACE, buf, mpi_op)
 
     def reduce_scatter(self, buf, out, mpi_op, nonblocking):
         if nonblocking:

@@ -91,6 +91,7 @@ class Loop:
         self.step, self.phase_name, self.applied_step = 0, None, None
         self._tensors = self._meta = None
         self._close = []
+        self._applied_meta = None
         _config.current = self
 
     def track(self, *, meta, tensors=None, close=()):
@@ -116,6 +117,8 @@ class Loop:
     def applied(self, step):
         """This rank applied (or agreed to skip) the update of `step`. Local."""
         self.applied_step = step
+        if self._meta is not None and _config.policy == "shrink":
+            self._applied_meta = self._meta()  # e.g. the data position as of this step
         if _config.failure_time is not None:
             elapsed = time.time() - _config.failure_time
             _config.failure_time = None
@@ -127,7 +130,7 @@ class Loop:
 def _as_failure(exc, world):
     if isinstance(exc, RankFailure):
         return exc
-    if world is not None and is_process_failure(exc):
+    if world is not None and is_process_failure(exc, world.backend.comm):
         return rank_failure(exc, world.backend.comm)
     return None
 
@@ -162,7 +165,7 @@ def recover(group, failure, loop):
     state = None
     if loop is not None and loop._tensors is not None:
         applied = -1 if loop.applied_step is None else loop.applied_step
-        state = exchange_replica(new, applied, loop._tensors, loop._meta, old_size)
+        state = exchange_replica(new, applied, loop._tensors, lambda: loop._applied_meta, old_size)
         if state.step < 0:
             state = None  # no step applied anywhere yet: start over from the initial state
     _config.recovered = state
@@ -174,7 +177,7 @@ def recover(group, failure, loop):
     if new.rank == 0:
         where = (f"rank {state.source_rank}'s replica at step {state.step}" if state else
                  "the last committed checkpoint" if loop is None or loop._tensors is None
-                 else "the start")
+                 else "the last committed checkpoint, or the start")
         print(f"elastic: {failure}; shrank the world {old_size} -> {new.world_size} ranks in "
               f"{(shrunk - seen) * 1e3:.0f} ms; continuing from {where}", file=sys.stderr, flush=True)
     return new

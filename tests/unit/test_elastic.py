@@ -1,0 +1,152 @@
+"""One-process parts of rtxmpi.elastic: fault specs, the stop request, requeue, the supervisor."""
+import os
+import signal
+import sys
+
+import pytest
+
+from rtxmpi.elastic import EXIT_PREEMPTED, PHASES, StopRequest, configure, requeue
+from rtxmpi.elastic.fault import FaultPlan, parse_faults
+from rtxmpi.elastic.supervisor import Supervisor, hostfile_slots, launch_size
+from rtxmpi.errors import ConfigError
+
+
+def test_fault_spec_parses_action_rank_step_phase_seconds():
+    (f,) = parse_faults("kill:2:7:backward:0.005", PHASES)
+    assert (f.action, f.rank, f.step, f.phase, f.seconds) == ("kill", 2, 7, "backward", 0.005)
+    (g, h) = parse_faults("stall:0:3, usr1:1:4:save", PHASES)
+    assert (g.phase, g.seconds, h.action, h.phase) == ("forward", 3600.0, "usr1", "save")
+
+
+@pytest.mark.parametrize("spec", ["boom:1:2", "kill:1", "kill:x:2", "kill:1:2:nowhere",
+                                  "kill:1:2:forward:soon"])
+def test_bad_fault_spec_is_a_config_error_naming_the_part(spec):
+    with pytest.raises(ConfigError, match="RTXMPI_FAULT part"):
+        parse_faults(spec, PHASES)
+
+
+def test_fault_fires_once_only_on_its_rank_and_not_after_a_restart(monkeypatch):
+    monkeypatch.setenv("RTXMPI_FAULT", "usr1:1:3")
+    stop = StopRequest(signals=(signal.SIGUSR1,)).install()
+    try:
+        FaultPlan(0, PHASES).at("forward", 3)  # another rank's fault
+        assert not stop.requested
+        monkeypatch.setenv("RTXMPI_RESTART", "1")
+        assert FaultPlan(1, PHASES).faults == []  # relaunched by rtxmpi run: no repeat
+        monkeypatch.setenv("RTXMPI_RESTART", "0")
+        plan = FaultPlan(1, PHASES)
+        plan.at("forward", 2)
+        assert not stop.requested
+        plan.at("forward", 3)
+        assert stop.requested and stop.signal == signal.SIGUSR1
+        assert plan.faults[0].fired
+    finally:
+        stop.uninstall()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_sets_the_stop_request_and_uninstall_restores(signum):
+    stop = StopRequest().install()
+    try:
+        os.kill(os.getpid(), signum)
+        assert stop.requested and stop.signal == signum
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler, None) or \
+        signal.getsignal(signum) != stop._handle
+
+
+def test_requeue_outside_slurm_says_so_and_does_not_raise(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert "not running under Slurm" in requeue()
+    assert "not found" in requeue("123", scontrol="no-such-scontrol-here")
+
+
+def test_configure_refuses_unknown_policy_and_bad_min_ranks():
+    with pytest.raises(ConfigError, match="policy"):
+        configure("grow")
+    with pytest.raises(ConfigError, match="min_ranks"):
+        configure("shrink", min_ranks=0)
+    configure("off")
+
+
+def test_hostfile_slots_and_launch_size(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# nodes\nnode1 slots=2\nnode2 slots=3  # big\nnode3\n\n")
+    assert hostfile_slots(hosts) == 6
+    assert launch_size(4, hostfile=hosts) == 4
+    assert launch_size(4, hostfile=hosts, max_ranks=8) == 6  # grows into the new slots
+    hosts.write_text("node1 slots=2\n")
+    assert launch_size(4, hostfile=hosts, max_ranks=8) == 2
+    hosts.write_text("node1 slots=zero\n")
+    with pytest.raises(ConfigError, match="line 1"):
+        hostfile_slots(hosts)
+    with pytest.raises(ConfigError, match="--hostfile"):
+        hostfile_slots(tmp_path / "missing")
+
+
+def test_supervisor_refuses_inconsistent_numbers():
+    with pytest.raises(ConfigError, match="--min-ranks"):
+        Supervisor(["true"], n=2, min_ranks=3)
+    with pytest.raises(ConfigError, match="no command"):
+        Supervisor([], n=2)
+
+
+def launcher(tmp_path, body):
+    """A fake mpiexec: runs `body` (python) with the attempt's -n and command in sys.argv."""
+    path = tmp_path / "fake_mpiexec.py"
+    path.write_text("import os, sys, time\n" + body)
+    return [sys.executable, str(path)]
+
+
+def test_supervisor_relaunches_failures_with_resume_then_gives_up(tmp_path):
+    log = tmp_path / "log"
+    fake = launcher(tmp_path, f"open({str(log)!r}, 'a').write(' '.join(sys.argv[1:]) + "
+                              "' restart=' + os.environ['RTXMPI_RESTART'] + '\\n')\nsys.exit(9)\n")
+    out = open(tmp_path / "out", "w")
+    status = Supervisor(["job"], n=2, max_restarts=2, mpiexec=fake, out=out).run()
+    out.close()
+    assert status == 9
+    assert log.read_text().splitlines() == ["-n 2 job restart=0", "-n 2 job --resume restart=1",
+                                            "-n 2 job --resume restart=2"]
+    text = (tmp_path / "out").read_text()
+    assert "giving up: the job failed 3 times" in text and text.count(", exit 9, ") == 3
+
+
+@pytest.mark.parametrize("status", [0, EXIT_PREEMPTED, 2])
+def test_supervisor_does_not_relaunch_done_preempted_or_bad_flags(tmp_path, status):
+    fake = launcher(tmp_path, f"sys.exit({status})\n")
+    out = open(tmp_path / "out", "w")
+    assert Supervisor(["job"], n=1, mpiexec=fake, out=out).run() == status
+    out.close()
+    assert (tmp_path / "out").read_text().count("rtxmpi run: attempt") == 1
+
+
+def test_supervisor_grows_into_hostfile_slots_between_restarts(tmp_path):
+    hosts, log = tmp_path / "hosts", tmp_path / "log"
+    hosts.write_text("a slots=2\n")
+    fake = launcher(tmp_path, f"open({str(log)!r}, 'a').write(sys.argv[2] + '\\n')\n"
+                              f"open({str(hosts)!r}, 'w').write('a slots=2\\nb slots=2\\n')\n"
+                              "sys.exit(0 if os.environ['RTXMPI_RESTART'] == '1' else 1)\n")
+    out = open(tmp_path / "out", "w")
+    assert Supervisor(["job"], n=2, max_ranks=4, hostfile=str(hosts), mpiexec=fake,
+                      out=out).run() == 0
+    out.close()
+    assert log.read_text().split() == ["2", "4"]
+
+
+def test_supervisor_forwards_sigterm_as_sigusr1_and_escalates_after_the_grace(tmp_path):
+    got = tmp_path / "got"
+    fake = launcher(tmp_path, "import signal\n"
+                              f"signal.signal(signal.SIGUSR1, lambda s, f: open({str(got)!r}, 'w')"
+                              ".write('usr1'))\n"
+                              "signal.signal(signal.SIGTERM, lambda s, f: sys.exit(143))\n"
+                              "os.kill(os.getppid(), signal.SIGTERM)\n"
+                              "time.sleep(30)\n")
+    out = open(tmp_path / "out", "w")
+    status = Supervisor(["job"], n=1, grace_s=0.5, mpiexec=fake, out=out).run()
+    out.close()
+    assert got.read_text() == "usr1"
+    assert status == 128 + signal.SIGTERM
+    text = (tmp_path / "out").read_text()
+    assert "asking the ranks to stop" in text and "grace period of 0.5 s over" in text
