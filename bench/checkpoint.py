@@ -5,16 +5,18 @@ same bytes, in one MPI job.
 
 The checkpoint holds three float32 tensors ("params", "adam.m", "adam.v", as train.py saves) of
 --size-mb MiB in all; rank r owns 1/N of each (the ZeRO / Shard.even shape) and writes only that.
-Per repetition, in a rotating order, every rank writes the same bytes (all ranks at once):
+Per repetition, in a rotating order, every rank writes the same bytes (all ranks at once) to
+new files (repetition r saves step r + 1; the previous repetition's files are deleted untimed):
   raw write    open / write / fsync of one file per rank
   h5py write   one HDF5 file per rank with the three datasets, then fsync (the format without
-               rtxmpi's protocol: no crc32, no tmp + rename, no metadata commit)
-  rtxmpi save  save_checkpoint (agree, write tmp + crc32 + fsync, rename, gather, metadata, latest)
+               rtxmpi's protocol: no checksum, no tmp + rename, no metadata commit)
+  rtxmpi save  save_checkpoint (agree, write tmp + crc32c + fsync, rename, gather, metadata, latest)
 then the page cache is emptied of those files (see --evict) and, in a rotating order:
   raw read     os.readv of the raw file into a preallocated buffer
   h5py read    read_direct of the three datasets into preallocated buffers
-  rtxmpi load  load_checkpoint + Checkpoint.read(name, offset, length, out=) of this rank's range
-               (verifies each dataset's crc32 while streaming)
+  rtxmpi load  load_checkpoint + Checkpoint.read_many({name: (offset, length, out)}) of this rank's
+               range of every tensor
+               (verifies each dataset's crc32c while streaming)
   resharded    (N >= 2) the first N/2 ranks load the N-rank checkpoint: each reads 2/N
   same-size    ... and a checkpoint those N/2 ranks saved themselves (same bytes, same readers)
 A phase's time is its slowest rank's (barrier before, MAX after); bandwidth = all ranks' bytes /
@@ -133,7 +135,7 @@ class Bench:
         data = data or self.data
         start = self.start if start is None else start
         shards = {name: Shard(data[name], start, self.numel) for name in NAMES}
-        save_checkpoint(group, ckpt_dir, step, shards, overwrite=True)
+        save_checkpoint(group, ckpt_dir, step, shards)
 
     # -- the readers -------------------------------------------------------------------------------
     def raw_read(self, path):
@@ -159,8 +161,7 @@ class Bench:
         from rtxmpi.checkpoint import load_checkpoint
 
         ckpt = load_checkpoint(group, ckpt_dir)
-        for name in NAMES:
-            ckpt.read(name, start, len(out[name]), out=out[name])
+        ckpt.read_many({name: (start, len(out[name]), out[name]) for name in NAMES})
 
     # -- the page cache ------------------------------------------------------------------------------
     def evict(self, paths):
@@ -195,28 +196,42 @@ class Bench:
         return method
 
     # -- one repetition ---------------------------------------------------------------------------------
+    def remove_previous(self, root, rep):
+        """Delete repetition `rep - 1`'s files (untimed): every writer writes new files, as a
+        training run's saves do; deleting old data is no part of a write's bandwidth."""
+        if rep == 0:
+            return
+        old = os.path.join(root, f"base_r{self.rank:05d}_{rep - 1}")
+        for path in (old + ".bin", old + ".h5"):
+            os.remove(path)
+        if self.rank == 0:
+            for name in ("ckpt", "ckpt_half"):
+                shutil.rmtree(os.path.join(root, name, f"step_{rep:08d}"), ignore_errors=True)
+        self.world.barrier()
+
     def run(self, root):
-        mine = os.path.join(root, f"base_r{self.rank:05d}")
         ckpt = os.path.join(root, "ckpt")
         half_ckpt = os.path.join(root, "ckpt_half")
-        writes = {"raw write": lambda: self.raw_write(mine + ".bin"),
-                  "h5py write": lambda: self.h5_write(mine + ".h5"),
-                  "rtxmpi save": lambda: self.rtxmpi_save(ckpt, 1)}
-        reads = {"raw read": lambda: self.raw_read(mine + ".bin"),
-                 "h5py read": lambda: self.h5_read(mine + ".h5"),
-                 "rtxmpi load": lambda: self.rtxmpi_load(self.world, ckpt, self.start, self.out)}
         method = None
         for rep in range(self.args.repeats):
+            self.remove_previous(root, rep)
+            mine, step = os.path.join(root, f"base_r{self.rank:05d}_{rep}"), rep + 1
+            writes = {"raw write": lambda: self.raw_write(mine + ".bin"),
+                      "h5py write": lambda: self.h5_write(mine + ".h5"),
+                      "rtxmpi save": lambda: self.rtxmpi_save(ckpt, step)}
+            reads = {"raw read": lambda: self.raw_read(mine + ".bin"),
+                     "h5py read": lambda: self.h5_read(mine + ".h5"),
+                     "rtxmpi load": lambda: self.rtxmpi_load(self.world, ckpt, self.start, self.out)}
             k = rep % 3
             for name in WRITES[k:] + WRITES[:k]:
                 self.times[name].append(self.timed(self.world, writes[name]))
             if self.half is not None:  # the N/2-rank checkpoint for the same-size load (untimed)
-                self.rtxmpi_save(half_ckpt, 1, self.half, self.half_data, self.half_range[0])
+                self.rtxmpi_save(half_ckpt, step, self.half, self.half_data, self.half_range[0])
             self.world.barrier()
-            files = [mine + ".bin", mine + ".h5", os.path.join(ckpt, "step_00000001",
+            files = [mine + ".bin", mine + ".h5", os.path.join(ckpt, f"step_{step:08d}",
                                                                  f"rank_{self.rank:05d}.h5")]
             if self.half is not None:
-                files.append(os.path.join(half_ckpt, "step_00000001", f"rank_{self.half.rank:05d}.h5"))
+                files.append(os.path.join(half_ckpt, f"step_{step:08d}", f"rank_{self.half.rank:05d}.h5"))
             method = self.evict(files)
             for name in READS[k:] + READS[:k]:
                 self.times[name].append(self.timed(self.world, reads[name]))
@@ -249,20 +264,23 @@ class Bench:
 
 
 def cpu_costs_gbps(np, nbytes=16 << 20, repeats=5):
-    """One core's zlib.crc32 and memory-copy bandwidth (GB/s, best of `repeats`) on a 16 MiB
-    buffer: the CPU work save and load add per byte (one read chunk)."""
+    """One core's checksum (crc32c, written now; zlib crc32, format version 1) and memory-copy
+    bandwidth (GB/s, best of `repeats`) on a 16 MiB buffer: the CPU work save and load add per
+    byte (one read chunk)."""
     import zlib
+
+    import crc32c
 
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.ones_like(src)
-    best = {"crc32": float("inf"), "copy": float("inf")}
+    work = {"crc32c": lambda: crc32c.crc32c(src), "crc32": lambda: zlib.crc32(src),
+            "copy": lambda: np.copyto(dst, src)}
+    best = {k: float("inf") for k in work}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        zlib.crc32(src)
-        t1 = time.perf_counter()
-        dst[...] = src
-        t2 = time.perf_counter()
-        best["crc32"], best["copy"] = min(best["crc32"], t1 - t0), min(best["copy"], t2 - t1)
+        for k, fn in work.items():
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t0)
     return {k: nbytes / t / 1e9 for k, t in best.items()}
 
 
@@ -329,8 +347,8 @@ def main():
         r = targets["resharded_vs_same_size_time"]
         print(f"- Target resharded load ({half} rank{'s' if half > 1 else ''} reading the {bench.size}-rank checkpoint) "
               f"<= 1.5x the same-size load time: {r:.3f}x -> {verdict(r <= 1.5)}")
-    print(f"- CPU work per byte on one core (rank 0, after the run): zlib.crc32 {cpu['crc32']:.1f} "
-          f"GB/s, memory copy {cpu['copy']:.1f} GB/s")
+    print(f"- CPU work per byte on one core (rank 0, after the run): crc32c {cpu['crc32c']:.1f} GB/s "
+          f"(zlib.crc32 {cpu['crc32']:.1f}), memory copy {cpu['copy']:.1f} GB/s")
     print(f"\nmachine: {machine_line(info)}")
     print(f"command: {command}")
     print(f"total run time {time.perf_counter() - t_start:.1f} s")

@@ -127,7 +127,7 @@ def cmd_ckpt_verify(args):
     except CheckpointError as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
-    print(f"ok: {len(checked)} datasets verified (sizes and crc32 checksums)")
+    print(f"ok: {len(checked)} datasets verified (sizes and checksums)")
     return 0
 
 

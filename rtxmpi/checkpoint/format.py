@@ -6,10 +6,14 @@
 
 Each dataset in a rank file is one contiguous piece [global_offset, global_offset + length) of a
 global 1-D tensor, stored contiguously (no chunking, no compression) with attributes
-`global_shape` (int64[1]), `global_offset` (int64) and `checksum` ("crc32:xxxxxxxx" of its bytes).
+`global_shape` (int64[1]), `global_offset` (int64) and `checksum` ("crc32c:xxxxxxxx" of its bytes:
+CRC-32C, the Castagnoli polynomial of iSCSI / RFC 3720, in hardware where the CPU has it).
 Small per-rank state is the JSON string attribute `rank_state_json` plus small arrays under
 /rank_state/. Nothing here needs MPI: these functions are the single-process layer that the
 collective save/load and the `rtxmpi ckpt` command build on. No pickle anywhere: HDF5 and JSON.
+
+Format versions: 2 (written now) checksums with crc32c; 1 (read still) with zlib's crc32. A
+checksum string names its algorithm, so each dataset is verified with the one it was written with.
 """
 import json
 import os
@@ -18,12 +22,18 @@ import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
+import crc32c
 import h5py
 import numpy as np
 
 from rtxmpi.errors import CheckpointError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # written; 2: crc32c checksums, 1: zlib crc32 checksums
+READABLE_FORMAT_VERSIONS = (1, 2)
+CHECKSUM_ALGORITHM = "crc32c"  # the one written now
+# algorithm -> update(crc, contiguous uint8 buffer) -> crc; both release the GIL on large buffers
+CHECKSUM_UPDATE = {"crc32c": lambda crc, buf: crc32c.crc32c(buf, crc),
+                   "crc32": lambda crc, buf: zlib.crc32(buf, crc)}
 METADATA = "metadata.json"
 LATEST = "latest"
 TMP_SUFFIX = ".tmp"
@@ -47,17 +57,19 @@ def parse_step(name):
     return int(match.group(1)) if match else None
 
 
-def crc32_update(crc, array):
-    """Running crc32 over the raw bytes of a contiguous array."""
-    return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1), crc)
+def checksum_update(crc, array, algorithm=None):
+    """Running checksum (`algorithm`: "crc32c", the default, or "crc32") over the raw bytes of
+    an array (C order)."""
+    update = CHECKSUM_UPDATE[algorithm or CHECKSUM_ALGORITHM]
+    return update(crc, np.ascontiguousarray(array).view(np.uint8).reshape(-1))
 
 
 _CRC_POOL, _CRC_POOL_LOCK = None, threading.Lock()
 
 
 def crc_pool():
-    """The one-thread pool that computes crc32s while the caller's thread does the I/O
-    (zlib.crc32 releases the GIL on large buffers, h5py holds it: the two run side by side).
+    """The one-thread pool that computes checksums while the caller's thread does the I/O
+    (crc32c and zlib.crc32 release the GIL on large buffers, h5py holds it: the two run side by side).
     One worker: the jobs a caller submits run in submission order, so a running crc over
     chunks stays correct."""
     global _CRC_POOL
@@ -68,15 +80,17 @@ def crc_pool():
 
 
 class RunningCrc:
-    """crc32 of a sequence of chunks, computed on `crc_pool()` while the caller reads or writes
-    the next chunk. `add(view)`: the caller must not modify `view` until `wait_for(view)` or
-    `value()` returns. value(): the final crc32 (waits for every chunk)."""
+    """Checksum (`algorithm`, default CHECKSUM_ALGORITHM) of a sequence of chunks, computed on
+    `crc_pool()` while the caller reads or writes the next chunk. `add(view)` returns a future:
+    the caller must not modify `view` until it is done or `value()` returns. value(): the final
+    checksum as an int (waits for every chunk)."""
 
-    def __init__(self):
+    def __init__(self, algorithm=None):
+        self.algorithm = algorithm or CHECKSUM_ALGORITHM
         self.crc, self.futures = 0, []
 
     def _update(self, view):
-        self.crc = crc32_update(self.crc, view)
+        self.crc = checksum_update(self.crc, view, self.algorithm)
 
     def add(self, view):
         self.futures.append(crc_pool().submit(self._update, view))
@@ -89,13 +103,24 @@ class RunningCrc:
         return self.crc
 
 
-def format_checksum(crc):
-    return f"crc32:{crc & 0xFFFFFFFF:08x}"
+def format_checksum(crc, algorithm=None):
+    """"crc32c:xxxxxxxx" (or "<algorithm>:xxxxxxxx") of a checksum value."""
+    return f"{algorithm or CHECKSUM_ALGORITHM}:{crc & 0xFFFFFFFF:08x}"
 
 
-def checksum(array):
-    """"crc32:xxxxxxxx" of an array's bytes (C order)."""
-    return format_checksum(crc32_update(0, array))
+def checksum_algorithm(text, where):
+    """The algorithm a checksum string names ("crc32c:..." -> "crc32c"). Raises CheckpointError
+    naming `where` when it is not one this rtxmpi knows."""
+    algorithm = str(text).partition(":")[0]
+    if algorithm not in CHECKSUM_UPDATE:
+        raise CheckpointError(f"{where}: checksum {text!r} uses an unknown algorithm; this rtxmpi "
+                              f"verifies {sorted(CHECKSUM_UPDATE)}")
+    return algorithm
+
+
+def checksum(array, algorithm=None):
+    """"crc32c:xxxxxxxx" (or `algorithm`'s) of an array's bytes (C order)."""
+    return format_checksum(checksum_update(0, array, algorithm), algorithm)
 
 
 def check_tensor_name(name):
@@ -154,7 +179,7 @@ def write_rank_file(path, shards, rank_state=None):
             check_tensor_name(name)
             data = as_host(shard.data)
             running = RunningCrc()
-            running.add(data)  # the crc32 runs on the pool thread while h5py writes
+            running.add(data)  # the checksum runs on the pool thread while h5py writes
             ds = tensors.create_dataset(name, data=data)
             crc = format_checksum(running.value())
             ds.attrs["global_shape"] = np.array([shard.global_size], np.int64)
@@ -183,6 +208,40 @@ def _open(path):
         raise CheckpointError(f"{path}: cannot open as HDF5 (truncated or corrupt?): {exc}") from None
 
 
+class _ElementReader:
+    """Reads elements [a, b) of a 1-D dataset into a contiguous array. A contiguous, unfiltered
+    dataset (what `write_rank_file` writes) is read with os.preadv at its byte offset in the file,
+    with the kernel told the access is sequential (the bytes HDF5 itself would read, without its
+    per-call selection work); any other layout goes through h5py's read_direct."""
+
+    def __init__(self, path, ds):
+        self.ds, self.fd, self.base = ds, None, None
+        if ds.chunks is None and ds.compression is None and ds.size:
+            self.base = ds.id.get_offset()
+        if self.base is not None:
+            self.itemsize = ds.dtype.itemsize
+            self.fd = os.open(path, os.O_RDONLY)
+            nbytes = ds.size * self.itemsize
+            os.posix_fadvise(self.fd, self.base, nbytes, os.POSIX_FADV_SEQUENTIAL)
+
+    def read(self, view, a, b):
+        if self.fd is None:
+            self.ds.read_direct(view, np.s_[a:b])
+            return
+        buf = memoryview(view).cast("B")
+        pos = self.base + a * self.itemsize
+        while buf:
+            got = os.preadv(self.fd, [buf], pos)
+            if got == 0:
+                raise OSError(f"end of file at byte {pos}, {len(buf)} bytes short")
+            buf, pos = buf[got:], pos + got
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 def read_piece(path, name, expected, start=0, stop=None, out=None, *, h5file=None):
     """Read elements [start, stop) of dataset /tensors/<name> in the rank file `path`, verifying
     the WHOLE dataset's checksum while streaming through it (the only extra memory is one read
@@ -196,6 +255,7 @@ def read_piece(path, name, expected, start=0, stop=None, out=None, *, h5file=Non
     stop = length if stop is None else stop
     if not 0 <= start <= stop <= length:
         raise CheckpointError(f"{where}: range [{start}, {stop}) outside its {length} elements")
+    algorithm = checksum_algorithm(expected["checksum"], where)
     f = h5file if h5file is not None else _open(path)
     try:
         try:
@@ -215,14 +275,16 @@ def read_piece(path, name, expected, start=0, stop=None, out=None, *, h5file=Non
             out = np.empty(stop - start, dtype)
         chunk = max(1, READ_CHUNK_BYTES // max(1, dtype.itemsize))
         bufs, buf_jobs = [], [None, None]  # two bounce buffers: one read while the other's crc runs
-        running = RunningCrc()  # chunk i's crc32 runs while chunk i + 1 is read
+        running = RunningCrc(algorithm)  # chunk i's checksum runs while chunk i + 1 is read
         direct = isinstance(out, np.ndarray) and out.dtype == dtype and out.flags.c_contiguous
+        reader = None
         try:
+            reader = _ElementReader(path, ds)
             for i, a in enumerate(range(0, length, chunk)):
                 b = min(a + chunk, length)
                 if direct and start <= a and b <= stop:  # wholly wanted: straight into `out`
                     view = out[a - start:b - start]
-                    ds.read_direct(view, np.s_[a:b])
+                    reader.read(view, a, b)
                     running.add(view)
                 else:
                     k = i % 2
@@ -231,7 +293,7 @@ def read_piece(path, name, expected, start=0, stop=None, out=None, *, h5file=Non
                     while len(bufs) <= k:
                         bufs.append(np.empty(min(chunk, length), dtype))
                     view = bufs[k][:b - a]
-                    ds.read_direct(view, np.s_[a:b])
+                    reader.read(view, a, b)
                     lo, hi = max(a, start), min(b, stop)
                     if lo < hi:
                         out[lo - start:hi - start] = view[lo - a:hi - a]
@@ -239,9 +301,12 @@ def read_piece(path, name, expected, start=0, stop=None, out=None, *, h5file=Non
         except OSError as exc:  # truncated data
             running.value()
             raise CheckpointError(f"{where}: read failed (truncated?): {exc}") from None
-        crc = running.value()
-        if format_checksum(crc) != expected["checksum"]:
-            raise CheckpointError(f"{where}: checksum mismatch: data has {format_checksum(crc)}, "
+        finally:
+            if reader is not None:
+                reader.close()
+        crc = format_checksum(running.value(), algorithm)
+        if crc != expected["checksum"]:
+            raise CheckpointError(f"{where}: checksum mismatch: data has {crc}, "
                                   f"metadata says {expected['checksum']} (corrupt file)")
         return out
     finally:
@@ -258,7 +323,9 @@ def read_rank_state(path):
             raise CheckpointError(f"{path}: attribute rank_state_json unreadable: {exc}") from None
         for key, ds in f.get("rank_state", {}).items():
             value = ds[()]
-            if checksum(value) != ds.attrs.get("checksum"):
+            expected = ds.attrs.get("checksum")
+            algorithm = checksum_algorithm(expected, f"{path}: dataset /rank_state/{key}")
+            if checksum(value, algorithm) != expected:
                 raise CheckpointError(f"{path}: dataset /rank_state/{key}: checksum mismatch")
             state[key] = value
     return state
@@ -280,9 +347,10 @@ def read_metadata(step_dir):
         raise CheckpointError(f"{step_dir}: no {METADATA}: the checkpoint was never committed") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: unreadable: {exc}") from None
-    if metadata.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format_version {metadata.get('format_version')!r}, "
-                              f"this rtxmpi reads {FORMAT_VERSION}")
+    if metadata.get("format_version") not in READABLE_FORMAT_VERSIONS:
+        raise CheckpointError(f"{path}: format_version {metadata.get('format_version')!r}; this "
+                              f"rtxmpi reads versions {', '.join(map(str, READABLE_FORMAT_VERSIONS))} "
+                              f"(a newer rtxmpi wrote it?)")
     return metadata
 
 

@@ -71,6 +71,24 @@ class Checkpoint:
         raise_if_any_failed(self.group, error, f"reading {name!r} from {self.path}")
         return result
 
+    def read_many(self, requests):
+        """Several reads with one agreement: {name: (offset, length, out)} -> {name: array}.
+
+        Each value is as `read`'s arguments (length None: to the end; out None: a new array).
+        Ranks run their reads without waiting for each other between tensors, then agree once;
+        use it to load all of a rank's tensors (the sum of each rank's own read times, not the sum
+        over tensors of the slowest rank's). Collective like `read`; raises CheckpointError on
+        every rank, naming the file and dataset, when any rank's read fails.
+        """
+        error, result = None, {}
+        try:
+            for name, (offset, length, out) in requests.items():
+                result[name] = self._read_local(name, int(offset), length, out)
+        except (CheckpointError, OSError, TypeError, ValueError) as exc:  # must reach every rank
+            error = exc
+        raise_if_any_failed(self.group, error, f"reading {sorted(requests)} from {self.path}")
+        return result
+
     def rank_state(self, rank):
         """The rank_state saved by rank `rank % world_size_saved` (the rule at any world size:
         a new rank r gets saved rank r % N's state). Collective when the checkpoint has a group."""

@@ -6,7 +6,8 @@ Protocol (DESIGN.md, "Nothing lost"):
  3. every rank writes `rank_xxxxx.h5.tmp`, fsyncs it and renames it to `rank_xxxxx.h5`;
  4. the ranks agree that every write succeeded and gather the piece table (offset, length, crc);
  5. the coordinator checks the pieces cover each tensor exactly, writes `metadata.json.tmp`,
-    fsyncs, renames, fsyncs the directory, then replaces `CKPT/latest` (tmp + rename).
+    fsyncs, renames, fsyncs the step directory, then replaces `CKPT/latest` (tmp + fsync + rename)
+    and fsyncs CKPT, which also makes step 2's new directory entry durable; save returns after it.
 A failure anywhere raises CheckpointError on every rank and leaves no metadata.json, so the
 previous committed checkpoint (and `latest`) stays as it was.
 
@@ -68,8 +69,7 @@ def _prepare_dir(ckpt_dir, step_dir, overwrite):
             os.remove(os.path.join(step_dir, fmt.METADATA))  # de-commit first, then clear
             fmt.fsync_path(step_dir)
         shutil.rmtree(step_dir)
-    os.makedirs(step_dir)
-    fmt.fsync_path(ckpt_dir)
+    os.makedirs(step_dir)  # its entry in ckpt_dir is made durable by the commit's last fsync
 
 
 def _metadata(step, world_size, names, pieces, file_bytes, dtypes, sizes, meta):

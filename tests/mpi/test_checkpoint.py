@@ -232,3 +232,19 @@ def test_async_write_past_its_deadline_raises_on_every_rank(world, ckpt_dir, mon
                                 match=["not done after 0.1 s", "rank 0"])
     assert latest_step(ckpt_dir) is None
     time.sleep(1.2)  # let the slow writer end before the directory is removed
+
+
+def test_read_many_returns_every_range_and_fails_on_every_rank(world, ckpt_dir,
+                                                              assert_raised_on_every_rank):
+    arrays = full_tensors()
+    save_even(world, ckpt_dir, 3, arrays)
+    ckpt = load_checkpoint(world, ckpt_dir)
+    start = world.rank  # every rank asks for different ranges
+    out = np.zeros(500, np.float32)
+    got = ckpt.read_many({"params": (start, 500, out), "adam.v": (start, None, None), "tiny": (0, 2, None)})
+    assert got["params"] is out and np.array_equal(out, arrays["params"][start:start + 500])
+    assert np.array_equal(got["adam.v"], arrays["adam.v"][start:])
+    assert np.array_equal(got["tiny"], arrays["tiny"][:2])
+    bad = {"tiny": (0, 2, None)} if world.rank else {"tiny": (0, 4, None)}  # rank 0 asks past the end
+    assert_raised_on_every_rank(world, lambda: ckpt.read_many(bad), CheckpointError,
+                                match=["outside its 3 elements"])

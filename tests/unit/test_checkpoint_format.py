@@ -241,3 +241,43 @@ def test_written_checksum_equals_the_checksum_of_the_bytes(tmp_path):
                                                            for n, a in arrays.items()})
     for name, a in arrays.items():
         assert written[name]["checksum"] == fmt.checksum(a), name
+
+
+def test_checksums_are_crc32c_of_the_bytes():
+    assert fmt.checksum(np.frombuffer(b"123456789", np.uint8)) == "crc32c:e3069283"  # RFC 3720 check value
+    assert fmt.checksum(np.frombuffer(b"123456789", np.uint8), "crc32") == "crc32:cbf43926"
+
+
+def test_format_version_1_with_zlib_crc32_still_loads_and_verifies(tmp_path, monkeypatch):
+    arrays = tensors(7)
+    with monkeypatch.context() as m:  # what rtxmpi wrote before crc32c
+        m.setattr(fmt, "FORMAT_VERSION", 1)
+        m.setattr(fmt, "CHECKSUM_ALGORITHM", "crc32")
+        save(tmp_path, 1, arrays, rank_state={"rng": np.arange(3)})
+    step_dir = tmp_path / "step_00000001"
+    assert json.loads((step_dir / "metadata.json").read_text())["format_version"] == 1
+    with h5py.File(step_dir / "rank_00000.h5", "r") as f:
+        assert f["tensors/params"].attrs["checksum"].startswith("crc32:")
+    ckpt = load_checkpoint(None, tmp_path)
+    for name, a in arrays.items():
+        assert np.array_equal(ckpt.read(name), a)
+    assert np.array_equal(ckpt.rank_state(0)["rng"], np.arange(3))
+    verify_checkpoint(tmp_path)
+    flip_byte(step_dir / "rank_00000.h5", "tensors/params")
+    with pytest.raises(CheckpointError, match="checksum mismatch: data has crc32:"):
+        load_checkpoint(None, tmp_path).read("params")
+
+
+def test_unknown_format_version_or_checksum_algorithm_raises_clearly(tmp_path):
+    save(tmp_path, 1)
+    step_dir = tmp_path / "step_00000001"
+    meta_path = step_dir / "metadata.json"
+    metadata = json.loads(meta_path.read_text())
+    metadata["tensors"]["params"]["pieces"][0]["checksum"] = "sha0:00"
+    meta_path.write_text(json.dumps(metadata))
+    with pytest.raises(CheckpointError, match="unknown algorithm"):
+        load_checkpoint(None, tmp_path).read("params")
+    metadata["format_version"] = 99
+    meta_path.write_text(json.dumps(metadata))
+    with pytest.raises(CheckpointError, match="format_version 99; this rtxmpi reads versions 1, 2"):
+        load_checkpoint(None, tmp_path)
