@@ -1,7 +1,8 @@
 """The `rtxmpi` command.
 
     rtxmpi info                       environment of one process
-    mpiexec -n 4 rtxmpi info          ... and of every rank: hosts, local ranks, devices
+    mpiexec -n 4 rtxmpi info          ... and of every rank: hosts, local ranks, devices, topology
+    mpiexec -n 4 rtxmpi info --calibrate   ... with measured bandwidth/latency between ranks
     rtxmpi ckpt ls DIR                checkpoints in DIR: step, committed, world size, size, latest
     rtxmpi ckpt verify DIR [--step S] every file and dataset: sizes and checksums (exit 1 if bad)
     rtxmpi ckpt inspect DIR [--step S] the tensor table (name, dtype, shape, pieces) and the meta
@@ -9,6 +10,8 @@
     rtxmpi plan --model small --world-size 4 [--profile F]   ranked layouts and why the first
     mpiexec -n 4 rtxmpi plan --calibrate --save-profile F  ... measuring this machine first
                                       supervise: forward signals, relaunch after a failure
+    rtxmpi report RUN_DIR [RUN_DIR ...] [--out DIR] [--last N]   summary, bottleneck and PNG plots
+                                      of examples/train.py --run-dir runs (docs/observe.md)
 """
 import argparse
 import platform
@@ -76,6 +79,10 @@ def cmd_info(args):
         rank, size, local_rank, device = comm.Get_rank(), comm.Get_size(), 0, "cpu"
     row = (rank, socket.gethostname(), local_rank, device, gpu_count())
     rows = MPI.COMM_WORLD.gather(row, root=0) if size > 1 and warning is None else [row]
+    topo = None
+    if warning is None:  # collective: GPUs, links, InfiniBand, NUMA of every host
+        from .topology import discover
+        topo = discover(group, calibrate=args.calibrate)
     if rank != 0:
         return 0
     for key, value in _versions().items():
@@ -89,6 +96,9 @@ def cmd_info(args):
     print(f"{'rank':>6} {'host':<24} {'local_rank':>10} {'device':<8}")
     for rank_, host, local, dev, _ in rows:
         print(f"{rank_:>6} {host:<24} {local:>10} {dev:<8}")
+    if topo is not None:
+        print("topology")
+        print("\n".join("  " + line for line in topo.describe().splitlines()))
     if warning:
         print(f"warning: {warning}")
     return 0
@@ -180,6 +190,23 @@ def cmd_plan(args):
     return planner.main(args)
 
 
+def cmd_report(args):
+    from .errors import ConfigError
+    from .observe.report import load_run, plot, summary
+
+    try:
+        if args.last < 1:
+            raise ConfigError(f"--last must be >= 1, got {args.last}")
+        runs = [load_run(path) for path in args.run_dir]
+        print(summary(runs, last=args.last))
+        written = plot(runs[0], args.out or args.run_dir[0], last=args.last)
+    except (ConfigError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("plots: " + ", ".join(written))
+    return 0
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="rtxmpi", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -187,6 +214,8 @@ def build_parser():
     info = sub.add_parser("info", help="versions, MPI library, world size, hosts, GPUs")
     info.add_argument("--timeout-s", type=float, default=60.0, dest="timeout_s",
                       help="deadline of the rank exchange (seconds)")
+    info.add_argument("--calibrate", action="store_true",
+                      help="measure bandwidth and latency between every pair of ranks")
     info.set_defaults(func=cmd_info)
     ckpt = sub.add_parser("ckpt", help="list, verify and inspect checkpoints (one process)")
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
@@ -222,6 +251,15 @@ def build_parser():
 
     add_plan_arguments(plan)
     plan.set_defaults(func=cmd_plan)
+    report = sub.add_parser("report", help="summary, bottleneck and plots of a training run",
+                            description="Reads what examples/train.py --run-dir wrote; the first "
+                                        "run is described, several runs add a scaling table. "
+                                        "Exit status: 0, or 2 for a missing or bad run directory.")
+    report.add_argument("run_dir", nargs="+", help="run directories (train.py --run-dir)")
+    report.add_argument("--out", default=None, help="where the PNGs go (default: the first run dir)")
+    report.add_argument("--last", type=int, default=20,
+                        help="steps the breakdown and the bottleneck verdict look at")
+    report.set_defaults(func=cmd_report)
     return parser
 
 
