@@ -35,10 +35,12 @@ import time
 import numpy as np
 
 from ..errors import ConfigError
+from ..mesh import DeviceMesh
 from ..nn import layers
 from ..nn.gpt import GPT, param_layout
 from ..nn.optim import AdamW, clip_grad_norm, grad_norm_sq
 from ..nn.params import bind, decay_mask, layout
+from ..observe import trace
 from .schedule import build_schedule, partition
 
 _ACT, _GRAD = 0, 1  # message kinds; tag = 2 * micro_batch + kind
@@ -192,8 +194,12 @@ class PipelineParallel:
         self.schedules = build_schedule(schedule, micro_batches, p)  # every stage's, checked
         self.schedule = self.schedules[pp_group.rank]
         self.stage = PipelineStage(model, pp_group.rank, p, self.layouts[pp_group.rank])
+        self.stage.full_specs = param_layout(model.cfg)
         self.cfg = model.cfg
         self.num_params = model.num_params
+        self.full_specs = param_layout(model.cfg)  # the GPT's flat layout (checkpoint metadata)
+        self.model = self.stage  # what train.py reads as "the model": dtype, num_params, full_specs
+        self.mesh = None  # set by from_mesh
         self.timeline = []
         st = self.stage
         # the embedding group: first and last stage (each pipeline), for the tied wte gradient
@@ -215,7 +221,9 @@ class PipelineParallel:
         if mesh.tp > 1 or mesh.sp > 1:
             raise ConfigError(f"pipeline parallelism with tp({mesh.tp}) or sp({mesh.sp}) > 1 is not "
                               f"supported: its stages run the plain GPT layers; use tp=1 sp=1")
-        return cls(model, mesh.group("pp"), mesh.group("dp"), **kwargs)
+        engine = cls(model, mesh.group("pp"), mesh.group("dp"), **kwargs)
+        engine.mesh = mesh
+        return engine
 
     # ---------------------------------------------------------------------------------- a step
     def _check_batch(self, x, y):
@@ -261,9 +269,20 @@ class PipelineParallel:
         self._run(x, y, b, T, backward=False)
         return self._global_loss()
 
-    def _global_loss(self):
+    def forward(self, x, y):
+        """Evaluation: (mean loss over this dp replica's batch x, y, None), forward only, the same
+        on every stage; x, y as for train_step. Collective over pp_group."""
+        b, T = self._check_batch(x, y)
+        self._run(x, y, b, T, backward=False)
+        return self._pipeline_loss(), None
+
+    def _pipeline_loss(self):
         losses = np.array([self._loss_sum / self.micro_batches], np.float64)
         self.pp_group.broadcast(losses, src=self.pp_group.world_size - 1)
+        return float(losses[0])
+
+    def _global_loss(self):
+        losses = np.array([self._pipeline_loss()])
         if self.dp_group is not None and self.dp_group.world_size > 1:
             self.dp_group.all_reduce(losses, op="avg")
         return float(losses[0])
@@ -276,34 +295,33 @@ class PipelineParallel:
         inputs, outputs, caches, grads = {}, {}, {}, {}
         sends, timeline, now = [], [], time.perf_counter
         self._loss_sum, scale = 0.0, 1.0 / m
+        span = trace.span
         for op in ops:
             i, kind = op.micro_batch, op.kind
             t0 = now()
-            if kind == "F":
-                inp = x[i * b:(i + 1) * b] if st.is_first else inputs.pop(i)
-                out, cache = st.forward(inp, y[i * b:(i + 1) * b] if st.is_last else None)
-                if st.is_last:
-                    self._loss_sum += out
-                else:
-                    outputs[i] = out
-                if backward:
-                    caches[i] = cache
-            elif kind == "B":
-                dinp = st.backward(caches.pop(i), dout=grads.pop(i, None), scale=scale)
-                if dinp is not None:
-                    outputs[i] = dinp
-            elif kind.startswith("send_"):
-                tag = 2 * i + (_ACT if kind == "send_act" else _GRAD)
-                sends.append(pp.send(outputs.pop(i), op.peer, tag, async_op=True))
-            else:
-                buf = xp.empty((b, T, C), dtype=st.dtype)
-                if kind == "recv_act":
-                    inputs[i] = pp.recv(buf, op.peer, 2 * i + _ACT)
-                else:
-                    grads[i] = pp.recv(buf, op.peer, 2 * i + _GRAD)
+            with span(f"pp.{kind}", "pipeline", micro_batch=i, stage=st.stage):
+                if kind == "F":
+                    inp = x[i * b:(i + 1) * b] if st.is_first else inputs.pop(i)
+                    out, cache = st.forward(inp, y[i * b:(i + 1) * b] if st.is_last else None)
+                    if st.is_last:
+                        self._loss_sum += out
+                    else:
+                        outputs[i] = out
+                    if backward:
+                        caches[i] = cache
+                elif kind == "B":
+                    dinp = st.backward(caches.pop(i), dout=grads.pop(i, None), scale=scale)
+                    if dinp is not None:
+                        outputs[i] = dinp
+                elif kind.startswith("send_"):
+                    tag = 2 * i + (_ACT if kind == "send_act" else _GRAD)
+                    sends.append(pp.send(outputs.pop(i), op.peer, tag, async_op=True))
+                else:  # a receive: blocks until the peer's send arrived (CollectiveTimeout)
+                    buf = xp.empty((b, T, C), dtype=st.dtype)
+                    into = inputs if kind == "recv_act" else grads
+                    into[i] = pp.recv(buf, op.peer, 2 * i + (_ACT if kind == "recv_act" else _GRAD))
             timeline.append((kind, i, t0, now()))
-            for w in sends:  # let sends in flight progress
-                w.test()
+            sends = [w for w in sends if not w.test()]  # let sends in flight progress
         for w in sends:
             w.wait()
         self.timeline = timeline
@@ -385,3 +403,42 @@ class PipelineParallel:
                 state[name[5:]] = full
         self.optimizer.load_state_dict(state)
         st.zero_grad()
+
+
+def check_pipeline(*, pp, micro_batches, schedule, n_layer, zero_stage=0, offload="none",
+                   elastic="off"):
+    """Validate a training job's pipeline settings before anything is built (pure, local, the
+    same verdict on every rank). Raises ConfigError: pp > n_layer, an impossible schedule
+    (unknown, micro_batches < 1, 1F1B with micro_batches < pp; the schedule is built and
+    simulated), ZeRO (stages shard what dp replicates; with pipeline stages the dp group holds
+    only the stage's parameters: not supported), offload, elastic shrink (a lost rank is a lost
+    stage)."""
+    if pp < 1:
+        raise ConfigError(f"--pp must be >= 1, got {pp}")
+    if pp == 1:
+        return
+    if pp > n_layer:
+        raise ConfigError(f"--pp {pp} > n_layer {n_layer}: every pipeline stage needs at least one "
+                          f"transformer block; use --pp <= {n_layer} or a deeper --model")
+    if zero_stage:
+        raise ConfigError(f"--zero-stage {zero_stage} with --pp {pp} is not supported: ZeRO shards "
+                          "the whole model over dp, a pipeline stage holds only its layers; use "
+                          "--zero-stage 0 with pipeline parallelism")
+    if offload != "none":
+        raise ConfigError(f"--offload {offload} needs ZeRO, which does not compose with --pp")
+    if elastic == "shrink":
+        raise ConfigError(f"--elastic {elastic} with --pp {pp} is not supported: a lost rank is a "
+                          "lost pipeline stage; use --elastic off")
+    build_schedule(schedule, micro_batches, pp)
+
+
+def build_pipeline(cfg, group, *, dp=None, pp, micro_batches, schedule="1f1b", split=None, seed=0,
+                   dtype=np.float32, optimizer=None):
+    """The mesh (dp x pp, tp = sp = 1) and PipelineParallel engine for a training job: builds
+    the GPT from (cfg, seed), keeps this rank's stage and drops the rest. Returns the engine
+    (engine.mesh, engine.model = its PipelineStage). Collective on `group`. Raises ConfigError
+    on every rank (layout, schedule, split)."""
+    mesh = DeviceMesh(dp=dp, tp=1, pp=pp, sp=1, group=group)
+    return PipelineParallel.from_mesh(GPT(cfg, seed=seed, dtype=dtype), mesh,
+                                      micro_batches=micro_batches, schedule=schedule, split=split,
+                                      optimizer=optimizer)

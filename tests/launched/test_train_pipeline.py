@@ -1,0 +1,47 @@
+"""examples/train.py with --pp, launched as users launch it: the same loss curve as one process,
+checkpoints that resume in another layout, and refused combinations."""
+import json
+import sys
+
+from conftest import REPO, launch_env, mpiexec_argv, run_command
+
+TRAIN = REPO / "examples" / "train.py"
+COMMON = ["--model", "small", "--global-batch", "8", "--seq-len", "32", "--steps", "6",
+          "--eval-every", "3", "--eval-batches", "2", "--sample-tokens", "0", "--no-progress",
+          "--micro-batches", "4"]
+
+
+def train(n, args, tmp_path, name):
+    metrics = tmp_path / f"{name}.jsonl"
+    env = launch_env(RTXMPI_CACHE_DIR=tmp_path / "cache")
+    proc = run_command(mpiexec_argv(n) + [sys.executable, TRAIN, *COMMON, *args,
+                                          "--metrics-jsonl", metrics],
+                       outer_timeout_s=180, env=env)
+    assert proc.returncode == 0, str(proc)
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def test_pp2_dp2_loss_curve_and_checkpoint_resume_at_dp2_match_one_process(tmp_path):
+    straight = train(1, [], tmp_path, "one")
+    ckpt = tmp_path / "ckpt"
+    first = train(4, ["--pp", "2", "--dp", "2", "--schedule", "gpipe", "--ckpt-dir", ckpt,
+                      "--stop-after-step", "3"], tmp_path, "pp")
+    resumed = train(2, ["--ckpt-dir", ckpt, "--resume"], tmp_path, "pp")  # appends steps 4..6
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert first == resumed[:3]
+    for ref, got in zip(straight, resumed):
+        assert abs(got["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (ref, got)
+        if "val_loss" in ref:
+            assert abs(got["val_loss"] - ref["val_loss"]) <= 1e-5 * ref["val_loss"], (ref, got)
+
+
+def test_pipeline_with_zero_or_too_few_micro_batches_exits_with_one_line_error(tmp_path):
+    env = launch_env(RTXMPI_CACHE_DIR=tmp_path / "cache")
+    for args, message in ((["--zero-stage", "1", "--micro-batches", "2"],
+                           "--zero-stage 1 with --pp 2 is not supported"),
+                          (["--micro-batches", "1"], "1F1B needs micro_batches >= pipeline stages")):
+        proc = run_command(mpiexec_argv(2) + [sys.executable, TRAIN, "--pp", "2", "--steps", "2",
+                                              "--no-progress", *args],
+                           outer_timeout_s=60, env=env)
+        assert proc.returncode == 2 and not proc.outer_timeout, str(proc)
+        assert message in proc.stderr and proc.stderr.count("error: ") == 1, proc.stderr
