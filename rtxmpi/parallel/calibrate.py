@@ -1,0 +1,519 @@
+"""Hardware profile for the planner: what one rank computes and moves per second, measured here.
+
+    mpiexec -n 4 rtxmpi plan --calibrate --save-profile prof.json ...   # measure, then plan
+    rtxmpi plan --profile prof.json ...                                 # reuse it anywhere
+
+A `HardwareProfile` holds the numbers the planner's cost model (rtxmpi/parallel/planner.py) needs:
+
+  compute, per rank, measured with EVERY local rank running the same kernel at once (so 4 ranks on
+  2 cores see half a core each, as they will in training), and the contention that implies:
+    dense_flops      float32 GEMM (tokens, C) @ (C, 4C), FLOP/s
+    attn_flops       batched attention matmuls (B*H, T, hs) @ (B*H, hs, T), FLOP/s
+    score_fwd_ns     ns per attention-score element: causal bias add + softmax (the forward)
+    score_bwd_ns     ns per score element: the softmax backward (4 passes over the scores)
+    gelu_ns          ns per MLP hidden element, GELU forward + backward
+    ln_ns            ns per activation element, LayerNorm forward + backward
+    adam_ns          ns per parameter of one AdamW step
+    block_call_us    us for one block forward + backward at 8 tokens: the fixed cost of the ~70
+                     numpy calls a block makes, paid per block and micro-batch
+    ref_model, ref_ms  the reference run: one GPT forward + backward (rtxmpi.nn.GPT, the model
+                     the plan is for, `micro_batch` sequences) alone, in ms. The kernels above
+                     run on warm, reused buffers; the model allocates fresh activations and
+                     misses caches, so the planner scales its kernel sum by ref_ms / (the kernel
+                     sum of this run): the model factor
+    contention       busy-all time / alone time of the reference run (1.0: every rank has its
+                     own core)
+    effective_cores  ranks_per_node / contention, clamped to [1, ranks_per_node]: how many ranks
+                     can compute at full speed at once on one node (the planner's processor-sharing
+                     pipeline model uses it: when only k ranks of a node compute, each runs at
+                     min(1, effective_cores / k) of the alone speed)
+  The *_flops and *_ns fields are "alone" rates (one rank computing, the others waiting in a
+  barrier): the busy-all rate is alone / min(1, effective_cores / ranks_per_node).
+
+  communication, alpha-beta fits t(bytes) = alpha_s + factor(op, n) * bytes / bw_bytes_per_s per
+  operation and group size n, measured with every group of that size in the world communicating
+  at once (as the dp/tp groups of a layout do): factor is 2(n-1)/n for all_reduce, (n-1)/n for
+  all_gather, reduce_scatter and all_to_all, 1 for send_recv (one direction, both ways at once).
+  links["intra"] are groups inside one node; links["inter"] groups whose ranks are on different
+  nodes (measured only when the world spans several nodes; otherwise a copy of the default
+  profile's, labelled so in `notes`).
+
+Sources: the alpha-beta (Hockney) model and the ring factors of Thakur, Rabenseifner & Gropp,
+"Optimization of collective communication operations in MPICH" (2005); busbw as in nccl-tests.
+
+`default_profile()` is a documented fallback measured once on the CI machine kind (2 cores, Open
+MPI 5 shared memory, numpy 1 thread per rank, November 2026); its `source` says "default" and
+the planner prints that it is not a measurement of this machine.
+"""
+import json
+import os
+import platform
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..errors import ConfigError
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+PROFILE_VERSION = 1
+
+
+def ring_factor(op, n):
+    """Bytes each rank moves per byte of the operation's buffer (the busbw factor), for a group
+    of n ranks: all_reduce 2(n-1)/n, all_gather / reduce_scatter / all_to_all (n-1)/n,
+    send_recv 1; 0 when n == 1 (no communication)."""
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if op == "send_recv":
+        return 1.0
+    raise ConfigError(f"unknown communication op {op!r}; known: {OPS}")
+
+
+@dataclass
+class HardwareProfile:
+    """Measured (or default) rates of one kind of machine; see the module docstring for fields.
+
+    links: {"intra"|"inter": {op: {str(group size): [alpha_s, bw_bytes_per_s]}}}.
+    machine: facts (host, cpu, cores, MPI library, numpy); source: "calibrated ..." or "default ...".
+    """
+
+    source: str
+    ranks_per_node: int
+    cores_per_node: int
+    dense_flops: float
+    attn_flops: float
+    score_fwd_ns: float
+    score_bwd_ns: float
+    gelu_ns: float
+    ln_ns: float
+    adam_ns: float
+    block_call_us: float
+    contention: float
+    effective_cores: float
+    links: dict
+    ref_model: dict
+    ref_ms: float
+    machine: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+    version: int = PROFILE_VERSION
+
+    @property
+    def is_default(self):
+        return self.source.startswith("default")
+
+    def comm_time_s(self, op, nbytes, n, inter=False):
+        """Seconds for one `op` on a buffer of `nbytes` in a group of n ranks (alpha-beta model,
+        the nearest measured group size's alpha and bandwidth, scaled by ring_factor). 0 for n==1
+        or nbytes == 0."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        table = self.links["inter" if inter else "intra"].get(op)
+        if not table:
+            raise ConfigError(f"hardware profile has no {op} measurements ({self.source})")
+        sizes = sorted(int(k) for k in table)
+        nearest = min(sizes, key=lambda s: (abs(s - n), -s))
+        alpha, bw = table[str(nearest)]
+        return alpha + ring_factor(op, n) * nbytes / bw
+
+    def save(self, path):
+        """Write the profile as JSON (no pickle). Raises ConfigError when it cannot be written."""
+        try:
+            with open(path, "w") as f:
+                json.dump(asdict(self), f, indent=1, sort_keys=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot write hardware profile {path}: {exc}") from None
+
+    @classmethod
+    def load(cls, path):
+        """Read a profile written by `save`. Raises ConfigError on a missing file, bad JSON, or
+        missing / unknown fields (the message names them)."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as exc:
+            raise ConfigError(f"cannot read hardware profile {path}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise ConfigError(f"hardware profile {path} is not valid JSON: {exc}") from None
+        return cls.from_dict(data, what=path)
+
+    @classmethod
+    def from_dict(cls, data, what="profile"):
+        known = set(cls.__dataclass_fields__)
+        if not isinstance(data, dict):
+            raise ConfigError(f"{what}: a hardware profile is a JSON object")
+        required = {n for n, f in cls.__dataclass_fields__.items()
+                    if f.default is f.default_factory is __import__("dataclasses").MISSING}
+        missing, unknown = sorted(required - set(data)), sorted(set(data) - known)
+        if missing or unknown:
+            raise ConfigError(f"{what}: not a hardware profile (missing fields {missing}, unknown "
+                              f"fields {unknown}); write one with `rtxmpi plan --calibrate "
+                              f"--save-profile FILE`")
+        profile = cls(**data)
+        for name in ("dense_flops", "attn_flops", "effective_cores"):
+            if not float(getattr(profile, name)) > 0:
+                raise ConfigError(f"{what}: {name} must be > 0, got {getattr(profile, name)}")
+        for scope in ("intra", "inter"):
+            if scope not in profile.links:
+                raise ConfigError(f"{what}: links has no {scope!r} table")
+        return profile
+
+
+# Measured on the CI machine kind (2 cores, Debian 12, Open MPI 5.0 shared memory, numpy with one
+# BLAS thread per rank, 4 ranks, November 2026) by `calibrate`; inter-node numbers from the veth
+# pair between two network namespaces (shared/ops/README.md: 16 MiB all_reduce ~17.5 ms).
+_DEFAULT = {
+    "source": "default (not measured on this machine: 2-core CI machine, 4 ranks, Nov 2026; run "
+              "`rtxmpi plan --calibrate` under mpiexec for this machine's numbers)",
+    "ranks_per_node": 4, "cores_per_node": 2,
+    "dense_flops": 9.0e10, "attn_flops": 5.0e10,
+    "score_fwd_ns": 3.0, "score_bwd_ns": 3.0, "gelu_ns": 5.5, "ln_ns": 9.0, "adam_ns": 6.0,
+    "block_call_us": 400.0,
+    "contention": 2.0, "effective_cores": 2.0,
+    "ref_model": {"n_layer": 4, "n_head": 4, "n_embd": 128, "vocab_size": 256, "seq_len": 128,
+                  "tie_embeddings": True, "micro_batch": 8},
+    "ref_ms": 300.0,
+    "links": {
+        "intra": {
+            "all_reduce": {"2": [6e-06, 3.0e9], "4": [2e-05, 2.0e9]},
+            "all_gather": {"2": [6e-06, 3.0e9], "4": [2e-05, 2.0e9]},
+            "reduce_scatter": {"2": [6e-06, 3.0e9], "4": [2e-05, 2.0e9]},
+            "all_to_all": {"2": [8e-06, 2.5e9], "4": [3e-05, 1.5e9]},
+            "send_recv": {"2": [4e-06, 3.0e9]},
+        },
+        "inter": {
+            "all_reduce": {"2": [1e-04, 9.6e8]},
+            "all_gather": {"2": [1e-04, 9.6e8]},
+            "reduce_scatter": {"2": [1e-04, 9.6e8]},
+            "all_to_all": {"2": [1e-04, 9.6e8]},
+            "send_recv": {"2": [6e-05, 9.6e8]},
+        },
+    },
+    "machine": {"note": "defaults; see rtxmpi/parallel/calibrate.py"},
+    "notes": ["default profile: every number is a fallback, not a measurement of this machine"],
+}
+
+
+def default_profile():
+    """The documented fallback HardwareProfile (see _DEFAULT's comment); source starts with
+    "default". A fresh copy each call."""
+    return HardwareProfile.from_dict(json.loads(json.dumps(_DEFAULT)), what="default profile")
+
+
+# --------------------------------------------------------------------------------- measurement
+def _cores():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _machine_facts(group, nodes):
+    from mpi4py import MPI
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"host": socket.gethostname(), "cpu": cpu, "cores_per_node": _cores(),
+            "world_size": group.Get_size(), "nodes": nodes, "python": platform.python_version(),
+            "numpy": np.__version__, "mpi": MPI.Get_library_version().strip().splitlines()[0],
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def _time_min(fn, comm, reps, active=True):
+    """Min over reps of the time of fn() between barriers; ranks with active=False only wait.
+    Returns this rank's min (inf when inactive)."""
+    best = float("inf")
+    for _ in range(reps):
+        comm.Barrier()
+        if active:
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+    comm.Barrier()
+    return best
+
+
+def _time_median(fn, comm, reps, active=True):
+    """Like _time_min, the median instead of the min."""
+    times = []
+    for _ in range(reps):
+        comm.Barrier()
+        if active:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    comm.Barrier()
+    return float(np.median(times)) if times else float("inf")
+
+
+def _compute_kernels(C, H, T, tokens):
+    """The model's hot kernels at one shape, as closures, with the unit each is divided by."""
+    from ..nn import layers
+
+    rng = np.random.default_rng(0)
+    B = max(1, tokens // T)
+    hs = C // H
+    a = rng.standard_normal((B * T, C)).astype(np.float32)
+    w = (rng.standard_normal((C, 4 * C)) * 0.02).astype(np.float32)
+    q = rng.standard_normal((B, H, T, hs)).astype(np.float32)
+    att = rng.standard_normal((B, H, T, T)).astype(np.float32)
+    datt = att.copy()
+    bias = layers._causal_bias(np, T, np.float32)
+    h = rng.standard_normal((B, T, 4 * C)).astype(np.float32)
+    x = rng.standard_normal((B, T, C)).astype(np.float32)
+    g = np.ones(C, np.float32)
+    S = att.size
+
+    def gemm():
+        a @ w
+
+    def attn():
+        q @ q.swapaxes(-1, -2)
+
+    def score_fwd():
+        att[...] = datt
+        att.__iadd__(bias)
+        layers._softmax_inplace(att)
+
+    copy_s = lambda: att.__setitem__(Ellipsis, datt)  # noqa: E731  (subtracted from score_fwd)
+
+    probs = layers.softmax_forward(datt)
+    tmp = np.empty_like(probs)
+
+    def score_bwd():  # layers.attention_backward between its matmuls
+        ds = datt * probs
+        row = ds.sum(axis=-1, keepdims=True)
+        np.multiply(probs, row, out=tmp)
+        ds -= tmp
+
+    def gelu():
+        y, cache = layers.gelu_forward(h)
+        layers.gelu_backward(h, cache)
+
+    def ln():
+        y, cache = layers.layernorm_forward(x, g, g)
+        layers.layernorm_backward(x, cache)
+
+    from ..nn.optim import AdamW
+
+    n_adam = 1 << 18
+    p = np.zeros(n_adam, np.float32)
+    opt = AdamW(p, lr=1e-3, decay_mask=np.ones(n_adam, np.float32))
+    grad = rng.standard_normal(n_adam).astype(np.float32)
+    xs = rng.standard_normal((1, 8, C)).astype(np.float32)
+    block = [(rng.standard_normal(shape) * 0.02).astype(np.float32)
+             for _, shape, _ in layers.block_param_shapes(C)]
+
+    def block_call():  # one block forward + backward at 8 tokens: the per-call cost
+        y, cache = layers.block_forward(xs, block, H)
+        layers.block_backward(y, cache)
+
+    return {
+        "block_call_us": (block_call, 1e3, "ns"),  # seconds / 1e3 * 1e9 = us
+        "dense_flops": (gemm, 2.0 * B * T * C * 4 * C, "flops"),
+        "attn_flops": (attn, 2.0 * B * H * T * T * hs, "flops"),
+        "score_fwd_ns": (score_fwd, S, "ns", copy_s),
+        "score_bwd_ns": (score_bwd, S, "ns"),
+        "gelu_ns": (gelu, h.size, "ns"),
+        "ln_ns": (ln, x.size, "ns"),
+        "adam_ns": (lambda: opt.step(grad), n_adam, "ns"),
+    }
+
+
+def _rate(kind, units, seconds):
+    return units / seconds if kind == "flops" else seconds / units * 1e9
+
+
+def _measure_compute(comm, local_rank, cfg, micro_batch, reps):
+    """Per-kernel alone rates (local rank 0 of each node computing, the others in a barrier;
+    median of reps) and the reference model: one GPT forward + backward of `micro_batch`
+    sequences, alone and with every rank computing at once. Returns (rates, ref_ms, contention)."""
+    from ..nn.gpt import GPT
+
+    C, H, T = cfg.n_embd, cfg.n_head, cfg.seq_len
+    kernels = _compute_kernels(C, H, T, micro_batch * T)
+    rates = {}
+    for name, spec in kernels.items():
+        fn, units, kind = spec[:3]
+        fn()  # warm-up (page faults, BLAS init)
+        t = _time_median(fn, comm, reps, active=local_rank == 0)
+        if len(spec) > 3:  # subtract the re-fill copy that keeps the input the same every rep
+            t -= _time_median(spec[3], comm, reps, active=local_rank == 0)
+        rates[name] = _rate(kind, units, max(t, 1e-9))
+    model = GPT(cfg, seed=0)
+    idx = np.random.default_rng(1).integers(0, cfg.vocab_size, (micro_batch, T))
+
+    def step():
+        loss, cache = model.forward(idx, idx)
+        model.backward(cache)
+
+    step()
+    ref_reps = max(3, reps // 2)
+    t_alone = _time_median(step, comm, ref_reps, active=local_rank == 0)
+    t_all = _time_median(step, comm, ref_reps, active=True)
+    times = comm.allgather((t_alone, t_all))
+    alone = min(a for a, _ in times)
+    busy = float(np.median([b for _, b in times]))
+    # rates measured on local rank 0: take the node-0 values everywhere (broadcast)
+    rates = comm.bcast(rates, root=0)
+    return rates, alone * 1e3, max(1.0, busy / alone)
+
+
+def _pairs_within(ranks_of_node, n):
+    """Split each node's ranks into consecutive groups of n (None when n does not divide)."""
+    groups = []
+    for ranks in ranks_of_node:
+        if len(ranks) % n:
+            return None
+        groups += [ranks[i:i + n] for i in range(0, len(ranks), n)]
+    return groups
+
+
+def _measure_op(comm, op, sizes, reps):
+    """Median-of-reps slowest-rank time of `op` on this communicator for each byte size."""
+    n = comm.Get_size()
+    out = []
+    for nbytes in sizes:
+        count = max(n, nbytes // 4 // n * n)
+        send = np.ones(count, np.float32)
+        recv = np.empty(count, np.float32)
+        peer = comm.Get_rank() ^ 1 if n >= 2 else 0
+
+        def run():
+            if op == "all_reduce":
+                comm.Allreduce(send, recv)
+            elif op == "all_gather":
+                comm.Allgather(send[:count // n], recv)
+            elif op == "reduce_scatter":
+                comm.Reduce_scatter_block(send, recv[:count // n])
+            elif op == "all_to_all":
+                comm.Alltoall(send, recv)
+            elif peer < n:
+                comm.Sendrecv(send, peer, 0, recv, peer, 0)
+        run()
+        times = []
+        for _ in range(reps):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            run()
+            times.append(comm.allreduce(time.perf_counter() - t0, op=__import__("mpi4py").MPI.MAX))
+        out.append((count * 4, float(np.median(times))))
+    return out
+
+
+def _fit(points, op, n):
+    """Least-squares alpha, bw from (bytes, seconds) with t = alpha + factor * bytes / bw."""
+    f = ring_factor(op, n)
+    x = np.array([b * f for b, _ in points], np.float64)
+    y = np.array([t for _, t in points], np.float64)
+    A = np.stack([np.ones_like(x), x], axis=1)
+    (alpha, inv_bw), *_ = np.linalg.lstsq(A, y, rcond=None)
+    if inv_bw <= 0:  # noise: fall back to the largest message alone
+        inv_bw = y[-1] / x[-1]
+    return [float(max(alpha, 1e-7)), float(1.0 / inv_bw)]
+
+
+def calibrate(group, cfg=None, micro_batch=None, sizes=None, reps=5):
+    """Measure this machine's HardwareProfile. Collective: every rank of `group` must call it.
+
+    group: a ProcessGroup (rtxmpi.init()); its MPI communicator runs the benchmarks.
+    cfg: the GPTConfig the plan is for (default: the "small" model at seq_len 128): the kernels
+    run at its shapes and one forward + backward of it is the reference run. micro_batch:
+    sequences of the reference run (default: enough for about 1024 tokens). sizes: message sizes
+    in bytes for the alpha-beta fits (default 4 KiB, 256 KiB, 4 MiB). reps: repetitions per
+    measurement (medians). Takes 5-15 s at 4 ranks on 2 cores.
+    Returns the same HardwareProfile on every rank. Raises ConfigError on bad arguments.
+    """
+    from mpi4py import MPI
+
+    from ..nn.gpt import GPTConfig
+
+    cfg = GPTConfig.named("small", seq_len=128) if cfg is None else cfg
+    if not isinstance(cfg, GPTConfig):
+        raise ConfigError(f"calibrate: cfg must be a GPTConfig, got {type(cfg).__name__}")
+    micro_batch = max(1, 1024 // cfg.seq_len) if micro_batch is None else micro_batch
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1 \
+            or isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ConfigError(f"calibrate: micro_batch and reps must be integers >= 1, got "
+                          f"{micro_batch!r}, {reps!r}")
+    comm = group.backend.comm if hasattr(group, "backend") and hasattr(group.backend, "comm") \
+        else MPI.COMM_WORLD
+    comm = comm.Dup()
+    try:
+        return _calibrate(comm, cfg, micro_batch, sizes or [4096, 1 << 18, 1 << 22], reps)
+    finally:
+        comm.Free()
+
+
+def _calibrate(comm, cfg, micro_batch, sizes, reps):
+    from mpi4py import MPI
+
+    t_start = time.perf_counter()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank = node.Get_rank()
+    node.Free()
+    host_of = comm.allgather(socket.gethostname())
+    names = sorted(set(host_of))
+    ranks_of_node = [[r for r in range(size) if host_of[r] == h] for h in names]
+    ranks_per_node = max(len(r) for r in ranks_of_node)
+    cores = min(comm.allgather(_cores()))
+    rates, ref_ms, contention = _measure_compute(comm, local_rank, cfg, micro_batch, reps)
+    effective = min(float(ranks_per_node), max(1.0, ranks_per_node / contention))
+    links = {"intra": {}, "inter": {}}
+    notes = []
+    for n in sorted({2, 4, ranks_per_node}):
+        groups = _pairs_within(ranks_of_node, n) if n <= ranks_per_node else None
+        if not groups:
+            continue
+        color = next(i for i, g in enumerate(groups) if rank in g)
+        sub = comm.Split(color, key=rank)
+        for op in OPS:
+            if op == "send_recv" and n != 2:
+                continue
+            links["intra"].setdefault(op, {})[str(n)] = _fit(_measure_op(sub, op, sizes, reps),
+                                                             op, n)
+        sub.Free()
+    if len(names) > 1 and all(len(r) == ranks_per_node for r in ranks_of_node):
+        # one rank per node per group: local rank i of every node together
+        sub = comm.Split(ranks_of_node[names.index(host_of[rank])].index(rank), key=rank)
+        n = sub.Get_size()
+        for op in OPS:
+            if op == "send_recv" and n != 2:
+                continue
+            links["inter"].setdefault(op, {})[str(n)] = _fit(_measure_op(sub, op, sizes, reps),
+                                                             op, n)
+        sub.Free()
+    else:
+        links["inter"] = default_profile().links["inter"]
+        notes.append("inter-node links not measured (one node): the default profile's are used")
+    if not links["intra"]:
+        links["intra"] = default_profile().links["intra"]
+        notes.append("intra-node links not measured (one rank per node): defaults used")
+    notes.append(f"calibration took {time.perf_counter() - t_start:.1f} s")
+    facts = _machine_facts(comm, len(names)) if rank == 0 else None
+    facts = comm.bcast(facts, root=0)
+    profile = HardwareProfile(
+        source=f"calibrated on {facts['host']} at {facts['date']} ({size} ranks, "
+               f"{len(names)} node(s))",
+        ranks_per_node=ranks_per_node, cores_per_node=cores, contention=float(contention),
+        effective_cores=float(effective), links=links, machine=facts, notes=notes,
+        ref_model={"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
+                   "vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len,
+                   "tie_embeddings": cfg.tie_embeddings, "micro_batch": micro_batch},
+        ref_ms=float(ref_ms),
+        **{k: float(v) for k, v in rates.items()})
+    return comm.bcast(profile if rank == 0 else None, root=0)

@@ -1,0 +1,685 @@
+"""The planner: which (dp, tp, pp, sp) layout, micro-batch count, ZeRO stage and pipeline schedule
+trains a GPT fastest on this machine, within its memory.
+
+    rtxmpi plan --model small --global-batch 32 --seq-len 128 --world-size 4 --profile prof.json
+    plan = make_plan(cfg, global_batch=32, world_size=4, profile=default_profile())
+    print(plan.table(top=10)); print(plan.reason())
+
+Inputs: the model (GPTConfig), the global batch (sequences per step), the world size and ranks per
+node, the memory per device (bytes), and a HardwareProfile (rtxmpi/parallel/calibrate.py: matmul
+and element-wise rates with every local rank busy, the contention that implies, and alpha-beta fits
+of all_reduce, all_gather, reduce_scatter, all_to_all and send/recv inside and across nodes).
+
+Enumeration (`enumerate_layouts`): every dp * tp * pp * sp == world_size, every micro-batch count m
+dividing the per-rank batch (global_batch / dp), ZeRO stages 0-3 and, when pp > 1, the GPipe and
+1F1B schedules. `check_layout` says why a candidate is invalid (one reason, a sentence):
+n_head % (tp * sp), vocab_size % tp, seq_len % sp, n_layer < pp, global_batch % dp, per-rank batch
+% m, 1F1B with m < pp, ZeRO with dp == 1 (nothing to shard) or combined with tp/pp/sp (this
+version's ZeroDataParallel is pure data parallelism), and what the runtime cannot run yet
+(`supported`); then `estimate` rejects what does not fit in memory.
+
+Cost model (`estimate`), per step, seconds; n = b * T / sp tokens of a micro-batch of b samples on
+a rank, h = n_head / (tp * sp) heads, S = b * h * T * T attention scores, P = parameters per rank:
+  compute of one block and micro-batch, at "alone" speed (one rank computing on the node):
+    dense GEMMs   3 * 24 n C^2 / tp FLOPs (forward 1x, backward 2x: the 6 * params * tokens rule
+                  for the qkv, proj, fc and mlp-proj matrices) at dense_flops
+    attention     3 * 4 S hs FLOPs (q k^T and att v, full T x T: the reference layers do not skip
+                  the masked half) at attn_flops
+    element-wise  S (score_fwd_ns + score_bwd_ns) + 4 n C / tp gelu_ns + 2 n C ln_ns (LayerNorm is
+                  replicated over tp)
+  head (last stage): 3 * 2 n C V / tp FLOPs and n V / tp cross-entropy elements (score rates);
+  embeddings: n C ln_ns / 2.  The optimizer: P / (dp if ZeRO >= 1) * adam_ns.
+  contention: when k ranks of a node compute at once each runs at min(1, effective_cores / k) of
+  the alone speed (processor sharing); outside the pipeline every rank computes, so k = ranks per
+  node.
+  communication (alpha-beta, HardwareProfile.comm_time_s; intra-node unless the group spans
+  nodes, mesh order pp, dp, sp, tp outermost to innermost as in rtxmpi.mesh):
+    tp   Megatron: per block 2 all_reduce of n C floats forward and 2 backward; the vocabulary-
+         parallel embedding and head add one forward and one backward (Shoeybi et al. 2019).
+    sp   Ulysses: per block, forward and backward, an all_to_all of the q, k, v shard (3 n C / tp
+         floats) and one of the output (n C / tp) (Jacobs et al. 2023).
+    pp   per micro-batch and stage boundary: send/recv of n C floats forward, the same backward.
+    dp   gradients of P floats averaged over dp * sp (the ranks holding different tokens):
+         all_reduce (ZeRO 1-2: reduce_scatter + all_gather of the parameters, the same bytes),
+         exposed in full: on the MPI CPU path a non-blocking reduction progresses only inside MPI
+         calls, and a model under the 25 MiB bucket is one bucket reduced after backward anyway.
+         ZeRO-3 adds an all_gather of the parameters per micro-batch in forward and in backward.
+  pipeline: the stage op lists of rtxmpi.parallel.schedule (GPipe, 1F1B) are simulated event by
+  event with the processor-sharing rule above (so idle stages lend their cores to busy ones on an
+  oversubscribed node); the bubble is 1 - busy / (stages * pipeline time). For equal stages on
+  a machine without contention this gives the textbook (p - 1) / (m + p - 1).
+  memory per rank, bytes, float32: params 4 P, grads 4 P, AdamW 16 P (m, v, decay mask, scratch);
+  ZeRO as in zero.py's memory_bytes: 1-2 shard the optimizer (stage 2 keeps the full gradient
+  buffer backward writes into), 3 shards all three and holds two gathered blocks; activations per
+  block and micro-batch 4 (4 n C + 17 n C / tp + S) bytes (the caches of rtxmpi.nn.layers),
+  head 8 n V / tp; in flight: GPipe m micro-batches, 1F1B min(m, pp - stage).
+Sources: Narayanan et al. 2021 (Megatron-LM, the bubble and 1F1B memory), Rajbhandari et al. 2020
+(ZeRO), Korthikanti et al. 2022 (activation memory per layer).
+Pure: nothing here communicates.
+"""
+import math
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+from ..nn.gpt import GPTConfig, param_layout
+from .calibrate import HardwareProfile
+from .schedule import build_schedule, partition
+
+SCHEDULES = ("1f1b", "gpipe")
+ZERO_STAGES = (0, 1, 2, 3)
+BUCKET_BYTES = 25 * 2**20
+STEP_OVERHEAD_ALL_REDUCES = 3  # loss average, overflow agree, grad-norm reduction: small messages
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: parallel degrees, micro-batches per step, ZeRO stage, pipeline schedule
+    ("none" when pp == 1)."""
+
+    dp: int
+    tp: int
+    pp: int
+    sp: int
+    micro_batches: int = 1
+    zero_stage: int = 0
+    schedule: str = "none"
+
+    @property
+    def degrees(self):
+        return (self.dp, self.tp, self.pp, self.sp)
+
+    def flags(self):
+        """The examples/train.py flags that run this layout."""
+        out = (f"--dp {self.dp} --tp {self.tp} --pp {self.pp} --sp {self.sp} "
+               f"--micro-batches {self.micro_batches} --zero-stage {self.zero_stage}")
+        return out + (f" --schedule {self.schedule}" if self.pp > 1 else "")
+
+    def __str__(self):
+        s = f"dp{self.dp} tp{self.tp} pp{self.pp} sp{self.sp} m{self.micro_batches} z{self.zero_stage}"
+        return s + (f" {self.schedule}" if self.pp > 1 else "")
+
+
+@dataclass
+class Estimate:
+    """Predicted cost of one layout: times in milliseconds per step, peak memory in bytes per
+    rank (the largest over stages), bubble as a fraction of the pipeline time."""
+
+    layout: Layout
+    compute_ms: float
+    comm_ms: float
+    bubble: float
+    peak_bytes: int
+    total_ms: float
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    """The planner's answer: `ranked` valid estimates (fastest first), `rejected` (Layout, reason)
+    pairs, the inputs and the profile used. `best` is ranked[0] (None when nothing fits)."""
+
+    ranked: list
+    rejected: list
+    profile: HardwareProfile
+    inputs: dict
+
+    @property
+    def best(self):
+        return self.ranked[0] if self.ranked else None
+
+    def table(self, top=10, show_rejected=False):
+        """The ranked table (markdown) of the first `top` layouts; with show_rejected, every
+        rejected candidate and its reason after it."""
+        lines = ["| # | dp | tp | pp | sp | micro-batches | zero | schedule | compute ms | "
+                 "exposed comm ms | bubble % | peak memory | total ms |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for i, e in enumerate(self.ranked[:top], 1):
+            L = e.layout
+            lines.append(f"| {i} | {L.dp} | {L.tp} | {L.pp} | {L.sp} | {L.micro_batches} | "
+                         f"{L.zero_stage} | {L.schedule} | {e.compute_ms:.1f} | {e.comm_ms:.1f} | "
+                         f"{100 * e.bubble:.0f} | {_fmt_bytes(e.peak_bytes)} | {e.total_ms:.1f} |")
+        if len(self.ranked) > top:
+            lines.append(f"({len(self.ranked) - top} more valid layouts not shown; --top K)")
+        if show_rejected:
+            lines += ["", f"rejected ({len(self.rejected)}):"]
+            lines += [f"  {L}: {why}" for L, why in self.rejected]
+        return "\n".join(lines)
+
+    def reason(self):
+        """One paragraph: why the first choice, against the runner-up of another layout, and what
+        was rejected (counted by reason)."""
+        p = self.profile
+        src = ("the DEFAULT hardware profile (not measured here: run `rtxmpi plan --calibrate` "
+               "under mpiexec for this machine)" if p.is_default else f"the profile {p.source}")
+        if not self.ranked:
+            why = _count_reasons(self.rejected)
+            return (f"No layout fits: all {len(self.rejected)} candidates were rejected "
+                    f"({why}). Using {src}.")
+        b = self.best
+        L = b.layout
+        parts = [f"Chosen: {L} ({L.flags()}), predicted {b.total_ms:.1f} ms per step: compute "
+                 f"{b.compute_ms:.1f} ms, exposed communication {b.comm_ms:.1f} ms"
+                 + (f", pipeline bubble {100 * b.bubble:.0f}%" if L.pp > 1 else "")
+                 + f", peak memory {_fmt_bytes(b.peak_bytes)} per rank."]
+        other = next((e for e in self.ranked if e.layout.degrees != L.degrees), None)
+        if other is not None:
+            gap = 100 * (other.total_ms / b.total_ms - 1)
+            parts.append(f"The best other layout, {other.layout}, is predicted {other.total_ms:.1f} "
+                         f"ms ({gap:.0f}% slower): {_why_slower(b, other)}.")
+        cont = p.ranks_per_node / p.effective_cores
+        if cont > 1.05:
+            parts.append(f"With {p.ranks_per_node} ranks sharing {p.effective_cores:.1f} effective "
+                         f"cores per node, every rank computes at 1/{cont:.1f} speed while all are "
+                         f"busy; fewer busy ranks run faster.")
+        if self.rejected:
+            parts.append(f"{len(self.rejected)} candidates rejected ({_count_reasons(self.rejected)};"
+                         f" --show-rejected lists them).")
+        parts.append(f"Estimates use {src}.")
+        return " ".join(parts)
+
+
+def _why_slower(best, other):
+    d_comp = other.compute_ms - best.compute_ms
+    d_comm = other.comm_ms - best.comm_ms
+    d_bub = other.detail.get("bubble_ms", 0.0) - best.detail.get("bubble_ms", 0.0)
+    items = sorted([(d_comp, f"{d_comp:+.1f} ms compute"), (d_comm, f"{d_comm:+.1f} ms exposed "
+                    f"communication"), (d_bub, f"{d_bub:+.1f} ms pipeline bubble")],
+                   key=lambda t: -abs(t[0]))
+    return ", ".join(text for _, text in items if abs(_) >= 0.05) or "about the same costs"
+
+
+def _count_reasons(rejected):
+    counts = {}
+    for _, why in rejected:
+        key = why.split(":")[0]
+        counts[key] = counts.get(key, 0) + 1
+    return "; ".join(f"{n} x {k}" for k, n in sorted(counts.items(), key=lambda t: -t[1]))
+
+
+def _fmt_bytes(n):
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+# ----------------------------------------------------------------------------- enumeration
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def factorizations(world_size):
+    """Every (dp, tp, pp, sp) of positive ints whose product is world_size."""
+    out = []
+    for dp in _divisors(world_size):
+        for tp in _divisors(world_size // dp):
+            for pp in _divisors(world_size // (dp * tp)):
+                out.append((dp, tp, pp, world_size // (dp * tp * pp)))
+    return out
+
+
+def enumerate_layouts(world_size, global_batch, max_micro_batches=32, zero_stages=ZERO_STAGES,
+                      schedules=SCHEDULES):
+    """Every candidate Layout: all factorizations, micro-batch counts dividing the per-rank batch
+    (global_batch // dp; up to max_micro_batches; 1 when dp does not divide the batch, so that
+    check_layout can say why), the given ZeRO stages, and for pp > 1 each schedule."""
+    out = []
+    for dp, tp, pp, sp in factorizations(world_size):
+        local = global_batch // dp if global_batch % dp == 0 else 0
+        micro = [m for m in _divisors(local) if m <= max_micro_batches] if local else [1]
+        for m in micro:
+            for z in zero_stages:
+                for s in (schedules if pp > 1 else ("none",)):
+                    out.append(Layout(dp, tp, pp, sp, m, z, s))
+    return out
+
+
+def default_supported(layout):
+    """What examples/train.py runs in this version (None: yes; else why not), asked of the
+    runtime's own checks (rtxmpi.parallel.hybrid.check_layout, rtxmpi.parallel.pipeline.
+    check_pipeline) so the planner only proposes layouts the runtime can execute."""
+    L = layout
+    try:
+        from .hybrid import check_layout as hybrid_check
+        from .pipeline import check_pipeline
+    except ImportError:  # an older runtime: pipeline with data parallelism only
+        if L.pp > 1 and (L.tp > 1 or L.sp > 1):
+            return "pipeline parallelism combines with dp only"
+        return None
+    world = L.dp * L.tp * L.pp * L.sp
+    try:
+        hybrid_check(world, dp=L.dp, tp=L.tp, pp=L.pp, sp=L.sp, seq_len=L.sp,
+                     zero_stage=L.zero_stage)
+        if L.pp > 1:
+            check_pipeline(pp=L.pp, micro_batches=L.micro_batches, schedule=L.schedule,
+                           n_layer=L.pp, zero_stage=L.zero_stage)
+    except ConfigError as exc:
+        return str(exc).split("; ")[0]
+    return None
+
+
+def check_layout(cfg, layout, global_batch, world_size, supported=default_supported):
+    """None when `layout` can run `cfg` at this batch and world size, else the reason (a string
+    'rule: explanation'). Local (pure)."""
+    L = layout
+    dp, tp, pp, sp, m = L.dp, L.tp, L.pp, L.sp, L.micro_batches
+    if dp * tp * pp * sp != world_size:
+        return f"world size: dp*tp*pp*sp = {dp * tp * pp * sp} != {world_size}"
+    if cfg.n_head % (tp * sp):
+        return f"heads: n_head {cfg.n_head} not divisible by tp*sp = {tp * sp}"
+    if cfg.vocab_size % tp:
+        return f"vocab: vocab_size {cfg.vocab_size} not divisible by tp {tp}"
+    if cfg.seq_len % sp:
+        return f"sequence: seq_len {cfg.seq_len} not divisible by sp {sp}"
+    if cfg.n_layer < pp:
+        return f"layers: n_layer {cfg.n_layer} < pp {pp} (every stage needs a block)"
+    if global_batch % dp:
+        return f"batch: global batch {global_batch} not divisible by dp {dp}"
+    if (global_batch // dp) % m:
+        return f"micro-batches: per-rank batch {global_batch // dp} not divisible by {m}"
+    if pp > 1 and L.schedule not in SCHEDULES:
+        return f"schedule: unknown pipeline schedule {L.schedule!r}"
+    if L.schedule == "1f1b" and m < pp:
+        return f"1f1b: needs micro-batches >= pp ({m} < {pp})"
+    if L.zero_stage not in ZERO_STAGES:
+        return f"zero: unknown stage {L.zero_stage}"
+    if L.zero_stage and dp == 1:
+        return "zero: dp = 1 leaves nothing to shard (same as stage 0)"
+    if L.zero_stage and (tp > 1 or pp > 1 or sp > 1):
+        return "zero: ZeRO stages 1-3 run on pure data parallelism in this version (tp=pp=sp=1)"
+    if supported is not None:
+        why = supported(L)
+        if why:
+            return f"runtime: {why}"
+    return None
+
+
+# ------------------------------------------------------------------------------ cost model
+def _stage_params(cfg, pp):
+    """Parameters held by each stage (embeddings on the first, head and a tied wte copy on the
+    last, as rtxmpi.parallel.pipeline.stage_layout does) and each stage's block count."""
+    specs = param_layout(cfg)
+    C, V, L = cfg.n_embd, cfg.vocab_size, cfg.n_layer
+    block = sum(s.size for s in specs[2:14])
+    emb = specs[0].size + specs[1].size
+    head = 2 * C + (V * C if (not cfg.tie_embeddings or pp > 1) else 0)
+    costs = [block] * L
+    costs[0] += emb
+    costs[-1] += head
+    bounds = partition(costs, pp)
+    params = [sum(costs[a:b]) for a, b in bounds]
+    return params, [b - a for a, b in bounds]
+
+
+class _Costs:
+    """Per-micro-batch costs of one layout: compute work (alone-seconds) and communication
+    (wall seconds) per stage for forward and backward."""
+
+    def __init__(self, cfg, L, global_batch, profile, ranks_per_node, factor=1.0):
+        p, C, H, V, T = profile, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.seq_len
+        b = global_batch // L.dp // L.micro_batches
+        n = b * T / L.sp
+        h = H / (L.tp * L.sp)
+        hs = C / H
+        S = b * h * T * T
+        tp, sp = L.tp, L.sp
+        # compute per block: forward share of the element-wise work taken as 0.4 (the backward
+        # passes are about 1.5x the forward ones in rtxmpi.nn.layers)
+        dense = 24 * n * C * C / tp / p.dense_flops
+        attn = 4 * S * hs / p.attn_flops
+        elem_f = S * p.score_fwd_ns * 1e-9 + 0.4 * (4 * n * C / tp * p.gelu_ns + 2 * n * C * p.ln_ns) * 1e-9
+        elem_b = S * p.score_bwd_ns * 1e-9 + 0.6 * (4 * n * C / tp * p.gelu_ns + 2 * n * C * p.ln_ns) * 1e-9
+        call = p.block_call_us * 1e-6
+        self.block_f = dense + attn + elem_f + 0.4 * call
+        self.block_b = 2 * (dense + attn) + elem_b + 0.6 * call
+        head_mm = 2 * n * C * V / tp / p.dense_flops
+        ce = n * V / tp * 1e-9
+        self.head_f = head_mm + ce * p.score_fwd_ns + n * C * p.ln_ns * 0.4e-9
+        self.head_b = 2 * head_mm + ce * p.score_bwd_ns + n * C * p.ln_ns * 0.6e-9
+        self.head_f, self.head_b = self.head_f + 0.2 * call, self.head_b + 0.3 * call
+        self.emb_f = self.emb_b = n * C * p.ln_ns * 0.5e-9 / 2 + 0.1 * call
+        for name in ("block_f", "block_b", "head_f", "head_b", "emb_f", "emb_b"):
+            setattr(self, name, getattr(self, name) * factor)
+        # communication per block and micro-batch
+        R = ranks_per_node
+        act = 4 * n * C  # bytes of one (b, T/sp, C) float32 activation
+        tp_inter, sp_inter = tp > R, tp * sp > R
+        self.tp_block = 2 * p.comm_time_s("all_reduce", act, tp, tp_inter) if tp > 1 else 0.0
+        self.tp_edge = p.comm_time_s("all_reduce", act, tp, tp_inter) if tp > 1 else 0.0
+        self.sp_block = (p.comm_time_s("all_to_all", 3 * act / tp, sp, sp_inter)
+                         + p.comm_time_s("all_to_all", act / tp, sp, sp_inter)) if sp > 1 else 0.0
+        self.p2p = p.comm_time_s("send_recv", act, 2, L.dp * tp * sp * L.pp > R) if L.pp > 1 else 0.0
+        self.n, self.S, self.b = n, S, b
+
+
+def model_factor(profile):
+    """profile.ref_ms / the kernel-sum prediction of the same reference run (one forward +
+    backward of profile.ref_model, alone): how much slower the real model runs than its kernels
+    on warm buffers (fresh allocations, cache misses, Python between calls). Clamped to
+    [0.5, 10]."""
+    ref = dict(profile.ref_model)
+    b = int(ref.pop("micro_batch"))
+    cfg = GPTConfig(**ref)
+    c = _Costs(cfg, Layout(1, 1, 1, 1), b, profile, 1)
+    kernel_s = cfg.n_layer * (c.block_f + c.block_b) + c.head_f + c.head_b + c.emb_f + c.emb_b
+    return min(10.0, max(0.5, profile.ref_ms * 1e-3 / kernel_s))
+
+
+def _stage_tasks(costs, blocks, stage, stages):
+    """(forward work, forward comm, backward work, backward comm) of one micro-batch on a stage."""
+    c = costs
+    fw = blocks * c.block_f
+    bw = blocks * c.block_b
+    fc = blocks * (c.tp_block + c.sp_block)
+    bc = blocks * (c.tp_block + c.sp_block)
+    if stage == 0:
+        fw, bw = fw + c.emb_f, bw + c.emb_b
+        fc += c.tp_edge
+    if stage == stages - 1:
+        fw, bw = fw + c.head_f, bw + c.head_b
+        bc += c.tp_edge
+    return fw, fc, bw, bc
+
+
+def simulate_pipeline(tasks, schedule, micro_batches, p2p_s, speed):
+    """Event simulation of one step of a pipeline schedule with processor sharing.
+
+    tasks: per stage (forward work, forward comm, backward work, backward comm), work in
+    alone-seconds (scaled by speed), comm in seconds (not). schedule: "gpipe", "1f1b" or "none"
+    (one stage). p2p_s: seconds from a send to its receive. speed(k): the speed of each of k
+    stages computing at once (1.0 = alone). Returns (pipeline seconds, busy seconds per stage).
+    """
+    p = len(tasks)
+    lists = build_schedule("gpipe" if schedule == "none" else schedule, micro_batches, p)
+    pos = [0] * p
+    ready = {}  # (kind, micro_batch, dst stage) -> time the message can be received
+    state = [None] * p  # None or [phase, remaining] with phase "work" / "comm"
+    busy = [0.0] * p
+    now = 0.0
+    done = [False] * p
+    for _ in range(100 * (len(lists[0]) + 1) * p + 1000):
+        # start what can start
+        for s in range(p):
+            while state[s] is None and pos[s] < len(lists[s]):
+                op = lists[s][pos[s]]
+                if op.kind in ("F", "B"):
+                    fw, fc, bw, bc = tasks[s]
+                    work, comm = (fw, fc) if op.kind == "F" else (bw, bc)
+                    state[s] = ["work", work, comm]
+                elif op.kind.startswith("send"):
+                    ready[(op.kind[5:], op.micro_batch, op.peer)] = now + p2p_s
+                    pos[s] += 1
+                else:
+                    t = ready.get((op.kind[5:], op.micro_batch, s))
+                    if t is None or t > now + 1e-15:
+                        break
+                    pos[s] += 1
+            if state[s] is None and pos[s] >= len(lists[s]):
+                done[s] = True
+        if all(done):
+            return now, busy
+        computing = [s for s in range(p) if state[s] is not None and state[s][0] == "work"]
+        v = speed(len(computing)) if computing else 1.0
+        # next event
+        dt = math.inf
+        for s in range(p):
+            if state[s] is not None:
+                dt = min(dt, state[s][1] / v if state[s][0] == "work" else state[s][1])
+            elif pos[s] < len(lists[s]):
+                op = lists[s][pos[s]]
+                t = ready.get((op.kind[5:], op.micro_batch, s))
+                if t is not None:
+                    dt = min(dt, t - now)
+        if dt == math.inf:
+            raise ConfigError("pipeline simulation deadlocked (schedule bug)")
+        dt = max(dt, 0.0)
+        now += dt
+        for s in range(p):
+            st = state[s]
+            if st is None:
+                continue
+            busy[s] += dt
+            st[1] -= dt * v if st[0] == "work" else dt
+            if st[1] <= 1e-15:
+                if st[0] == "work" and st[2] > 0:
+                    state[s] = ["comm", st[2], 0.0]
+                else:
+                    state[s] = None
+                    pos[s] += 1
+    raise ConfigError("pipeline simulation did not finish (schedule bug)")
+
+
+def activation_bytes(cfg, layout, global_batch):
+    """Bytes of activations one micro-batch keeps per block and for the head (see the module
+    docstring): (per block, head) on one rank."""
+    L = layout
+    b = global_batch // L.dp // L.micro_batches
+    n = b * cfg.seq_len / L.sp
+    S = b * cfg.n_head / (L.tp * L.sp) * cfg.seq_len * cfg.seq_len
+    C = cfg.n_embd
+    return 4 * (4 * n * C + 17 * n * C / L.tp + S), 8 * n * cfg.vocab_size / L.tp
+
+
+def estimate(cfg, layout, global_batch, profile, ranks_per_node=None):
+    """Predicted Estimate of one valid layout (check_layout first). Local (pure).
+
+    cfg: GPTConfig; global_batch: sequences per step; profile: HardwareProfile; ranks_per_node:
+    default profile.ranks_per_node capped at the world size."""
+    L, p = layout, profile
+    world = L.dp * L.tp * L.pp * L.sp
+    R = min(world, ranks_per_node or p.ranks_per_node)
+    costs = _Costs(cfg, L, global_batch, p, R, model_factor(p))
+    stage_params, stage_blocks = _stage_params(cfg, L.pp)
+    tasks = [_stage_tasks(costs, stage_blocks[s], s, L.pp) for s in range(L.pp)]
+    ranks_per_stage_on_node = R / L.pp  # the stages' ranks spread evenly over the nodes
+
+    def speed(k):
+        return min(1.0, p.effective_cores / max(1e-9, k * ranks_per_stage_on_node))
+
+    pipe_s, busy = simulate_pipeline(tasks, L.schedule, L.micro_batches, costs.p2p, speed)
+    all_speed = speed(L.pp)
+    # compute alone: the same work at the busy-all speed, for the compute column
+    compute_s = max(L.micro_batches * (t[0] + t[2]) for t in tasks) / all_speed
+    comm_pipe_s = max(L.micro_batches * (t[1] + t[3]) for t in tasks)
+    # data-parallel gradient reduction over dp * sp, optimizer, per-step small collectives
+    P = max(stage_params) / L.tp
+    grad_group = L.dp * L.sp
+    dp_inter = world > R and L.dp * L.sp * L.tp > R
+    z = L.zero_stage
+    if z == 0:
+        dp_s = p.comm_time_s("all_reduce", 4 * P, grad_group, dp_inter)
+    else:  # reduce_scatter of the gradients, all_gather of the updated parameters
+        dp_s = (p.comm_time_s("reduce_scatter", 4 * P, grad_group, dp_inter)
+                + p.comm_time_s("all_gather", 4 * P, grad_group, dp_inter))
+    if z == 3:
+        dp_s += 2 * L.micro_batches * p.comm_time_s("all_gather", 4 * P, L.dp, dp_inter)
+    opt_s = P / (L.dp if z else 1) * p.adam_ns * 1e-9 / all_speed
+    small_s = STEP_OVERHEAD_ALL_REDUCES * p.comm_time_s("all_reduce", 8, world, world > R)
+    total_s = pipe_s + dp_s + opt_s + small_s
+    ideal = compute_s + comm_pipe_s
+    bubble = max(0.0, 1.0 - sum(busy) / (L.pp * pipe_s)) if L.pp > 1 and pipe_s > 0 else 0.0
+    # memory, the largest stage
+    peak = 0
+    block_params = sum(spec.size for spec in param_layout(cfg)[2:14])
+    per_block, head_act = activation_bytes(cfg, L, global_batch)
+    for s in range(L.pp):
+        Ps = stage_params[s] / L.tp
+        if z == 0:
+            state = 24 * Ps
+        elif z in (1, 2):
+            state = 4 * Ps + 4 * Ps / L.dp + 4 * Ps + 16 * Ps / L.dp
+        else:
+            state = 24 * Ps / L.dp + 2 * 4 * block_params / L.tp  # + two gathered blocks
+        in_flight = L.micro_batches if L.schedule in ("gpipe", "none") else min(L.micro_batches, L.pp - s)
+        if L.pp == 1:
+            in_flight = 1  # gradient accumulation frees each micro-batch's cache after backward
+        act = in_flight * (stage_blocks[s] * per_block + (head_act if s == L.pp - 1 else 0))
+        peak = max(peak, int(state + act))
+    comm_ms = (comm_pipe_s + dp_s + small_s) * 1e3
+    detail = {"pipeline_ms": pipe_s * 1e3, "bubble_ms": max(0.0, pipe_s - ideal) * 1e3,
+              "dp_ms": dp_s * 1e3, "optimizer_ms": opt_s * 1e3, "tp_sp_pp_ms": comm_pipe_s * 1e3,
+              "speed_all_busy": all_speed}
+    return Estimate(L, compute_s * 1e3 + opt_s * 1e3, comm_ms, bubble, peak, total_s * 1e3, detail)
+
+
+def make_plan(cfg, global_batch, world_size, profile, ranks_per_node=None, mem_per_device=None,
+              max_micro_batches=32, zero_stages=ZERO_STAGES, schedules=SCHEDULES,
+              supported=default_supported, layouts=None):
+    """Enumerate, check, estimate and rank. Local (pure); every rank gets the same Plan.
+
+    cfg: GPTConfig (seq_len is the sequence length); global_batch: sequences per step;
+    world_size: ranks; profile: HardwareProfile; ranks_per_node: default min(world_size,
+    profile.ranks_per_node); mem_per_device: bytes per rank (None: unlimited); layouts: an
+    explicit candidate list instead of enumerate_layouts (e.g. the benchmark's).
+    Returns Plan (ranked by predicted total time, ties broken by lower memory, then fewer
+    micro-batches, then lower ZeRO stage). Raises ConfigError on bad inputs.
+    """
+    if not isinstance(cfg, GPTConfig):
+        raise ConfigError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
+    for name, value in (("global_batch", global_batch), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+    if ranks_per_node is not None and (not isinstance(ranks_per_node, int) or ranks_per_node < 1):
+        raise ConfigError(f"ranks_per_node must be an integer >= 1, got {ranks_per_node!r}")
+    if mem_per_device is not None and not mem_per_device > 0:
+        raise ConfigError(f"mem_per_device must be > 0 bytes, got {mem_per_device!r}")
+    R = min(world_size, ranks_per_node or profile.ranks_per_node)
+    candidates = layouts if layouts is not None else enumerate_layouts(
+        world_size, global_batch, max_micro_batches, zero_stages, schedules)
+    ranked, rejected = [], []
+    for L in candidates:
+        why = check_layout(cfg, L, global_batch, world_size, supported)
+        if why:
+            rejected.append((L, why))
+            continue
+        e = estimate(cfg, L, global_batch, profile, R)
+        if mem_per_device is not None and e.peak_bytes > mem_per_device:
+            rejected.append((L, f"memory: peak {_fmt_bytes(e.peak_bytes)} > "
+                                f"{_fmt_bytes(mem_per_device)} per device"))
+            continue
+        ranked.append(e)
+    ranked.sort(key=lambda e: (round(e.total_ms, 6), e.peak_bytes, e.layout.micro_batches,
+                               e.layout.zero_stage))
+    inputs = {"model": cfg, "global_batch": global_batch, "world_size": world_size,
+              "ranks_per_node": R, "mem_per_device": mem_per_device}
+    return Plan(ranked, rejected, profile, inputs)
+
+
+# --------------------------------------------------------------------------- `rtxmpi plan`
+def parse_bytes(text):
+    """'16G' -> 17179869184, '512M', '2GiB', '1000' (bytes; binary units). ConfigError if bad."""
+    import re
+
+    units = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20,
+             "MIB": 2**20, "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40,
+             "TIB": 2**40}
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not match or match.group(2).upper() not in units or not float(match.group(1)) > 0:
+        raise ConfigError(f"not a memory size: {text!r} (examples: 512M, 16G, 80GiB)")
+    return int(float(match.group(1)) * units[match.group(2).upper()])
+
+
+def add_arguments(parser):
+    """The `rtxmpi plan` flags (rtxmpi/cli.py)."""
+    from ..nn.gpt import MODEL_SIZES
+
+    parser.add_argument("--model", default="small", choices=sorted(MODEL_SIZES), help="model size")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--global-batch", type=int, default=32, help="sequences per step")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="ranks (default: the MPI world size when launched with mpiexec)")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="ranks per node (default: the profile's, at most the world size)")
+    parser.add_argument("--mem-per-device", default=None, metavar="SIZE",
+                        help="memory per rank, e.g. 16G (default: unlimited)")
+    parser.add_argument("--profile", default=None, metavar="FILE",
+                        help="hardware profile JSON from --save-profile (default: the built-in "
+                             "default profile, labelled as such)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure the hardware profile now (collective: run under mpiexec "
+                             "with the ranks to plan for; 5-15 s)")
+    parser.add_argument("--save-profile", default=None, metavar="FILE",
+                        help="write the measured profile (with --calibrate)")
+    parser.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table")
+    parser.add_argument("--show-rejected", action="store_true",
+                        help="list every rejected candidate with its reason")
+    parser.add_argument("--max-micro-batches", type=int, default=32,
+                        help="largest micro-batch count considered")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="also write the ranked estimates and rejections as JSON")
+
+
+def load_or_calibrate(args, group=None, cfg=None):
+    """The HardwareProfile for `args` (--profile FILE, --calibrate, or the default). With
+    --calibrate: collective over `group` (default: rtxmpi.init())."""
+    from .calibrate import default_profile
+
+    if args.calibrate and args.profile:
+        raise ConfigError("--calibrate measures a new profile; --profile reads one: use one of them")
+    if args.save_profile and not args.calibrate:
+        raise ConfigError("--save-profile needs --calibrate")
+    if args.profile:
+        return HardwareProfile.load(args.profile)
+    if args.calibrate:
+        from ..comm import init
+        from .calibrate import calibrate
+
+        group = group or init()
+        profile = calibrate(group, cfg=cfg)
+        if args.save_profile and group.rank == 0:
+            profile.save(args.save_profile)
+        return profile
+    return default_profile()
+
+
+def _plan_json(plan):
+    rows = [{"layout": vars(e.layout), "compute_ms": e.compute_ms, "comm_ms": e.comm_ms,
+             "bubble": e.bubble, "peak_bytes": e.peak_bytes, "total_ms": e.total_ms,
+             "detail": e.detail} for e in plan.ranked]
+    return {"inputs": {k: (str(v) if k == "model" else v) for k, v in plan.inputs.items()},
+            "profile": plan.profile.source, "ranked": rows,
+            "rejected": [{"layout": vars(L), "reason": why} for L, why in plan.rejected],
+            "reason": plan.reason()}
+
+
+def main(args):
+    """`rtxmpi plan`: print the ranked table and the reason (rank 0). Exit status 0, 1 when no
+    layout fits, 2 for bad flags (ConfigError, printed on one line)."""
+    import json
+    import sys
+
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    try:
+        for name in ("seq_len", "global_batch", "top", "max_micro_batches"):
+            if getattr(args, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        world_size = args.world_size or MPI.COMM_WORLD.Get_size()
+        if args.world_size is None and world_size == 1:
+            raise ConfigError("--world-size is needed outside mpiexec (the ranks to plan for)")
+        cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
+        memory = parse_bytes(args.mem_per_device) if args.mem_per_device else None
+        profile = load_or_calibrate(args, cfg=cfg)
+        plan = make_plan(cfg, args.global_batch, world_size, profile,
+                         ranks_per_node=args.ranks_per_node, mem_per_device=memory,
+                         max_micro_batches=args.max_micro_batches)
+    except ConfigError as exc:
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if rank != 0:
+        return 0 if plan.ranked else 1
+    mem = _fmt_bytes(memory) if memory else "unlimited"
+    print(f"plan: model {args.model} ({cfg.n_layer} layers, {cfg.n_head} heads, n_embd "
+          f"{cfg.n_embd}), global batch {args.global_batch} x {args.seq_len} tokens, world size "
+          f"{world_size}, {plan.inputs['ranks_per_node']} ranks per node, memory {mem} per rank")
+    print(f"profile: {profile.source}")
+    print()
+    print(plan.table(top=args.top, show_rejected=args.show_rejected))
+    print()
+    print(plan.reason())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(_plan_json(plan), f, indent=1)
+    return 0 if plan.ranked else 1

@@ -1,0 +1,250 @@
+"""The planner (rtxmpi/parallel/planner.py) on synthetic hardware profiles: enumeration, validity
+with reasons, the cost model's monotonicity, the pipeline simulation, memory, the CLI."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rtxmpi.errors import ConfigError
+from rtxmpi.nn import GPTConfig
+from rtxmpi.parallel.calibrate import HardwareProfile, default_profile, ring_factor
+from rtxmpi.parallel.planner import (Layout, check_layout, enumerate_layouts, estimate,
+                                     factorizations, make_plan, model_factor, parse_bytes,
+                                     simulate_pipeline)
+
+TARGETS = [(4, 1, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (1, 2, 2, 1), (1, 1, 4, 1), (1, 1, 1, 4),
+           (2, 1, 1, 2)]
+
+
+def synthetic(**over):
+    """A profile with round numbers; ref_ms chosen so that the model factor is 1."""
+    data = json.loads(json.dumps(vars(default_profile())))
+    data.update(source="synthetic test profile", ranks_per_node=4, cores_per_node=4,
+                dense_flops=1e11, attn_flops=5e10, score_fwd_ns=2.0, score_bwd_ns=2.0,
+                gelu_ns=4.0, ln_ns=4.0, adam_ns=5.0, block_call_us=100.0, contention=1.0,
+                effective_cores=4.0)
+    link = {op: {"2": [1e-5, 2e9], "4": [2e-5, 2e9]} for op in
+            ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")}
+    data["links"] = {"intra": link, "inter": json.loads(json.dumps(link))}
+    data.update(over)
+    profile = HardwareProfile.from_dict(data)
+    if "ref_ms" not in over:  # make model_factor exactly 1
+        profile.ref_ms = 1.0
+        profile.ref_ms = 1.0 / model_factor(profile)
+    return profile
+
+
+CFG = GPTConfig.named("small", seq_len=128)
+
+
+def test_factorizations_of_4_hold_every_target_layout():
+    got = factorizations(4)
+    assert len(got) == len(set(got)) == 10  # ordered 4-tuples with product 4
+    assert all(a * b * c * d == 4 for a, b, c, d in got)
+    assert set(TARGETS) <= set(got)
+
+
+def test_enumeration_has_micro_batches_dividing_the_per_rank_batch():
+    layouts = enumerate_layouts(4, 32, max_micro_batches=32, zero_stages=(0,))
+    dp2 = {L.micro_batches for L in layouts if L.degrees == (2, 1, 2, 1)}
+    assert dp2 == {1, 2, 4, 8, 16}
+    assert {L.schedule for L in layouts if L.pp > 1} == {"1f1b", "gpipe"}
+    assert {L.schedule for L in layouts if L.pp == 1} == {"none"}
+
+
+@pytest.mark.parametrize("layout, rule", [
+    (Layout(1, 8, 1, 1), "world size"),
+    (Layout(1, 1, 1, 8), "heads"),
+    (Layout(1, 1, 8, 1), "layers"),
+    (Layout(2, 1, 1, 1, 3), "micro-batches"),
+    (Layout(1, 1, 2, 1, 1, 0, "1f1b"), "1f1b"),
+    (Layout(1, 1, 1, 1, 1, 2), "zero"),
+])
+def test_invalid_layouts_are_rejected_with_their_rule(layout, rule):
+    world = 8 if rule != "world size" else 4
+    if rule in ("micro-batches", "1f1b", "zero"):
+        world = layout.dp * layout.tp * layout.pp * layout.sp
+    why = check_layout(CFG, layout, 32, world, supported=None)
+    assert why is not None and why.startswith(rule), why
+
+
+def test_batch_vocab_and_sequence_rules():
+    cfg = GPTConfig(vocab_size=255, seq_len=100, n_layer=4, n_head=4, n_embd=64)
+    assert check_layout(cfg, Layout(1, 2, 1, 1), 8, 2, None).startswith("vocab")
+    assert check_layout(cfg, Layout(1, 1, 1, 8), 8, 8, None).startswith("heads")
+    cfg = GPTConfig(vocab_size=256, seq_len=100, n_layer=4, n_head=8, n_embd=64)
+    assert check_layout(cfg, Layout(1, 1, 1, 8), 8, 8, None).startswith("sequence")
+    assert check_layout(CFG, Layout(3, 1, 1, 1), 32, 3, None).startswith("batch")
+
+
+def test_valid_target_layouts_pass_without_runtime_limits():
+    for dp, tp, pp, sp in TARGETS:
+        L = Layout(dp, tp, pp, sp, micro_batches=4, schedule="1f1b" if pp > 1 else "none")
+        assert check_layout(CFG, L, 32, 4, supported=None) is None
+
+
+def test_more_flops_means_less_compute_and_more_bandwidth_less_comm():
+    L = Layout(2, 2, 1, 1)
+    base = estimate(CFG, L, 32, synthetic(), 4)
+    fast = estimate(CFG, L, 32, synthetic(dense_flops=4e11, attn_flops=2e11), 4)
+    assert fast.compute_ms < base.compute_ms
+    link = {op: {"2": [1e-5, 2e10], "4": [2e-5, 2e10]} for op in
+            ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")}
+    wide = estimate(CFG, L, 32, synthetic(links={"intra": link, "inter": link}), 4)
+    assert wide.comm_ms < base.comm_ms
+    assert wide.total_ms < base.total_ms
+
+
+def test_compute_grows_with_the_global_batch_and_shrinks_with_ranks():
+    p = synthetic()
+    one = estimate(CFG, Layout(1, 1, 1, 1), 32, p, 1)
+    assert estimate(CFG, Layout(1, 1, 1, 1), 64, p, 1).compute_ms > 1.9 * one.compute_ms
+    four = estimate(CFG, Layout(4, 1, 1, 1), 32, p, 4)
+    assert four.compute_ms < 0.3 * one.compute_ms
+
+
+def test_oversubscription_halves_speed_when_cores_are_half_the_ranks():
+    full = estimate(CFG, Layout(4, 1, 1, 1), 32, synthetic(effective_cores=4.0), 4)
+    half = estimate(CFG, Layout(4, 1, 1, 1), 32, synthetic(effective_cores=2.0), 4)
+    assert half.compute_ms == pytest.approx(2 * full.compute_ms, rel=1e-6)
+
+
+def test_tensor_parallel_communication_is_four_all_reduces_per_block():
+    p = synthetic()
+    e = estimate(CFG, Layout(1, 2, 1, 1), 8, p, 2)
+    act = 4 * 8 * 128 * CFG.n_embd
+    per = p.comm_time_s("all_reduce", act, 2)
+    expected = (4 * CFG.n_layer + 2) * per  # 4 per block + embedding and head
+    assert e.detail["tp_sp_pp_ms"] == pytest.approx(expected * 1e3, rel=1e-6)
+
+
+def test_pipeline_simulation_gives_the_textbook_bubble_for_equal_stages():
+    for p, m in ((2, 4), (4, 4), (4, 8)):
+        tasks = [(1.0, 0.0, 2.0, 0.0)] * p
+        for schedule in ("gpipe", "1f1b"):
+            t, busy = simulate_pipeline(tasks, schedule, m, 0.0, lambda k: 1.0)
+            assert t == pytest.approx((m + p - 1) * 3.0)
+            bubble = 1 - sum(busy) / (p * t)
+            assert bubble == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_processor_sharing_lets_idle_stages_lend_their_cores():
+    tasks = [(1.0, 0.0, 2.0, 0.0)] * 2
+    shared, _ = simulate_pipeline(tasks, "gpipe", 4, 0.0, lambda k: min(1.0, 1.0 / k))
+    # one core for two stages: the work (2 stages x 4 x 3 s) at one stage's speed, no bubble
+    assert shared == pytest.approx(24.0)
+
+
+def test_more_micro_batches_shrink_the_bubble():
+    p = synthetic()
+    bubbles = [estimate(CFG, Layout(1, 1, 4, 1, m, 0, "1f1b"), 32, p, 4).bubble for m in (4, 8, 16)]
+    assert bubbles[0] > bubbles[1] > bubbles[2] > 0
+
+
+def test_memory_falls_with_zero_stage_and_1f1b_holds_less_than_gpipe():
+    p = synthetic()
+    z = [estimate(CFG, Layout(4, 1, 1, 1, 1, s), 32, p, 4).peak_bytes for s in (0, 1, 3)]
+    assert z[0] > z[1] > z[2]
+    gpipe = estimate(CFG, Layout(1, 1, 4, 1, 16, 0, "gpipe"), 32, p, 4).peak_bytes
+    one_f = estimate(CFG, Layout(1, 1, 4, 1, 16, 0, "1f1b"), 32, p, 4).peak_bytes
+    assert one_f < gpipe
+
+
+def test_memory_limit_rejects_with_the_numbers():
+    plan = make_plan(CFG, 32, 4, synthetic(), mem_per_device=30 * 2**20, supported=None)
+    reasons = [why for _, why in plan.rejected if why.startswith("memory")]
+    assert reasons and "> 30.0 MiB" in reasons[0]
+    assert all(e.peak_bytes <= 30 * 2**20 for e in plan.ranked)
+    none = make_plan(CFG, 32, 4, synthetic(), mem_per_device=1024)
+    assert none.best is None and "No layout fits" in none.reason()
+
+
+def test_plan_ranks_by_total_and_explains_the_choice():
+    plan = make_plan(CFG, 32, 4, synthetic(), supported=None)
+    totals = [e.total_ms for e in plan.ranked]
+    assert all(a <= b + 1e-6 for a, b in zip(totals, totals[1:]))
+    text = plan.reason()
+    assert text.startswith(f"Chosen: {plan.best.layout}") and "synthetic test profile" in text
+    assert "| # | dp | tp | pp | sp |" in plan.table(top=3)
+    assert "DEFAULT hardware profile" in make_plan(CFG, 32, 4, default_profile()).reason()
+
+
+def test_memory_below_one_replica_forces_a_model_parallel_layout():
+    """When one replica's parameters, gradients and AdamW state do not fit (ZeRO off), data
+    parallelism is rejected and the planner splits the model."""
+    big = GPTConfig.named("base", seq_len=16)
+    dp = estimate(big, Layout(4, 1, 1, 1), 4, synthetic(), 4)
+    plan = make_plan(big, 4, 4, synthetic(), mem_per_device=int(dp.peak_bytes * 0.6),
+                     zero_stages=(0,), supported=None, max_micro_batches=4)
+    assert plan.best is not None and plan.best.layout.tp * plan.best.layout.pp > 1
+    assert any(L.degrees == (4, 1, 1, 1) and why.startswith("memory") for L, why in plan.rejected)
+
+
+def test_profile_round_trip_and_bad_files(tmp_path):
+    p = synthetic()
+    path = tmp_path / "prof.json"
+    p.save(str(path))
+    q = HardwareProfile.load(str(path))
+    assert q == p
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        HardwareProfile.load(str(tmp_path / "bad.json"))
+    (tmp_path / "other.json").write_text(json.dumps({"x": 1}))
+    with pytest.raises(ConfigError, match="not a hardware profile"):
+        HardwareProfile.load(str(tmp_path / "other.json"))
+    with pytest.raises(ConfigError, match="cannot read"):
+        HardwareProfile.load(str(tmp_path / "missing.json"))
+
+
+def test_ring_factors_and_comm_time():
+    assert ring_factor("all_reduce", 4) == 1.5 and ring_factor("all_gather", 4) == 0.75
+    assert ring_factor("send_recv", 2) == 1.0 and ring_factor("all_reduce", 1) == 0.0
+    p = synthetic()
+    assert p.comm_time_s("all_reduce", 2e9, 2) == pytest.approx(1e-5 + 1.0)
+    assert p.comm_time_s("all_reduce", 100, 1) == 0.0
+    with pytest.raises(ConfigError):
+        ring_factor("bogus", 2)
+
+
+def test_parse_bytes():
+    assert parse_bytes("16G") == 16 * 2**30 and parse_bytes("512MiB") == 512 * 2**20
+    for bad in ("", "12Q", "-1G", "0"):
+        with pytest.raises(ConfigError):
+            parse_bytes(bad)
+
+
+def test_make_plan_rejects_bad_inputs():
+    with pytest.raises(ConfigError):
+        make_plan(CFG, 0, 4, synthetic())
+    with pytest.raises(ConfigError):
+        make_plan("small", 32, 4, synthetic())
+    with pytest.raises(ConfigError):
+        make_plan(CFG, 32, 4, synthetic(), mem_per_device=-1)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "rtxmpi.cli", "plan", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_prints_table_and_reason(tmp_path):
+    prof = tmp_path / "p.json"
+    synthetic().save(str(prof))
+    out = tmp_path / "plan.json"
+    r = _cli("--world-size", "4", "--profile", str(prof), "--top", "5", "--show-rejected",
+             "--mem-per-device", "1G", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "| # | dp | tp | pp | sp | micro-batches | zero |" in r.stdout
+    assert "Chosen: " in r.stdout and "rejected (" in r.stdout
+    data = json.loads(out.read_text())
+    assert data["ranked"][0]["total_ms"] <= data["ranked"][1]["total_ms"]
+
+
+def test_cli_bad_flags_exit_2_and_nothing_fits_exits_1():
+    r = _cli("--world-size", "4", "--mem-per-device", "lots")
+    assert r.returncode == 2 and "not a memory size" in r.stderr
+    r = _cli("--world-size", "4", "--mem-per-device", "1K")
+    assert r.returncode == 1 and "No layout fits" in r.stdout
+    r = _cli("--world-size", "4", "--save-profile", "x.json")
+    assert r.returncode == 2 and "--save-profile needs --calibrate" in r.stderr
