@@ -36,9 +36,12 @@ from rtxmpi.checkpoint.agree import raise_if_any_failed
 from rtxmpi.control import agree
 from rtxmpi.data import BatchSampler, decode, encode, eval_batches, load_corpus
 from rtxmpi.errors import CheckpointError, ConfigError
+from rtxmpi.observe.observer import Observer
 from rtxmpi.nn import (GPT, MODEL_SIZES, AdamW, GPTConfig, clip_grad_norm, cosine_lr, decay_mask,
                        grad_norm_sq)
 from rtxmpi.parallel.data import DataParallel
+from rtxmpi.parallel.hybrid import build_hybrid, check_layout
+from rtxmpi.parallel.pipeline import build_pipeline, check_pipeline
 from rtxmpi.parallel.zero import ZeroDataParallel
 from rtxmpi.wal import ResumeParity, WriteAheadLog, params_digest, read_wal, wal_path
 
@@ -73,9 +76,21 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=300, help="the step the run ends at")
     p.add_argument("--global-batch", type=int, default=32, help="sequences per step over all ranks")
     p.add_argument("--micro-batches", type=int, default=1,
-                   help="gradient-accumulation micro-batches per step on each rank")
+                   help="micro-batches per step on each rank: gradient accumulation, or with "
+                        "--pp the pipeline's micro-batches")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline-parallel stages (layers split over --pp ranks; docs/parallel.md)")
+    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"),
+                   help="pipeline schedule with --pp > 1 (1f1b needs --micro-batches >= --pp)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: world size)")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel degree (default: world size / (tp * pp * sp))")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (Megatron; docs/parallel.md)")
+    p.add_argument("--sp", type=int, default=1,
+                   help="sequence-parallel degree (Ulysses all-to-all attention; docs/parallel.md)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp > 1: Megatron sequence parallelism (LayerNorm regions split along "
+                        "the sequence over tp)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
                    help="0: replicated optimizer; 1: sharded optimizer state; 2: + sharded "
                         "gradients; 3: + sharded parameters, gathered layer by layer")
@@ -95,6 +110,17 @@ def parse_args(argv=None):
     p.add_argument("--eval-batches", type=int, default=8, help="global batches per validation")
     p.add_argument("--metrics-jsonl", default=None,
                    help="append one JSON object per step (rank 0; a resumed run continues the file)")
+    p.add_argument("--timeline", default=None, metavar="FILE",
+                   help="write one merged Chrome-trace JSON of every rank (Perfetto; docs/observe.md)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                   help="serve Prometheus metrics on --metrics-bind:(P + local rank)")
+    p.add_argument("--metrics-bind", default="127.0.0.1", metavar="ADDR",
+                   help="address the metrics server binds (default 127.0.0.1)")
+    p.add_argument("--metrics-textfile", default=None, metavar="FILE",
+                   help="write Prometheus metrics for node_exporter's textfile collector")
+    p.add_argument("--run-dir", default=None, metavar="DIR",
+                   help="write metrics.jsonl, timeline.json, breakdown, bottleneck and memory "
+                        "for `rtxmpi report DIR`")
     p.add_argument("--sample-tokens", type=int, default=200, help="bytes to generate at the end (0: none)")
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (sharded HDF5, docs/checkpoint.md)")
     p.add_argument("--ckpt-every", type=int, default=0,
@@ -163,10 +189,9 @@ def check_args(args, world_size):
     if (args.offload == "nvme") != (args.offload_dir is not None):
         raise ConfigError("--offload nvme needs --offload-dir DIR, and --offload-dir only goes "
                           "with --offload nvme")
-    dp = world_size if args.dp is None else args.dp
-    if dp != world_size:
-        raise ConfigError(f"--dp {dp} != world_size {world_size}: data parallelism is the only "
-                          f"parallel axis in this version; use --dp {world_size} or {dp} ranks")
+    dp = check_layout(world_size, dp=args.dp, tp=args.tp, pp=getattr(args, "pp", 1), sp=args.sp,
+                      seq_len=args.seq_len, zero_stage=args.zero_stage,
+                      elastic=args.elastic)  # docs/parallel.md
     if args.global_batch % dp:
         raise ConfigError(f"--global-batch {args.global_batch} is not divisible by the data-parallel "
                           f"size {dp}; use a multiple of {dp}")
@@ -174,6 +199,9 @@ def check_args(args, world_size):
     if local % args.micro_batches:
         raise ConfigError(f"the per-rank batch {local} (global batch {args.global_batch} / dp {dp}) "
                           f"is not divisible by --micro-batches {args.micro_batches}")
+    check_pipeline(pp=args.pp, micro_batches=args.micro_batches, schedule=args.schedule,
+                   n_layer=MODEL_SIZES[args.model]["n_layer"], zero_stage=args.zero_stage,
+                   offload=args.offload, elastic=args.elastic)  # docs/parallel.md
     if args.data is not None and not os.path.exists(os.path.expanduser(args.data)):
         raise ConfigError(f"--data {args.data}: no such file or directory")
     return dp
@@ -194,11 +222,12 @@ def load_data(world, args):
     return corpus
 
 
-def evaluate(model, world, tokens, args):
+def evaluate(model, world, tokens, args, dp_rank=None, dp_size=None):
     """Mean validation loss (nats/byte) over the same fixed windows at any world size."""
     total = np.zeros(2, np.float64)  # loss * samples, samples
+    dp_rank, dp_size = (world.rank, world.world_size) if dp_size is None else (dp_rank, dp_size)
     for x, y in eval_batches(tokens, args.seq_len, args.global_batch, args.eval_batches,
-                             dp_rank=world.rank, dp_size=world.world_size):
+                             dp_rank=dp_rank, dp_size=dp_size):
         loss, _ = model.forward(x, y)
         total += (loss * len(x), len(x))
     world.all_reduce(total)
@@ -264,7 +293,8 @@ def build_engine(args, model, world):
 def checkpoint_meta(args, cfg, model, engine, sampler):
     """What a resume needs besides the flat tensors (JSON, stored in metadata.json)."""
     return {"model": args.model, "model_config": asdict(cfg), "dtype": np.dtype(model.dtype).str,
-            "param_layout": [[p.name, list(p.shape), p.offset] for p in model.params],
+            "param_layout": [[p.name, list(p.shape), p.offset]
+                             for p in getattr(model, "full_specs", model.params)],
             "optimizer_step": engine.optimizer.step_count, "sampler": sampler.state_dict(),
             "samples_consumed": sampler.samples_consumed, "seed": args.seed,
             "global_batch": args.global_batch, "seq_len": args.seq_len,
@@ -474,19 +504,49 @@ class StepLog:
             self.wal.close()
 
 
+def observer(world, args, engine, sampler):
+    """The run's Observer (collective); --run-dir DIR also puts --metrics-jsonl in DIR."""
+    if args.run_dir and not args.metrics_jsonl:
+        args.metrics_jsonl = os.path.join(args.run_dir, "metrics.jsonl")
+    obs = Observer(world, timeline=args.timeline, run_dir=args.run_dir,
+                   metrics_port=args.metrics_port, metrics_bind=args.metrics_bind,
+                   metrics_textfile=args.metrics_textfile, metrics_jsonl=bool(args.metrics_jsonl),
+                   job=f"train-{args.model}", tokens_per_step=args.global_batch * args.seq_len,
+                   bucket_mb=args.bucket_mb, run_info={"args": vars(args)})
+    obs.instrument(engine=engine, sampler=sampler)
+    return obs
+
+
 def train(args):
     world = rtxmpi.init(timeout_s=args.timeout_s)
     rank, world_size = world.rank, world.world_size
     check_args(args, world_size)
     corpus = load_data(world, args)
     cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
-    model = GPT(cfg, seed=args.seed)
-    engine = build_engine(args, model, world)
+    hybrid = args.tp > 1 or args.sp > 1  # tensor / sequence parallelism (docs/parallel.md)
+    engine = build_hybrid(cfg, world, dp=args.dp, tp=args.tp, sp=args.sp, seed=args.seed,
+                          sequence_parallel=args.sequence_parallel,
+                          bucket_bytes=int(args.bucket_mb * 2**20),
+                          optimizer=lambda params, mask: AdamW(
+                              params, lr=args.lr, weight_decay=args.weight_decay,
+                              decay_mask=mask)) if hybrid else None
+    pipeline = args.pp > 1  # layers in stages over --pp ranks, --schedule (docs/parallel.md)
+    if pipeline:
+        engine = build_pipeline(cfg, world, dp=args.dp, pp=args.pp, seed=args.seed,
+                                micro_batches=args.micro_batches, schedule=args.schedule,
+                                optimizer=lambda params, mask: AdamW(
+                                    params, lr=args.lr, weight_decay=args.weight_decay,
+                                    decay_mask=mask))
+    hybrid = hybrid or pipeline  # an engine on a DeviceMesh: model, data slice, eval from it
+    model = engine.model if hybrid else GPT(cfg, seed=args.seed)
+    engine = engine or build_engine(args, model, world)
+    data_rank, data_size = (engine.mesh.dp_rank, engine.mesh.dp) if hybrid else (rank, world_size)
     rng = np.random.default_rng([args.seed, rank])  # per-rank randomness (dropout, ...), checkpointed
     sampler = BatchSampler(corpus.train, args.seq_len, args.global_batch, seed=args.seed,
-                           dp_rank=rank, dp_size=world_size)
+                           dp_rank=data_rank, dp_size=data_size)
     min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
     warmup = max(1, args.steps // 20) if args.warmup_steps is None else args.warmup_steps
+    obs = observer(world, args, engine, sampler)  # timeline, metrics, run dir (docs/observe.md)
     metrics = open(args.metrics_jsonl, "a") if rank == 0 and args.metrics_jsonl else None
     if rank == 0:
         print(f"rtxmpi {rtxmpi.__version__}: world_size {world_size}, model {args.model} "
@@ -514,14 +574,17 @@ def train(args):
     pending = None  # --async-save: the checkpoint being written in the background
     loop = elastic.Loop(world)  # pre-emption, phases, what survivors hand over (docs/elastic.md)
     loop.track(meta=lambda: checkpoint_meta(args, cfg, model, engine, sampler),
-               tensors=engine.pieces if args.zero_stage == 0 else None, close=(log, metrics))
+               tensors=engine.pieces if args.zero_stage == 0 and not hybrid else None,
+               close=(log, metrics))
     for step in range(start_step, last_step + 1):
+        obs.begin_step(step)
         t0 = time.perf_counter()
         loop.phase("forward", step)
         x, y = sampler.next_batch()
         xs, ys = np.split(x, args.micro_batches), np.split(y, args.micro_batches)
-        loss_sum = 0.0
-        for m in range(args.micro_batches):
+        # --pp: the schedule runs every micro-batch's forward and backward through the stages
+        loss_sum = engine.train_step(x, y) * args.micro_batches if pipeline else 0.0
+        for m in range(0 if pipeline else args.micro_batches):
             loss, cache = engine.forward(xs[m], ys[m])
             loss_sum += loss
             loop.phase("backward", step)
@@ -544,8 +607,10 @@ def train(args):
         record = {"step": step, "loss": float(losses[0]), "lr": lr, "grad_norm": float(grad_norm),
                   "tokens_per_s": tokens_per_step / step_time, "step_time_ms": step_time * 1e3,
                   "world_size": world_size}
+        record.update(obs.end_step(step))  # allreduce_pct, overlap_pct, net_bw_gbps, ...
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-            record["val_loss"] = evaluate(model, world, corpus.val, args)
+            record["val_loss"] = evaluate(engine if hybrid else model, world, corpus.val, args,
+                                          data_rank, data_size)
         if rank == 0:
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", **({"val": f"{record['val_loss']:.3f}"}
@@ -559,11 +624,13 @@ def train(args):
             log.step(step, record, sampler.samples_consumed, sync=ckpt_now)  # durable before commit
         if ckpt_now:
             loop.phase("save", step)
-            pending = save(world, args, step, cfg, model, engine, sampler, rng, pending)
+            with obs.span("checkpoint", "checkpoint"):
+                pending = save(world, args, step, cfg, model, engine, sampler, rng, pending)
         if flags.stop:  # pre-empted: every rank stops after this step
             record["preempted"], last_step = True, step
             break
     finish_save(world, model, pending)
+    obs.close(engine)  # rank 0: merged timeline, bottleneck verdict, run directory
     bar.close()
     if log:
         log.close()

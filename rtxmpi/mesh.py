@@ -38,6 +38,32 @@ def _degree(name, value):
     return value
 
 
+def resolve_degrees(world_size, dp=None, tp=1, pp=1, sp=1):
+    """Validate parallel degrees against a world size without creating anything (pure, local).
+
+    dp=None means world_size // (tp * pp * sp). Returns (dp, tp, pp, sp). Raises ConfigError when
+    a degree is not an integer >= 1 or dp * tp * pp * sp != world_size; the message names every
+    factor, e.g. "dp(2) * tp(2) * pp(1) * sp(1) = 4 != world_size(8); set dp=2 or use 4 ranks".
+    """
+    tp, pp, sp = _degree("tp", tp), _degree("pp", pp), _degree("sp", sp)
+    n, model = world_size, tp * pp * sp
+    if dp is None:
+        if n % model:
+            raise ConfigError(
+                f"DeviceMesh: world_size({n}) is not divisible by tp({tp}) * pp({pp}) * "
+                f"sp({sp}) = {model}, so no dp fits; use a multiple of {model} ranks or smaller "
+                f"degrees")
+        dp = n // model
+    dp = _degree("dp", dp)
+    product = dp * model
+    if product != n:
+        hint = f"set dp={n // model} or use {product} ranks" if n % model == 0 else \
+            f"use {product} ranks"
+        raise ConfigError(f"DeviceMesh: dp({dp}) * tp({tp}) * pp({pp}) * sp({sp}) = {product} "
+                          f"!= world_size({n}); {hint}")
+    return dp, tp, pp, sp
+
+
 class DeviceMesh:
     """The (pp, dp, sp, tp) grid of the world's ranks and one ProcessGroup per set of axes.
 
@@ -60,22 +86,8 @@ class DeviceMesh:
         if group is None:
             from rtxmpi.comm import world
             group = world()
-        tp, pp, sp = _degree("tp", tp), _degree("pp", pp), _degree("sp", sp)
         n = group.world_size
-        if dp is None:
-            if n % (tp * pp * sp):
-                raise ConfigError(
-                    f"DeviceMesh: world_size({n}) is not divisible by tp({tp}) * pp({pp}) * "
-                    f"sp({sp}) = {tp * pp * sp}, so no dp fits; use a multiple of "
-                    f"{tp * pp * sp} ranks or smaller degrees")
-            dp = n // (tp * pp * sp)
-        dp = _degree("dp", dp)
-        product = dp * tp * pp * sp
-        if product != n:
-            hint = (f"set dp={n // (tp * pp * sp)} or use {product} ranks"
-                    if n % (tp * pp * sp) == 0 else f"use {product} ranks")
-            raise ConfigError(f"DeviceMesh: dp({dp}) * tp({tp}) * pp({pp}) * sp({sp}) = {product} "
-                              f"!= world_size({n}); {hint}")
+        dp, tp, pp, sp = resolve_degrees(n, dp=dp, tp=tp, pp=pp, sp=sp)
         self.dp, self.tp, self.pp, self.sp = dp, tp, pp, sp
         self.shape = {"pp": pp, "dp": dp, "sp": sp, "tp": tp}
         self.world, self.rank, self.world_size = group, group.rank, n

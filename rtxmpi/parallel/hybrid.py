@@ -23,6 +23,7 @@ import math
 import numpy as np
 
 from ..errors import ConfigError
+from ..mesh import DeviceMesh, resolve_degrees
 from ..nn import layers
 from ..nn.gpt import GPTConfig, _init_flat, param_layout
 from ..nn.optim import AdamW, clip_grad_norm
@@ -367,9 +368,43 @@ class HybridParallel:
 
 def check_zero(zero_stage, mesh):
     """ZeRO with tensor or sequence parallelism is not supported yet: ConfigError."""
-    if zero_stage and (mesh.tp > 1 or mesh.sp > 1):
-        raise ConfigError(f"ZeRO stage {zero_stage} with tp({mesh.tp}) or sp({mesh.sp}) > 1 is not "
+    _check_zero(zero_stage, mesh.tp, mesh.sp)
+
+
+def _check_zero(zero_stage, tp, sp):
+    if zero_stage and (tp > 1 or sp > 1):
+        raise ConfigError(f"ZeRO stage {zero_stage} with tp({tp}) or sp({sp}) > 1 is not "
                           "supported yet; use --zero-stage 0 with tensor/sequence parallelism")
 
 
-__all__ = ["ParallelGPT", "HybridParallel", "check_zero"]
+def check_layout(world_size, *, dp=None, tp=1, pp=1, sp=1, seq_len, zero_stage=0, elastic="off"):
+    """Validate a training job's layout before anything is built (pure, local, the same verdict
+    on every rank). Returns dp. Raises ConfigError: dp * tp * pp * sp != world_size (naming every
+    factor), seq_len not divisible by sp (or by tp * sp under
+    Megatron sequence parallelism, checked by the model), pipeline combined with tp or sp, ZeRO or
+    elastic shrink with tp or sp > 1 (not supported yet)."""
+    dp, tp, pp, sp = resolve_degrees(world_size, dp=dp, tp=tp, pp=pp, sp=sp)
+    if pp > 1 and (tp > 1 or sp > 1):
+        raise ConfigError(f"pp({pp}) together with tp({tp}) or sp({sp}) > 1 is not supported yet; "
+                          "use pipeline parallelism with data parallelism only")
+    if seq_len % sp:
+        raise ConfigError(f"sequence length {seq_len} is not divisible by sp({sp}); use a multiple "
+                          f"of {sp}")
+    _check_zero(zero_stage, tp, sp)
+    if elastic != "off" and (tp > 1 or sp > 1):
+        raise ConfigError(f"--elastic {elastic} with tp({tp}) or sp({sp}) > 1 is not supported "
+                          "yet: a shrink changes the world size the mesh was built for")
+    return dp
+
+
+def build_hybrid(cfg, group, *, dp=None, tp=1, sp=1, seed=0, dtype=np.float32,
+                 sequence_parallel=False, bucket_bytes=DEFAULT_BUCKET_BYTES, optimizer=None):
+    """The mesh (pp = 1), ParallelGPT and HybridParallel engine for a training job: returns the
+    engine (engine.model, engine.mesh). Collective on `group`. Raises ConfigError (layout, or a
+    model that does not divide by tp / sp) on every rank."""
+    mesh = DeviceMesh(dp=dp, tp=tp, pp=1, sp=sp, group=group)
+    model = ParallelGPT(cfg, mesh, seed=seed, dtype=dtype, sequence_parallel=sequence_parallel)
+    return HybridParallel(model, bucket_bytes=bucket_bytes, optimizer=optimizer)
+
+
+__all__ = ["ParallelGPT", "HybridParallel", "check_zero", "check_layout", "build_hybrid"]
