@@ -9,6 +9,7 @@ from .group import ProcessGroup, validate_timeout
 from .launch import check_launch
 from .monitor import Monitor, install_excepthook
 from . import traced
+from . import shm
 from .mpi import MPIBackend
 from .work import Work
 
@@ -42,6 +43,7 @@ def init(backend="auto", timeout_s=None, check=None):
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     check_launch(size)
+    shm.configure(comm)  # RTXMPI_SHM*: rank 0's settings on every rank (or ConfigError everywhere)
     monitor = Monitor(comm)
     monitor.start_watchdog()
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)

@@ -1,0 +1,213 @@
+"""The shared-memory and hierarchical all_reduce (rtxmpi/comm/shm.py) against numpy references.
+
+Groups here are made with the path forced for every size (min_bytes 0) and a 4 KiB pipeline
+chunk, so small arrays already cross chunk and triple-buffer boundaries; the hierarchical path is
+exercised on one machine by pretending nodes of 2 ranks (node_size=2; hierarchical at -n 4, one
+"node" per rank pair). Every test holds at -n 1, 2, 4 (at -n 1 the MPI path is used). Inputs are
+integer-valued, so every reduction is exact whatever the order of the terms.
+"""
+import numpy as np
+import pytest
+from test_collectives import REDUCE_CASES, assert_exact, rank_values, reduce_reference
+
+from rtxmpi import CollectiveMismatch
+from rtxmpi.comm import shm
+
+CHUNK = shm.MIN_CHUNK_BYTES  # 4 KiB: 1024 float32 per chunk
+# element counts around chunk (1024 float32) and triple-buffer (3 chunks) boundaries
+LENGTHS = [1, 3, 1023, 1024, 1025, 3 * 1024 + 1, 10007]
+
+
+def forced_group(world, check, **config):
+    """A copy of `world` whose all_reduce takes the shared-memory path at every size."""
+    saved = shm.CONFIG
+    shm.CONFIG = shm.ShmConfig(min_bytes=0, chunk_bytes=CHUNK, **config)
+    try:
+        group = world.split(0)
+    finally:
+        shm.CONFIG = saved
+    group.check = check
+    return group
+
+
+@pytest.fixture(scope="module", params=["node", "hierarchical"])
+def layout(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def groups(world, layout):
+    """{check: group}; layout 'hierarchical' pretends nodes of 2 ranks."""
+    node_size = 2 if layout == "hierarchical" else None
+    return {check: forced_group(world, check, node_size=node_size) for check in (True, False)}
+
+
+def expected_engine(group, layout):
+    """(local_size, nodes) the engine must have, or None where MPI's path is used."""
+    n = group.world_size
+    if layout == "node":
+        return None if n == 1 else (n, 1)
+    return None if n == 1 or n % 2 else (2, n // 2)
+
+
+def assert_path(group, layout):
+    want = expected_engine(group, layout)
+    engine = group.backend._shm
+    if want is None:
+        assert engine is None or engine is False
+    else:
+        assert isinstance(engine, shm.NodeAllReduce), engine
+        assert (engine.local_size, engine.nodes) == want
+
+
+def inputs(group, length, dtype, op, salt=0):
+    mine = rank_values(group.rank, (length,), dtype, op, salt)
+    every = [rank_values(r, (length,), dtype, op, salt) for r in range(group.world_size)]
+    return mine, reduce_reference(every, op)
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+@pytest.mark.parametrize("op,dtype", REDUCE_CASES)
+def test_all_reduce_matches_numpy_for_every_op_and_dtype(groups, layout, check, op, dtype,
+                                                         assert_same_on_every_rank):
+    group = groups[check]
+    x, expected = inputs(group, 3 * 1024 + 1, dtype, op)
+    out = group.all_reduce(x, op)
+    assert out is x
+    assert_exact(out, expected)
+    assert_path(group, layout)
+    assert_same_on_every_rank(group, out)
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("op,dtype", [("sum", "float32"), ("max", "int8"), ("min", "float64"),
+                                      ("avg", "bfloat16"), ("prod", "int64"), ("sum", "bool")])
+def test_all_reduce_lengths_across_chunk_boundaries(groups, length, op, dtype):
+    group = groups[False]
+    x, expected = inputs(group, length, dtype, op, salt=length)
+    assert_exact(group.all_reduce(x, op), expected)
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+@pytest.mark.parametrize("shape", [(0,), (4, 0), ()])
+def test_all_reduce_empty_and_zero_dim(groups, check, shape):
+    group = groups[check]
+    x = np.array(rank_values(group.rank, shape, "float32"))
+    expected = reduce_reference(
+        [np.array(rank_values(r, shape, "float32")) for r in range(group.world_size)], "sum")
+    out = group.all_reduce(x)
+    assert out is x
+    assert_exact(out, expected)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int32"])
+def test_all_reduce_strided_view_writes_back_and_leaves_base_untouched(groups, dtype):
+    group = groups[False]
+    base = rank_values(group.rank, (2100, 3), dtype)
+    before = base.copy()
+    view = base[::2, 1]
+    expected = reduce_reference(
+        [rank_values(r, (2100, 3), dtype)[::2, 1] for r in range(group.world_size)], "sum")
+    out = group.all_reduce(view)
+    assert out is view
+    assert_exact(view, expected)
+    untouched = np.ones(base.shape, bool)
+    untouched[::2, 1] = False
+    assert_exact(base[untouched], before[untouched])
+
+
+def test_all_reduce_multi_dim_in_place(groups):
+    group = groups[False]
+    x, expected = inputs(group, 6 * 1031, "float64", "sum")
+    x2 = x.reshape(6, 1031)
+    out = group.all_reduce(x2)
+    assert out is x2
+    assert_exact(out.reshape(-1), expected)
+
+
+def test_repeated_calls_with_varying_sizes_and_dtypes_reuse_one_arena(groups, layout):
+    group = groups[False]
+    for i, (length, dtype) in enumerate([(50_000, "float32"), (5, "float64"), (20_011, "int8"),
+                                         (0, "float32"), (70_001, "float64"), (1030, "uint8"),
+                                         (50_000, "float32")]):
+        x, expected = inputs(group, length, dtype, "sum", salt=100 + i)
+        assert_exact(group.all_reduce(x), expected)
+        if i == 0:
+            arena = group.backend._shm
+    assert group.backend._shm is arena  # built once, reused (its size does not depend on calls)
+    assert_path(group, layout)
+
+
+def test_async_all_reduce_matches_blocking(groups):
+    group = groups[False]
+    x, expected = inputs(group, 5000, "float32", "sum")
+    assert_exact(group.all_reduce(x, async_op=True).wait(), expected)
+
+
+def test_mismatched_shapes_raise_on_every_rank_and_group_stays_usable(
+        groups, assert_raised_on_every_rank):
+    group = groups[True]
+    if group.world_size == 1:
+        pytest.skip("needs two ranks to disagree")
+    x = np.ones(2048 + 1024 * group.rank, np.float32)
+    error = assert_raised_on_every_rank(group, lambda: group.all_reduce(x), CollectiveMismatch)
+    assert "all_reduce" in str(error) and "shape=(2048,)" in str(error)
+    y, expected = inputs(group, 4097, "float32", "sum")
+    assert_exact(group.all_reduce(y), expected)
+
+
+def test_groups_with_one_rank_per_node_use_mpi(world):
+    group = forced_group(world, False, node_size=1)
+    x, expected = inputs(group, 3000, "float32", "sum")
+    assert_exact(group.all_reduce(x), expected)
+    assert group.backend._shm in (None, False)
+    if group.world_size > 1:
+        assert group.backend.shm_min_bytes == shm.NEVER
+
+
+def test_disabled_path_is_never_selected(world):
+    saved = shm.CONFIG
+    shm.CONFIG = shm.ShmConfig(enabled=False, min_bytes=0, chunk_bytes=CHUNK)
+    try:
+        group = world.split(0)
+    finally:
+        shm.CONFIG = saved
+    x, expected = inputs(group, 3000, "float32", "sum")
+    assert_exact(group.all_reduce(x), expected)
+    assert group.backend._shm is None
+
+
+def test_messages_below_the_threshold_use_mpi(world):
+    saved = shm.CONFIG
+    shm.CONFIG = shm.ShmConfig(min_bytes=1 << 20, chunk_bytes=CHUNK)
+    try:
+        group = world.split(0)
+    finally:
+        shm.CONFIG = saved
+    x, expected = inputs(group, 1000, "float32", "sum")
+    assert_exact(group.all_reduce(x), expected)
+    assert group.backend._shm is None  # never built: no call reached the threshold
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"RTXMPI_SHM": "maybe"}, "RTXMPI_SHM='maybe'"),
+    ({"RTXMPI_SHM_MIN_BYTES": "1M"}, "RTXMPI_SHM_MIN_BYTES='1M' is not an integer"),
+    ({"RTXMPI_SHM_CHUNK_BYTES": "100"}, "RTXMPI_SHM_CHUNK_BYTES='100' must be >= 4096"),
+    ({"RTXMPI_SHM_NODE_SIZE": "0"}, "RTXMPI_SHM_NODE_SIZE='0' must be >= 1"),
+])
+def test_bad_settings_raise_config_error(env, message):
+    from rtxmpi.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        shm.ShmConfig.from_env(env)
+    assert message in str(info.value)
+
+
+def test_settings_from_environment():
+    config = shm.ShmConfig.from_env({"RTXMPI_SHM": "0", "RTXMPI_SHM_MIN_BYTES": "4096",
+                                     "RTXMPI_SHM_CHUNK_BYTES": "65539", "RTXMPI_SHM_NODE_SIZE": "2"})
+    assert (config.enabled, config.min_bytes, config.chunk_bytes, config.node_size) == (
+        False, 4096, 65536, 2)
+    assert config.threshold == shm.NEVER
+    default = shm.ShmConfig.from_env({})
+    assert default.enabled and default.threshold == shm.DEFAULT_MIN_BYTES
