@@ -12,9 +12,12 @@ plain methods are put back, so tracing off costs nothing on the collective path.
   of an async span that overlaps compute as hidden and the wait spans as exposed.
 
 bytes is the payload of this rank's call: the input array's nbytes (all_gather: the output's),
-0 for barrier. Nothing here communicates.
+0 for barrier. ProcessGroup's subclasses (e.g. DeviceGroup) and Work's are wrapped too, where
+they define these methods themselves; a call made inside another traced call (a subclass calling
+super(), a blocking send waiting on its Work) is not recorded twice. Nothing here communicates.
 """
 import functools
+import threading
 
 from ..observe import trace
 from .group import ProcessGroup
@@ -23,6 +26,14 @@ from .work import Work
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "barrier",
        "send", "recv")
 _plain = {}
+_inside = threading.local()  # .busy: an outer traced call is running on this thread
+
+
+def _subclasses(cls):
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out += _subclasses(sub)
+    return out
 
 
 def _payload_bytes(op, args, group):
@@ -34,8 +45,14 @@ def _payload_bytes(op, args, group):
 def _traced_collective(op, method):
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
+        if getattr(_inside, "busy", False):
+            return method(self, *args, **kwargs)
         start = trace._now()
-        result = method(self, *args, **kwargs)
+        _inside.busy = True
+        try:
+            result = method(self, *args, **kwargs)
+        finally:
+            _inside.busy = False
         info = {"op": op, "bytes": _payload_bytes(op, args, self), "group": self.name,
                 "world_size": self.world_size, "async": isinstance(result, Work)}
         if isinstance(result, Work) and not result.is_completed():
@@ -62,12 +79,14 @@ def _traced_complete(method):
 def _traced_wait(method):
     @functools.wraps(method)
     def wrapper(self, timeout_s=None):
-        if self._done or self._span is None:
+        if self._done or self._span is None or getattr(_inside, "busy", False):
             return method(self, timeout_s)
         start, info = trace._now(), self._span[1]
+        _inside.busy = True
         try:
             return method(self, timeout_s)
         finally:
+            _inside.busy = False
             trace.add("wait " + info["op"], "wait", start, trace._now(),
                       {"op": info["op"], "group": info["group"], "bytes": info["bytes"]})
 
@@ -76,12 +95,16 @@ def _traced_wait(method):
 
 def _switch(on):
     if on and not _plain:
-        for op in OPS:
-            _plain[(ProcessGroup, op)] = ProcessGroup.__dict__[op]
-            setattr(ProcessGroup, op, _traced_collective(op, ProcessGroup.__dict__[op]))
-        for name, wrap in (("_complete", _traced_complete), ("wait", _traced_wait)):
-            _plain[(Work, name)] = Work.__dict__[name]
-            setattr(Work, name, wrap(Work.__dict__[name]))
+        for cls in _subclasses(ProcessGroup):
+            for op in OPS:
+                if op in cls.__dict__:
+                    _plain[(cls, op)] = cls.__dict__[op]
+                    setattr(cls, op, _traced_collective(op, cls.__dict__[op]))
+        for cls in _subclasses(Work):
+            for name, wrap in (("_complete", _traced_complete), ("wait", _traced_wait)):
+                if name in cls.__dict__:
+                    _plain[(cls, name)] = cls.__dict__[name]
+                    setattr(cls, name, wrap(cls.__dict__[name]))
     elif not on and _plain:
         for (cls, name), method in _plain.items():
             setattr(cls, name, method)
