@@ -51,6 +51,8 @@ EXIT_PREEMPTED = elastic.EXIT_PREEMPTED  # 75: stopped by SIGTERM/SIGUSR1 with a
 
 
 def _is_rank0():
+    if rtxmpi.is_initialized():  # after an elastic shrink, launch rank 0 may be gone
+        return rtxmpi.world().rank == 0
     from mpi4py import MPI  # initialized by `import rtxmpi`; works before rtxmpi.init()
 
     return MPI.COMM_WORLD.Get_rank() == 0
@@ -190,8 +192,8 @@ def check_args(args, world_size):
         raise ConfigError("--offload nvme needs --offload-dir DIR, and --offload-dir only goes "
                           "with --offload nvme")
     dp = check_layout(world_size, dp=args.dp, tp=args.tp, pp=getattr(args, "pp", 1), sp=args.sp,
-                      seq_len=args.seq_len, zero_stage=args.zero_stage,
-                      elastic=args.elastic)  # docs/parallel.md
+                      seq_len=args.seq_len, zero_stage=args.zero_stage, elastic=args.elastic,
+                      sequence_parallel=args.sequence_parallel)  # docs/parallel.md
     if args.global_batch % dp:
         raise ConfigError(f"--global-batch {args.global_batch} is not divisible by the data-parallel "
                           f"size {dp}; use a multiple of {dp}")

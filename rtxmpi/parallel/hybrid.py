@@ -19,6 +19,7 @@ Shape legend: B this rank's samples, T positions per sample, Ts = T/sp this rank
 C, H, V as in rtxmpi.nn.gpt; Cl = C/tp, Hl = H/tp, Fl = 4C/tp, Vl = V/tp.
 """
 import math
+import zlib
 
 import numpy as np
 
@@ -152,6 +153,18 @@ class ParallelGPT:
                               f"{self.cfg.vocab_size}")
         return self.xp.asarray(arr)
 
+    def _check_same_tokens(self, idx, targets):
+        """Checking mode: every tp rank must feed the same tokens (they compute one model
+        together); one all_gather of a crc32 per rank, ConfigError on every tp rank otherwise."""
+        host = [a if isinstance(a, np.ndarray) else a.get() for a in (idx, targets)]
+        crc = zlib.crc32(np.ascontiguousarray(host[1]).tobytes(),
+                         zlib.crc32(np.ascontiguousarray(host[0]).tobytes()))
+        crcs = self.tp_group.all_gather(np.array([crc], np.int64))
+        if not (crcs == crcs[0]).all():
+            raise ConfigError(f"tensor-parallel ranks fed different tokens (crc32 per tp rank: "
+                              f"{[hex(int(c)) for c in crcs]}); every tp rank of a dp/sp "
+                              f"coordinate must read the same samples (mesh.batch_slice)")
+
     def _block_params(self, l, grads=False):
         a, b = self.units[l + 1]
         return [p.grad if grads else p.data for p in self.params[a:b]]
@@ -173,6 +186,8 @@ class ParallelGPT:
         idx, targets = self._check_tokens(idx, "idx"), self._check_tokens(targets, "targets")
         if targets.shape != idx.shape:
             raise ConfigError(f"targets shape {targets.shape} must equal idx shape {idx.shape}")
+        if self.tp_group.check and self.tp > 1:
+            self._check_same_tokens(idx, targets)
         tp, sp_on = self.tp_group, self.sequence_parallel
         Ts = idx.shape[1]
         wte, wpe = self.params[0].data, self.params[1].data
@@ -377,11 +392,12 @@ def _check_zero(zero_stage, tp, sp):
                           "supported yet; use --zero-stage 0 with tensor/sequence parallelism")
 
 
-def check_layout(world_size, *, dp=None, tp=1, pp=1, sp=1, seq_len, zero_stage=0, elastic="off"):
+def check_layout(world_size, *, dp=None, tp=1, pp=1, sp=1, seq_len, zero_stage=0, elastic="off",
+                 sequence_parallel=False):
     """Validate a training job's layout before anything is built (pure, local, the same verdict
     on every rank). Returns dp. Raises ConfigError: dp * tp * pp * sp != world_size (naming every
     factor), seq_len not divisible by sp (or by tp * sp under
-    Megatron sequence parallelism, checked by the model), pipeline combined with tp or sp, ZeRO or
+    Megatron sequence parallelism, checked by the model), sequence_parallel with tp = 1, pipeline combined with tp or sp, ZeRO or
     elastic shrink with tp or sp > 1 (not supported yet)."""
     dp, tp, pp, sp = resolve_degrees(world_size, dp=dp, tp=tp, pp=pp, sp=sp)
     if pp > 1 and (tp > 1 or sp > 1):
@@ -391,6 +407,9 @@ def check_layout(world_size, *, dp=None, tp=1, pp=1, sp=1, seq_len, zero_stage=0
         raise ConfigError(f"sequence length {seq_len} is not divisible by sp({sp}); use a multiple "
                           f"of {sp}")
     _check_zero(zero_stage, tp, sp)
+    if sequence_parallel and tp == 1:
+        raise ConfigError("Megatron sequence parallelism splits the sequence over tp: it needs "
+                          "tp > 1 (for sequence parallelism without tp use sp, Ulysses)")
     if elastic != "off" and (tp > 1 or sp > 1):
         raise ConfigError(f"--elastic {elastic} with tp({tp}) or sp({sp}) > 1 is not supported "
                           "yet: a shrink changes the world size the mesh was built for")

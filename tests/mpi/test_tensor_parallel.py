@@ -148,3 +148,13 @@ def test_zero_with_tensor_parallelism_is_refused(world):
     with pytest.raises(ConfigError, match="not supported yet"):
         check_zero(1, mesh)
     check_zero(0, mesh)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_tp_ranks_fed_different_tokens_raise_in_checking_mode(world, assert_raised_on_every_rank):
+    mesh = DeviceMesh(dp=1, tp=world.world_size, group=world)
+    model = ParallelGPT(config(n_head=4 * world.world_size), mesh)
+    x, y = global_batch(0)
+    x = (x + world.rank) % 256  # each tp rank a different batch
+    assert_raised_on_every_rank(world, lambda: model.forward(x, y), ConfigError,
+                                match=["fed different tokens"])
