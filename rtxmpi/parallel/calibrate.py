@@ -5,8 +5,8 @@
 
 A `HardwareProfile` holds the numbers the planner's cost model (rtxmpi/parallel/planner.py) needs:
 
-  compute, per rank, measured with EVERY local rank running the same kernel at once (so 4 ranks on
-  2 cores see half a core each, as they will in training), and the contention that implies:
+  compute, per rank, measured on local rank 0 while the node's other ranks wait in MPI (as a
+  rank does between its pipeline stages), "speed(1)" below:
     dense_flops      float32 GEMM (tokens, C) @ (C, 4C), FLOP/s
     attn_flops       batched attention matmuls (B*H, T, hs) @ (B*H, hs, T), FLOP/s
     score_fwd_ns     ns per attention-score element: causal bias add + softmax (the forward)
@@ -17,19 +17,20 @@ A `HardwareProfile` holds the numbers the planner's cost model (rtxmpi/parallel/
     block_call_us    us for one block forward + backward at 8 tokens: the fixed cost of the ~70
                      numpy calls a block makes, paid per block and micro-batch
     ref_model, ref_ms  the reference run: one GPT forward + backward (rtxmpi.nn.GPT, the model
-                     the plan is for, `micro_batch` sequences) alone, in ms. The kernels above
-                     run on warm, reused buffers; the model allocates fresh activations and
-                     misses caches, so the planner scales its kernel sum by ref_ms / (the kernel
-                     sum of this run): the model factor
-    contention       busy-all time / alone time of the reference run (1.0: every rank has its
-                     own core)
-    effective_cores  ranks_per_node / contention, clamped to [1, ranks_per_node]: how many ranks
-                     can compute at full speed at once on one node (the planner's processor-sharing
-                     pipeline model uses it: when only k ranks of a node compute, each runs at
-                     min(1, effective_cores / k) of the alone speed)
-  The *_flops and *_ns fields are "alone" rates (one rank computing, the others waiting in a
-  barrier): the busy-all rate is alone / min(1, effective_cores / ranks_per_node).
-
+                     the plan is for, `micro_batch` sequences), in ms at speed(1). The kernels run
+                     on warm, reused buffers; the model allocates fresh activations and misses
+                     caches, so the planner scales its kernel sum by ref_ms / (the kernel sum of
+                     this run): the model factor
+  sharing (the crux when ranks outnumber cores): the reference run is also timed with k = half
+  and k = all of a node's ranks computing at once (ref_busy_ms: {k: ms}), and a processor-sharing
+  model is fitted to the three times:
+    speed(k) = min(1, effective_cores / (k + wait_weight * (R - k)))     (R = ranks per node)
+    effective_cores  cores the node's ranks get (fewer than its cores when other jobs run)
+    wait_weight      the share of a core a rank takes while it waits in MPI (Open MPI with
+                     mpi_yield_when_idle and rtxmpi's waits spin with sched_yield: 0 would be a
+                     sleeping waiter, 1 a busy one)
+    contention       ref_busy_ms[R] / ref_ms (1.0: every rank has its own core)
+  The planner uses speed(k) / speed(1) for the k ranks of a node computing at once.
   communication, alpha-beta fits t(bytes) = alpha_s + factor(op, n) * bytes / bw_bytes_per_s per
   operation and group size n, measured with every group of that size in the world communicating
   at once (as the dp/tp groups of a layout do): factor is 2(n-1)/n for all_reduce, (n-1)/n for
@@ -96,6 +97,8 @@ class HardwareProfile:
     block_call_us: float
     contention: float
     effective_cores: float
+    wait_weight: float
+    ref_busy_ms: dict
     links: dict
     ref_model: dict
     ref_ms: float
@@ -174,7 +177,8 @@ _DEFAULT = {
     "dense_flops": 9.0e10, "attn_flops": 5.0e10,
     "score_fwd_ns": 3.0, "score_bwd_ns": 3.0, "gelu_ns": 5.5, "ln_ns": 9.0, "adam_ns": 6.0,
     "block_call_us": 400.0,
-    "contention": 2.0, "effective_cores": 2.0,
+    "contention": 2.0, "effective_cores": 2.0, "wait_weight": 0.5,
+    "ref_busy_ms": {"2": 420.0, "4": 600.0},
     "ref_model": {"n_layer": 4, "n_head": 4, "n_embd": 128, "vocab_size": 256, "seq_len": 128,
                   "tie_embeddings": True, "micro_batch": 8},
     "ref_ms": 300.0,
@@ -337,10 +341,11 @@ def _rate(kind, units, seconds):
     return units / seconds if kind == "flops" else seconds / units * 1e9
 
 
-def _measure_compute(comm, local_rank, cfg, micro_batch, reps):
+def _measure_compute(comm, local_rank, ranks_per_node, cfg, micro_batch, reps):
     """Per-kernel alone rates (local rank 0 of each node computing, the others in a barrier;
     median of reps) and the reference model: one GPT forward + backward of `micro_batch`
-    sequences, alone and with every rank computing at once. Returns (rates, ref_ms, contention)."""
+    sequences, with 1, half and all of the node's ranks computing at once.
+    Returns (rates, {k: ms})."""
     from ..nn.gpt import GPT
 
     C, H, T = cfg.n_embd, cfg.n_head, cfg.seq_len
@@ -362,14 +367,45 @@ def _measure_compute(comm, local_rank, cfg, micro_batch, reps):
 
     step()
     ref_reps = max(3, reps // 2)
-    t_alone = _time_median(step, comm, ref_reps, active=local_rank == 0)
-    t_all = _time_median(step, comm, ref_reps, active=True)
-    times = comm.allgather((t_alone, t_all))
-    alone = min(a for a, _ in times)
-    busy = float(np.median([b for _, b in times]))
+    R = ranks_per_node
+    ks = sorted({1, (R + 1) // 2, R})
+    samples = {k: [] for k in ks}
+    for rep in range(ref_reps):  # interleaved, so a change of machine load hits every k alike
+        for k in ks[rep % len(ks):] + ks[:rep % len(ks)]:
+            t = _time_min(step, comm, 1, active=local_rank < k)
+            samples[k] += [x for x in comm.allgather(t) if x != float("inf")]
+    busy_ms = {k: float(np.median(v)) * 1e3 for k, v in samples.items()}
     # rates measured on local rank 0: take the node-0 values everywhere (broadcast)
     rates = comm.bcast(rates, root=0)
-    return rates, alone * 1e3, max(1.0, busy / alone)
+    busy_ms = comm.bcast(busy_ms, root=0)
+    return rates, busy_ms
+
+
+def fit_sharing(busy_ms, ranks_per_node, cores):
+    """Fit (effective_cores, wait_weight) of speed(k) = min(1, C / (k + w (R - k))) to reference
+    times {k: ms} with k ranks of a node computing (the others waiting): least squares on log
+    time ratios over a grid, C in [0.25, max(cores, R)], w in [0, 1]. With only k = 1 and R
+    measured (R <= 2), w is fixed at 0.5. Returns (C, w)."""
+    R = ranks_per_node
+    ks = sorted(int(k) for k in busy_ms)
+    t1 = busy_ms[ks[0]] if ks[0] in busy_ms else busy_ms[str(ks[0])]
+    obs = {k: (busy_ms[k] if k in busy_ms else busy_ms[str(k)]) / t1 for k in ks}
+    if R <= 1:
+        return float(max(1, min(cores, 1))), 0.5
+    best = (float("inf"), 1.0, 0.5)
+    c_hi = max(float(cores), float(R))
+    weights = [0.5] if len(ks) < 3 else [i / 50 for i in range(51)]
+    # descending C, strict improvement only: when no rank ever gets a whole core the ratios do
+    # not depend on C, and the largest such C (one computing rank exactly fills a core) is kept
+    for ci in range(int(c_hi * 20), 4, -1):
+        C = ci / 20
+        for w in weights:
+            def speed(k):
+                return min(1.0, C / (k + w * (R - k)))
+            err = sum((np.log(speed(ks[0]) / speed(k)) - np.log(obs[k])) ** 2 for k in ks)
+            if err < best[0] - 1e-12:
+                best = (err, C, w)
+    return best[1], best[2]
 
 
 def _pairs_within(ranks_of_node, n):
@@ -471,8 +507,10 @@ def _calibrate(comm, cfg, micro_batch, sizes, reps):
     ranks_of_node = [[r for r in range(size) if host_of[r] == h] for h in names]
     ranks_per_node = max(len(r) for r in ranks_of_node)
     cores = min(comm.allgather(_cores()))
-    rates, ref_ms, contention = _measure_compute(comm, local_rank, cfg, micro_batch, reps)
-    effective = min(float(ranks_per_node), max(1.0, ranks_per_node / contention))
+    rates, busy_ms = _measure_compute(comm, local_rank, ranks_per_node, cfg, micro_batch, reps)
+    effective, wait_weight = fit_sharing(busy_ms, ranks_per_node, cores)
+    ref_ms = busy_ms[1]
+    contention = max(1.0, busy_ms[ranks_per_node] / ref_ms)
     links = {"intra": {}, "inter": {}}
     notes = []
     for n in sorted({2, 4, ranks_per_node}):
@@ -510,7 +548,9 @@ def _calibrate(comm, cfg, micro_batch, sizes, reps):
         source=f"calibrated on {facts['host']} at {facts['date']} ({size} ranks, "
                f"{len(names)} node(s))",
         ranks_per_node=ranks_per_node, cores_per_node=cores, contention=float(contention),
-        effective_cores=float(effective), links=links, machine=facts, notes=notes,
+        effective_cores=float(effective), wait_weight=float(wait_weight),
+        ref_busy_ms={str(k): float(v) for k, v in busy_ms.items()},
+        links=links, machine=facts, notes=notes,
         ref_model={"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
                    "vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len,
                    "tie_embeddings": cfg.tie_embeddings, "micro_batch": micro_batch},

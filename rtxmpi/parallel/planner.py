@@ -29,9 +29,10 @@ a rank, h = n_head / (tp * sp) heads, S = b * h * T * T attention scores, P = pa
                   replicated over tp)
   head (last stage): 3 * 2 n C V / tp FLOPs and n V / tp cross-entropy elements (score rates);
   embeddings: n C ln_ns / 2.  The optimizer: P / (dp if ZeRO >= 1) * adam_ns.
-  contention: when k ranks of a node compute at once each runs at min(1, effective_cores / k) of
-  the alone speed (processor sharing); outside the pipeline every rank computes, so k = ranks per
-  node.
+  contention: when n of a node's R ranks compute at once and the others wait in MPI, each runs at
+  speed(n) = min(1, effective_cores / (n + wait_weight (R - n))) (processor sharing; waiting
+  ranks spin-yield and still take a share), relative to speed(1), the condition the profile's
+  rates were measured in; outside the pipeline every rank computes, so n = R.
   communication (alpha-beta, HardwareProfile.comm_time_s; intra-node unless the group spans
   nodes, mesh order pp, dp, sp, tp outermost to innermost as in rtxmpi.mesh):
     tp   Megatron: per block 2 all_reduce of n C floats forward and 2 backward; the vocabulary-
@@ -166,11 +167,13 @@ class Plan:
             gap = 100 * (other.total_ms / b.total_ms - 1)
             parts.append(f"The best other layout, {other.layout}, is predicted {other.total_ms:.1f} "
                          f"ms ({gap:.0f}% slower): {_why_slower(b, other)}.")
-        cont = p.ranks_per_node / p.effective_cores
-        if cont > 1.05:
-            parts.append(f"With {p.ranks_per_node} ranks sharing {p.effective_cores:.1f} effective "
-                         f"cores per node, every rank computes at 1/{cont:.1f} speed while all are "
-                         f"busy; fewer busy ranks run faster.")
+        R = self.inputs["ranks_per_node"]
+        if R > p.effective_cores * 1.05:
+            parts.append(f"{R} ranks per node share {p.effective_cores:.1f} effective cores "
+                         f"(a waiting rank takes {p.wait_weight:.2f} of a busy one's share), so a "
+                         f"rank computes {1 / _sharing(p, R, 1)(R):.1f}x slower while all compute "
+                         f"than while it alone does: idle pipeline stages lend only part of their "
+                         f"core.")
         if self.rejected:
             parts.append(f"{len(self.rejected)} candidates rejected ({_count_reasons(self.rejected)};"
                          f" --show-rejected lists them).")
@@ -460,6 +463,23 @@ def activation_bytes(cfg, layout, global_batch):
     return 4 * (4 * n * C + 17 * n * C / L.tp + S), 8 * n * cfg.vocab_size / L.tp
 
 
+def _sharing(profile, R, ranks_per_stage):
+    """speed(k): relative speed of each rank while k stages (k * ranks_per_stage ranks of a node
+    of R) compute and the rest wait: min(1, C / (n + w (R - n))) / the same at n = 1, the
+    profile's fitted processor-sharing model (calibrate.fit_sharing)."""
+    C, w = profile.effective_cores, profile.wait_weight
+    R_prof = profile.ranks_per_node
+
+    def raw(n, total):
+        return min(1.0, C / max(1e-9, n + w * (total - n)))
+
+    base = raw(1, R_prof)  # the condition the profile's rates were measured in
+
+    def speed(k):
+        return raw(k * ranks_per_stage, R) / base
+    return speed
+
+
 def estimate(cfg, layout, global_batch, profile, ranks_per_node=None):
     """Predicted Estimate of one valid layout (check_layout first). Local (pure).
 
@@ -472,9 +492,7 @@ def estimate(cfg, layout, global_batch, profile, ranks_per_node=None):
     stage_params, stage_blocks = _stage_params(cfg, L.pp)
     tasks = [_stage_tasks(costs, stage_blocks[s], s, L.pp) for s in range(L.pp)]
     ranks_per_stage_on_node = R / L.pp  # the stages' ranks spread evenly over the nodes
-
-    def speed(k):
-        return min(1.0, p.effective_cores / max(1e-9, k * ranks_per_stage_on_node))
+    speed = _sharing(p, R, ranks_per_stage_on_node)
 
     pipe_s, busy = simulate_pipeline(tasks, L.schedule, L.micro_batches, costs.p2p, speed)
     all_speed = speed(L.pp)

@@ -105,9 +105,35 @@ def test_compute_grows_with_the_global_batch_and_shrinks_with_ranks():
 
 
 def test_oversubscription_halves_speed_when_cores_are_half_the_ranks():
-    full = estimate(CFG, Layout(4, 1, 1, 1), 32, synthetic(effective_cores=4.0), 4)
-    half = estimate(CFG, Layout(4, 1, 1, 1), 32, synthetic(effective_cores=2.0), 4)
+    full = estimate(CFG, Layout(4, 1, 1, 1), 32, synthetic(effective_cores=4.0, wait_weight=0.0), 4)
+    half = estimate(CFG, Layout(4, 1, 1, 1), 32, synthetic(effective_cores=2.0, wait_weight=0.0), 4)
     assert half.compute_ms == pytest.approx(2 * full.compute_ms, rel=1e-6)
+
+
+def test_waiting_ranks_that_spin_lend_no_core_to_the_pipeline():
+    """wait_weight 1: a waiting rank takes a full share, so pp=4 on 2 cores pays the whole bubble;
+    wait_weight 0: the idle stages' share goes to the busy ones."""
+    L, D = Layout(1, 1, 4, 1, 4, 0, "1f1b"), Layout(4, 1, 1, 1)
+
+    def pp_over_dp(w):
+        p = synthetic(effective_cores=2.0, wait_weight=w)
+        return estimate(CFG, L, 32, p, 4).detail["pipeline_ms"] / estimate(CFG, D, 32, p, 4).detail["pipeline_ms"]
+
+    assert pp_over_dp(1.0) > 1.25 * pp_over_dp(0.0)
+    spin = estimate(CFG, L, 32, synthetic(effective_cores=2.0, wait_weight=1.0), 4)
+    assert spin.bubble == pytest.approx(3 / 7, abs=0.06)
+
+
+def test_fit_sharing_recovers_cores_and_wait_weight():
+    from rtxmpi.parallel.calibrate import fit_sharing
+
+    C, w, R = 2.0, 0.3, 4
+
+    def t(k):
+        return 100.0 / min(1.0, C / (k + w * (R - k)))
+
+    got_c, got_w = fit_sharing({1: t(1), 2: t(2), 4: t(4)}, R, 2)
+    assert got_c == pytest.approx(C, abs=0.06) and got_w == pytest.approx(w, abs=0.05)
 
 
 def test_tensor_parallel_communication_is_four_all_reduces_per_block():

@@ -1,0 +1,278 @@
+"""The planner's predictions against measured step times, for every 4-rank layout.
+
+    python bench/planner.py                          # launches mpiexec -n 4 itself
+    python bench/planner.py --model small --global-batch 32 --rounds 6 --json planner.json
+
+One MPI job (4 ranks) does, in order:
+  1. calibrates the hardware profile (rtxmpi.parallel.calibrate, the same call as
+     `rtxmpi plan --calibrate`) and plans (rtxmpi.parallel.planner.make_plan, every layout);
+  2. for each target layout (dp, tp, pp, sp) = (4,1,1,1), (2,2,1,1), (2,1,2,1), (1,2,2,1),
+     (1,1,4,1), (1,1,1,4), (2,1,1,2), takes the planner's best configuration of that layout
+     (micro-batches, ZeRO stage, schedule); layouts the runtime cannot run are listed with the
+     planner's reason;
+  3. builds every runnable layout's engine side by side (DataParallel / ZeroDataParallel,
+     HybridParallel for tp and sp, PipelineParallel for pp: what examples/train.py builds) and
+     times the training loop's step (train.py's: micro-batches, grad norm, overflow agree, clipped
+     AdamW step, loss average), interleaved: each round runs --steps-per-round steps of every
+     layout, the order rotating, so machine noise hits all alike; a step's time is the slowest
+     rank's (barrier before it); the table shows the median;
+  4. calibrates again at the end: predictions from both profiles show how much the machine drifted.
+Targets (reported, never asserted): predicted within 25% of measured for every layout; the
+planner's first choice within 10% of the fastest measured layout.
+"""
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from _common import machine_info, machine_line, markdown_table, write_json  # noqa: E402
+
+TARGETS = [(4, 1, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (1, 2, 2, 1), (1, 1, 4, 1), (1, 1, 1, 4),
+           (2, 1, 1, 2)]
+
+
+class _Replicated:
+    """ZeRO stage 0 as examples/train.py runs it: DataParallel + a whole AdamW per rank."""
+
+    def __init__(self, model, world, optimizer):
+        from rtxmpi.nn import decay_mask
+        from rtxmpi.parallel.data import DataParallel
+
+        self.model = model
+        self.ddp = DataParallel(model, world)
+        self.optimizer = optimizer(model.flat_data, decay_mask(model.params))
+        self.forward, self.backward, self.no_sync = self.ddp.forward, self.ddp.backward, self.ddp.no_sync
+
+    def grad_norm(self):
+        import math
+
+        from rtxmpi.nn import grad_norm_sq
+
+        return math.sqrt(grad_norm_sq(self.model.flat_grad))
+
+    def step(self, lr=None, max_grad_norm=None, total_norm=None):
+        from rtxmpi.nn import clip_grad_norm
+
+        if max_grad_norm is not None:
+            clip_grad_norm(self.model.flat_grad, max_grad_norm, total_norm=total_norm)
+        self.ddp.step(self.optimizer, lr=lr)
+
+
+def build(layout, cfg, world):
+    """The engine examples/train.py would build for `layout`, and (dp_rank, dp_size)."""
+    from rtxmpi.nn import GPT, AdamW
+    from rtxmpi.parallel.zero import ZeroDataParallel
+
+    def optimizer(params, mask):
+        return AdamW(params, lr=1e-4, weight_decay=0.1, decay_mask=mask)
+
+    L = layout
+    if L.pp > 1:
+        from rtxmpi.parallel.pipeline import build_pipeline
+
+        e = build_pipeline(cfg, world, dp=L.dp, pp=L.pp, micro_batches=L.micro_batches,
+                           schedule=L.schedule, optimizer=optimizer)
+        return e, e.mesh.dp_rank, e.mesh.dp, True
+    if L.tp > 1 or L.sp > 1:
+        from rtxmpi.parallel.hybrid import build_hybrid
+
+        e = build_hybrid(cfg, world, dp=L.dp, tp=L.tp, sp=L.sp, optimizer=optimizer)
+        return e, e.mesh.dp_rank, e.mesh.dp, False
+    model = GPT(cfg, seed=0)
+    if L.zero_stage:
+        e = ZeroDataParallel(model, world, stage=L.zero_stage, optimizer=optimizer)
+    else:
+        e = _Replicated(model, world, optimizer)
+    return e, world.rank, world.world_size, False
+
+
+def train_step(engine, pipeline, x, y, micro_batches, world):
+    """examples/train.py's step body (without metrics and checkpoints)."""
+    import math
+
+    import numpy as np
+
+    from rtxmpi.control import agree
+
+    if pipeline:
+        loss_sum = engine.train_step(x, y) * micro_batches
+    else:
+        loss_sum = 0.0
+        xs, ys = np.split(x, micro_batches), np.split(y, micro_batches)
+        for m in range(micro_batches):
+            loss, cache = engine.forward(xs[m], ys[m])
+            loss_sum += loss
+            if m < micro_batches - 1:
+                with engine.no_sync():
+                    engine.backward(cache, scale=1.0 / micro_batches)
+            else:
+                engine.backward(cache, scale=1.0 / micro_batches)
+    grad_norm = engine.grad_norm()
+    if agree(world, overflow=not math.isfinite(grad_norm)).overflow:
+        engine.zero_grad()
+    else:
+        engine.step(lr=1e-4, max_grad_norm=1.0, total_norm=grad_norm)
+    losses = np.array([loss_sum / micro_batches])
+    world.all_reduce(losses, op="avg")
+    return float(losses[0])
+
+
+def worker(args):
+    import numpy as np
+    from mpi4py import MPI
+
+    import rtxmpi
+    from rtxmpi.nn import GPTConfig
+    from rtxmpi.parallel.calibrate import calibrate
+    from rtxmpi.parallel.planner import estimate, make_plan
+
+    world = rtxmpi.init(check=False)
+    comm = MPI.COMM_WORLD
+    rank0 = world.rank == 0
+    cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
+    t0 = time.perf_counter()
+    profile = calibrate(world, cfg=cfg)
+    if rank0:
+        print(f"[planner] calibrated in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    plan = make_plan(cfg, args.global_batch, world.world_size, profile)
+    chosen, skipped = [], []
+    for degrees in TARGETS:
+        best = next((e for e in plan.ranked if e.layout.degrees == degrees), None)
+        if best is None:
+            why = next((w for L, w in plan.rejected if L.degrees == degrees), "no candidate")
+            skipped.append((degrees, why))
+        else:
+            chosen.append(best)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, cfg.vocab_size, (args.global_batch, args.seq_len)).astype(np.int64)
+    y = np.roll(x, -1, axis=1)
+    engines = []
+    for e in chosen:
+        eng, dp_rank, dp_size, pipe = build(e.layout, cfg, world)
+        local = args.global_batch // dp_size
+        rows = slice(dp_rank * local, (dp_rank + 1) * local)
+        engines.append((e, eng, pipe, x[rows], y[rows]))
+    times = [[] for _ in engines]
+    for i, (e, eng, pipe, xl, yl) in enumerate(engines):  # warm-up
+        train_step(eng, pipe, xl, yl, e.layout.micro_batches, world)
+    for r in range(args.rounds):
+        order = list(range(len(engines)))
+        order = order[r % len(order):] + order[:r % len(order)]
+        for i in order:
+            e, eng, pipe, xl, yl = engines[i]
+            for _ in range(args.steps_per_round):
+                comm.Barrier()
+                t = time.perf_counter()
+                train_step(eng, pipe, xl, yl, e.layout.micro_batches, world)
+                times[i].append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
+        if rank0:
+            print(f"[planner] round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    profile_end = calibrate(world, cfg=cfg)
+    if not rank0:
+        return
+    results = []
+    for (e, *_), ts in zip(engines, times):
+        end = estimate(cfg, e.layout, args.global_batch, profile_end, plan.inputs["ranks_per_node"])
+        results.append({"layout": vars(e.layout), "degrees": list(e.layout.degrees),
+                        "predicted_ms": e.total_ms, "predicted_end_ms": end.total_ms,
+                        "measured_ms": float(np.median(ts)) * 1e3,
+                        "measured_min_ms": float(np.min(ts)) * 1e3, "samples": len(ts),
+                        "compute_ms": e.compute_ms, "comm_ms": e.comm_ms, "bubble": e.bubble})
+    out = {"results": results, "skipped": [{"degrees": list(d), "reason": w} for d, w in skipped],
+           "first_choice": vars(plan.best.layout), "first_choice_predicted_ms": plan.best.total_ms,
+           "reason": plan.reason(), "profile": vars(profile), "profile_end": vars(profile_end)}
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def launch(args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", RTXMPI_CHECK="0")
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = ["mpiexec", "--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
+           "-n", "4", sys.executable, os.path.abspath(__file__), "--worker",
+           "--model", args.model, "--global-batch", str(args.global_batch), "--seq-len",
+           str(args.seq_len), "--rounds", str(args.rounds), "--steps-per-round",
+           str(args.steps_per_round)]
+    print(f"[planner] {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"[planner] the job failed:\n{proc.stdout}")
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def report(args, out, info):
+    rows, ok_all = [], True
+    fastest = min(out["results"], key=lambda r: r["measured_ms"])
+    first = out["first_choice"]
+    first_row = next(r for r in out["results"] if r["layout"] == first) if any(
+        r["layout"] == first for r in out["results"]) else None
+    for r in out["results"]:
+        L = r["layout"]
+        ratio = r["predicted_ms"] / r["measured_ms"]
+        ok = abs(ratio - 1) <= 0.25
+        ok_all &= ok
+        rows.append([f"({L['dp']},{L['tp']},{L['pp']},{L['sp']})", L["micro_batches"],
+                     L["zero_stage"], L["schedule"], f"{r['predicted_ms']:.0f}",
+                     f"{r['predicted_end_ms']:.0f}", f"{r['measured_ms']:.0f}",
+                     f"{ratio:.2f}", "yes" if ok else "NO",
+                     ("first choice" if L == first else "") +
+                     (", fastest" if r is fastest else "")])
+    print(f"Planner: predicted vs measured step time, 4 ranks, model {args.model}, global batch "
+          f"{args.global_batch} x {args.seq_len} tokens; median of {out['results'][0]['samples']} "
+          f"interleaved steps per layout")
+    print()
+    print(markdown_table(["layout (dp,tp,pp,sp)", "micro-batches", "zero", "schedule",
+                          "predicted ms", "predicted (end profile) ms", "measured ms",
+                          "predicted/measured", "within 25%", ""], rows))
+    for s in out["skipped"]:
+        print(f"\nnot run: {tuple(s['degrees'])}: {s['reason']}")
+    print()
+    if first_row is None:
+        print(f"planner's first choice {first} was not among the layouts run")
+        gap = None
+    else:
+        gap = first_row["measured_ms"] / fastest["measured_ms"] - 1
+        print(f"planner's first choice: {first_row['degrees']} (m {first['micro_batches']}, zero "
+              f"{first['zero_stage']}), measured {first_row['measured_ms']:.0f} ms; fastest "
+              f"measured: {fastest['degrees']} {fastest['measured_ms']:.0f} ms; first choice is "
+              f"{100 * gap:.1f}% slower (target <= 10%: {'met' if gap <= 0.10 else 'NOT met'})")
+    print(f"every prediction within 25%: {'met' if ok_all else 'NOT met'}")
+    print(f"\nplanner's reason: {out['reason']}")
+    p = out["profile"]
+    print(f"\nprofile at the start: effective cores {p['effective_cores']:.2f} (contention "
+          f"{p['contention']:.2f}), reference run {p['ref_ms']:.0f} ms; at the end: effective "
+          f"cores {out['profile_end']['effective_cores']:.2f}, reference run "
+          f"{out['profile_end']['ref_ms']:.0f} ms")
+    print(f"machine: {machine_line(info)}")
+    print(f"command: python bench/planner.py {shlex.join(sys.argv[1:])}".rstrip())
+    return gap, ok_all
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="small")
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds over the layouts")
+    p.add_argument("--steps-per-round", type=int, default=2)
+    p.add_argument("--json", default=None, help="write every number here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    info = machine_info()
+    out = launch(args)
+    report(args, out, info)
+    if args.json:
+        write_json(args.json, {"args": vars(args), "machine": info, **out})
+
+
+if __name__ == "__main__":
+    main()
