@@ -41,6 +41,8 @@ from ..nn.gpt import GPT, param_layout
 from ..nn.optim import AdamW, clip_grad_norm, grad_norm_sq
 from ..nn.params import bind, decay_mask, layout
 from ..observe import trace
+from . import tensor as tpl
+from .hybrid import ParallelGPT
 from .schedule import build_schedule, partition
 
 _ACT, _GRAD = 0, 1  # message kinds; tag = 2 * micro_batch + kind
@@ -118,9 +120,40 @@ class PipelineStage:
             else:
                 self._head = self.params[-1] if self.tied_copy else self.params[0]
         self.wte = self.params[0] if self.is_first else (self.params[-1] if self.tied_copy else None)
+        self.full_specs = param_layout(cfg)
+        self.full_start, self.full_stop = self.flat_start, self.flat_stop  # the same layout here
+        self.tp, self.tp_rank = 1, 0
 
     def zero_grad(self):
         self.flat_grad.fill(0)
+
+    # hooks the engine uses, so that a tensor-parallel stage can differ -------------------------
+    def activation_shape(self, b, T):
+        """Shape of the activation exchanged between stages for a micro-batch of b x T."""
+        return (b, T, self.cfg.n_embd)
+
+    def check_positions(self, T):
+        """Raise ConfigError when this stage cannot take T positions (nothing to check here)."""
+
+    def grad_norm_sq(self):
+        """Squared L2 norm of the stage's own gradient (the wte copy not counted). Local."""
+        return grad_norm_sq(self.flat_grad[:self.own_size])
+
+    def own_full(self, local_own):
+        """(full_start, values): the one-process flat layout's [full_start, full_stop) from this
+        rank's own-range vector (own_size). Local here (the layouts coincide)."""
+        return self.full_start, local_own
+
+    def load_from(self, read, name):
+        """This rank's whole stage vector (num_params: own range, then the wte copy) from the
+        one-process flat vector `name` via read(name, offset, length). Local."""
+        spans = [(0, self.own_size, self.flat_start)]
+        if self.tied_copy:
+            spans.append((self.own_size, self.num_params, 0))
+        out = self.xp.empty(self.num_params, dtype=self.dtype)
+        for lo, hi, offset in spans:
+            out[lo:hi] = self.xp.asarray(_read(read, name, offset, hi - lo), dtype=self.dtype)
+        return out
 
     def forward(self, inp, targets=None):
         caches = {}
@@ -156,6 +189,142 @@ class PipelineStage:
         return dx
 
 
+def _read(read, name, offset, length):
+    values = read(name, offset, length)
+    if getattr(values, "shape", None) != (length,):
+        raise ConfigError(f"read({name!r}, {offset}, {length}) returned shape "
+                          f"{getattr(values, 'shape', None)}, expected ({length},)")
+    return values
+
+
+class TensorParallelStage(PipelineStage):
+    """A pipeline stage of a ParallelGPT (rtxmpi.parallel.hybrid): the stage's blocks with
+    Megatron tensor parallelism over the model's tp group (sp = 1).
+
+    model: ParallelGPT on a mesh with sp = 1; its parameters of this stage are copied into the
+    stage's own flat buffers and the model's Param views are re-pointed at them (the model's own
+    flat buffers, and every other stage's parameters, are dropped), so the model's tensor-parallel
+    layer code runs on the stage's buffers. flat_start / flat_stop are the range in this tp rank's
+    local layout; full_start / full_stop in the one-process GPT layout. forward/backward as
+    PipelineStage, collective on the tp group (every tp rank of the stage calls them in the same
+    order); activations between stages are (B, T/tp, C) under sequence_parallel, else (B, T, C).
+    """
+
+    def __init__(self, model, stage, stages, blocks):
+        super().__init__(model, stage, stages, blocks)
+        self.model, self.tp, self.tp_rank = model, model.tp, model.tp_rank
+        self.tp_group = model.tp_group
+        full = model.full_specs
+        self.full_start = full[self.param_start].offset
+        self.full_stop = full[self.param_stop - 1].offset + full[self.param_stop - 1].size
+        own = self.params[:self.param_stop - self.param_start]
+        for k, p in enumerate(model.params):
+            if self.param_start <= k < self.param_stop:
+                mine = own[k - self.param_start]
+                p.data, p.grad = mine.data, mine.grad
+            elif k == 0 and self.tied_copy:
+                p.data, p.grad = self.params[-1].data, self.params[-1].grad
+            else:
+                p.data = p.grad = None
+        model.flat_data = model.flat_grad = None
+        self._wte_local = (model.params[0].offset, model.params[0].offset + model.params[0].size)
+
+    def activation_shape(self, b, T):
+        _, Tl = self.model._positions(T)
+        return (b, Tl, self.cfg.n_embd)
+
+    def check_positions(self, T):
+        if self.model.sequence_parallel and T % self.tp:
+            raise ConfigError(f"sequence_parallel: T={T} positions are not divisible by "
+                              f"tp({self.tp}); use a sequence length divisible by tp")
+
+    def forward(self, inp, targets=None):
+        m, tp, sp_on = self.model, self.tp_group, self.model.sequence_parallel
+        caches = {}
+        if self.is_first:
+            T = inp.shape[1]
+            wte, wpe = m.params[0].data, m.params[1].data
+            x, caches["emb"] = tpl.vocab_embedding_forward(inp, wte, m.vocab_start, tp, sp_on)
+            p0, Tl = m._positions(T)
+            x += wpe[p0:p0 + Tl]
+            caches["T"] = T
+        else:
+            x = inp
+        caches["blocks"] = []
+        for l in range(*self.blocks):
+            x, c = m._block_forward(x, m._block_params(l))
+            caches["blocks"].append(c)
+        if not self.is_last:
+            return x, caches
+        head = m.units[-1][0]
+        h, caches["ln_f"] = layers.layernorm_forward(x, m.params[head].data, m.params[head + 1].data)
+        logits, caches["head"] = tpl.column_linear_forward(h, m._head_weight().T, None, tp, sp_on)
+        loss, caches["ce"] = tpl.vocab_crossentropy_forward(logits, targets, m.vocab_start, tp)
+        return float(loss), caches
+
+    def backward(self, cache, dout=None, scale=1.0):
+        m, tp = self.model, self.tp_group
+        if self.is_last:
+            dlogits = tpl.vocab_crossentropy_backward(scale, cache["ce"])
+            dh, _, _ = tpl.column_linear_backward(dlogits, cache["head"], tp,
+                                                  dw_out=m._head_weight(grad=True).T)
+            head = m.units[-1][0]
+            grads = [m.params[head].grad, m.params[head + 1].grad]
+            partial, scratch = m._partial(grads, (0, 1))
+            dx, _, _ = layers.layernorm_backward(dh, cache["ln_f"], partial[0], partial[1])
+            m._sum_partial(grads, (0, 1), scratch, partial)
+        else:
+            dx = dout
+        first, stop = self.blocks
+        for l, c in zip(range(stop - 1, first - 1, -1), reversed(cache["blocks"])):
+            dx = m._block_backward(dx, c, l)
+        if not self.is_first:
+            return dx
+        if m.sequence_parallel:
+            dx = tpl.gather_sequence(dx, tp)
+        T = cache["T"]
+        m.params[1].grad[:T] += dx.sum(axis=0)  # sp = 1: positions 0..T-1
+        tpl.vocab_embedding_backward(dx, cache["emb"], m.params[0].grad)
+        return None
+
+    def grad_norm_sq(self):
+        """The full model's squared norm over this stage's parameters: tp-split parts summed over
+        tp, replicated ones counted once. Collective on the tp group."""
+        total = np.zeros(1, np.float64)
+        for p in self.params[:self.param_stop - self.param_start]:
+            if self.tp_rank == 0 or not tpl.is_replicated(p.name):
+                total[0] += grad_norm_sq(p.grad)
+        if self.tp > 1:
+            self.tp_group.all_reduce(total)
+        return float(total[0])
+
+    def _local_full(self, local_own):
+        out = self.xp.zeros(self.model.num_params, dtype=local_own.dtype)
+        out[self.flat_start:self.flat_stop] = local_own
+        return out
+
+    def own_full(self, local_own):
+        """Collective on the tp group (one all_gather of this rank's local layout)."""
+        full = self.model.gather_full(self._local_full(local_own))
+        return self.full_start, full[self.full_start:self.full_stop]
+
+    def load_from(self, read, name):
+        n_full = self.full_specs[-1].stop
+        full = self.xp.zeros(n_full, dtype=self.dtype)
+        full[self.full_start:self.full_stop] = self.xp.asarray(
+            _read(read, name, self.full_start, self.full_stop - self.full_start), dtype=self.dtype)
+        if self.tied_copy:
+            wte = self.full_specs[0]
+            full[wte.offset:wte.stop] = self.xp.asarray(_read(read, name, wte.offset, wte.size),
+                                                        dtype=self.dtype)
+        local = self.model.local_from_full(full)
+        out = self.xp.empty(self.num_params, dtype=self.dtype)
+        out[:self.own_size] = local[self.flat_start:self.flat_stop]
+        if self.tied_copy:
+            out[self.own_size:] = local[self._wte_local[0]:self._wte_local[1]]
+        return out
+
+
 class PipelineParallel:
     """Train a GPT split into pipeline stages over `pp_group`, replicated over `dp_group`.
 
@@ -185,18 +354,22 @@ class PipelineParallel:
 
     def __init__(self, model, pp_group, dp_group=None, *, micro_batches, schedule="1f1b",
                  split=None, optimizer=None):
-        if not isinstance(model, GPT):
-            raise ConfigError(f"PipelineParallel needs an rtxmpi.nn.GPT, got {type(model).__name__}")
+        if not isinstance(model, (GPT, ParallelGPT)):
+            raise ConfigError(f"PipelineParallel needs an rtxmpi.nn.GPT or a ParallelGPT, got "
+                              f"{type(model).__name__}")
+        if isinstance(model, ParallelGPT) and model.sp > 1:
+            raise ConfigError(f"pipeline parallelism with sp({model.sp}) > 1 is not supported; "
+                              "use sp=1 (tensor parallelism composes: tp >= 1)")
         p = pp_group.world_size
         self.pp_group, self.dp_group = pp_group, dp_group
         self.micro_batches, self.schedule_name = micro_batches, schedule
         self.layouts = stage_layout(model.cfg, p, split)
         self.schedules = build_schedule(schedule, micro_batches, p)  # every stage's, checked
         self.schedule = self.schedules[pp_group.rank]
-        self.stage = PipelineStage(model, pp_group.rank, p, self.layouts[pp_group.rank])
-        self.stage.full_specs = param_layout(model.cfg)
+        stage_type = TensorParallelStage if isinstance(model, ParallelGPT) else PipelineStage
+        self.stage = stage_type(model, pp_group.rank, p, self.layouts[pp_group.rank])
         self.cfg = model.cfg
-        self.num_params = model.num_params
+        self.num_params = self.stage.full_specs[-1].stop  # the one-process model's
         self.full_specs = param_layout(model.cfg)  # the GPT's flat layout (checkpoint metadata)
         self.model = self.stage  # what train.py reads as "the model": dtype, num_params, full_specs
         self.mesh = None  # set by from_mesh
@@ -216,11 +389,15 @@ class PipelineParallel:
     @classmethod
     def from_mesh(cls, model, mesh, **kwargs):
         """Build over a DeviceMesh (rtxmpi.mesh): pp_group = mesh.group("pp"), dp_group =
-        mesh.group("dp"). Raises ConfigError when mesh.tp or mesh.sp > 1 (the pipeline stage runs
-        the plain GPT layers; combine with tensor or sequence parallelism is not supported)."""
-        if mesh.tp > 1 or mesh.sp > 1:
-            raise ConfigError(f"pipeline parallelism with tp({mesh.tp}) or sp({mesh.sp}) > 1 is not "
-                              f"supported: its stages run the plain GPT layers; use tp=1 sp=1")
+        mesh.group("dp"). With mesh.tp > 1 the model must be a ParallelGPT on the same mesh
+        (tensor-parallel stages). Raises ConfigError when mesh.sp > 1 (not supported) or tp > 1
+        with a plain GPT."""
+        if mesh.sp > 1:
+            raise ConfigError(f"pipeline parallelism with sp({mesh.sp}) > 1 is not supported; use "
+                              "sp=1 (tensor parallelism composes)")
+        if mesh.tp > 1 and not isinstance(model, ParallelGPT):
+            raise ConfigError(f"pipeline parallelism with tp({mesh.tp}) > 1 needs the model as a "
+                              "ParallelGPT on the same mesh (rtxmpi.parallel.hybrid)")
         engine = cls(model, mesh.group("pp"), mesh.group("dp"), **kwargs)
         engine.mesh = mesh
         return engine
@@ -239,6 +416,12 @@ class PipelineParallel:
         if T > self.cfg.seq_len:
             raise ConfigError(f"batch has T={T} positions but the model's seq_len is "
                               f"{self.cfg.seq_len}")
+        for name, a in (("x", x), ("y", y)):
+            if a.dtype.kind not in "iu" or int(a.min()) < 0 or int(a.max()) >= self.cfg.vocab_size:
+                raise ConfigError(f"pipeline batch: {name} must hold integer token ids in [0, "
+                                  f"{self.cfg.vocab_size}), got dtype {a.dtype}, range "
+                                  f"[{a.min()}, {a.max()}]")
+        self.stage.check_positions(T)
         return B // m, T
 
     def train_step(self, x, y):
@@ -289,7 +472,7 @@ class PipelineParallel:
 
     def _run(self, x, y, b, T, backward):
         st, pp, m, xp = self.stage, self.pp_group, self.micro_batches, self.stage.xp
-        C = self.cfg.n_embd
+        shape = st.activation_shape(b, T)
         ops = self.schedule if backward else [op for op in self.schedule
                                               if op.kind in ("F", "send_act", "recv_act")]
         inputs, outputs, caches, grads = {}, {}, {}, {}
@@ -317,7 +500,7 @@ class PipelineParallel:
                     tag = 2 * i + (_ACT if kind == "send_act" else _GRAD)
                     sends.append(pp.send(outputs.pop(i), op.peer, tag, async_op=True))
                 else:  # a receive: blocks until the peer's send arrived (CollectiveTimeout)
-                    buf = xp.empty((b, T, C), dtype=st.dtype)
+                    buf = xp.empty(shape, dtype=st.dtype)
                     into = inputs if kind == "recv_act" else grads
                     into[i] = pp.recv(buf, op.peer, 2 * i + (_ACT if kind == "recv_act" else _GRAD))
             timeline.append((kind, i, t0, now()))
@@ -331,7 +514,7 @@ class PipelineParallel:
         """Global L2 norm of the gradient (every stage's own parameters, the wte copy counted
         once). Collective over pp_group; the same on every rank."""
         st = self.stage
-        total = np.array([grad_norm_sq(st.flat_grad[:st.own_size])], np.float64)
+        total = np.array([st.grad_norm_sq()], np.float64)
         if self.pp_group.world_size > 1:
             self.pp_group.all_reduce(total, op="sum")
         return math.sqrt(float(total[0]))
@@ -352,55 +535,46 @@ class PipelineParallel:
 
     # ---------------------------------------------------------------------------------- state
     def full_params(self):
-        """The whole model's flat parameter vector (GPT layout, length num_params) on every rank.
-        Collective over pp_group (one all_reduce of num_params elements)."""
+        """The whole model's flat parameter vector (one-process GPT layout, num_params) on every
+        rank. Collective over pp_group (one all_reduce of num_params elements) and tp."""
         st = self.stage
         full = st.xp.zeros(self.num_params, dtype=st.dtype)
-        full[st.flat_start:st.flat_stop] = st.flat_data[:st.own_size]
+        start, values = st.own_full(st.flat_data[:st.own_size])
+        full[start:start + values.shape[0]] = values
         if self.pp_group.world_size > 1:
             self.pp_group.all_reduce(full, op="sum")
         return full
 
-    def _dp_piece(self):
-        """This dp rank's [lo, hi) of the stage's own range (local offsets)."""
-        r, n = (0, 1) if self.dp_group is None else (self.dp_group.rank, self.dp_group.world_size)
-        return r * self.stage.own_size // n, (r + 1) * self.stage.own_size // n
-
     def shards(self):
         """Checkpoint pieces: name -> (local 1-D array, global_offset, global_size). "params",
-        "adam.m", "adam.v": the stage's own range of the GPT flat layout, split evenly over dp
-        (the wte copy is not written: stage 0 holds the same values); "adam.step": one int64 held
-        by stage 0, dp rank 0. Together the world's pieces cover each tensor once. Local."""
-        lo, hi = self._dp_piece()
+        "adam.m", "adam.v": the stage's range of the one-process flat layout, split evenly over
+        the stage's dp x tp ranks (the wte copy is not written: stage 0 holds the same values);
+        "adam.step": one int64 held by stage 0's first rank. Together the world's pieces cover
+        each tensor once, so the checkpoint loads at any layout. Collective on tp (gathers)."""
         st, n, state = self.stage, self.num_params, self.optimizer.state_dict()
-        first = self.pp_group.rank == 0 and (self.dp_group is None or self.dp_group.rank == 0)
-        steps = np.full(1 if first else 0, state["step"], np.int64)
-        return {"params": (st.flat_data[lo:hi], st.flat_start + lo, n),
-                "adam.m": (state["m"][lo:hi], st.flat_start + lo, n),
-                "adam.v": (state["v"][lo:hi], st.flat_start + lo, n),
-                "adam.step": (steps, 0, 1)}
+        dp_rank, dp = ((0, 1) if self.dp_group is None
+                       else (self.dp_group.rank, self.dp_group.world_size))
+        w, writers = st.tp_rank * dp + dp_rank, st.tp * dp
+        out = {}
+        for name, local in (("params", st.flat_data), ("adam.m", state["m"]),
+                            ("adam.v", state["v"])):
+            start, values = st.own_full(local[:st.own_size])
+            k = values.shape[0]
+            lo, hi = w * k // writers, (w + 1) * k // writers
+            out[name] = (values[lo:hi], start + lo, n)
+        first = self.pp_group.rank == 0 and w == 0
+        out["adam.step"] = (np.full(1 if first else 0, state["step"], np.int64), 0, 1)
+        return out
 
     def load_shards(self, read):
         """Load parameters and optimizer state from a checkpoint of any layout: read(name, offset,
-        length) -> 1-D array of the global vector's elements. Reads the stage's own range (and
-        wte for the copy). Local; drops accumulated gradients."""
+        length) -> 1-D array of the one-process flat vector's elements. Reads the stage's range
+        (and wte for the copy). Local; drops accumulated gradients. Raises ConfigError when read
+        returns the wrong length."""
         st = self.stage
-        spans = [(0, st.own_size, st.flat_start)]
-        if st.tied_copy:
-            spans.append((st.own_size, st.num_params, 0))
-        state = {"step": int(read("adam.step", 0, 1)[0])}
-        for name in ("params", "adam.m", "adam.v"):
-            full = st.xp.empty(st.num_params, dtype=st.dtype)
-            for lo, hi, offset in spans:
-                values = read(name, offset, hi - lo)
-                if getattr(values, "shape", None) != (hi - lo,):
-                    raise ConfigError(f"read({name!r}, {offset}, {hi - lo}) returned shape "
-                                      f"{getattr(values, 'shape', None)}")
-                full[lo:hi] = st.xp.asarray(values, dtype=st.dtype)
-            if name == "params":
-                st.flat_data[...] = full
-            else:
-                state[name[5:]] = full
+        state = {"step": int(_read(read, "adam.step", 0, 1)[0]),
+                 "m": st.load_from(read, "adam.m"), "v": st.load_from(read, "adam.v")}
+        st.flat_data[...] = st.load_from(read, "params")
         self.optimizer.load_state_dict(state)
         st.zero_grad()
 
@@ -432,13 +606,15 @@ def check_pipeline(*, pp, micro_batches, schedule, n_layer, zero_stage=0, offloa
     build_schedule(schedule, micro_batches, pp)
 
 
-def build_pipeline(cfg, group, *, dp=None, pp, micro_batches, schedule="1f1b", split=None, seed=0,
-                   dtype=np.float32, optimizer=None):
-    """The mesh (dp x pp, tp = sp = 1) and PipelineParallel engine for a training job: builds
-    the GPT from (cfg, seed), keeps this rank's stage and drops the rest. Returns the engine
-    (engine.mesh, engine.model = its PipelineStage). Collective on `group`. Raises ConfigError
-    on every rank (layout, schedule, split)."""
-    mesh = DeviceMesh(dp=dp, tp=1, pp=pp, sp=1, group=group)
-    return PipelineParallel.from_mesh(GPT(cfg, seed=seed, dtype=dtype), mesh,
-                                      micro_batches=micro_batches, schedule=schedule, split=split,
-                                      optimizer=optimizer)
+def build_pipeline(cfg, group, *, dp=None, pp, tp=1, micro_batches, schedule="1f1b", split=None,
+                   seed=0, dtype=np.float32, sequence_parallel=False, optimizer=None):
+    """The mesh (dp x pp x tp, sp = 1) and PipelineParallel engine for a training job: builds the
+    GPT (a ParallelGPT when tp > 1, optionally with Megatron sequence_parallel) from (cfg, seed),
+    keeps this rank's stage and drops the rest. Returns the engine (engine.mesh, engine.model =
+    its stage). Collective on `group`. Raises ConfigError on every rank (layout, schedule, split,
+    a model that does not divide by tp)."""
+    mesh = DeviceMesh(dp=dp, tp=tp, pp=pp, sp=1, group=group)
+    model = (ParallelGPT(cfg, mesh, seed=seed, dtype=dtype, sequence_parallel=sequence_parallel)
+             if tp > 1 else GPT(cfg, seed=seed, dtype=dtype))
+    return PipelineParallel.from_mesh(model, mesh, micro_batches=micro_batches, schedule=schedule,
+                                      split=split, optimizer=optimizer)

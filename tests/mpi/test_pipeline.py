@@ -1,7 +1,8 @@
 """Pipeline parallelism against the one-process reference on the same global batch.
 
-Layouts come from the world size n: pp = n (one pipeline through every rank) and, for even n,
-pp = 2 x dp = n / 2; at n = 1 the pipeline has one stage. Both schedules, tied and untied
+Layouts (dp, tp, pp) come from the world size n: pp = n (one pipeline through every rank) and, at
+n = 4, pp = 2 x dp = 2 and pp = 2 x tp = 2 (tensor-parallel stages, with and without Megatron
+sequence parallelism); at n = 1 the pipeline has one stage. Both schedules, tied and untied
 embeddings.
 """
 import numpy as np
@@ -11,25 +12,37 @@ from conftest import GLOBAL_BATCH, T, global_batch
 from rtxmpi.errors import ConfigError
 from rtxmpi.mesh import DeviceMesh
 from rtxmpi.nn import GPT, AdamW, GPTConfig, clip_grad_norm, decay_mask
+from rtxmpi.parallel import tensor as tpl
+from rtxmpi.parallel.hybrid import ParallelGPT
 from rtxmpi.parallel.pipeline import PipelineParallel
 
 
+def config(tied=True, n_layer=4):
+    return GPTConfig(seq_len=T, n_layer=n_layer, n_head=2, n_embd=32, tie_embeddings=tied)
+
+
 def make_model(tied=True, dtype=np.float32, n_layer=4):
-    cfg = GPTConfig(seq_len=T, n_layer=n_layer, n_head=2, n_embd=32, tie_embeddings=tied)
-    return GPT(cfg, seed=3, dtype=dtype)
+    return GPT(config(tied, n_layer), seed=3, dtype=dtype)
 
 
-def layouts(world):
+def layouts(world, tensor=True):
+    """(dp, tp, pp, sequence_parallel) layouts of this world size."""
     n = world.world_size
-    out = [(1, n)]  # (dp, pp)
-    if n % 2 == 0 and n > 2:
-        out.append((n // 2, 2))
+    out = [(1, 1, n, False)]
+    if n == 4:
+        out.append((2, 1, 2, False))
+        if tensor:
+            out += [(1, 2, 2, False), (1, 2, 2, True)]
     return out
 
 
-def build(world, dp, pp, **kwargs):
-    mesh = DeviceMesh(dp=dp, pp=pp, group=world)
-    model = kwargs.pop("model", None) or make_model()
+def build(world, dp, pp, tp=1, sequence_parallel=False, tied=True, dtype=np.float32, **kwargs):
+    mesh = DeviceMesh(dp=dp, tp=tp, pp=pp, group=world)
+    model = kwargs.pop("model", None)
+    if model is None:
+        model = (ParallelGPT(config(tied), mesh, seed=3, dtype=dtype,
+                             sequence_parallel=sequence_parallel) if tp > 1
+                 else make_model(tied, dtype))
     return mesh, PipelineParallel.from_mesh(model, mesh, **kwargs)
 
 
@@ -40,12 +53,15 @@ def reference_grad(model, x, y):
 
 
 def check_stage_grads(engine, reference):
+    """Every rank: its stage's gradient (gathered over tp) equals the one-process one."""
     st = engine.stage
-    np.testing.assert_allclose(st.flat_grad[:st.own_size],
-                               reference.flat_grad[st.flat_start:st.flat_stop], rtol=1e-5, atol=1e-7)
+    start, grad = st.own_full(st.flat_grad[:st.own_size])  # collective on tp
+    assert (start, start + grad.shape[0]) == (st.full_start, st.full_stop)
+    np.testing.assert_allclose(grad, reference.flat_grad[start:start + grad.shape[0]],
+                               rtol=1e-5, atol=1e-7)
     if st.tied_copy:  # the head's wte copy holds the full (summed) wte gradient too
-        np.testing.assert_allclose(st.params[-1].grad, reference.params[0].grad,
-                                   rtol=1e-5, atol=1e-7)
+        wte = tpl.shard_param("wte", reference.params[0].grad, st.tp_rank, st.tp)
+        np.testing.assert_allclose(st.params[-1].grad, wte, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -55,8 +71,8 @@ def test_pipeline_gradients_match_single_process(world, schedule, tied):
     reference = make_model(tied)
     reference_grad(reference, x, y)
     ref_loss, _ = make_model(tied).forward(x, y)
-    for dp, pp in layouts(world):
-        mesh, engine = build(world, dp, pp, model=make_model(tied), micro_batches=4,
+    for dp, tp, pp, seq in layouts(world):
+        mesh, engine = build(world, dp, pp, tp, seq, tied=tied, micro_batches=4,
                              schedule=schedule)
         rows = mesh.batch_slice(GLOBAL_BATCH)
         loss = engine.train_step(x[rows], y[rows])
@@ -93,48 +109,55 @@ def test_pipeline_loss_curve_matches_single_process_over_10_steps(world):
         ref_opt.step(reference.flat_grad)
         reference.zero_grad()
         ref_losses.append(loss)
-    dp, pp = layouts(world)[-1]
-    mesh, engine = build(world, dp, pp, model=make_model(dtype=np.float64), micro_batches=4,
-                         optimizer=optimizer)
-    rows = mesh.batch_slice(GLOBAL_BATCH)
-    losses = []
-    for step in range(10):
-        x, y = global_batch(step)
-        losses.append(engine.train_step(x[rows], y[rows]))
-        engine.step(max_grad_norm=1.0)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-9)
-    full = engine.full_params()  # collective: every rank
-    np.testing.assert_allclose(full, reference.flat_data, rtol=1e-6, atol=1e-9)
-    st = engine.stage
-    if st.tied_copy:  # the two wte copies stay identical
-        wte = st.params[-1]
-        np.testing.assert_array_equal(wte.data, full[:wte.size].reshape(wte.shape))
+    for dp, tp, pp, seq in layouts(world)[-2:]:  # at n = 4: pp x dp and pp x tp
+        mesh, engine = build(world, dp, pp, tp, seq, dtype=np.float64, micro_batches=4,
+                             optimizer=optimizer)
+        rows = mesh.batch_slice(GLOBAL_BATCH)
+        losses = []
+        for step in range(10):
+            x, y = global_batch(step)
+            losses.append(engine.train_step(x[rows], y[rows]))
+            engine.step(max_grad_norm=1.0)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-9)
+        full = engine.full_params()  # collective: every rank
+        np.testing.assert_allclose(full, reference.flat_data, rtol=1e-6, atol=1e-9)
+        st = engine.stage
+        if st.tied_copy:  # the two wte copies stay identical
+            wte = tpl.shard_param("wte", full[:st.full_specs[0].size].reshape(st.full_specs[0].shape),
+                                  st.tp_rank, st.tp)
+            np.testing.assert_array_equal(st.params[-1].data, wte)
 
 
 def test_eval_loss_is_the_forward_loss_and_leaves_no_gradient(world):
     x, y = global_batch(2)
     ref_loss, _ = make_model().forward(x, y)
     mesh, engine = build(world, 1, world.world_size, micro_batches=world.world_size)
+    assert engine.forward(x, y)[0] == pytest.approx(ref_loss, rel=1e-5)
     assert engine.eval_loss(x, y) == pytest.approx(ref_loss, rel=1e-5)
     assert not engine.stage.flat_grad.any()
 
 
-def test_checkpoint_pieces_cover_every_tensor_once(world):
-    _, engine = build(world, *layouts(world)[-1], micro_batches=2)
-    pieces = engine.shards()
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_checkpoint_pieces_cover_every_tensor_once_and_load_back(world, which):
+    dp, tp, pp, seq = layouts(world)[0 if which == "first" else -1]
+    _, engine = build(world, dp, pp, tp, seq, micro_batches=4)
+    reference = make_model()
+    pieces = engine.shards()  # collective on tp
     for name, (data, offset, size) in pieces.items():
         cover = np.zeros(size, np.int64)
         cover[offset:offset + data.shape[0]] = 1
         world.all_reduce(cover)
         assert (cover == 1).all(), name
-    full = engine.full_params()
-    reference = make_model()
-    np.testing.assert_array_equal(full, reference.flat_data)
+    np.testing.assert_array_equal(engine.full_params(), reference.flat_data)
     engine.stage.flat_data[...] = 0
+    moments = np.arange(reference.num_params, dtype=np.float32)
     engine.load_shards(lambda name, offset, length: (
         reference.flat_data[offset:offset + length] if name == "params" else
-        np.zeros(length, np.int64) if name == "adam.step" else np.zeros(length, np.float32)))
+        np.full(length, 5, np.int64) if name == "adam.step" else moments[offset:offset + length]))
     np.testing.assert_array_equal(engine.full_params(), reference.flat_data)
+    assert engine.optimizer.step_count == 5
+    start, m = engine.stage.own_full(engine.optimizer.m[:engine.stage.own_size])
+    np.testing.assert_array_equal(m, moments[start:start + m.shape[0]])
 
 
 # -- impossible settings: ConfigError (a ValueError) on every rank, nothing sent -------------------
@@ -179,8 +202,18 @@ def test_a_split_that_does_not_fit_raises_on_every_rank(world, assert_raised_on_
 
 
 @pytest.mark.mpi(min_size=4)
-def test_pipeline_refuses_tensor_parallel_mesh(world, assert_raised_on_every_rank):
+def test_pipeline_refuses_a_plain_gpt_on_a_tensor_parallel_mesh(world, assert_raised_on_every_rank):
     mesh = DeviceMesh(dp=1, tp=2, pp=world.world_size // 2, group=world)
     assert_raised_on_every_rank(
         world, lambda: PipelineParallel.from_mesh(make_model(), mesh, micro_batches=2),
-        ConfigError, match=["tp(2)"])
+        ConfigError, match=["tp(2) > 1 needs the model as a ParallelGPT"])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_token_ids_out_of_range_raise_on_every_rank(world, assert_raised_on_every_rank):
+    _, engine = build(world, 1, world.world_size, micro_batches=world.world_size)
+    x, y = global_batch(0)
+    y = y.astype(np.int64)
+    y[0, 0] = 300  # only the last stage reads y
+    assert_raised_on_every_rank(world, lambda: engine.train_step(x, y), ValueError,
+                                match=["token ids in [0, 256)"])
