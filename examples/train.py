@@ -42,6 +42,7 @@ from rtxmpi.nn import (GPT, MODEL_SIZES, AdamW, GPTConfig, clip_grad_norm, cosin
 from rtxmpi.parallel.data import DataParallel
 from rtxmpi.parallel.hybrid import build_hybrid, check_layout
 from rtxmpi.parallel.pipeline import build_pipeline, check_pipeline
+from rtxmpi.parallel.planner import explicit_layout_flags, plan_for_job
 from rtxmpi.parallel.zero import ZeroDataParallel
 from rtxmpi.wal import ResumeParity, WriteAheadLog, params_digest, read_wal, wal_path
 
@@ -84,6 +85,12 @@ def parse_args(argv=None):
                    help="pipeline-parallel stages (layers split over --pp ranks; docs/parallel.md)")
     p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"),
                    help="pipeline schedule with --pp > 1 (1f1b needs --micro-batches >= --pp)")
+    p.add_argument("--plan", default=None, choices=("auto",),
+                   help="auto: the planner picks --dp/--tp/--pp/--sp/--micro-batches/--zero-stage/"
+                        "--schedule from a hardware profile (docs/planner.md); not with those flags")
+    p.add_argument("--plan-profile", default=None, metavar="FILE",
+                   help="--plan auto: read the hardware profile from FILE, or measure it and save "
+                        "it there when FILE does not exist (default: measure, 5-15 s)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel degree (default: world size / (tp * pp * sp))")
@@ -148,7 +155,13 @@ def parse_args(argv=None):
     p.add_argument("--requeue", action="store_true",
                    help="after a pre-emption signal: scontrol requeue $SLURM_JOB_ID (rank 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    given = explicit_layout_flags(sys.argv[1:] if argv is None else argv)
+    if args.plan and given:
+        p.error(f"--plan auto chooses the layout; drop {', '.join(given)} or --plan")
+    if args.plan_profile and not args.plan:
+        p.error("--plan-profile needs --plan auto")
+    return args
 
 
 def check_args(args, world_size):
@@ -519,9 +532,23 @@ def observer(world, args, engine, sampler):
     return obs
 
 
+def apply_plan(world, args):
+    """--plan auto: calibrate (or read --plan-profile), plan, and set the layout flags in args."""
+    cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
+    layout, plan = plan_for_job(world, cfg, args.global_batch, args.plan_profile)
+    args.dp, args.tp, args.pp, args.sp = layout.degrees
+    args.micro_batches, args.zero_stage = layout.micro_batches, layout.zero_stage
+    args.schedule = layout.schedule if layout.pp > 1 else args.schedule
+    if world.rank == 0:
+        print(f"plan (--plan auto):\n{plan.table(top=5)}\n{plan.reason()}\nplan: running "
+              f"{layout.flags()}", flush=True)
+
+
 def train(args):
     world = rtxmpi.init(timeout_s=args.timeout_s)
     rank, world_size = world.rank, world.world_size
+    if args.plan:  # --plan auto: every rank runs the layout rank 0 planned (docs/planner.md)
+        apply_plan(world, args)
     check_args(args, world_size)
     corpus = load_data(world, args)
     cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
@@ -689,4 +716,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    elastic.exit_after(main)  # main()'s exit status; after a shrink, no MPI_Finalize (docs/elastic.md)

@@ -701,3 +701,65 @@ def main(args):
         with open(args.json, "w") as f:
             json.dump(_plan_json(plan), f, indent=1)
     return 0 if plan.ranked else 1
+
+
+# ------------------------------------------------------------------- examples/train.py --plan auto
+LAYOUT_FLAGS = ("--dp", "--tp", "--pp", "--sp", "--micro-batches", "--zero-stage", "--schedule")
+
+
+def explicit_layout_flags(argv):
+    """The layout flags (LAYOUT_FLAGS) given on a command line (`--tp 2` or `--tp=2`)."""
+    return [f for f in LAYOUT_FLAGS if any(a == f or a.startswith(f + "=") for a in argv)]
+
+
+def plan_for_job(group, cfg, global_batch, profile_path=None, mem_per_device=None):
+    """`--plan auto`: the fastest layout for this job. Collective: every rank of `group` calls it.
+
+    The profile is read from `profile_path` when that file exists, else measured now (calibrate,
+    5-15 s) and, with a path, saved there for the next run (rank 0 writes). Rank 0 plans and
+    broadcasts the choice, so every rank runs the same layout. mem_per_device: bytes per rank
+    (None: the host's physical memory / ranks on it). Returns (Layout, Plan).
+    Raises ConfigError on every rank when the profile is unreadable or no layout fits.
+    """
+    import os
+
+    from mpi4py import MPI
+
+    from .calibrate import calibrate
+
+    comm = MPI.COMM_WORLD
+    if profile_path and os.path.exists(profile_path):
+        error, profile = None, None
+        if group.rank == 0:
+            try:
+                profile = HardwareProfile.load(profile_path)
+            except ConfigError as exc:
+                error = str(exc)
+        error, data = comm.bcast((error, vars(profile) if profile else None), root=0)
+        if error:
+            raise ConfigError(error)
+        profile = HardwareProfile.from_dict(data, what=profile_path)
+    else:
+        profile = calibrate(group, cfg=cfg)
+        if profile_path and group.rank == 0:
+            profile.save(profile_path)
+    if mem_per_device is None:
+        try:
+            physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+            mem_per_device = physical // local.Get_size()
+            local.Free()
+        except (ValueError, OSError, AttributeError):
+            mem_per_device = None
+    choice, plan, error = None, None, None
+    if group.rank == 0:
+        plan = make_plan(cfg, global_batch, group.world_size, profile,
+                         mem_per_device=mem_per_device)
+        if plan.best is None:
+            error = plan.reason()
+        else:
+            choice = vars(plan.best.layout)
+    error, choice = comm.bcast((error, choice), root=0)
+    if error:
+        raise ConfigError(f"--plan auto: {error}")
+    return Layout(**choice), plan

@@ -1,0 +1,64 @@
+"""The planner end to end: `rtxmpi plan --calibrate` under mpiexec, and `train.py --plan auto`."""
+import json
+import sys
+
+from conftest import REPO, launch_env, mpiexec_argv, run_command
+
+from rtxmpi.parallel.calibrate import HardwareProfile, default_profile
+
+
+def _profile_favouring_the_pipeline(path):
+    """A profile whose collectives cost 50 ms each while send/recv is cheap: with 2 ranks the
+    planner must pick pp=2 (no gradient all_reduce, no per-layer tp/sp traffic)."""
+    data = json.loads(json.dumps(vars(default_profile())))
+    slow = {"2": [0.05, 1e9]}
+    data["source"] = "test profile (slow collectives)"
+    data["ranks_per_node"] = 2
+    data["links"] = {scope: {op: slow for op in ("all_reduce", "all_gather", "reduce_scatter",
+                                                 "all_to_all")} for scope in ("intra", "inter")}
+    for scope in ("intra", "inter"):
+        data["links"][scope]["send_recv"] = {"2": [1e-5, 1e9]}
+    HardwareProfile.from_dict(data).save(str(path))
+
+
+def test_plan_auto_runs_the_layout_the_planner_chose(tmp_path):
+    profile = tmp_path / "profile.json"
+    _profile_favouring_the_pipeline(profile)
+    metrics = tmp_path / "m.jsonl"
+    proc = run_command(mpiexec_argv(2) + [
+        sys.executable, REPO / "examples" / "train.py", "--plan", "auto", "--plan-profile",
+        profile, "--model", "tiny", "--steps", "3", "--global-batch", "8", "--seq-len", "32",
+        "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress",
+        "--metrics-jsonl", metrics], outer_timeout_s=180,
+        env=launch_env(RTXMPI_CACHE_DIR=tmp_path / "cache"))
+    assert proc.returncode == 0, str(proc)
+    running = proc.lines("plan: running")
+    assert len(running) == 1 and "--dp 1 --tp 1 --pp 2 --sp 1" in running[0], str(proc)
+    assert "test profile (slow collectives)" in proc.stdout
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+
+
+def test_plan_auto_with_a_layout_flag_exits_2(tmp_path):
+    proc = run_command([sys.executable, REPO / "examples" / "train.py", "--plan", "auto",
+                        "--micro-batches", "2"], outer_timeout_s=60, env=launch_env())
+    assert proc.returncode == 2, str(proc)
+    assert "--plan auto chooses the layout; drop --micro-batches" in proc.stderr
+
+
+def test_calibrate_under_mpiexec_saves_a_profile_the_cli_reuses(tmp_path):
+    saved = tmp_path / "measured.json"
+    proc = run_command(mpiexec_argv(2) + [
+        sys.executable, "-m", "rtxmpi.cli", "plan", "--calibrate", "--save-profile", saved,
+        "--model", "tiny", "--seq-len", "64", "--global-batch", "8", "--top", "3"],
+        outer_timeout_s=180, env=launch_env())
+    assert proc.returncode == 0, str(proc)
+    assert "Chosen: " in proc.stdout and "calibrated on" in proc.stdout
+    profile = HardwareProfile.load(str(saved))
+    assert profile.source.startswith("calibrated") and profile.ranks_per_node == 2
+    assert profile.dense_flops > 1e8 and profile.ref_ms > 0
+    assert set(profile.links["intra"]) >= {"all_reduce", "all_gather", "send_recv"}
+    again = run_command([sys.executable, "-m", "rtxmpi.cli", "plan", "--profile", saved,
+                         "--world-size", "2", "--model", "tiny", "--seq-len", "64",
+                         "--global-batch", "8"], outer_timeout_s=60, env=launch_env())
+    assert again.returncode == 0 and profile.source in again.stdout, str(again)
