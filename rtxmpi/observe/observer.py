@@ -74,6 +74,7 @@ class Observer:
         self.keep_all = timeline is not None or run_dir is not None
         self.metrics, self.verdict, self.offset_us = None, None, 0.0
         self._step, self._begin_us, self._mark, self._window_starts = None, 0.0, 0, []
+        self._cross, self._written_us = None, -1e18
         if not self.active:
             return
         if run_dir is not None and group.rank == 0:
@@ -170,8 +171,11 @@ class Observer:
     def end_step(self, step):
         """This rank's values for step `step` since begin_step: the Prometheus names except
         step_time_ms/tokens_per_s (the loop has its own), plus compute_ms, data_ms,
-        exposed_comm_ms, comm_ms. Updates the gauges; with metrics on, gathers every rank's
-        values (collective: every rank calls end_step) for rank 0's cross-rank view. {} inactive.
+        exposed_comm_ms, comm_ms. Updates the gauges; with metrics on, starts an asynchronous
+        all_gather of every rank's values (collective: every rank calls end_step) that the next
+        end_step (or close) completes for rank 0's cross-rank view, so the view lags one step and
+        adds no synchronization point; the textfile is rewritten at most once a second.
+        {} when inactive.
         """
         if not self.active or self._step is None:
             return {}
@@ -188,15 +192,28 @@ class Observer:
                    comm_ms=b.comm_ms)
         if self.metrics is not None:
             self.metrics.update(values)
+            slowest = self._finish_cross()
+            if slowest is not None:
+                out["slowest_rank"] = slowest  # of the previous step
             row = np.array([values[n] for n in NAMES] + [b.compute_ms + b.data_ms], np.float64)
-            table = self.group.all_gather(row).reshape(self.group.world_size, len(NAMES) + 1)
-            if self.group.rank == 0:
-                rows = [dict(zip(NAMES, r)) for r in table]
-                slowest = int(np.argmax(table[:, -1]))
-                self.metrics.update_cross(rows, slowest)
-                out["slowest_rank"] = slowest
-            self.metrics.write_textfile()
+            self._cross = self.group.all_gather(row, async_op=True)
+            if now - self._written_us >= 1e6:
+                self.metrics.write_textfile()
+                self._written_us = now
         return out
+
+    def _finish_cross(self):
+        """Complete the pending cross-rank all_gather; rank 0 sets the cross view and returns the
+        slowest rank (None elsewhere or when nothing was pending)."""
+        work, self._cross = self._cross, None
+        if work is None:
+            return None
+        table = work.wait().reshape(self.group.world_size, len(NAMES) + 1)
+        if self.group.rank != 0:
+            return None
+        slowest = int(np.argmax(table[:, -1]))
+        self.metrics.update_cross([dict(zip(NAMES, r)) for r in table], slowest)
+        return slowest
 
     # -- the end ------------------------------------------------------------------------------
     def close(self, engine=None):
@@ -207,6 +224,8 @@ class Observer:
             return None
         self._close_step(trace.now_us())
         trace.enable(False)
+        if self.metrics is not None:
+            self._finish_cross()
         if self.keep_all:
             memory = self._memory(engine) if self.run_dir is not None else None
             merged = gather_events(self.group, trace.events(clear=True), self.offset_us)
