@@ -119,14 +119,16 @@ class Observer:
         return trace.span(name, category, **args)
 
     def instrument(self, *, engine=None, sampler=None):
-        """Wrap engine.forward/backward/step in "forward"/"backward"/"optimizer" spans and
-        sampler.next_batch in "data" spans (instance attributes; the classes are untouched),
+        """Wrap engine.forward/backward in "forward"/"backward" spans, engine.train_step (a
+        pipeline's whole schedule) in "compute", engine.grad_norm/step in "optimizer" and
+        sampler.next_batch in "data" spans (those the objects have) (instance attributes; the classes are untouched),
         after applying RTXMPI_INJECT (rtxmpi.observe.inject). Every wrapper counts a MemoryError
         (CuPy's OutOfMemoryError included) in oom_count before re-raising it."""
         inject.apply(self.group.rank, engine=engine, sampler=sampler)
         if not self.active:
             return
         targets = ((engine, "forward", "forward"), (engine, "backward", "backward"),
+                   (engine, "train_step", "compute"), (engine, "grad_norm", "optimizer"),
                    (engine, "step", "optimizer"), (sampler, "next_batch", "data"))
         for obj, attr, category in targets:
             if obj is not None and hasattr(obj, attr):
