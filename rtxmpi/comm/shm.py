@@ -43,6 +43,7 @@ every rank): `RTXMPI_SHM=0` turns the path off; `RTXMPI_SHM_MIN_BYTES` (default
 `RTXMPI_SHM_NODE_SIZE=k` splits every node into pretend nodes of k consecutive local ranks, to
 exercise the hierarchical path on one machine (tests).
 """
+import ctypes
 import mmap
 import os
 import sys
@@ -51,7 +52,7 @@ import tempfile
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import ConfigError
+from ..errors import CollectiveError, ConfigError
 
 DEFAULT_MIN_BYTES = 1 << 20
 DEFAULT_CHUNK_BYTES = 512 << 10
@@ -68,12 +69,12 @@ class ShmConfig:
     ranks).
     """
 
-    __slots__ = ("enabled", "min_bytes", "chunk_bytes", "node_size")
+    __slots__ = ("enabled", "min_bytes", "chunk_bytes", "node_size", "cma")
 
     def __init__(self, enabled=True, min_bytes=DEFAULT_MIN_BYTES, chunk_bytes=DEFAULT_CHUNK_BYTES,
-                 node_size=None):
+                 node_size=None, cma=True):
         self.enabled, self.min_bytes = bool(enabled), int(min_bytes)
-        self.chunk_bytes, self.node_size = int(chunk_bytes), node_size
+        self.chunk_bytes, self.node_size, self.cma = int(chunk_bytes), node_size, bool(cma)
 
     @property
     def threshold(self):
@@ -81,11 +82,11 @@ class ShmConfig:
         return self.min_bytes if self.enabled else NEVER
 
     def copy(self):
-        return ShmConfig(self.enabled, self.min_bytes, self.chunk_bytes, self.node_size)
+        return ShmConfig(self.enabled, self.min_bytes, self.chunk_bytes, self.node_size, self.cma)
 
     def __repr__(self):
         return (f"ShmConfig(enabled={self.enabled}, min_bytes={self.min_bytes}, "
-                f"chunk_bytes={self.chunk_bytes}, node_size={self.node_size})")
+                f"chunk_bytes={self.chunk_bytes}, node_size={self.node_size}, cma={self.cma})")
 
     @classmethod
     def from_env(cls, environ=os.environ):
@@ -102,11 +103,14 @@ class ShmConfig:
                 raise ConfigError(f"{name}={text!r} must be >= {low}")
             return value
 
-        flag = environ.get("RTXMPI_SHM", "1").strip().lower()
-        if flag not in ("0", "1", "false", "true", "no", "yes", "off", "on", ""):
-            raise ConfigError(f"RTXMPI_SHM={environ['RTXMPI_SHM']!r}: use 1 (on, default) or 0 (off)")
+        def flag(name):
+            text = environ.get(name, "1").strip().lower()
+            if text not in ("0", "1", "false", "true", "no", "yes", "off", "on", ""):
+                raise ConfigError(f"{name}={environ[name]!r}: use 1 (on, default) or 0 (off)")
+            return text not in ("0", "false", "no", "off")
+
         chunk = integer("RTXMPI_SHM_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES)
-        return cls(enabled=flag not in ("0", "false", "no", "off"),
+        return cls(enabled=flag("RTXMPI_SHM"), cma=flag("RTXMPI_SHM_CMA"),
                    min_bytes=integer("RTXMPI_SHM_MIN_BYTES", DEFAULT_MIN_BYTES, 0),
                    chunk_bytes=chunk - chunk % 8,
                    node_size=integer("RTXMPI_SHM_NODE_SIZE", None, 1))
@@ -144,30 +148,139 @@ def ufunc_of(mpi_op):
     return None
 
 
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _load_process_vm_readv():
+    """libc's process_vm_readv (Linux cross-memory attach, "CMA"), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec),
+                   ctypes.c_ulong, ctypes.c_ulong]
+    fn.restype = ctypes.c_ssize_t
+    return fn
+
+
+class _PeerReader:
+    """Copies bytes out of another process's memory with one system call (process_vm_readv: the
+    kernel copies directly, no staging buffer). Needs ptrace-read permission on the peer: same
+    user, and not forbidden by the Yama ptrace scope or a seccomp profile."""
+
+    def __init__(self, fn):
+        self._fn = fn
+        self._local, self._remote = _Iovec(), _Iovec()
+        self._local_ref, self._remote_ref = ctypes.byref(self._local), ctypes.byref(self._remote)
+
+    def read(self, pid, dst, src, nbytes):
+        """Copy `nbytes` from address `src` of process `pid` to address `dst` here; OSError."""
+        local, remote, fn = self._local, self._remote, self._fn
+        while nbytes > 0:
+            local.base, local.len, remote.base, remote.len = dst, nbytes, src, nbytes
+            got = fn(pid, self._local_ref, 1, self._remote_ref, 1, 0)
+            if got <= 0:
+                err = ctypes.get_errno() or 5
+                raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
+            dst, src, nbytes = dst + got, src + got, nbytes - got
+
+
+def _probe_peers(node, comm, enabled):
+    """Collective over `comm` (node: this rank's node communicator): a _PeerReader and every
+    local rank's pid when every rank of `comm` can read its local peers' memory, else None."""
+    fn = _load_process_vm_readv() if enabled else None
+    local_size, local_rank = node.Get_size(), node.Get_rank()
+    probe = np.array([os.getpid(), 0, 0x5EED0000 + local_rank], np.int64)
+    probe[1] = probe.ctypes.data + 16  # address of probe[2]
+    table = np.empty((local_size, 3), np.int64)
+    node.Allgather(probe, table)
+    reader = _PeerReader(fn) if fn is not None else None
+    ok = reader is not None
+    if ok:
+        got = np.zeros(1, np.int64)
+        for j in range(local_size):
+            if j == local_rank:
+                continue
+            try:
+                reader.read(int(table[j, 0]), got.ctypes.data, int(table[j, 1]), 8)
+            except OSError:
+                ok = False
+                break
+            ok = ok and int(got[0]) == int(table[j, 2])
+    ok = comm.allreduce(ok, op=MPI.LAND)
+    node.Barrier()  # every peer has read our probe before it goes away
+    return (reader, [int(p) for p in table[:, 0]]) if ok else None
+
+
 def _arena_dir():
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def _map_arena(node, comm, total):
+    """Collective over `comm`: a shared mapping of `total` bytes common to the local ranks of
+    `node` (a /dev/shm file, unlinked once every local rank has mapped it), or None on every rank
+    when some rank could not create or map it."""
+    mm, ok, path = None, True, None
+    if node.Get_rank() == 0:
+        try:
+            fd, path = tempfile.mkstemp(prefix="rtxmpi-shm-", dir=_arena_dir())
+            try:
+                os.ftruncate(fd, total)
+            finally:
+                os.close(fd)
+        except OSError:
+            ok, path = False, None
+    path = node.bcast(path, root=0)
+    if path is not None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                mm = mmap.mmap(fd, total)
+            finally:
+                os.close(fd)
+        except OSError:
+            ok = False
+    node.Barrier()  # every local rank has mapped (or failed to map) the file
+    if node.Get_rank() == 0 and path is not None:
+        os.unlink(path)
+    if not comm.allreduce(ok and mm is not None, op=MPI.LAND):
+        if mm is not None:
+            mm.close()
+        return None
+    return mm
 
 
 class NodeAllReduce:
     """The shared-memory (and hierarchical) all_reduce of one group; see the module docstring.
 
-    Built by `create()` (collective over the group's communicator). Attributes: local_size,
+    Built by `create()` (collective over the group's communicator). Attributes: mode ("cma":
+    ranks read each other's arrays directly; "copy": through the shared arena), local_size,
     local_rank (this rank's index on its node), nodes (number of nodes), chunk_bytes.
     """
 
-    def __init__(self, node, cross, mm, chunk_bytes):
+    def __init__(self, node, cross, chunk_bytes, *, mm=None, peers=None):
         self.node, self.cross, self._mm = node, cross, mm
         self.local_size, self.local_rank = node.Get_size(), node.Get_rank()
         self.nodes = 1 if cross is None else cross.Get_size()
         self.chunk_bytes = chunk_bytes
         self.slot_bytes = BUFFERS * chunk_bytes
-        self._arena = np.frombuffer(mm, np.uint8)
+        self.mode = "copy" if peers is None else "cma"
+        self._arena = None if mm is None else np.frombuffer(mm, np.uint8)
         self._views = {}  # dtype -> [1-D view of each local rank's buffers]
+        if peers is not None:
+            self._reader, self._pids = peers
+            self._tmp = np.zeros(chunk_bytes, np.uint8)  # touched once, reused
+            self._my_addr = np.zeros(1, np.int64)
+            self._addrs = np.zeros(self.local_size, np.int64)
 
     @classmethod
     def create(cls, comm, config):
         """Collective over `comm`: the engine, or None on every rank when the group has one rank
-        per node, nodes of different sizes, or the arena cannot be created on some rank."""
+        per node, nodes of different sizes, or neither cross-memory reads nor the arena work on
+        every rank."""
         rank, size = comm.Get_rank(), comm.Get_size()
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         if config.node_size:
@@ -180,40 +293,16 @@ class NodeAllReduce:
             node.Free()
             return None
         cross = comm.Split(local_rank, key=rank) if local_size < size else None
-        chunk_bytes = config.chunk_bytes
-        total = local_size * BUFFERS * chunk_bytes
-        mm, error = None, None
-        path = None
-        if local_rank == 0:
-            try:
-                fd, path = tempfile.mkstemp(prefix="rtxmpi-shm-", dir=_arena_dir())
-                try:
-                    os.ftruncate(fd, total)
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                error, path = f"{type(exc).__name__}: {exc}", None
-        path = node.bcast(path, root=0)
-        if path is not None:
-            try:
-                fd = os.open(path, os.O_RDWR)
-                try:
-                    mm = mmap.mmap(fd, total)
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                error = f"{type(exc).__name__}: {exc}"
-        node.Barrier()  # every local rank has mapped (or failed to map) the file
-        if local_rank == 0 and path is not None:
-            os.unlink(path)
-        if not comm.allreduce(error is None and mm is not None, op=MPI.LAND):
-            if mm is not None:
-                mm.close()
+        peers = _probe_peers(node, comm, config.cma)
+        if peers is not None:
+            return cls(node, cross, config.chunk_bytes, peers=peers)
+        mm = _map_arena(node, comm, local_size * BUFFERS * config.chunk_bytes)
+        if mm is None:
             node.Free()
             if cross is not None:
                 cross.Free()
             return None
-        engine = cls(node, cross, mm, chunk_bytes)
+        engine = cls(node, cross, config.chunk_bytes, mm=mm)
         mine = engine._arena[local_rank * engine.slot_bytes:(local_rank + 1) * engine.slot_bytes]
         mine.fill(0)  # first touch here, by the rank that writes it, not inside a timed call
         node.Barrier()
@@ -230,14 +319,60 @@ class NodeAllReduce:
 
     def all_reduce(self, x, mpi_op):
         """Reduce the contiguous 1-D array `x` in place over the group; every rank must call,
-        after every rank has arrived. Returns False (nothing done) for an MPI op it does not
-        handle; the caller then uses MPI."""
+        after every rank has arrived, with the same size and dtype. Returns False (nothing done,
+        on every rank) for an MPI op it does not handle; the caller then uses MPI. Raises
+        CollectiveError when a cross-memory read fails (the peers are then stuck in the node
+        barrier until the watchdog ends the job)."""
         ufunc = ufunc_of(mpi_op)
         if ufunc is None or x.ndim != 1 or not x.flags.c_contiguous:
             return False
-        total = x.size
-        if total == 0:
+        if x.size == 0:
             return True
+        if self.mode == "cma":
+            self._all_reduce_cma(x, ufunc, mpi_op)
+        else:
+            self._all_reduce_copy(x, ufunc, mpi_op)
+        return True
+
+    def _all_reduce_cma(self, x, ufunc, mpi_op):
+        """Reduce-scatter by reading the peers' arrays directly (in cache-sized pieces through a
+        scratch buffer), [all_reduce across nodes], barrier, all-gather by reading the peers'
+        reduced segments straight into `x`, barrier (no peer may return and reuse its array while
+        another still reads it). Two barriers and one address exchange per call."""
+        n, me, node = self.local_size, self.local_rank, self.node
+        self._my_addr[0] = x.ctypes.data
+        node.Allgather(self._my_addr, self._addrs)
+        addrs, pids, read = [int(a) for a in self._addrs], self._pids, self._reader.read
+        total, itemsize = x.size, x.itemsize
+        cuts = [(total * i) // n for i in range(n + 1)]
+        others = [i for i in range(n) if i != me]
+        lo, hi = cuts[me], cuts[me + 1]
+        tmp = self._tmp.view(x.dtype)
+        tmp_addr = tmp.ctypes.data
+        step = tmp.size
+        try:
+            for start in range(lo, hi, step):
+                stop = min(hi, start + step)
+                own, part = x[start:stop], tmp[:stop - start]
+                for j in others:
+                    read(pids[j], tmp_addr, addrs[j] + start * itemsize, (stop - start) * itemsize)
+                    ufunc(own, part, out=own)
+            if self.cross is not None:
+                self.cross.Allreduce(MPI.IN_PLACE, x[lo:hi], mpi_op)
+            node.Barrier()
+            base = x.ctypes.data
+            for j in others:
+                a, b = cuts[j], cuts[j + 1]
+                if b > a:
+                    read(pids[j], base + a * itemsize, addrs[j] + a * itemsize, (b - a) * itemsize)
+        except OSError as exc:
+            raise CollectiveError(f"all_reduce: reading a local peer's array failed ({exc}); set "
+                                  "RTXMPI_SHM_CMA=0 to use the shared arena instead") from exc
+        node.Barrier()
+
+    def _all_reduce_copy(self, x, ufunc, mpi_op):
+        """The pipelined arena path (see the module docstring)."""
+        total = x.size
         n, me, cross = self.local_size, self.local_rank, self.cross
         slots = self._slots(x.dtype)
         mine = slots[me]
@@ -275,14 +410,14 @@ class NodeAllReduce:
             for i in others:
                 lo, hi = cuts[i], cuts[i + 1]
                 x[start + lo:start + hi] = slots[i][base + lo:base + hi]
-        return True
 
     def close(self):
         """Release the arena and the communicators (local; the group must not use it after)."""
         self._views.clear()
         self._arena = None
         try:
-            self._mm.close()
+            if self._mm is not None:
+                self._mm.close()
         except BufferError:
             pass  # a view is still alive somewhere; the mapping goes when it does
         for comm in (self.node, self.cross):

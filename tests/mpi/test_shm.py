@@ -1,11 +1,14 @@
 """The shared-memory and hierarchical all_reduce (rtxmpi/comm/shm.py) against numpy references.
 
-Groups here are made with the path forced for every size (min_bytes 0) and a 4 KiB pipeline
-chunk, so small arrays already cross chunk and triple-buffer boundaries; the hierarchical path is
-exercised on one machine by pretending nodes of 2 ranks (node_size=2; hierarchical at -n 4, one
-"node" per rank pair). Every test holds at -n 1, 2, 4 (at -n 1 the MPI path is used). Inputs are
-integer-valued, so every reduction is exact whatever the order of the terms.
+Groups here are made with the path forced for every size (min_bytes 0) and a 4 KiB chunk, so
+small arrays already cross chunk and triple-buffer boundaries; both modes run (cross-memory reads
+"cma" and the shared arena "copy"), and the hierarchical path is exercised on one machine by
+pretending nodes of 2 ranks (node_size=2; hierarchical at -n 4, one "node" per rank pair). Every
+test holds at -n 1, 2, 4 (at -n 1 the MPI path is used). Inputs are integer-valued, so every
+reduction is exact whatever the order of the terms.
 """
+import sys
+
 import numpy as np
 import pytest
 from test_collectives import REDUCE_CASES, assert_exact, rank_values, reduce_reference
@@ -15,7 +18,10 @@ from rtxmpi.comm import shm
 
 CHUNK = shm.MIN_CHUNK_BYTES  # 4 KiB: 1024 float32 per chunk
 # element counts around chunk (1024 float32) and triple-buffer (3 chunks) boundaries
-LENGTHS = [1, 3, 1023, 1024, 1025, 3 * 1024 + 1, 10007]
+LENGTHS = [1, 1023, 1025, 3 * 1024 + 1, 10007]
+# every op and dtype, half of them through the checking-mode (general) path, half unchecked (the
+# fast path; float16/bfloat16/bool always take the general path)
+CASES = [(op, dtype, i % 2 == 0) for i, (op, dtype) in enumerate(REDUCE_CASES)]
 
 
 def forced_group(world, check, **config):
@@ -30,24 +36,29 @@ def forced_group(world, check, **config):
     return group
 
 
-@pytest.fixture(scope="module", params=["node", "hierarchical"])
+@pytest.fixture(scope="module", params=["node-cma", "node-copy", "hierarchical-cma",
+                                        "hierarchical-copy"])
 def layout(request):
     return request.param
 
 
 @pytest.fixture(scope="module")
 def groups(world, layout):
-    """{check: group}; layout 'hierarchical' pretends nodes of 2 ranks."""
-    node_size = 2 if layout == "hierarchical" else None
-    return {check: forced_group(world, check, node_size=node_size) for check in (True, False)}
+    """{check: group}; layout 'hierarchical-*' pretends nodes of 2 ranks; '*-copy' turns
+    cross-memory reads off (the shared arena)."""
+    node_size = 2 if layout.startswith("hierarchical") else None
+    cma = layout.endswith("cma")
+    return {check: forced_group(world, check, node_size=node_size, cma=cma)
+            for check in (True, False)}
 
 
 def expected_engine(group, layout):
-    """(local_size, nodes) the engine must have, or None where MPI's path is used."""
+    """(local_size, nodes, mode) the engine must have, or None where MPI's path is used."""
     n = group.world_size
-    if layout == "node":
-        return None if n == 1 else (n, 1)
-    return None if n == 1 or n % 2 else (2, n // 2)
+    mode = "cma" if layout.endswith("cma") and sys.platform.startswith("linux") else "copy"
+    if layout.startswith("node"):
+        return None if n == 1 else (n, 1, mode)
+    return None if n == 1 or n % 2 else (2, n // 2, mode)
 
 
 def assert_path(group, layout):
@@ -57,7 +68,7 @@ def assert_path(group, layout):
         assert engine is None or engine is False
     else:
         assert isinstance(engine, shm.NodeAllReduce), engine
-        assert (engine.local_size, engine.nodes) == want
+        assert (engine.local_size, engine.nodes, engine.mode) == want
 
 
 def inputs(group, length, dtype, op, salt=0):
@@ -66,8 +77,7 @@ def inputs(group, length, dtype, op, salt=0):
     return mine, reduce_reference(every, op)
 
 
-@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
-@pytest.mark.parametrize("op,dtype", REDUCE_CASES)
+@pytest.mark.parametrize("op,dtype,check", CASES)
 def test_all_reduce_matches_numpy_for_every_op_and_dtype(groups, layout, check, op, dtype,
                                                          assert_same_on_every_rank):
     group = groups[check]
@@ -125,7 +135,7 @@ def test_all_reduce_multi_dim_in_place(groups):
     assert_exact(out.reshape(-1), expected)
 
 
-def test_repeated_calls_with_varying_sizes_and_dtypes_reuse_one_arena(groups, layout):
+def test_repeated_calls_with_varying_sizes_and_dtypes_reuse_one_engine(groups, layout):
     group = groups[False]
     for i, (length, dtype) in enumerate([(50_000, "float32"), (5, "float64"), (20_011, "int8"),
                                          (0, "float32"), (70_001, "float64"), (1030, "uint8"),
@@ -135,6 +145,8 @@ def test_repeated_calls_with_varying_sizes_and_dtypes_reuse_one_arena(groups, la
         if i == 0:
             arena = group.backend._shm
     assert group.backend._shm is arena  # built once, reused (its size does not depend on calls)
+    if arena:
+        assert arena.chunk_bytes == CHUNK
     assert_path(group, layout)
 
 
@@ -191,6 +203,7 @@ def test_messages_below_the_threshold_use_mpi(world):
 
 @pytest.mark.parametrize("env,message", [
     ({"RTXMPI_SHM": "maybe"}, "RTXMPI_SHM='maybe'"),
+    ({"RTXMPI_SHM_CMA": "2"}, "RTXMPI_SHM_CMA='2'"),
     ({"RTXMPI_SHM_MIN_BYTES": "1M"}, "RTXMPI_SHM_MIN_BYTES='1M' is not an integer"),
     ({"RTXMPI_SHM_CHUNK_BYTES": "100"}, "RTXMPI_SHM_CHUNK_BYTES='100' must be >= 4096"),
     ({"RTXMPI_SHM_NODE_SIZE": "0"}, "RTXMPI_SHM_NODE_SIZE='0' must be >= 1"),
@@ -205,9 +218,10 @@ def test_bad_settings_raise_config_error(env, message):
 
 def test_settings_from_environment():
     config = shm.ShmConfig.from_env({"RTXMPI_SHM": "0", "RTXMPI_SHM_MIN_BYTES": "4096",
-                                     "RTXMPI_SHM_CHUNK_BYTES": "65539", "RTXMPI_SHM_NODE_SIZE": "2"})
-    assert (config.enabled, config.min_bytes, config.chunk_bytes, config.node_size) == (
-        False, 4096, 65536, 2)
+                                     "RTXMPI_SHM_CHUNK_BYTES": "65539", "RTXMPI_SHM_NODE_SIZE": "2",
+                                     "RTXMPI_SHM_CMA": "off"})
+    assert (config.enabled, config.min_bytes, config.chunk_bytes, config.node_size, config.cma) == (
+        False, 4096, 65536, 2, False)
     assert config.threshold == shm.NEVER
     default = shm.ShmConfig.from_env({})
-    assert default.enabled and default.threshold == shm.DEFAULT_MIN_BYTES
+    assert default.enabled and default.cma and default.threshold == shm.DEFAULT_MIN_BYTES
