@@ -32,7 +32,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import fmt, launch_command, machine_info, machine_line, markdown_table, progress, write_json  # noqa: E402,E501
+from _common import (fmt, launch_command, machine_info, machine_line, markdown_table,  # noqa: E402
+                     progress, write_json)
 
 
 def parse_args(argv=None):
@@ -168,7 +169,8 @@ def main(argv=None):
         return
     print(machine_line(info))
     print(f"world_size {world.world_size}, global batch {args.global_batch} x {args.seq_len}, "
-          f"bucket {args.bucket_mb} MiB, {args.blocks} blocks x {args.steps_per_block} steps per mode, ABBA\n")
+          f"bucket {args.bucket_mb} MiB, {args.blocks} blocks x {args.steps_per_block} steps "
+          f"per mode, ABBA\n")
     rows = [[r["model"], fmt(r["params_m"], 2), fmt(r["off_ms"]), fmt(r["on_ms"]),
              fmt(r["overhead_pct"]), f"{fmt(r['overhead_min_pct'])} .. {fmt(r['overhead_max_pct'])}",
              fmt(r["min_ratio_pct"]), fmt(r["hooks_ms"], 3), fmt(r["spans_per_step"], 0),

@@ -55,6 +55,8 @@ class Observer:
     metrics_jsonl: the caller writes per-step JSON with the Prometheus names (activates spans).
     job: the `job` label. tokens_per_step: global tokens per step (for tokens_per_s).
     classify_steps: the last N steps the verdict looks at. bucket_mb: quoted in hints.
+    timeline_steps: the timeline keeps the spans of the last this many steps (bounded memory on
+    long runs; ~15-40 spans of ~100 bytes per step and rank for the reference models).
     run_info: JSON-able dict stored in run.json (flags, model, ...).
     Raises ConfigError on every rank for a bad port, an unwritable path, or a port that cannot be
     bound on some rank.
@@ -63,7 +65,7 @@ class Observer:
     def __init__(self, group, *, timeline=None, run_dir=None, metrics_port=None,
                  metrics_bind="127.0.0.1", metrics_textfile=None, metrics_jsonl=False,
                  job="rtxmpi", tokens_per_step=0, classify_steps=20, bucket_mb=None,
-                 run_info=None):
+                 run_info=None, timeline_steps=5000):
         self.group, self.job, self.tokens_per_step = group, str(job), int(tokens_per_step)
         self.timeline, self.run_dir = timeline, run_dir
         self.classify_steps, self.bucket_mb = int(classify_steps), bucket_mb
@@ -72,6 +74,8 @@ class Observer:
         self.active = any(v is not None for v in (timeline, run_dir, metrics_port, metrics_textfile)) \
             or bool(metrics_jsonl)
         self.keep_all = timeline is not None or run_dir is not None
+        self.keep_steps = max(int(timeline_steps), self.classify_steps) if self.keep_all \
+            else self.classify_steps
         self.metrics, self.verdict, self.offset_us = None, None, 0.0
         self._step, self._begin_us, self._mark, self._window_starts = None, 0.0, 0, []
         self._cross, self._written_us = None, -1e18
@@ -121,8 +125,8 @@ class Observer:
     def instrument(self, *, engine=None, sampler=None):
         """Wrap engine.forward/backward in "forward"/"backward" spans, engine.train_step (a
         pipeline's whole schedule) in "compute", engine.grad_norm/step in "optimizer" and
-        sampler.next_batch in "data" spans (those the objects have) (instance attributes; the classes are untouched),
-        after applying RTXMPI_INJECT (rtxmpi.observe.inject). Every wrapper counts a MemoryError
+        sampler.next_batch in "data" spans, those the objects have (instance attributes; the
+        classes are untouched), after applying RTXMPI_INJECT (rtxmpi.observe.inject). Every wrapper counts a MemoryError
         (CuPy's OutOfMemoryError included) in oom_count before re-raising it."""
         inject.apply(self.group.rank, engine=engine, sampler=sampler)
         if not self.active:
@@ -166,8 +170,9 @@ class Observer:
         now = trace.now_us()
         self._close_step(now)
         self._window_starts.append(now)
-        if not self.keep_all and len(self._window_starts) > self.classify_steps + 1:
-            trace.drop_before(self._window_starts.pop(0))
+        if len(self._window_starts) > self.keep_steps + 1:  # the last keep_steps + this one
+            self._window_starts.pop(0)
+            trace.drop_before(self._window_starts[0])
         self._step, self._begin_us, self._mark = int(step), now, len(trace._events)
 
     def end_step(self, step):

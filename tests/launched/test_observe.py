@@ -79,7 +79,8 @@ def test_run_dir_timeline_metrics_and_report(tmp_path):
     processes = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
     assert sorted(processes) == [0, 1] and processes[1].startswith("rank 1 (")
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
-    assert {"step", "data", "forward", "backward", "optimizer", "comm", "compute"} <= {e["cat"] for e in spans}
+    roles = {"step", "data", "forward", "backward", "optimizer", "comm", "compute"}
+    assert roles <= {e["cat"] for e in spans}
     steps = [e for e in spans if e["cat"] == "step" and e["pid"] == 1]
     assert [e["args"]["step"] for e in steps] == list(range(1, 26))
     comm = [e for e in spans if e["cat"] == "comm" and e["name"] == "all_reduce"]
@@ -184,6 +185,7 @@ def two_nodes(tmp_path):
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
 
 
+@pytest.mark.netns
 def test_classifier_names_a_throttled_link_communication_bound(tmp_path, two_nodes):
     nodes, agent, hostfile = two_nodes
     run_dir = tmp_path / "run"

@@ -56,3 +56,11 @@ def test_observer_step_values_and_verdict(world, tmp_path_factory):
     if world.rank == 0:
         assert verdict is not None and verdict.steps == [1, 2, 3]
         assert verdict.numbers["world_size"] == world.world_size
+
+
+def test_clock_offset_recovers_a_skewed_clock(world, monkeypatch):
+    skew_us = 5e6 * world.rank  # rank r's clock runs r * 5 s ahead of rank 0's
+    real = trace.now_us
+    monkeypatch.setattr(trace, "now_us", lambda: real() + skew_us)
+    offset = estimate_clock_offset(world)
+    assert abs(offset + skew_us) < 20_000

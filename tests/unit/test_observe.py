@@ -256,3 +256,62 @@ def test_report_refuses_a_directory_without_a_run(tmp_path):
         load_run(str(tmp_path))
     with pytest.raises(ConfigError, match="not a directory"):
         load_run(str(tmp_path / "missing"))
+
+
+# -- Observer (one process) ------------------------------------------------------------------------
+class Engine:
+    def __init__(self):
+        self.fail = False
+
+    def forward(self, x):
+        if self.fail:
+            raise MemoryError("out of memory")
+        return x
+
+
+def test_observer_counts_an_oom_and_keeps_only_the_last_steps(tmp_path):
+    from rtxmpi.observe.observer import Observer
+
+    world = rtxmpi.init()
+    engine = Engine()
+    before = trace.counters().get("oom_count", 0.0)
+    obs = Observer(world, timeline=str(tmp_path / "t.json"), timeline_steps=3, classify_steps=2)
+    obs.instrument(engine=engine)
+    try:
+        for step in range(1, 11):
+            obs.begin_step(step)
+            engine.fail = step == 7
+            try:
+                engine.forward(1)
+            except MemoryError:
+                pass
+            values = obs.end_step(step)
+            assert values["oom_count"] == before + (step >= 7)
+    finally:
+        obs.close()
+    _, spans = load_chrome_trace(tmp_path / "t.json")
+    steps = [s[4]["step"] for s in spans[0] if s[1] == "step"]
+    assert steps == [7, 8, 9, 10]  # the last 3 complete steps when step 10 began, and step 10
+
+
+def test_observer_without_outputs_does_nothing():
+    from rtxmpi.observe.observer import Observer
+
+    world = rtxmpi.init()
+    engine = Engine()
+    forward = engine.forward
+    obs = Observer(world)
+    obs.instrument(engine=engine)
+    assert not obs.active and not trace.enabled() and engine.forward == forward
+    obs.begin_step(1)
+    assert obs.end_step(1) == {} and obs.close() is None
+
+
+def test_observer_refuses_a_bad_port_and_path(tmp_path):
+    from rtxmpi.observe.observer import Observer
+
+    world = rtxmpi.init()
+    with pytest.raises(ConfigError, match="--metrics-port 0"):
+        Observer(world, metrics_port=0)
+    with pytest.raises(ConfigError, match="--timeline .*not a writable file path"):
+        Observer(world, timeline=str(tmp_path / "missing" / "t.json"))
