@@ -152,6 +152,9 @@ def parse_args(argv=None):
                    help="on a rank failure: off (exit non-zero), shrink (continue on the survivors; "
                         "needs mpiexec --with-ft ulfm), restart (exit non-zero for `rtxmpi run`)")
     p.add_argument("--min-ranks", type=int, default=1, help="--elastic shrink: fewest ranks to go on with")
+    p.add_argument("--stuck-timeout-s", type=float, default=None, metavar="S",
+                   help="heartbeats: a rank with no progress for S seconds is reported with its "
+                        "phase and step and handled as failed (docs/elastic.md)")
     p.add_argument("--requeue", action="store_true",
                    help="after a pre-emption signal: scontrol requeue $SLURM_JOB_ID (rank 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -699,7 +702,8 @@ def main(argv=None):
     try:
         if args.timeout_s is not None and not args.timeout_s > 0:
             raise ConfigError(f"--timeout-s must be > 0 seconds, got {args.timeout_s}")
-        elastic.configure(policy=args.elastic, min_ranks=args.min_ranks)
+        elastic.configure(policy=args.elastic, min_ranks=args.min_ranks,
+                          stuck_timeout_s=args.stuck_timeout_s)
         record = elastic.run(train, args)  # --elastic shrink: re-entered on the survivors
     except ConfigError as exc:
         if _is_rank0():

@@ -6,6 +6,7 @@ from mpi4py import MPI
 from ..backend import env_flag, select_device
 from ..errors import ConfigError
 from .group import ProcessGroup, validate_timeout
+from .heartbeat import Heartbeat
 from .launch import check_launch
 from .monitor import Monitor, install_excepthook
 from . import traced
@@ -58,6 +59,25 @@ def init(backend="auto", timeout_s=None, check=None):
     return _world
 
 
+def start_heartbeats(stuck_timeout_s, period_s=None):
+    """Start control-plane heartbeats on the world (rtxmpi.comm.heartbeat): a wait then raises
+    RankFailure naming a peer that made no progress for `stuck_timeout_s` seconds, with its last
+    phase and step. Collective over the world; a second call is a no-op. Raises ConfigError."""
+    monitor = world().backend.monitor
+    if monitor.heartbeat is None:
+        if not float(stuck_timeout_s) > 0:
+            raise ConfigError(f"stuck_timeout_s must be > 0 seconds, got {stuck_timeout_s!r}")
+        monitor.heartbeat = Heartbeat(world().backend.comm, stuck_timeout_s=stuck_timeout_s,
+                                      period_s=period_s, waiting=monitor.is_waiting)
+    return monitor.heartbeat
+
+
+def progress(phase, step):
+    """Record this rank's phase and step for the heartbeats (cheap; local)."""
+    if _world is not None and _world.backend.monitor.heartbeat is not None:
+        _world.backend.monitor.heartbeat.progress(phase, step)
+
+
 def replace_world(comm):
     """Make `comm` the world group (e.g. the communicator ULFM's shrink returned) and return it.
 
@@ -77,6 +97,10 @@ def replace_world(comm):
     _world = ProcessGroup(MPIBackend(comm, monitor, "world", members), name="world", rank=rank,
                           world_size=size, members=members, local_rank=local_rank,
                           device=old.device, timeout_s=old.timeout_s, check=old.check)
+    beat = old.backend.monitor.heartbeat
+    if beat is not None:  # heartbeats continue on the survivors
+        beat.stop()
+        start_heartbeats(beat.stuck_timeout_s, beat.period_s)
     return _world
 
 

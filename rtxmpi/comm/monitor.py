@@ -31,7 +31,7 @@ import traceback
 
 from mpi4py import MPI
 
-from ..errors import CollectiveError, CollectiveTimeout
+from ..errors import CollectiveError, CollectiveTimeout, RankFailure
 from .failure import is_process_failure, rank_failure
 
 TAG_QUERY = 7001
@@ -58,6 +58,11 @@ class Monitor:
         # blocking() or directly by a backend around its MPI call; read by the watchdog
         self.blocking_entry = None
         self._watchdog = None
+        self.heartbeat = None  # a comm.heartbeat.Heartbeat once started: stuck-peer detection
+
+    def is_waiting(self):
+        """True while this process waits in (or transfers through) an rtxmpi collective."""
+        return self.state is not None or self.blocking_entry is not None
 
     # -- waiting --------------------------------------------------------------------------
     def wait(self, requests, *, op, seq, group, members, timeout_s):
@@ -80,6 +85,12 @@ class Monitor:
                 if now >= next_service:
                     self.service()
                     next_service = now + SERVICE_INTERVAL_S
+                    if self.heartbeat is not None:
+                        stuck = self.heartbeat.stuck(members)
+                        if stuck is not None:
+                            raise RankFailure(f"{op} #{seq} on group '{group}': {stuck[1]}; "
+                                              f"handled as a failed rank [rank {self.rank}]",
+                                              ranks=[stuck[0]])
                 if now >= deadline:
                     if self._diagnose_and_raise(requests, op=op, seq=seq, group=group,
                                                 members=members, timeout_s=timeout_s):

@@ -21,12 +21,14 @@ tensors, and call the function again; its resume code then restores from `recove
 (or, for sharded state, from the last committed checkpoint). Objects of the failed attempt are
 kept alive (MPI may still own their buffers) and are released with the process.
 """
+import os
 import sys
 import time
 
 from mpi4py import MPI
 
-from ..comm.failure import is_process_failure, rank_failure
+from ..comm import progress, start_heartbeats
+from ..comm.failure import failed_ranks, is_process_failure, rank_failure
 from ..control import agree
 from ..errors import ConfigError, RankFailure
 from .fault import FaultPlan
@@ -40,6 +42,7 @@ POLICIES = ("off", "shrink", "restart")
 class _Config:
     policy = "off"
     min_ranks = 1
+    stuck_timeout_s = None  # heartbeats off
     stop = None  # the process's StopRequest, installed once
     recovered = None  # ReplicaState handed to the next attempt
     failure_time = None  # time.time() when this process saw the failure
@@ -50,16 +53,22 @@ class _Config:
 _config = _Config()
 
 
-def configure(policy="off", min_ranks=1):
+def configure(policy="off", min_ranks=1, stuck_timeout_s=None):
     """Choose what a rank failure does. policy: "off" (the job fails, non-zero exit), "shrink"
     (survivors continue in the same processes while at least `min_ranks` remain) or "restart"
     (the job fails; `rtxmpi run` relaunches it from the last committed checkpoint).
-    Local; call it on every rank before `run`. Raises ConfigError."""
+    stuck_timeout_s: with a number, control-plane heartbeats (rtxmpi.comm.heartbeat) report a
+    rank that made no progress for that long, with its phase and step, as a RankFailure, and a
+    shrink evicts it. Local; call it on every rank before `run`. Raises ConfigError."""
     if policy not in POLICIES:
         raise ConfigError(f"elastic policy must be one of {POLICIES}, got {policy!r}")
     if not isinstance(min_ranks, int) or min_ranks < 1:
         raise ConfigError(f"min_ranks must be an int >= 1, got {min_ranks!r}")
+    if stuck_timeout_s is not None and not (isinstance(stuck_timeout_s, (int, float))
+                                            and stuck_timeout_s > 0):
+        raise ConfigError(f"stuck_timeout_s must be > 0 seconds, got {stuck_timeout_s!r}")
     _config.policy, _config.min_ranks = policy, min_ranks
+    _config.stuck_timeout_s = stuck_timeout_s
 
 
 def stop_request():
@@ -88,6 +97,8 @@ class Loop:
         self.stop = stop_request()
         self.launch_rank = MPI.COMM_WORLD.Get_rank()
         self.faults = FaultPlan(self.launch_rank, PHASES)
+        if _config.stuck_timeout_s is not None and world.world_size > 1:
+            start_heartbeats(_config.stuck_timeout_s)  # collective: every rank builds a Loop
         self.step, self.phase_name, self.applied_step = 0, None, None
         self._tensors = self._meta = None
         self._close = []
@@ -105,6 +116,7 @@ class Loop:
     def phase(self, name, step):
         """Mark the start of phase `name` (one of PHASES) of `step`. Local and cheap."""
         self.phase_name, self.step = name, step
+        progress(name, step)
         if self.faults.faults:
             self.faults.at(name, step)
 
@@ -127,6 +139,32 @@ class Loop:
                       f"(t={time.time():.6f})", flush=True)
 
 
+def exit_after(main):
+    """Run main() and exit the process with its status. After a shrink, every survivor first meets
+    the others in a barrier, then leaves with os._exit: Open MPI 5's MPI_Finalize can abort or
+    hang once the failed rank was launch rank 0 (measured here), and the survivors' work is done
+    and flushed. Without a shrink: a normal exit (MPI_Finalize). Call it on every rank."""
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    if not _config.attempts:
+        sys.exit(code)
+    from ..comm import world
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        world().barrier()
+    except Exception as exc:  # noqa: BLE001 - leaving anyway; say why
+        print(f"elastic: exit barrier failed: {exc}", file=sys.stderr, flush=True)
+        code = code or 1
+    os._exit(code)
+
+
 def _as_failure(exc, world):
     if isinstance(exc, RankFailure):
         return exc
@@ -137,8 +175,8 @@ def _as_failure(exc, world):
 
 def run(fn, args):
     """Call fn(args); under policy "shrink", after a RankFailure shrink the world and call it again
-    with args.resume = True (the survivors restore from `recovered_state()`, or from the last
-    committed checkpoint). Returns what fn returns. Raises RankFailure (policy "off"/"restart",
+    (with args.resume = True when args.ckpt_dir is set): the survivors restore from
+    `recovered_state()`, or from the last committed checkpoint. Returns what fn returns. Raises RankFailure (policy "off"/"restart",
     or fewer than min_ranks survive), and whatever fn raises otherwise.
     """
     from ..comm import is_initialized, world
@@ -153,13 +191,20 @@ def run(fn, args):
                 raise
             recover(group, failure, _config.current)
             _config.current = None
-            args.resume = True
+            if getattr(args, "ckpt_dir", None):
+                args.resume = True
 
 
 def recover(group, failure, loop):
     """Shrink after `failure` and prepare the next attempt's state (collective over survivors)."""
     _config.failure_time = seen = time.time()
     _config.attempts.append(loop)
+    beat = group.backend.monitor.heartbeat
+    if beat is not None:  # a stuck rank is alive: make it a failed one, which shrink removes
+        dead = set(failed_ranks(group.backend.comm))
+        for r in failure.ranks:
+            if r not in dead and r != group.rank:
+                beat.evict(r, f"no progress; handled as a failed rank ({failure})")
     new, old_size = shrink_world(group, _config.min_ranks)
     shrunk = time.time()
     state = None
