@@ -42,6 +42,9 @@ CELL_BUDGET_S = 1.0  # --iters auto: timed seconds per (size, op), all implement
 MIN_ITERS, MAX_ITERS = 5, 2000
 WARMUP_BUDGET_S = 0.05  # warm-up rounds continue until this long has passed (or 20 rounds)
 TARGET_RATIO, TARGET_RATIO_FROM_BYTES, TARGET_OVERHEAD_US = 0.95, 1 << 20, 10.0
+# the shared-memory all_reduce (rtxmpi/comm/shm.py; issue 6 item 5)
+TARGET_SHM_RATIO, TARGET_SHM_FROM_BYTES = 2.0, 16 << 20
+TARGET_GLOO_RATIO, TARGET_GLOO_FROM_BYTES = 3.0, 1 << 20
 
 
 def busbw_factor(op, n):
@@ -289,6 +292,35 @@ def summary(cells, ops):
                      + ", ".join(f"{format_bytes(c['size_bytes'])} {c['busbw_ratio_rtxmpi_raw']:.3f}"
                                  for c in big)
                      + f" -> {'met' if ok else 'MISSED'} (worst {worst['busbw_ratio_rtxmpi_raw']:.3f})")
+    shm_big = [c for c in ar if c["size_bytes"] >= TARGET_SHM_FROM_BYTES]
+    if shm_big:
+        worst = min(shm_big, key=lambda c: c["busbw_ratio_rtxmpi_raw"])
+        ok = worst["busbw_ratio_rtxmpi_raw"] >= TARGET_SHM_RATIO
+        verdicts["all_reduce_shm_busbw_ratio"] = {
+            "target": TARGET_SHM_RATIO, "from_bytes": TARGET_SHM_FROM_BYTES, "met": ok,
+            "worst": worst["busbw_ratio_rtxmpi_raw"], "worst_size_bytes": worst["size_bytes"]}
+        lines.append(f"Target all_reduce busbw >= {TARGET_SHM_RATIO:g}x raw at >= "
+                     f"{format_bytes(TARGET_SHM_FROM_BYTES)}: worst "
+                     f"{worst['busbw_ratio_rtxmpi_raw']:.2f} at {format_bytes(worst['size_bytes'])}"
+                     f" -> {'met' if ok else 'MISSED'}")
+    if ar:
+        worst = min(ar, key=lambda c: c["busbw_ratio_rtxmpi_raw"])
+        lines.append("all_reduce rtxmpi/raw busbw at every size: " + ", ".join(
+            f"{format_bytes(c['size_bytes'])} {c['busbw_ratio_rtxmpi_raw']:.2f}" for c in ar)
+            + f" (worst {worst['busbw_ratio_rtxmpi_raw']:.2f} at "
+              f"{format_bytes(worst['size_bytes'])})")
+    gloo_big = [c for c in ar if c["size_bytes"] >= TARGET_GLOO_FROM_BYTES and "gloo" in c["impls"]]
+    if gloo_big:
+        ratios = {c["size_bytes"]: c["impls"]["gloo"]["median_us"] / c["impls"]["rtxmpi"]["median_us"]
+                  for c in gloo_big}
+        worst_size = min(ratios, key=ratios.get)
+        ok = ratios[worst_size] >= TARGET_GLOO_RATIO
+        verdicts["all_reduce_gloo_busbw_ratio"] = {
+            "target": TARGET_GLOO_RATIO, "from_bytes": TARGET_GLOO_FROM_BYTES, "met": ok,
+            "worst": ratios[worst_size], "worst_size_bytes": worst_size}
+        lines.append(f"Target all_reduce busbw >= {TARGET_GLOO_RATIO:g}x PyTorch gloo at >= "
+                     f"{format_bytes(TARGET_GLOO_FROM_BYTES)}: worst {ratios[worst_size]:.2f} at "
+                     f"{format_bytes(worst_size)} -> {'met' if ok else 'MISSED'}")
     if "all_reduce" in overhead and overhead["all_reduce"]["size_bytes"] <= 8:
         o, o_min = overhead["all_reduce"]["median_us"], overhead["all_reduce"]["min_us"]
         verdicts["all_reduce_overhead_8b"] = {"target_us": TARGET_OVERHEAD_US, "measured_us": o,
@@ -298,6 +330,19 @@ def summary(cells, ops):
                      f"{o:.1f} us median ({o_min:.1f} min) -> "
                      f"{'met' if o <= TARGET_OVERHEAD_US else 'MISSED'}")
     return lines, overhead, verdicts
+
+
+def shm_line(g):
+    """How rtxmpi's all_reduce ran: the shared-memory path's settings and mode (comm/shm.py)."""
+    config, engine = g.backend.shm_config, g.backend._shm
+    if not config.enabled:
+        return "off (RTXMPI_SHM=0): MPI's Allreduce at every size"
+    if not engine:
+        return (f"not used (from {format_bytes(config.min_bytes)}; "
+                + ("no message reached it)" if engine is None else "one rank per node)"))
+    return (f"mode {engine.mode}, messages >= {format_bytes(config.min_bytes)} (smaller: MPI), "
+            f"chunk {format_bytes(config.chunk_bytes)}, {engine.local_size} local ranks x "
+            f"{engine.nodes} node(s); RTXMPI_SHM=0 turns it off")
 
 
 # -- main ----------------------------------------------------------------------------------------------
@@ -382,7 +427,8 @@ def main(argv=None):
 
     command = launch_command(n)
     lines = [f"### Collectives, n={n}, {dtype}, rtxmpi check={'on' if args.check else 'off'}", "",
-             f"Command: `{command}`", "", f"Machine: {machine_line(info)}", ""]
+             f"Command: `{command}`", "", f"Machine: {machine_line(info)}", "",
+             f"rtxmpi shared-memory all_reduce: {shm_line(g)}", ""]
     if gloo_note:
         lines += [f"PyTorch gloo column skipped: {gloo_note}.", ""]
     for op, why in unsupported.items():

@@ -3,45 +3,55 @@
 Open MPI's `Allreduce` between processes of one node runs far below the memory bandwidth for
 large messages (about 1.5-2 GB/s busbw at 64-256 MiB on the 2-core CI machine, where one core
 copies at about 20 GB/s). `NodeAllReduce` gives the MPI backend a faster path for large blocking
-all_reduce calls. It is the reduce-scatter + all-gather all_reduce (Rabenseifner, "Optimization
-of collective reduction operations", ICCS 2004; Thakur, Rabenseifner and Gropp, "Optimization of
-collective communication operations in MPICH", IJHPCA 2005) run through a shared-memory arena,
-pipelined in chunks so that the data in flight stays in cache:
+all_reduce calls: the reduce-scatter + all-gather all_reduce (Rabenseifner, "Optimization of
+collective reduction operations", ICCS 2004; Thakur, Rabenseifner and Gropp, "Optimization of
+collective communication operations in MPICH", IJHPCA 2005) with the local ranks reading each
+other's memory instead of exchanging messages. The elements are split into `local_size`
+contiguous segments; local rank i owns segment i.
 
-- Arena: one POSIX shared-memory file per group and node (`/dev/shm`, unlinked as soon as every
-  local rank has mapped it, so nothing is left behind even if a process dies), holding per local
-  rank `BUFFERS` chunk buffers of `chunk_bytes`. Allocated once, first touched at creation and
-  reused by every call; its size does not depend on the message size (large messages are
-  pipelined through it), so it never grows.
-- Per chunk k (elements split into `local_size` contiguous segments, segment i owned by local
-  rank i):
-  1. copy-in: every rank copies the segments of its chunk that other ranks own into its buffer;
-  2. reduce: rank i adds the other ranks' copies of segment i into its own data in place, in
-     ascending local-rank order, then publishes the result in its buffer. Across nodes
-     (hierarchical path), the reduced segment is then all_reduced by MPI among the ranks holding
-     local index i on every node (one per node), so each rank sends 1/local_size of the message
-     over the network and all local ranks use it at once (the hierarchical / 2D all_reduce of
-     Horovod and of Jia et al., "Highly scalable deep learning training system with mixed-precision",
-     2018);
-  3. copy-out: every rank copies the reduced segments the other ranks own into its array.
-  One node barrier per chunk separates "chunk k reduced and chunk k+1 copied in" from "chunk k
-  copied out"; with three buffers per rank (triple buffering) no rank can overwrite a buffer
-  another rank is still reading. A call starts only after every rank of the group has arrived
-  (the group's arrival check), so consecutive calls cannot overlap either.
-- Memory ordering: the stores of one step are visible to the other ranks after the node barrier:
-  Open MPI's shared-memory barrier is built on atomic operations with full memory fences.
+Mode "cma" (default where the kernel allows it): cross-memory attach (Linux `process_vm_readv`,
+the single-copy mechanism of Open MPI's smsc/cma), called through ctypes.
+  1. the local ranks exchange the addresses of their arrays (one small all_gather);
+  2. reduce-scatter: rank i reads segment i of every peer's array, in pieces of `chunk_bytes`
+     through a scratch buffer that stays in cache, and folds each piece into its own array in
+     place (its own value first, then the peers in ascending local-rank order);
+  3. across nodes (hierarchical path), segment i is then all_reduced by MPI among the ranks that
+     hold local index i on every node (one per node), so each rank sends 1/local_size of the
+     message over the network and all local ranks use it at once (the hierarchical / 2D
+     all_reduce of Horovod and of Jia et al., "Highly scalable deep learning training system with
+     mixed-precision", 2018);
+  4. node barrier; all-gather: every rank reads the peers' reduced segments straight into its
+     array; node barrier (no rank returns and reuses its array while a peer still reads it).
+  Two barriers per call whatever the size; each byte is copied once per direction by the kernel.
+  Availability is probed once per group (every local rank reads a peer's probe word); it needs
+  ptrace-read permission on the peers (same user; not forbidden by Yama or seccomp).
 
+Mode "copy" (fallback, or `RTXMPI_SHM_CMA=0`): a shared arena, one POSIX shared-memory file per
+group and node (`/dev/shm`, unlinked as soon as every local rank has mapped it, so nothing is
+left behind even if a process dies), holding per local rank `BUFFERS` chunk buffers. Allocated
+once, first touched at creation and reused; its size does not depend on the message (large
+messages are pipelined through it), so it never grows. Per chunk k: every rank copies the
+segments other ranks own into its buffer; rank i folds the copies of segment i into its own data
+in place (then step 3 above) and publishes the result in its buffer; every rank copies the
+reduced segments out. One node barrier per chunk separates "chunk k reduced and chunk k+1 copied
+in" from "chunk k copied out"; with three buffers per rank no rank overwrites a buffer another
+still reads.
+
+Both modes start only after every rank of the group has arrived (the group's arrival check), so
+consecutive calls cannot overlap. Memory ordering: stores made before a node barrier are visible
+to the other ranks after it (Open MPI's shared-memory barrier uses atomics with full fences).
 Every element is reduced by exactly one rank and copied to the others, so every rank gets bitwise
 the same result. The order of the terms is fixed by the element's position and the group layout
-(deterministic from run to run), but for more than two local ranks it is not the rank order.
+(deterministic from run to run); for more than two local ranks it is not the rank order.
 
 Selection (MPIBackend): blocking all_reduce of at least `min_bytes` on a group whose ranks share
-nodes uses this path; smaller messages, nonblocking calls and groups with one rank per node keep
-MPI's algorithms. Configuration (read on rank 0 by `configure()` at `rtxmpi.init()`, the same on
-every rank): `RTXMPI_SHM=0` turns the path off; `RTXMPI_SHM_MIN_BYTES` (default
-`DEFAULT_MIN_BYTES`), `RTXMPI_SHM_CHUNK_BYTES` (default `DEFAULT_CHUNK_BYTES`);
-`RTXMPI_SHM_NODE_SIZE=k` splits every node into pretend nodes of k consecutive local ranks, to
-exercise the hierarchical path on one machine (tests).
+nodes takes this path; smaller messages, nonblocking calls and groups with one rank per node (or
+nodes with different numbers of ranks) keep MPI's algorithms. Configuration, read on rank 0 by
+`configure()` at `rtxmpi.init()` and used on every rank: `RTXMPI_SHM=0` turns the path off;
+`RTXMPI_SHM_CMA=0` forces the arena mode; `RTXMPI_SHM_MIN_BYTES` (default `DEFAULT_MIN_BYTES`);
+`RTXMPI_SHM_CHUNK_BYTES` (default `DEFAULT_CHUNK_BYTES`); `RTXMPI_SHM_NODE_SIZE=k` splits every
+node into pretend nodes of k consecutive local ranks, to exercise the hierarchical path on one
+machine (tests). Groups take the settings current when they are created.
 """
 import ctypes
 import mmap
