@@ -124,6 +124,18 @@ class HardwareProfile:
         alpha, bw = table[str(nearest)]
         return alpha + ring_factor(op, n) * nbytes / bw
 
+    def with_reference(self, busy_ms, note=None):
+        """A copy whose reference run and sharing model come from `busy_ms` ({k: ms}, e.g. from
+        ReferenceRun.sample pooled over a benchmark): ref_ms, ref_busy_ms, contention,
+        effective_cores and wait_weight are refitted; the kernel rates and links stay."""
+        data = json.loads(json.dumps(asdict(self)))
+        busy = {int(k): float(v) for k, v in busy_ms.items()}
+        C, w = fit_sharing(busy, self.ranks_per_node, self.cores_per_node)
+        data.update(ref_ms=busy[1], ref_busy_ms={str(k): v for k, v in busy.items()},
+                    contention=max(1.0, busy[max(busy)] / busy[1]), effective_cores=C,
+                    wait_weight=w, notes=self.notes + ([note] if note else []))
+        return HardwareProfile.from_dict(data)
+
     def save(self, path):
         """Write the profile as JSON (no pickle). Raises ConfigError when it cannot be written."""
         try:
@@ -346,8 +358,6 @@ def _measure_compute(comm, local_rank, ranks_per_node, cfg, micro_batch, reps):
     median of reps) and the reference model: one GPT forward + backward of `micro_batch`
     sequences, with 1, half and all of the node's ranks computing at once.
     Returns (rates, {k: ms})."""
-    from ..nn.gpt import GPT
-
     C, H, T = cfg.n_embd, cfg.n_head, cfg.seq_len
     kernels = _compute_kernels(C, H, T, micro_batch * T)
     rates = {}
@@ -358,27 +368,52 @@ def _measure_compute(comm, local_rank, ranks_per_node, cfg, micro_batch, reps):
         if len(spec) > 3:  # subtract the re-fill copy that keeps the input the same every rep
             t -= _time_median(spec[3], comm, reps, active=local_rank == 0)
         rates[name] = _rate(kind, units, max(t, 1e-9))
-    model = GPT(cfg, seed=0)
-    idx = np.random.default_rng(1).integers(0, cfg.vocab_size, (micro_batch, T))
-
-    def step():
-        loss, cache = model.forward(idx, idx)
-        model.backward(cache)
-
-    step()
-    ref_reps = max(3, reps // 2)
-    R = ranks_per_node
-    ks = sorted({1, (R + 1) // 2, R})
-    samples = {k: [] for k in ks}
-    for rep in range(ref_reps):  # interleaved, so a change of machine load hits every k alike
-        for k in ks[rep % len(ks):] + ks[:rep % len(ks)]:
-            t = _time_min(step, comm, 1, active=local_rank < k)
-            samples[k] += [x for x in comm.allgather(t) if x != float("inf")]
-    busy_ms = {k: float(np.median(v)) * 1e3 for k, v in samples.items()}
+    ref = ReferenceRun(comm, cfg, micro_batch)
+    busy_ms = ref.median_ms(ref.sample(max(3, reps // 2)))
     # rates measured on local rank 0: take the node-0 values everywhere (broadcast)
     rates = comm.bcast(rates, root=0)
-    busy_ms = comm.bcast(busy_ms, root=0)
     return rates, busy_ms
+
+
+class ReferenceRun:
+    """One GPT forward + backward of `micro_batch` sequences of `cfg`, timed with k = 1, half and
+    all of each node's ranks computing at once (the others waiting in a barrier). Collective:
+    every rank of `comm` (an mpi4py communicator) builds it and calls sample() together.
+    Benchmarks interleave sample() with what they measure and refit with
+    HardwareProfile.with_reference, so the profile sees the same machine load as the runs."""
+
+    def __init__(self, comm, cfg, micro_batch):
+        from mpi4py import MPI
+
+        from ..nn.gpt import GPT
+
+        self.comm = comm
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        self.local_rank, self.ranks_per_node = node.Get_rank(), max(comm.allgather(node.Get_size()))
+        node.Free()
+        self.model = GPT(cfg, seed=0)
+        self.idx = np.random.default_rng(1).integers(0, cfg.vocab_size, (micro_batch, cfg.seq_len))
+        R = self.ranks_per_node
+        self.ks = sorted({1, (R + 1) // 2, R})
+        self._step()  # warm-up
+
+    def _step(self):
+        loss, cache = self.model.forward(self.idx, self.idx)
+        self.model.backward(cache)
+
+    def sample(self, reps=1):
+        """{k: [seconds, ...]}: reps interleaved rounds over k (rotating), every computing rank's
+        time. Collective."""
+        samples = {k: [] for k in self.ks}
+        for rep in range(reps):  # interleaved, so a change of machine load hits every k alike
+            for k in self.ks[rep % len(self.ks):] + self.ks[:rep % len(self.ks)]:
+                t = _time_min(self._step, self.comm, 1, active=self.local_rank < k)
+                samples[k] += [x for x in self.comm.allgather(t) if x != float("inf")]
+        return samples
+
+    @staticmethod
+    def median_ms(samples):
+        return {k: float(np.median(v)) * 1e3 for k, v in samples.items()}
 
 
 def fit_sharing(busy_ms, ranks_per_node, cores):
