@@ -39,7 +39,7 @@ _SP_PARTIAL = (0, 1, 5, 6, 7, 11)
 
 
 class _Cache:
-    __slots__ = ("emb", "blocks", "ln_f", "head", "ce", "T")
+    __slots__ = ("emb", "blocks", "head")
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -188,22 +188,39 @@ class ParallelGPT:
             raise ConfigError(f"targets shape {targets.shape} must equal idx shape {idx.shape}")
         if self.tp_group.check and self.tp > 1:
             self._check_same_tokens(idx, targets)
-        tp, sp_on = self.tp_group, self.sequence_parallel
-        Ts = idx.shape[1]
-        wte, wpe = self.params[0].data, self.params[1].data
-        x, emb_cache = tpl.vocab_embedding_forward(idx, wte, self.vocab_start, tp, sp_on)
-        p0, Tl = self._positions(Ts)
-        x += wpe[p0:p0 + Tl]
+        x, emb_cache = self.embed_forward(idx)
         blocks = []
         for l in range(self.cfg.n_layer):
-            x, cache = self._block_forward(x, self._block_params(l))
+            x, cache = self.block_forward(l, x)
             blocks.append(cache)
+        loss, head_cache = self.head_forward(x, targets)
+        return loss, _Cache(emb=emb_cache, blocks=blocks, head=head_cache)
+
+    # The passes in pieces (what a pipeline stage runs; collective on group("tp") and group("sp")):
+    # x is the activation between blocks: (B, Ts, C), or (B, Ts/tp, C) with sequence_parallel.
+    def embed_forward(self, idx):
+        """Token (vocabulary-parallel) plus position embedding of this rank's (B, Ts) ids, already
+        validated (`forward` does). Returns x, cache."""
+        Ts = idx.shape[1]
+        x, cache = tpl.vocab_embedding_forward(idx, self.params[0].data, self.vocab_start,
+                                               self.tp_group, self.sequence_parallel)
+        p0, Tl = self._positions(Ts)
+        x += self.params[1].data[p0:p0 + Tl]
+        return x, (cache, Ts)
+
+    def block_forward(self, l, x):
+        """Block l (0-based) on x. Returns y (the shape of x), cache."""
+        return self._block_forward(x, self._block_params(l))
+
+    def head_forward(self, x, targets):
+        """ln_f, the vocabulary-parallel head and cross-entropy. targets: (B, Ts) ids.
+        Returns (loss: Python float, the mean over this rank's positions), cache."""
+        tp, sp_on = self.tp_group, self.sequence_parallel
         g, b = self.params[self.units[-1][0]].data, self.params[self.units[-1][0] + 1].data
         h, ln_f_cache = layers.layernorm_forward(x, g, b)
         logits, head_cache = tpl.column_linear_forward(h, self._head_weight().T, None, tp, sp_on)
         loss, ce_cache = tpl.vocab_crossentropy_forward(logits, targets, self.vocab_start, tp)
-        return float(loss), _Cache(emb=emb_cache, blocks=blocks, ln_f=ln_f_cache, head=head_cache,
-                                   ce=ce_cache, T=Ts)
+        return float(loss), (ln_f_cache, head_cache, ce_cache)
 
     def _positions(self, Ts):
         """(first position, count) of the activations this rank holds between layers."""
@@ -256,32 +273,47 @@ class ParallelGPT:
         rtxmpi.nn.GPT.backward. Collective on group("tp") and group("sp").
         """
         notify = grad_ready if grad_ready is not None else (lambda i: None)
-        tp, L = self.tp_group, self.cfg.n_layer
-        head_start, head_stop = self.units[-1]
-        dlogits = tpl.vocab_crossentropy_backward(scale, cache.ce)
-        dw = self._head_weight(grad=True)
-        dh, _, _ = tpl.column_linear_backward(dlogits, cache.head, tp, dw_out=dw.T)
+        head_start = self.units[-1][0]
+        dx = self.head_backward(cache.head, scale)
         if not self.cfg.tie_embeddings:
             notify(len(self.params) - 1)
-        head_grads = [self.params[head_start].grad, self.params[head_start + 1].grad]
-        partial, scratch = self._partial(head_grads, (0, 1))
-        dx, _, _ = layers.layernorm_backward(dh, cache.ln_f, partial[0], partial[1])
-        self._sum_partial(head_grads, (0, 1), scratch, partial)
         notify(head_start + 1)
         notify(head_start)
-        for l in range(L - 1, -1, -1):
-            dx = self._block_backward(dx, cache.blocks[l], l)
+        for l in range(self.cfg.n_layer - 1, -1, -1):
+            dx = self.block_backward(l, dx, cache.blocks[l])
             base = self.units[l + 1][0]
             for j in range(11, -1, -1):
                 notify(base + j)
-        # embeddings: wpe gets the gradient of this rank's positions; wte of its vocabulary rows
-        if self.sequence_parallel:
-            dx = tpl.gather_sequence(dx, tp)
-        p0 = self.sp_rank * cache.T
-        self.params[1].grad[p0:p0 + cache.T] += dx.sum(axis=0)
-        tpl.vocab_embedding_backward(dx, cache.emb, self.params[0].grad)
+        self.embed_backward(dx, cache.emb)
         notify(1)
         notify(0)
+
+    def head_backward(self, cache, scale=1.0):
+        """Adds the gradients of `scale * loss` of ln_f and the head (wte's rows when tied);
+        returns dx (the shape of head_forward's x)."""
+        ln_f_cache, head_cache, ce_cache = cache
+        head_start = self.units[-1][0]
+        dlogits = tpl.vocab_crossentropy_backward(scale, ce_cache)
+        dw = self._head_weight(grad=True)
+        dh, _, _ = tpl.column_linear_backward(dlogits, head_cache, self.tp_group, dw_out=dw.T)
+        head_grads = [self.params[head_start].grad, self.params[head_start + 1].grad]
+        partial, scratch = self._partial(head_grads, (0, 1))
+        dx, _, _ = layers.layernorm_backward(dh, ln_f_cache, partial[0], partial[1])
+        self._sum_partial(head_grads, (0, 1), scratch, partial)
+        return dx
+
+    def block_backward(self, l, dy, cache):
+        """Adds block l's gradients; returns dx (the shape of dy)."""
+        return self._block_backward(dy, cache, l)
+
+    def embed_backward(self, dx, cache):
+        """Adds the gradients of wpe (this rank's positions) and wte (its vocabulary rows)."""
+        emb_cache, Ts = cache
+        if self.sequence_parallel:
+            dx = tpl.gather_sequence(dx, self.tp_group)
+        p0 = self.sp_rank * Ts
+        self.params[1].grad[p0:p0 + Ts] += dx.sum(axis=0)
+        tpl.vocab_embedding_backward(dx, emb_cache, self.params[0].grad)
 
     def _block_backward(self, dy, cache, l):
         ln1, c_qkv, c_att, c_aproj, ln2, c_fc, c_gelu, c_mproj = cache
@@ -359,15 +391,17 @@ class HybridParallel:
         """{name: (data, global_offset, global_size)}: each world rank writes an even
         1/world_size of the FULL flat params and AdamW m and v (as the data-parallel engine), so
         the checkpoint is the one-process model's and loads at any layout. Collective on tp."""
-        from ..checkpoint import Shard
-
         r, n = self.mesh.rank, self.mesh.world_size
         state = self.optimizer.state_dict()
         pieces = {"params": self.full_params(), "adam.m": self.model.gather_full(state["m"]),
                   "adam.v": self.model.gather_full(state["v"]),
                   "adam.step": np.array([state["step"]], np.int64)}
-        shards = {name: Shard.even(full, r, n) for name, full in pieces.items()}
-        return {name: (sh.data, sh.global_offset, sh.global_size) for name, sh in shards.items()}
+        out = {}
+        for name, full in pieces.items():  # elements [r * size // n, (r + 1) * size // n)
+            size = int(full.shape[0])
+            start, stop = r * size // n, (r + 1) * size // n
+            out[name] = (full[start:stop], start, size)
+        return out
 
     def load_shards(self, read):
         """Load from a checkpoint of full flat vectors (`read(name, start, stop)`). Local reads."""
@@ -397,12 +431,12 @@ def check_layout(world_size, *, dp=None, tp=1, pp=1, sp=1, seq_len, zero_stage=0
     """Validate a training job's layout before anything is built (pure, local, the same verdict
     on every rank). Returns dp. Raises ConfigError: dp * tp * pp * sp != world_size (naming every
     factor), seq_len not divisible by sp (or by tp * sp under
-    Megatron sequence parallelism, checked by the model), sequence_parallel with tp = 1, pipeline combined with tp or sp, ZeRO or
+    Megatron sequence parallelism, checked by the model), sequence_parallel with tp = 1, pipeline combined with sp, ZeRO or
     elastic shrink with tp or sp > 1 (not supported yet)."""
     dp, tp, pp, sp = resolve_degrees(world_size, dp=dp, tp=tp, pp=pp, sp=sp)
-    if pp > 1 and (tp > 1 or sp > 1):
-        raise ConfigError(f"pp({pp}) together with tp({tp}) or sp({sp}) > 1 is not supported yet; "
-                          "use pipeline parallelism with data parallelism only")
+    if pp > 1 and sp > 1:
+        raise ConfigError(f"pp({pp}) together with sp({sp}) > 1 is not supported yet; pipeline "
+                          "parallelism composes with dp and tp (rtxmpi.parallel.pipeline)")
     if seq_len % sp:
         raise ConfigError(f"sequence length {seq_len} is not divisible by sp({sp}); use a multiple "
                           f"of {sp}")
