@@ -555,16 +555,17 @@ def train(args):
     check_args(args, world_size)
     corpus = load_data(world, args)
     cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
-    hybrid = args.tp > 1 or args.sp > 1  # tensor / sequence parallelism (docs/parallel.md)
+    pipeline = args.pp > 1  # layers in stages over --pp ranks, --schedule (docs/pipeline.md)
+    hybrid = (args.tp > 1 or args.sp > 1) and not pipeline  # tensor / sequence (docs/parallel.md)
     engine = build_hybrid(cfg, world, dp=args.dp, tp=args.tp, sp=args.sp, seed=args.seed,
                           sequence_parallel=args.sequence_parallel,
                           bucket_bytes=int(args.bucket_mb * 2**20),
                           optimizer=lambda params, mask: AdamW(
                               params, lr=args.lr, weight_decay=args.weight_decay,
                               decay_mask=mask)) if hybrid else None
-    pipeline = args.pp > 1  # layers in stages over --pp ranks, --schedule (docs/parallel.md)
-    if pipeline:
-        engine = build_pipeline(cfg, world, dp=args.dp, pp=args.pp, seed=args.seed,
+    if pipeline:  # with --tp > 1: tensor-parallel stages
+        engine = build_pipeline(cfg, world, dp=args.dp, pp=args.pp, tp=args.tp, seed=args.seed,
+                                sequence_parallel=args.sequence_parallel,
                                 micro_batches=args.micro_batches, schedule=args.schedule,
                                 optimizer=lambda params, mask: AdamW(
                                     params, lr=args.lr, weight_decay=args.weight_decay,
@@ -582,7 +583,8 @@ def train(args):
     metrics = open(args.metrics_jsonl, "a") if rank == 0 and args.metrics_jsonl else None
     if rank == 0:
         print(f"rtxmpi {rtxmpi.__version__}: world_size {world_size}, model {args.model} "
-              f"({model.num_params / 1e6:.2f} M params), corpus {corpus.source} "
+              f"({getattr(model, 'full_num_params', model.num_params) / 1e6:.2f} M params), "
+              f"corpus {corpus.source} "
               f"({_size(corpus.train.size)} train / {_size(corpus.val.size)} val), "
               f"global batch {args.global_batch} x {args.seq_len} tokens, ZeRO stage "
               f"{args.zero_stage}", flush=True)

@@ -59,6 +59,7 @@ class ParallelGPT:
 
     Attributes (as rtxmpi.nn.GPT, for this rank's slices): cfg, xp, dtype, params (the GPT's names,
     local shapes), flat_data, flat_grad, num_params (local), units, full_specs (the GPT's layout),
+    full_num_params (the whole model's),
     mesh, tp_group, sp_group, tp, sp, tp_rank, sp_rank, vocab_start, sequence_parallel.
     """
 
@@ -80,6 +81,7 @@ class ParallelGPT:
         self.vocab_start, _ = tpl.vocab_range(cfg.vocab_size, self.tp_rank, tp)
         check_heads(self.n_head_local, sp)
         self.full_specs = param_layout(cfg)
+        self.full_num_params = self.full_specs[-1].stop
         specs = layout(tpl.local_layout(self.full_specs, tp))
         self.num_params = specs[-1].stop
         full = _init_flat(cfg, self.full_specs, seed)
@@ -353,8 +355,8 @@ class HybridParallel:
             raise ConfigError(f"HybridParallel runs pp=1; got pp({mesh.pp}): use the pipeline "
                               "engine (rtxmpi.parallel.pipeline) for pipeline parallelism")
         self.model, self.mesh = model, mesh
-        self.group = mesh.loss_group
-        self.ddp = DataParallel(model, self.group, bucket_bytes=bucket_bytes,
+        self.group = mesh.world  # the engine spans the mesh; gradients average over loss_group
+        self.ddp = DataParallel(model, mesh.loss_group, bucket_bytes=bucket_bytes,
                                 broadcast_params=False)  # identical by construction
         make = optimizer or (lambda params, mask: AdamW(params, decay_mask=mask))
         self.optimizer = make(model.flat_data, decay_mask(model.params, model.xp, model.dtype))
@@ -430,8 +432,8 @@ def check_layout(world_size, *, dp=None, tp=1, pp=1, sp=1, seq_len, zero_stage=0
                  sequence_parallel=False):
     """Validate a training job's layout before anything is built (pure, local, the same verdict
     on every rank). Returns dp. Raises ConfigError: dp * tp * pp * sp != world_size (naming every
-    factor), seq_len not divisible by sp (or by tp * sp under
-    Megatron sequence parallelism, checked by the model), sequence_parallel with tp = 1, pipeline combined with sp, ZeRO or
+    factor), seq_len not divisible by sp (or by tp * sp under Megatron sequence parallelism,
+    checked by the model), sequence_parallel with tp = 1, pipeline combined with sp, ZeRO or
     elastic shrink with tp or sp > 1 (not supported yet)."""
     dp, tp, pp, sp = resolve_degrees(world_size, dp=dp, tp=tp, pp=pp, sp=sp)
     if pp > 1 and sp > 1:

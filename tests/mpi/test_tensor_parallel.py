@@ -93,7 +93,7 @@ def test_ulysses_attention_sees_the_full_sequence_from_a_shard(world):
 
 
 @pytest.mark.parametrize("dp,tp,sp", [(2, 2, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2), (4, 1, 1),
-                                      (1, 1, 4)])
+                                      (1, 4, 1), (1, 1, 4)])
 def test_loss_curve_and_parameters_match_single_process_over_10_adamw_steps(world, dp, tp, sp):
     mesh = mesh_or_skip(world, dp, tp, sp)
     cfg = config()
