@@ -102,12 +102,15 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.gauges = {n: Gauge(n, _HELP[n], ["rank", "job"], registry=self.registry)
                        for n in NAMES}
+        self._mine = {n: g.labels(rank=str(self.rank), job=self.job) for n, g in self.gauges.items()}
         self.cross = None
         if cross:
             self.cross = {n: Gauge(f"{n}_cross", f"{_HELP[n]}: min, median, max over ranks",
                                    ["job", "stat"], registry=self.registry) for n in NAMES}
             self.slowest = Gauge("slowest_rank", "rank whose own work (compute + data) took "
                                  "longest in the last step", ["job"], registry=self.registry)
+            self._cross = {(n, stat): g.labels(job=self.job, stat=stat)
+                           for n, g in self.cross.items() for stat in STATS}
         self.textfile = None if textfile is None else textfile_path(textfile, rank, world_size)
         self.server = self.address = None
         if port is not None:
@@ -117,18 +120,18 @@ class Metrics:
     def update(self, values):
         """Set this rank's gauges from {name: float} (names outside NAMES are ignored)."""
         for name, value in values.items():
-            gauge = self.gauges.get(name)
-            if gauge is not None:
-                gauge.labels(rank=str(self.rank), job=self.job).set(float(value))
+            child = self._mine.get(name)
+            if child is not None:
+                child.set(float(value))
 
     def update_cross(self, rows, slowest_rank):
         """rows: one {name: float} per rank. Sets <name>_cross{stat} and slowest_rank."""
         if self.cross is None:
             return
-        for name, gauge in self.cross.items():
+        for name in self.cross:
             values = [float(r[name]) for r in rows]
             for stat, value in zip(STATS, (min(values), statistics.median(values), max(values))):
-                gauge.labels(job=self.job, stat=stat).set(value)
+                self._cross[(name, stat)].set(value)
         self.slowest.labels(job=self.job).set(int(slowest_rank))
 
     def write_textfile(self):
