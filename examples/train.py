@@ -663,7 +663,8 @@ def train(args):
         if flags.stop:  # pre-empted: every rank stops after this step
             record["preempted"], last_step = True, step
             break
-    finish_save(world, model, pending)
+    with obs.span("checkpoint", "checkpoint"):
+        finish_save(world, model, pending)
     obs.close(engine)  # rank 0: merged timeline, bottleneck verdict, run directory
     bar.close()
     if log:
