@@ -315,3 +315,16 @@ def test_observer_refuses_a_bad_port_and_path(tmp_path):
         Observer(world, metrics_port=0)
     with pytest.raises(ConfigError, match="--timeline .*not a writable file path"):
         Observer(world, timeline=str(tmp_path / "missing" / "t.json"))
+
+
+def test_report_scaling_table_from_runs_at_two_world_sizes(tmp_path):
+    for n, tps in ((1, 1000.0), (2, 1800.0)):
+        d = tmp_path / f"n{n}"
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "loss": 5.0 - s / 10, "tokens_per_s": tps, "world_size": n}) + "\n"
+            for s in range(1, 6)))
+    text = summary([load_run(str(tmp_path / "n2")), load_run(str(tmp_path / "n1"))])
+    rows = [line.split() for line in text.splitlines() if line.startswith("   ")]
+    assert ["1", "1000", "1.00", "100%"] == rows[0][:4]
+    assert ["2", "1800", "1.80", "90%"] == rows[1][:4]
