@@ -158,3 +158,23 @@ def test_tp_ranks_fed_different_tokens_raise_in_checking_mode(world, assert_rais
     x = (x + world.rank) % 256  # each tp rank a different batch
     assert_raised_on_every_rank(world, lambda: model.forward(x, y), ConfigError,
                                 match=["fed different tokens"])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_micro_batches_under_no_sync_accumulate_the_whole_batch_gradient(world):
+    n = world.world_size
+    if n % 2:
+        pytest.skip("needs an even world size (sp = 2)")
+    mesh = DeviceMesh(dp=1, tp=n // 2, sp=2, group=world)
+    cfg = config(n_head=4 * n)
+    _, ref_grad = reference_grads(cfg, np.float64)
+    engine = HybridParallel(ParallelGPT(cfg, mesh, dtype=np.float64, sequence_parallel=n > 2))
+    x, y = global_batch(0)
+    half = GLOBAL_BATCH // 2
+    _, cache = engine.forward(x[:half], y[:half])
+    with engine.no_sync():
+        engine.backward(cache, scale=0.5)
+    _, cache = engine.forward(x[half:], y[half:])
+    engine.backward(cache, scale=0.5)
+    grad = engine.model.gather_full(engine.model.flat_grad)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-10, atol=1e-14)
