@@ -11,7 +11,7 @@ from .launch import check_launch
 from .monitor import Monitor, install_excepthook
 from . import traced
 from . import shm
-from .mpi import MPIBackend
+from .nccl import DeviceGroup, agree_transport, make_world
 from .work import Work
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -24,7 +24,9 @@ _world = None
 def init(backend="auto", timeout_s=None, check=None):
     """Start rtxmpi on this process and return the world ProcessGroup.
 
-    backend: "auto" (NCCL for cupy arrays once available, else MPI), "mpi", or "nccl".
+    backend: "auto" (cupy arrays over NCCL when cupy, NCCL and a GPU are present, else CUDA-aware
+    MPI, else host-staged MPI; numpy arrays always over MPI), "mpi" (host staging for cupy), or
+    "nccl" (ConfigError on every rank when a rank lacks cupy, NCCL or a GPU). docs/gpu.md.
     timeout_s: deadline in seconds of every wait (default $RTXMPI_TIMEOUT_S or 300).
     check: checking mode, a fingerprint exchange before every collective (default $RTXMPI_CHECK).
     Collective: every process of the MPI job must call it once, first; later calls return the same
@@ -35,9 +37,6 @@ def init(backend="auto", timeout_s=None, check=None):
         return _world
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "nccl":
-        raise ConfigError("backend='nccl' is not available in this version of rtxmpi; use "
-                          "backend='mpi' (cupy arrays are staged through host memory)")
     timeout_s = validate_timeout(os.environ.get("RTXMPI_TIMEOUT_S", DEFAULT_TIMEOUT_S)
                                  if timeout_s is None else timeout_s)
     check = env_flag("RTXMPI_CHECK") if check is None else bool(check)
@@ -53,9 +52,11 @@ def init(backend="auto", timeout_s=None, check=None):
     if size > 1:
         install_excepthook(rank)
     members = list(range(size))
-    _world = ProcessGroup(MPIBackend(comm, monitor, "world", members), name="world", rank=rank,
-                          world_size=size, members=members, local_rank=local_rank,
-                          device=select_device(local_rank), timeout_s=timeout_s, check=check)
+    # cupy arrays: NCCL, else CUDA-aware MPI, else host staging (agreed by every rank)
+    transport = agree_transport(comm, backend)
+    _world = make_world(transport, comm, monitor, members, select_device(local_rank),
+                        name="world", rank=rank, world_size=size, local_rank=local_rank,
+                        timeout_s=timeout_s, check=check)
     return _world
 
 
@@ -94,9 +95,10 @@ def replace_world(comm):
     local_rank = node.Get_rank()
     node.Free()
     members = list(range(size))
-    _world = ProcessGroup(MPIBackend(comm, monitor, "world", members), name="world", rank=rank,
-                          world_size=size, members=members, local_rank=local_rank,
-                          device=old.device, timeout_s=old.timeout_s, check=old.check)
+    # the same device transport as before (a new NCCL communicator on first device collective)
+    _world = make_world(getattr(old.backend, "transport", None), comm, monitor, members,
+                        old.device, name="world", rank=rank, world_size=size,
+                        local_rank=local_rank, timeout_s=old.timeout_s, check=old.check)
     beat = old.backend.monitor.heartbeat
     if beat is not None:  # heartbeats continue on the survivors
         beat.stop()
@@ -115,4 +117,5 @@ def is_initialized():
     return _world is not None
 
 
-__all__ = ["init", "world", "replace_world", "is_initialized", "ProcessGroup", "Work"]
+__all__ = ["init", "world", "replace_world", "is_initialized", "ProcessGroup", "DeviceGroup",
+           "Work"]
