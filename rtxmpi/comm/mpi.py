@@ -105,12 +105,18 @@ class MPIBackend:
         """The shared-memory / hierarchical all_reduce (comm/shm.py) when the group's layout
         allows it; False when not (the caller then runs MPI's). Collective: every rank selects
         it from the same message size and the same (collectively built) engine."""
+        engine = self._shm_engine()
+        return engine is not False and engine.all_reduce(buf, mpi_op)
+
+    def _shm_engine(self):
+        """The group's NodeAllReduce, built on first use (collective: every rank gets here at the
+        same call); False when the group's layout does not allow one."""
         engine = self._shm
         if engine is None:
             engine = self._shm = shm.NodeAllReduce.create(self.comm, self.shm_config) or False
             if engine is False:
                 self.shm_min_bytes = shm.NEVER  # one rank per node: MPI from now on
-        return engine is not False and engine.all_reduce(buf, mpi_op)
+        return engine
 
     # -- transfers: each returns a list of requests when nonblocking, else None -------------
     def all_reduce(self, buf, mpi_op, nonblocking):
@@ -122,13 +128,22 @@ class MPIBackend:
     def reduce_scatter(self, buf, out, mpi_op, nonblocking):
         if nonblocking:
             return [self.comm.Ireduce_scatter_block(buf, out, mpi_op)]
-        self.comm.Reduce_scatter_block(buf, out, mpi_op)
+        if buf.nbytes < self.shm_min_bytes or not self._shm_reduce_scatter(
+                buf, out, [out.size] * self.size, mpi_op):
+            self.comm.Reduce_scatter_block(buf, out, mpi_op)
+
+    def _shm_reduce_scatter(self, buf, out, counts, mpi_op):
+        """reduce_scatter by cross-memory reads on one node (comm/shm.py), or False (MPI)."""
+        engine = self._shm_engine()
+        return engine is not False and engine.reduce_scatter(buf, out, counts, mpi_op)
 
     def reduce_scatter_counts(self, buf, out, recvcounts, mpi_op, nonblocking):
         """Uneven reduce_scatter: rank r receives recvcounts[r] elements (zero allowed)."""
         if nonblocking:
             return [self.comm.Ireduce_scatter(buf, out, recvcounts, mpi_op)]
-        self.comm.Reduce_scatter(buf, out, recvcounts, mpi_op)
+        if buf.nbytes < self.shm_min_bytes or not self._shm_reduce_scatter(
+                buf, out, recvcounts, mpi_op):
+            self.comm.Reduce_scatter(buf, out, recvcounts, mpi_op)
 
     def all_gather(self, buf, out, nonblocking):
         send, recv = [as_bytes(buf), MPI.BYTE], [as_bytes(out), MPI.BYTE]

@@ -380,6 +380,48 @@ class NodeAllReduce:
                                   "RTXMPI_SHM_CMA=0 to use the shared arena instead") from exc
         node.Barrier()
 
+    def reduce_scatter(self, x, out, counts, mpi_op):
+        """Reduce the contiguous 1-D array `x` over the group and write rank r's elements
+        [sum(counts[:r]), sum(counts[:r+1])) into the contiguous 1-D `out`; every rank must call,
+        after every rank has arrived, with the same x size, dtype and counts (elements per rank).
+        Only in mode "cma" on one node: returns False (nothing done, on every rank) otherwise or
+        for an MPI op it does not handle; the caller then uses MPI.
+
+        Rank r copies its own part of x into out, then reads the same part of every peer's x
+        (in ascending local-rank order, in cache-sized pieces) and folds it in; one address
+        exchange and one barrier (no rank returns while a peer still reads its x).
+        """
+        ufunc = ufunc_of(mpi_op)
+        if (ufunc is None or self.mode != "cma" or self.cross is not None or x.ndim != 1
+                or out.ndim != 1 or not (x.flags.c_contiguous and out.flags.c_contiguous)):
+            return False
+        if x.size == 0:
+            return True
+        n, me, node = self.local_size, self.local_rank, self.node
+        self._my_addr[0] = x.ctypes.data
+        node.Allgather(self._my_addr, self._addrs)
+        addrs, pids, read = [int(a) for a in self._addrs], self._pids, self._reader.read
+        itemsize = x.itemsize
+        lo = int(sum(counts[:me]))
+        hi = lo + int(counts[me])
+        tmp = self._tmp.view(x.dtype)
+        tmp_addr, step = tmp.ctypes.data, tmp.size
+        try:
+            for start in range(lo, hi, step):
+                stop = min(hi, start + step)
+                piece, part = out[start - lo:stop - lo], tmp[:stop - start]
+                piece[...] = x[start:stop]
+                for j in range(n):
+                    if j != me:
+                        read(pids[j], tmp_addr, addrs[j] + start * itemsize,
+                             (stop - start) * itemsize)
+                        ufunc(piece, part, out=piece)
+        except OSError as exc:
+            raise CollectiveError(f"reduce_scatter: reading a local peer's array failed ({exc}); "
+                                  "set RTXMPI_SHM_CMA=0 to use MPI instead") from exc
+        node.Barrier()
+        return True
+
     def _all_reduce_copy(self, x, ufunc, mpi_op):
         """The pipelined arena path (see the module docstring)."""
         total = x.size

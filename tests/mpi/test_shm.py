@@ -150,6 +150,48 @@ def test_repeated_calls_with_varying_sizes_and_dtypes_reuse_one_engine(groups, l
     assert_path(group, layout)
 
 
+# -- reduce_scatter (cross-memory reads on one node; MPI in the other layouts) -----------------
+def expected_rows(group, rows, dtype, op, counts=None, salt=0):
+    every = [rank_values(r, (rows, 3), dtype, op, salt) for r in range(group.world_size)]
+    full = reduce_reference(every, op)
+    if counts is None:
+        counts = [rows // group.world_size] * group.world_size
+    start = sum(counts[:group.rank])
+    return every[group.rank], full[start:start + counts[group.rank]]
+
+
+@pytest.mark.parametrize("op,dtype,check", CASES[::3])
+def test_reduce_scatter_matches_numpy(groups, op, dtype, check):
+    group = groups[check]
+    x, expected = expected_rows(group, 1365 * group.world_size, dtype, op)
+    before = x.copy()
+    assert_exact(group.reduce_scatter(x, op), expected)
+    assert_exact(x, before)  # the input is read only
+
+
+@pytest.mark.parametrize("pattern", ["first", "last_empty", "ramp"])
+@pytest.mark.parametrize("op,dtype", [("sum", "float32"), ("max", "int64"), ("avg", "float16")])
+def test_reduce_scatter_uneven_counts(groups, pattern, op, dtype):
+    group = groups[False]
+    n = group.world_size
+    counts = {"first": [4097] + [0] * (n - 1), "last_empty": [1500] * (n - 1) + [0] if n > 1 else [7],
+              "ramp": [1000 * (r + 1) + r for r in range(n)]}[pattern]
+    x, expected = expected_rows(group, sum(counts), dtype, op, counts, salt=len(pattern))
+    assert_exact(group.reduce_scatter(x, op, counts=counts), expected)
+
+
+def test_reduce_scatter_strided_and_empty(groups):
+    group = groups[False]
+    n = group.world_size
+    base = rank_values(group.rank, (2 * 1031 * n, 3), "int32")
+    view = base[::2]
+    every = [rank_values(r, (2 * 1031 * n, 3), "int32")[::2] for r in range(n)]
+    expected = reduce_reference(every, "sum")[group.rank * 1031:(group.rank + 1) * 1031]
+    assert_exact(group.reduce_scatter(view), expected)
+    empty = group.reduce_scatter(np.zeros((0, 5), np.float32))
+    assert empty.shape == (0, 5)
+
+
 def test_async_all_reduce_matches_blocking(groups):
     group = groups[False]
     x, expected = inputs(group, 5000, "float32", "sum")
