@@ -207,6 +207,37 @@ def cmd_report(args):
     return 0
 
 
+def cmd_bench(args):
+    """Run bench/NAME.py under the right launcher (rtxmpi/bench_launch.py), or `all`: bench/run_all.py."""
+    import os
+    import subprocess
+
+    from . import bench_launch
+    from .errors import ConfigError
+
+    # options may also follow NAME (`rtxmpi bench checkpoint -n 4 --size-mb 64`): ours are taken
+    # from before a `--`, everything else goes to the benchmark
+    cut = args.args.index("--") if "--" in args.args else len(args.args)
+    ours = argparse.ArgumentParser(add_help=False)
+    for flag in ("-n", "--mpiexec", "--bench-dir"):
+        ours.add_argument(flag, type=int if flag == "-n" else str, default=argparse.SUPPRESS)
+    ours.add_argument("--dry-run", action="store_true", default=argparse.SUPPRESS)
+    known, rest = ours.parse_known_args(args.args[:cut])
+    vars(args).update(vars(known))
+    extra = rest + args.args[cut + 1:]
+    try:
+        if args.name == "all":
+            script = os.path.join(bench_launch.bench_dir(args.bench_dir), "run_all.py")
+            argv = ([sys.executable, script] + (["--mpiexec", args.mpiexec] if args.mpiexec else [])
+                    + (["--dry-run"] if args.dry_run else []) + extra)
+            print("[rtxmpi bench] " + " ".join(argv), file=sys.stderr, flush=True)
+            return subprocess.run(argv, env=bench_launch.environment()).returncode
+        return bench_launch.run(args.name, args.n, extra, args.bench_dir, args.mpiexec, args.dry_run)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="rtxmpi", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -260,6 +291,21 @@ def build_parser():
     report.add_argument("--last", type=int, default=20,
                         help="steps the breakdown and the bottleneck verdict look at")
     report.set_defaults(func=cmd_report)
+    bench = sub.add_parser("bench", help="run a benchmark (bench/NAME.py) or all of them",
+                           description="NAME: a file of bench/ (collectives, scaling, memory, "
+                                       "checkpoint, ...) or 'all' (bench/run_all.py: every "
+                                       "benchmark, then bench/RESULTS.md regenerated). Arguments "
+                                       "after NAME go to the benchmark. Exit status: the "
+                                       "benchmark's; 2 for an unknown name.")
+    bench.add_argument("name", help="benchmark name, or 'all'")
+    bench.add_argument("-n", type=int, default=2, help="ranks, for benchmarks that are MPI jobs")
+    bench.add_argument("--mpiexec", default=None,
+                       help="launcher to use instead of this machine's mpiexec flags, "
+                            "e.g. 'srun --mpi=pmix'")
+    bench.add_argument("--bench-dir", default=None, help="default: ./bench or the source checkout's")
+    bench.add_argument("--dry-run", action="store_true", help="print the command, run nothing")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="[--] arguments for the benchmark")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
