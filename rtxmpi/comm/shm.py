@@ -37,6 +37,10 @@ reduced segments out. One node barrier per chunk separates "chunk k reduced and 
 in" from "chunk k copied out"; with three buffers per rank no rank overwrites a buffer another
 still reads.
 
+reduce_scatter (mode "cma", one node): rank r copies its rows of its own input into the output
+and folds in the same rows read from every peer's input (step 2 without the in-place twist), then
+one node barrier. Open MPI's Reduce_scatter_block moves about 1 GB/s here at every size.
+
 Both modes start only after every rank of the group has arrived (the group's arrival check), so
 consecutive calls cannot overlap. Memory ordering: stores made before a node barrier are visible
 to the other ranks after it (Open MPI's shared-memory barrier uses atomics with full fences).
@@ -44,8 +48,8 @@ Every element is reduced by exactly one rank and copied to the others, so every 
 the same result. The order of the terms is fixed by the element's position and the group layout
 (deterministic from run to run); for more than two local ranks it is not the rank order.
 
-Selection (MPIBackend): blocking all_reduce of at least `min_bytes` on a group whose ranks share
-nodes takes this path; smaller messages, nonblocking calls and groups with one rank per node (or
+Selection (MPIBackend): blocking all_reduce (and reduce_scatter, see above) of at least
+`min_bytes` on a group whose ranks share nodes takes this path; smaller messages, nonblocking calls and groups with one rank per node (or
 nodes with different numbers of ranks) keep MPI's algorithms. Configuration, read on rank 0 by
 `configure()` at `rtxmpi.init()` and used on every rank: `RTXMPI_SHM=0` turns the path off;
 `RTXMPI_SHM_CMA=0` forces the arena mode; `RTXMPI_SHM_MIN_BYTES` (default `DEFAULT_MIN_BYTES`);
