@@ -233,7 +233,13 @@ def plot(run, out_dir, last=20):
             pts = [(b, g) for b, g, a in points if a == is_async]
             if pts:
                 ax.scatter(*zip(*pts), marker=marker, label=label, alpha=0.6)
+        by_size = {}
+        for b, g, _ in points:
+            by_size.setdefault(b, []).append(g)
+        sizes = sorted(by_size)
+        ax.plot(sizes, [statistics.median(by_size[b]) for b in sizes], "k-", lw=1, label="median")
         ax.set_xscale("log")
+        ax.set_yscale("log")
         ax.set(xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)",
                title="collective bandwidth vs message size")
         ax.legend()
