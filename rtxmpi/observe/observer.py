@@ -81,8 +81,14 @@ class Observer:
         self._cross, self._written_us = None, -1e18
         if not self.active:
             return
+        made = None
         if run_dir is not None and group.rank == 0:
-            os.makedirs(run_dir, exist_ok=True)
+            try:
+                os.makedirs(run_dir, exist_ok=True)
+            except OSError as exc:
+                made = exc
+        if agree(group, failed=made is not None).failed:
+            raise ConfigError(f"--run-dir {run_dir}: cannot create it on rank 0 ({made or 'see rank 0'})")
         self.offset_us = estimate_clock_offset(group)
         error = None
         if metrics_port is not None or metrics_textfile is not None:
@@ -126,8 +132,9 @@ class Observer:
         """Wrap engine.forward/backward in "forward"/"backward" spans, engine.train_step (a
         pipeline's whole schedule) in "compute", engine.grad_norm/step in "optimizer" and
         sampler.next_batch in "data" spans, those the objects have (instance attributes; the
-        classes are untouched), after applying RTXMPI_INJECT (rtxmpi.observe.inject). Every wrapper counts a MemoryError
-        (CuPy's OutOfMemoryError included) in oom_count before re-raising it."""
+        classes are untouched), after applying RTXMPI_INJECT (rtxmpi.observe.inject). Every
+        wrapper counts a MemoryError (CuPy's OutOfMemoryError included) in oom_count before
+        re-raising it."""
         inject.apply(self.group.rank, engine=engine, sampler=sampler)
         if not self.active:
             return
