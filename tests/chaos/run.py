@@ -1,0 +1,209 @@
+"""Chaos suite: seeded random failures of examples/train.py; every run must end well.
+
+    python tests/chaos/run.py                     # the CI set: 5 scenarios, seed 0
+    python tests/chaos/run.py --scenarios 40 --seed 7 --keep /tmp/chaos
+
+Each scenario launches a real job under a hard outer timeout with a fault injected through
+RTXMPI_FAULT (rtxmpi/elastic/fault.py) at a random step, phase, delay and victim rank:
+
+  shrink   a rank is SIGKILLed (forward, backward or while a checkpoint is written) under
+           --elastic shrink with ULFM: the job must finish on 3 ranks with every step 1..N
+           logged once and a final checkpoint of 3 ranks;
+  sigterm  SIGTERM to one rank: exit 75, the committed checkpoint is of the step every rank
+           stopped at, and --resume finishes with steps 1..N each once;
+  stuck    one rank stalls in a phase with --stuck-timeout-s under shrink: it is reported with
+           its phase and step, evicted, and the job finishes on 3 ranks;
+  restart  a rank is SIGKILLed without ULFM under `rtxmpi run --max-restarts 2`: the relaunch
+           resumes from the last committed checkpoint and finishes;
+  crash    a rank is SIGKILLed with --elastic off: the job must end non-zero (no hang) with the
+           last committed checkpoint intact (checksums verified).
+
+Prints one line per scenario and `chaos: N scenarios tried, M passed`; exits 1 if any failed.
+"""
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "train.py"
+BIN = Path(sys.executable).parent
+MPIEXEC = shutil.which("mpiexec", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}") or "mpiexec"
+LAUNCH = [MPIEXEC, "--oversubscribe", "--mca", "mpi_yield_when_idle", "1", "--bind-to", "none"]
+ULFM = ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "--mca",
+        "mpi_ft_detector_period", "1", "--mca", "mpi_ft_detector_timeout", "10"]
+STEPS, CKPT_EVERY = 12, 4
+ARGS = ["--model", "tiny", "--global-batch", "12", "--seq-len", "32", "--eval-every", "0",
+        "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--steps", str(STEPS),
+        "--ckpt-every", str(CKPT_EVERY)]
+KINDS = ("shrink", "sigterm", "stuck", "restart", "crash")
+OUTER_TIMEOUT_S = 120
+
+
+def env(**extra):
+    e = {k: v for k, v in os.environ.items()
+         if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "SLURM_", "RTXMPI_"))}
+    e.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
+             PYTHONUNBUFFERED="1", RTXMPI_TIMEOUT_S="30",
+             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    if os.environ.get("RTXMPI_CACHE_DIR"):
+        e["RTXMPI_CACHE_DIR"] = os.environ["RTXMPI_CACHE_DIR"]
+    e.update({k: str(v) for k, v in extra.items()})
+    return e
+
+
+def run(argv, **extra):
+    argv = ["timeout", "--kill-after=5", str(OUTER_TIMEOUT_S)] + [str(a) for a in argv]
+    start = time.monotonic()
+    done = subprocess.run(argv, capture_output=True, text=True, env=env(**extra),
+                          start_new_session=True)
+    return done, time.monotonic() - start
+
+
+def steps_logged(folder):
+    path = folder / "m.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def latest(ckpt):
+    from rtxmpi.checkpoint import latest_step
+    return latest_step(ckpt)
+
+
+def check_final(folder, world_size):
+    """Steps 1..STEPS each once in the metrics, final checkpoint at STEPS of `world_size` ranks
+    whose checksums verify. Returns None or what is wrong."""
+    from rtxmpi.checkpoint import load_checkpoint, verify_checkpoint
+    from rtxmpi.errors import CheckpointError
+    steps = [r["step"] for r in steps_logged(folder)]
+    if steps != list(range(1, STEPS + 1)):
+        return f"steps logged {steps}"
+    if latest(folder / "ckpt") != STEPS:
+        return f"latest checkpoint {latest(folder / 'ckpt')} != {STEPS}"
+    ckpt = load_checkpoint(None, folder / "ckpt", STEPS)
+    if ckpt.world_size_saved != world_size:
+        return f"final checkpoint of {ckpt.world_size_saved} ranks, expected {world_size}"
+    try:
+        verify_checkpoint(folder / "ckpt", STEPS)
+    except CheckpointError as exc:
+        return f"verify: {exc}"
+    return None
+
+
+def train_argv(folder, n, *extra, ulfm=False):
+    launch = LAUNCH[:1] + (ULFM if ulfm else []) + LAUNCH[1:]
+    return launch + ["-n", n, sys.executable, TRAIN, *ARGS, "--ckpt-dir", folder / "ckpt",
+                     "--metrics-jsonl", folder / "m.jsonl", *extra]
+
+
+def scenario(kind, rng, folder):
+    """Run one scenario; returns (description, None when it passed else what went wrong)."""
+    victim = rng.randrange(4 if kind in ("shrink", "stuck") else 2)
+    step = rng.randrange(2, STEPS - 1)
+    phase = rng.choice(["forward", "backward", "save"]) if kind != "stuck" else rng.choice(
+        ["forward", "backward"])
+    if phase == "save":
+        step = rng.choice([s for s in range(CKPT_EVERY, STEPS, CKPT_EVERY)])
+    delay = round(rng.uniform(0, 0.01), 4)
+    if kind == "shrink":
+        fault = f"kill:{victim}:{step}:{phase}:{delay}"
+        done, t = run(train_argv(folder, 4, "--elastic", "shrink", ulfm=True), RTXMPI_FAULT=fault)
+        if done.returncode != 0:
+            return fault, f"exit {done.returncode}: {done.stderr[-600:]}"
+        if "shrank the world 4 -> 3" not in done.stderr:
+            return fault, "no shrink reported"
+        return fault, check_final(folder, 3)
+    if kind == "sigterm":
+        fault = f"term:{victim}:{step}:{phase if phase != 'save' else 'backward'}:{delay}"
+        done, t = run(train_argv(folder, 2), RTXMPI_FAULT=fault)
+        if done.returncode != 75:
+            return fault, f"exit {done.returncode}, expected 75: {done.stderr[-600:]}"
+        stopped = steps_logged(folder)[-1]["step"]
+        if latest(folder / "ckpt") != stopped:
+            return fault, f"latest checkpoint {latest(folder / 'ckpt')} != stopped step {stopped}"
+        done, t = run(train_argv(folder, 2, "--resume"))
+        if done.returncode != 0:
+            return fault, f"resume exit {done.returncode}: {done.stderr[-600:]}"
+        return fault, check_final(folder, 2)
+    if kind == "stuck":
+        fault = f"stall:{victim}:{step}:{phase}:600"
+        done, t = run(train_argv(folder, 4, "--elastic", "shrink", "--stuck-timeout-s", "2",
+                                 ulfm=True), RTXMPI_FAULT=fault)
+        if done.returncode != 0:
+            return fault, f"exit {done.returncode}: {done.stderr[-600:]}"
+        if f"last in phase '{phase}' of step {step}" not in done.stderr:
+            return fault, "the stuck rank was not reported with its phase and step"
+        return fault, check_final(folder, 3)
+    if kind == "restart":
+        fault = f"kill:{victim}:{step}:{phase}:{delay}"
+        supervisor = [sys.executable, "-m", "rtxmpi.cli", "run", "-n", "2", "--max-restarts", "2",
+                      "--mpiexec", " ".join(LAUNCH), "--"]
+        command = train_argv(folder, 2)[len(LAUNCH) + 2:]
+        done, t = run(supervisor + command, RTXMPI_FAULT=fault)
+        if done.returncode != 0:
+            return fault, f"exit {done.returncode}: {done.stderr[-600:]}"
+        if "attempt 2:" not in done.stderr:
+            return fault, "no relaunch"
+        logged = [r["step"] for r in steps_logged(folder)]
+        if sorted(set(logged)) != list(range(1, STEPS + 1)):
+            return fault, f"steps logged {logged}"
+        (folder / "m.jsonl").write_text("".join(  # re-run steps after the checkpoint: keep last
+            json.dumps(r) + "\n" for r in {r["step"]: r for r in steps_logged(folder)}.values()))
+        return fault, check_final(folder, 2)
+    if kind == "crash":
+        from rtxmpi.checkpoint import verify_checkpoint
+        from rtxmpi.errors import CheckpointError
+        fault = f"kill:{victim}:{step}:{phase}:{delay}"
+        done, t = run(train_argv(folder, 2), RTXMPI_FAULT=fault)
+        if done.returncode == 0 or done.returncode == 124:
+            return fault, f"exit {done.returncode}: expected a non-zero exit, not a hang"
+        last = latest(folder / "ckpt")
+        if last is not None:
+            try:
+                verify_checkpoint(folder / "ckpt", last)
+            except CheckpointError as exc:
+                return fault, f"last committed checkpoint {last} does not verify: {exc}"
+        return fault, None
+    raise ValueError(kind)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenarios", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {KINDS}")
+    p.add_argument("--keep", default=None, help="keep each scenario's folder under this directory")
+    args = p.parse_args(argv)
+    kinds = args.kinds.split(",")
+    rng = random.Random(args.seed)
+    root = Path(args.keep or tempfile.mkdtemp(prefix="rtxmpi-chaos-"))
+    root.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("RTXMPI_CACHE_DIR", str(root / "cache"))
+    passed = 0
+    for i in range(args.scenarios):
+        kind = kinds[i % len(kinds)]
+        folder = root / f"{i:03d}-{kind}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        start = time.monotonic()
+        what, problem = scenario(kind, rng, folder)
+        ok = problem is None
+        passed += ok
+        print(f"chaos {i + 1}/{args.scenarios} {kind:8s} {what:32s} "
+              f"{'ok' if ok else 'FAILED: ' + problem} ({time.monotonic() - start:.1f} s)", flush=True)
+    print(f"chaos: {args.scenarios} scenarios tried, {passed} passed (seed {args.seed})", flush=True)
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0 if passed == args.scenarios else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

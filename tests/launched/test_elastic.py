@@ -1,0 +1,213 @@
+"""Pre-emption and shrink-and-continue with examples/train.py as users launch it (docs/elastic.md).
+
+Pre-emption: a SIGUSR1 or SIGTERM that reaches ONE rank stops every rank after the same step with
+one committed checkpoint and exit code 75; the resumed deterministic run ends bitwise equal to the
+uninterrupted one. Shrink (ULFM): a rank SIGKILLed in backward or while a checkpoint is written
+leaves 3 of 4 ranks training on in the same processes, every step counted once, and in
+deterministic mode the final parameters equal a run that went 4 ranks -> checkpoint at the step
+the survivors continued from -> 3 ranks. Every launch runs under a hard outer timeout.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import REPO, launch_env, mpiexec_argv, run_command
+
+from rtxmpi.checkpoint import latest_step, load_checkpoint
+from rtxmpi.checkpoint.format import step_dir_name, write_latest
+
+TRAIN = REPO / "examples" / "train.py"
+ARGS = ["--model", "tiny", "--global-batch", "12", "--seq-len", "32", "--eval-every", "0",
+        "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--deterministic"]
+ULFM = ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "--mca",
+        "mpi_ft_detector_period", "1", "--mca", "mpi_ft_detector_timeout", "10"]
+EXIT_PREEMPTED = 75
+RESUMED = re.compile(r"continuing from rank (\d+)'s replica at step (\d+)")
+
+
+def train(tmp, ckpt, *extra, n=2, steps=20, ulfm=False, outer_timeout_s=90, **env):
+    mpiexec = mpiexec_argv(n)
+    if ulfm:
+        mpiexec = mpiexec[:1] + ULFM + mpiexec[1:]
+    args = [*ARGS, "--steps", str(steps), "--ckpt-dir", ckpt, "--metrics-jsonl", tmp / "m.jsonl",
+            *extra]
+    return run_command(mpiexec + [sys.executable, TRAIN, *args], outer_timeout_s=outer_timeout_s,
+                       env=launch_env(RTXMPI_CACHE_DIR=tmp.parent / "cache", RTXMPI_TIMEOUT_S=30,
+                                      **env))
+
+
+def records(tmp):
+    return [json.loads(line) for line in (tmp / "m.jsonl").read_text().splitlines()]
+
+
+def assert_same_params(got_dir, want_dir, step):
+    got, want = load_checkpoint(None, got_dir, step), load_checkpoint(None, want_dir, step)
+    for name in ("params", "adam.m", "adam.v", "adam.step"):
+        assert np.array_equal(got.read(name), want.read(name)), name  # bitwise
+
+
+@pytest.fixture(scope="module")
+def straight2(tmp_path_factory):
+    """One uninterrupted 2-rank deterministic run of 20 steps."""
+    tmp = tmp_path_factory.mktemp("straight2")
+    proc = train(tmp, tmp / "ckpt")
+    assert proc.returncode == 0, str(proc)
+    return tmp
+
+
+@pytest.mark.parametrize("action", ["usr1", "term"])
+def test_signal_to_one_rank_stops_all_at_one_step_and_resume_is_bitwise(straight2, tmp_path,
+                                                                        action):
+    proc = train(tmp_path, tmp_path / "ckpt", RTXMPI_FAULT=f"{action}:1:7:backward")
+    assert not proc.outer_timeout and proc.returncode == EXIT_PREEMPTED, str(proc)
+    assert "stopped after step 7 (pre-empted)" in proc.stdout
+    assert latest_step(tmp_path / "ckpt") == 7  # one committed checkpoint, at the agreed step
+    assert load_checkpoint(None, tmp_path / "ckpt", 7).world_size_saved == 2
+    proc = train(tmp_path, tmp_path / "ckpt", "--resume")
+    assert proc.returncode == 0, str(proc)
+    assert [r["step"] for r in records(tmp_path)] == list(range(1, 21))
+    assert [r["loss"] for r in records(tmp_path)] == [r["loss"] for r in records(straight2)]
+    assert_same_params(tmp_path / "ckpt", straight2 / "ckpt", 20)
+
+
+def _parent(pid):
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _descends_from(pid, ancestor):
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        pid = _parent(pid)
+    return False
+
+
+def rank_pids(script, rank, ancestor):
+    """pids of descendants of `ancestor` running `script` with OMPI_COMM_WORLD_RANK=rank (a /proc
+    scan: other jobs on the machine may run the same script)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if not _descends_from(int(pid), ancestor):
+            continue
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if str(script).encode() in cmdline and f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
+            found.append(int(pid))
+    return found
+
+
+def test_sigterm_from_outside_to_one_rank_stops_every_rank_with_exit_75(tmp_path):
+    """The signal comes from another process at an arbitrary moment, as a scheduler sends it."""
+    import subprocess
+    mpiexec = mpiexec_argv(2)
+    args = [*ARGS, "--steps", "100000", "--ckpt-dir", tmp_path / "ckpt", "--metrics-jsonl",
+            tmp_path / "m.jsonl"]
+    job = subprocess.Popen(["timeout", "--kill-after=5", "90"] + mpiexec
+                           + [sys.executable, str(TRAIN)] + [str(a) for a in args],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=launch_env(RTXMPI_CACHE_DIR=tmp_path.parent / "cache"),
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # wait until a few steps are done
+            if (tmp_path / "m.jsonl").exists() and len(records(tmp_path)) >= 3:
+                break
+            time.sleep(0.05)
+        pids = rank_pids(TRAIN, 1, job.pid)
+        assert len(pids) == 1, pids
+        os.kill(pids[0], signal.SIGTERM)
+        stdout, stderr = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == EXIT_PREEMPTED, stdout + stderr
+    stopped = int(re.search(r"stopped after step (\d+) \(pre-empted\)", stdout).group(1))
+    assert latest_step(tmp_path / "ckpt") == stopped == records(tmp_path)[-1]["step"]
+    assert "SIGTERM: stop requested" in stderr
+
+
+def test_preempted_without_ckpt_dir_still_stops_with_exit_75(tmp_path):
+    proc = run_command(mpiexec_argv(2) + [sys.executable, TRAIN, *ARGS, "--steps", "20"],
+                       outer_timeout_s=60, env=launch_env(RTXMPI_CACHE_DIR=tmp_path.parent / "cache",
+                                                          RTXMPI_FAULT="usr1:0:4"))
+    assert proc.returncode == EXIT_PREEMPTED, str(proc)
+    assert "stopped after step 4 (pre-empted)" in proc.stdout
+
+
+SHRINK_STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def straight4(tmp_path_factory):
+    """One uninterrupted 4-rank deterministic run of 12 steps with a checkpoint after every step."""
+    tmp = tmp_path_factory.mktemp("straight4")
+    proc = train(tmp, tmp / "ckpt", "--ckpt-every", "1", n=4, steps=SHRINK_STEPS)
+    assert proc.returncode == 0, str(proc)
+    return tmp
+
+
+def restart_from(straight, step, dst):
+    """A checkpoint directory holding only the straight run's committed checkpoint of `step`,
+    and the straight run's metrics up to `step`: the state of a 4-rank run stopped there."""
+    (dst / "ckpt").mkdir(parents=True)
+    shutil.copytree(straight / "ckpt" / step_dir_name(step), dst / "ckpt" / step_dir_name(step))
+    write_latest(dst / "ckpt", step)
+    (dst / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(straight)
+                                         if r["step"] <= step))
+
+
+@pytest.mark.parametrize("fault", ["kill:2:7:backward:0.002", "kill:1:8:save:0.003",
+                                   "kill:0:4:forward"])
+def test_shrink_after_a_kill_continues_on_3_ranks_like_a_checkpoint_restart(straight4, tmp_path,
+                                                                             fault):
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = train(run, run / "ckpt", "--elastic", "shrink", "--ckpt-every", "4", n=4, ulfm=True,
+                 steps=SHRINK_STEPS, RTXMPI_FAULT=fault)
+    assert not proc.outer_timeout and proc.returncode == 0, str(proc)
+    assert "shrank the world 4 -> 3 ranks" in proc.stderr, str(proc)
+    resumed = int(RESUMED.search(proc.stderr).group(2))
+    got = records(run)
+    assert [r["step"] for r in got] == list(range(1, SHRINK_STEPS + 1))  # none twice or skipped
+    assert {r["world_size"] for r in got if r["step"] > resumed} == {3}
+    assert load_checkpoint(None, run / "ckpt", SHRINK_STEPS).world_size_saved == 3
+    # reference: 4 ranks to the step the survivors continued from, checkpoint, then 3 ranks
+    ref = tmp_path / "ref"
+    restart_from(straight4, resumed, ref)
+    proc = train(ref, ref / "ckpt", "--resume", n=3, steps=SHRINK_STEPS)
+    assert proc.returncode == 0, str(proc)
+    assert [r["loss"] for r in got] == [r["loss"] for r in records(ref)]
+    assert_same_params(run / "ckpt", ref / "ckpt", SHRINK_STEPS)
+
+
+def test_shrink_below_min_ranks_ends_the_job_with_a_clear_error(tmp_path):
+    proc = train(tmp_path, tmp_path / "ckpt", "--elastic", "shrink", "--min-ranks", "4", n=4,
+                 ulfm=True, steps=SHRINK_STEPS, RTXMPI_FAULT="kill:3:5:backward",
+                 outer_timeout_s=60)
+    assert not proc.outer_timeout, str(proc)
+    assert "fewer than min_ranks=4: cannot continue" in proc.stderr, str(proc)
+    assert max(r["step"] for r in records(tmp_path)) < SHRINK_STEPS
+
+
+def test_shrink_with_zero_reloads_the_last_committed_checkpoint_at_3_ranks(tmp_path):
+    proc = train(tmp_path, tmp_path / "ckpt", "--elastic", "shrink", "--zero-stage", "1",
+                 "--ckpt-every", "5", n=4, ulfm=True, steps=SHRINK_STEPS,
+                 RTXMPI_FAULT="kill:1:8:backward:0.002")
+    assert not proc.outer_timeout and proc.returncode == 0, str(proc)
+    assert "continuing from the last committed checkpoint" in proc.stderr, str(proc)
+    assert "resumed from" in proc.stdout and "step_00000005" in proc.stdout, str(proc)
+    steps = [r["step"] for r in records(tmp_path)]
+    assert steps[-1] == SHRINK_STEPS and set(steps) == set(range(1, SHRINK_STEPS + 1))
+    assert load_checkpoint(None, tmp_path / "ckpt", SHRINK_STEPS).world_size_saved == 3
