@@ -63,12 +63,12 @@ def test_every_axis_group_holds_the_ranks_that_differ_only_on_that_axis(world):
 def test_batch_and_sequence_slices_partition_the_global_batch(world, assert_raised_on_every_rank):
     n = world.world_size
     mesh = DeviceMesh(dp=n, group=world)
-    rows = mesh.loss_group.all_gather(np.arange(8)[mesh.batch_slice(8)])
-    assert rows.tolist() == list(range(8))
+    rows = mesh.loss_group.all_gather(np.arange(2 * n)[mesh.batch_slice(2 * n)])
+    assert rows.tolist() == list(range(2 * n))
     assert mesh.seq_slice(16) == slice(0, 16)
     mesh = DeviceMesh(dp=1, sp=n, group=world)
-    cols = mesh.loss_group.all_gather(np.arange(16)[mesh.seq_slice(16)])
-    assert cols.tolist() == list(range(16)) and mesh.batch_slice(8) == slice(0, 8)
+    cols = mesh.loss_group.all_gather(np.arange(4 * n)[mesh.seq_slice(4 * n)])
+    assert cols.tolist() == list(range(4 * n)) and mesh.batch_slice(8) == slice(0, 8)
     if n > 1:
         assert_raised_on_every_rank(world, lambda: mesh.seq_slice(4 * n + 1), ConfigError,
                                     match=[f"sp({n})"])
