@@ -53,10 +53,11 @@ def _traced_collective(op, method):
             result = method(self, *args, **kwargs)
         finally:
             _inside.busy = False
+        pending = isinstance(result, Work) and not result.is_completed()
         info = {"op": op, "bytes": _payload_bytes(op, args, self), "group": self.name,
-                "world_size": self.world_size, "async": isinstance(result, Work)}
-        if isinstance(result, Work) and not result.is_completed():
-            result._span = (start, info)  # recorded when it completes
+                "world_size": self.world_size, "async": pending}
+        if pending:  # recorded when it completes; a Work done at once (host-staged) was blocking
+            result._span = (start, info)
         else:
             trace.add(op, "comm", start, trace._now(), info)
         return result
