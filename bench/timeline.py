@@ -12,7 +12,8 @@ every collective wrapped, Observer.begin_step/end_step computing the breakdown, 
 cross-rank all_gather and a textfile write per step). Blocks go in ABBA order so drift cancels;
 the overhead is the median over pairs of (on / off - 1) of each block's median step time, with the
 spread over pairs, and min(on) / min(off) - 1 (the fastest step of each mode: least disturbed by
-other processes). On a shared machine those differences are noisy, so the cost is also accounted
+other processes). The same A/B median of this thread's CPU time per step (time.thread_time: not
+inflated by waiting for a core, but including MPI's polling) is the steadiest of the three at -n 1. On a shared machine those differences are noisy, so the cost is also accounted
 directly, in the same run: the time spent inside Observer.begin_step/end_step (breakdown, gauges,
 the cross-rank all_gather, the textfile) plus spans per step x the cost of one span (the span
 context manager and the collective wrapper, timed in a tight loop here), over the median step
@@ -79,14 +80,15 @@ def run_model(world, corpus, name, args, tmp):
         trace.enable(on)
         return step_fn_traced if on else step_fn_plain
 
-    times, hooks = {"off": [], "on": []}, []
+    times, cpu, hooks = {"off": [], "on": []}, {"off": [], "on": []}, []
     order = ["off", "on", "on", "off"] * math.ceil(args.blocks / 2)
     step = 0
     for mode in order[:2 * args.blocks]:
         optimizer_step = set_mode(mode == "on")
-        block = []
+        block, block_cpu = [], []
         for _ in range(args.steps_per_block):
             step += 1
+            c0 = time.thread_time()
             t0 = time.perf_counter()
             if mode == "on":
                 h0 = time.perf_counter()
@@ -108,18 +110,22 @@ def run_model(world, corpus, name, args, tmp):
                 obs.end_step(step)
                 hooks.append(hook + time.perf_counter() - h0)
             block.append(time.perf_counter() - t0)
+            block_cpu.append(time.thread_time() - c0)
         times[mode].append(statistics.median(block) * 1e3)
+        cpu[mode].append(statistics.median(block_cpu) * 1e3)
     spans_per_step = len(trace.events()) / max(1, step // 2)  # this rank's, "on" steps only
     set_mode(True)
     t0 = time.perf_counter()
     obs.close()
     close_ms = (time.perf_counter() - t0) * 1e3
     pairs = [on / off - 1 for on, off in zip(times["on"], times["off"])]
+    cpu_pairs = [on / off - 1 for on, off in zip(cpu["on"], cpu["off"])]
     off_ms = statistics.median(times["off"])
     span_us = span_cost_us()
     hooks_ms = statistics.median(hooks) * 1e3
     direct = 100 * (hooks_ms + spans_per_step * span_us / 1e3) / off_ms
-    return {"direct_pct": direct, "hooks_ms": hooks_ms, "span_us": span_us,
+    return {"direct_pct": direct, "cpu_off_ms": statistics.median(cpu["off"]),
+            "cpu_overhead_pct": 100 * statistics.median(cpu_pairs), "hooks_ms": hooks_ms, "span_us": span_us,
             "min_ratio_pct": 100 * (min(times["on"]) / min(times["off"]) - 1),
             "model": name, "params_m": model.num_params / 1e6, "off_ms": statistics.median(times["off"]),
             "on_ms": statistics.median(times["on"]), "overhead_pct": 100 * statistics.median(pairs),
@@ -173,10 +179,11 @@ def main(argv=None):
           f"per mode, ABBA\n")
     rows = [[r["model"], fmt(r["params_m"], 2), fmt(r["off_ms"]), fmt(r["on_ms"]),
              fmt(r["overhead_pct"]), f"{fmt(r['overhead_min_pct'])} .. {fmt(r['overhead_max_pct'])}",
-             fmt(r["min_ratio_pct"]), fmt(r["hooks_ms"], 3), fmt(r["spans_per_step"], 0),
+             fmt(r["min_ratio_pct"]), fmt(r["cpu_off_ms"]), fmt(r["cpu_overhead_pct"]), fmt(r["hooks_ms"], 3), fmt(r["spans_per_step"], 0),
              fmt(r["span_us"], 2), fmt(r["direct_pct"], 3), fmt(r["close_ms"], 1)] for r in results]
     print(markdown_table(["model", "params (M)", "step off (ms)", "step on (ms)", "A/B overhead (%)",
-                          "spread over pairs (%)", "min on / min off - 1 (%)", "hooks/step (ms)",
+                          "spread over pairs (%)", "min on / min off - 1 (%)", "CPU/step off (ms)",
+                          "A/B CPU-time overhead (%)", "hooks/step (ms)",
                           "spans/step/rank", "one span (us)", "accounted overhead (%)",
                           "merge at close (ms)"], rows))
     print(f"\n{launch_command(world.world_size)}")
