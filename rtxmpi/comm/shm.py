@@ -68,7 +68,10 @@ from mpi4py import MPI
 
 from ..errors import CollectiveError, ConfigError
 
-DEFAULT_MIN_BYTES = 1 << 20
+# Below this, MPI wins here: Open MPI's small/medium-message algorithms (single-copy, one
+# synchronization) reach 5-7 GB/s up to 16 MiB on the CI machine and only fall to about 2 GB/s
+# above that, while this path pays three synchronizations per call (bench/RESULTS.md).
+DEFAULT_MIN_BYTES = 32 << 20
 DEFAULT_CHUNK_BYTES = 512 << 10
 MIN_CHUNK_BYTES = 4 << 10
 BUFFERS = 3  # triple buffering: one barrier per chunk (see the module docstring)
@@ -338,8 +341,8 @@ class NodeAllReduce:
         CollectiveError when a cross-memory read fails (the peers are then stuck in the node
         barrier until the watchdog ends the job)."""
         ufunc = ufunc_of(mpi_op)
-        if ufunc is None or x.ndim != 1 or not x.flags.c_contiguous:
-            return False
+        if ufunc is None or type(x) is not np.ndarray or x.ndim != 1 or not x.flags.c_contiguous:
+            return False  # (device arrays never come here: they have their own transports)
         if x.size == 0:
             return True
         if self.mode == "cma":
@@ -396,7 +399,8 @@ class NodeAllReduce:
         exchange and one barrier (no rank returns while a peer still reads its x).
         """
         ufunc = ufunc_of(mpi_op)
-        if (ufunc is None or self.mode != "cma" or self.cross is not None or x.ndim != 1
+        if (ufunc is None or self.mode != "cma" or self.cross is not None
+                or type(x) is not np.ndarray or type(out) is not np.ndarray or x.ndim != 1
                 or out.ndim != 1 or not (x.flags.c_contiguous and out.flags.c_contiguous)):
             return False
         if x.size == 0:
