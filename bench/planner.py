@@ -33,6 +33,7 @@ sys.path.insert(0, HERE)
 
 from _common import machine_info, machine_line, markdown_table, write_json  # noqa: E402
 
+LAUNCH = "self"  # rtxmpi bench planner: runs as python and starts its own mpiexec -n 4
 TARGETS = [(4, 1, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (1, 2, 2, 1), (1, 1, 4, 1), (1, 1, 1, 4),
            (2, 1, 1, 2)]
 

@@ -420,13 +420,14 @@ def fit_sharing(busy_ms, ranks_per_node, cores):
     """Fit (effective_cores, wait_weight) of speed(k) = min(1, C / (k + w (R - k))) to reference
     times {k: ms} with k ranks of a node computing (the others waiting): least squares on log
     time ratios over a grid, C in [0.25, max(cores, R)], w in [0, 1]. With only k = 1 and R
-    measured (R <= 2), w is fixed at 0.5. Returns (C, w)."""
+    measured (R <= 2), w is fixed at 0.5; with one rank per node (R = 1) C = cores.
+    Returns (C, w)."""
     R = ranks_per_node
     ks = sorted(int(k) for k in busy_ms)
     t1 = busy_ms[ks[0]] if ks[0] in busy_ms else busy_ms[str(ks[0])]
     obs = {k: (busy_ms[k] if k in busy_ms else busy_ms[str(k)]) / t1 for k in ks}
-    if R <= 1:
-        return float(max(1, min(cores, 1))), 0.5
+    if R <= 1:  # nothing shares: assume every core is available, waiting ranks half-busy
+        return float(max(1, cores)), 0.5
     best = (float("inf"), 1.0, 0.5)
     c_hi = max(float(cores), float(R))
     weights = [0.5] if len(ks) < 3 else [i / 50 for i in range(51)]
@@ -544,10 +545,14 @@ def _calibrate(comm, cfg, micro_batch, sizes, reps):
     cores = min(comm.allgather(_cores()))
     rates, busy_ms = _measure_compute(comm, local_rank, ranks_per_node, cfg, micro_batch, reps)
     effective, wait_weight = fit_sharing(busy_ms, ranks_per_node, cores)
+    notes = []
+    if ranks_per_node == 1:
+        notes.append(f"CPU sharing not measured (one rank per node): effective_cores = the "
+                     f"{cores} cores, wait_weight 0.5; calibrate with the ranks per node you "
+                     f"will train with")
     ref_ms = busy_ms[1]
     contention = max(1.0, busy_ms[ranks_per_node] / ref_ms)
     links = {"intra": {}, "inter": {}}
-    notes = []
     for n in sorted({2, 4, ranks_per_node}):
         groups = _pairs_within(ranks_of_node, n) if n <= ranks_per_node else None
         if not groups:
