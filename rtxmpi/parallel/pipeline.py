@@ -146,13 +146,13 @@ class PipelineStage:
 
     def load_from(self, read, name):
         """This rank's whole stage vector (num_params: own range, then the wte copy) from the
-        one-process flat vector `name` via read(name, offset, length). Local."""
-        spans = [(0, self.own_size, self.flat_start)]
-        if self.tied_copy:
-            spans.append((self.own_size, self.num_params, 0))
+        one-process flat vector `name`: exactly two read(name, offset, length) calls on every
+        rank (the second of length 0 without a wte copy), as a collective reader needs."""
+        copy = self.num_params - self.own_size
         out = self.xp.empty(self.num_params, dtype=self.dtype)
-        for lo, hi, offset in spans:
-            out[lo:hi] = self.xp.asarray(_read(read, name, offset, hi - lo), dtype=self.dtype)
+        out[:self.own_size] = self.xp.asarray(
+            _read(read, name, self.flat_start, self.own_size), dtype=self.dtype)
+        out[self.own_size:] = self.xp.asarray(_read(read, name, 0, copy), dtype=self.dtype)
         return out
 
     def forward(self, inp, targets=None):
@@ -230,7 +230,7 @@ class TensorParallelStage(PipelineStage):
         self._wte_local = (model.params[0].offset, model.params[0].offset + model.params[0].size)
 
     def activation_shape(self, b, T):
-        _, Tl = self.model._positions(T)
+        Tl = T // self.tp if self.model.sequence_parallel else T
         return (b, Tl, self.cfg.n_embd)
 
     def check_positions(self, T):
@@ -238,53 +238,32 @@ class TensorParallelStage(PipelineStage):
             raise ConfigError(f"sequence_parallel: T={T} positions are not divisible by "
                               f"tp({self.tp}); use a sequence length divisible by tp")
 
+    # the model's passes in pieces (ParallelGPT.embed_forward, block_forward, head_forward, ...)
     def forward(self, inp, targets=None):
-        m, tp, sp_on = self.model, self.tp_group, self.model.sequence_parallel
+        m = self.model
         caches = {}
         if self.is_first:
-            T = inp.shape[1]
-            wte, wpe = m.params[0].data, m.params[1].data
-            x, caches["emb"] = tpl.vocab_embedding_forward(inp, wte, m.vocab_start, tp, sp_on)
-            p0, Tl = m._positions(T)
-            x += wpe[p0:p0 + Tl]
-            caches["T"] = T
+            x, caches["emb"] = m.embed_forward(inp)
         else:
             x = inp
         caches["blocks"] = []
         for l in range(*self.blocks):
-            x, c = m._block_forward(x, m._block_params(l))
+            x, c = m.block_forward(l, x)
             caches["blocks"].append(c)
         if not self.is_last:
             return x, caches
-        head = m.units[-1][0]
-        h, caches["ln_f"] = layers.layernorm_forward(x, m.params[head].data, m.params[head + 1].data)
-        logits, caches["head"] = tpl.column_linear_forward(h, m._head_weight().T, None, tp, sp_on)
-        loss, caches["ce"] = tpl.vocab_crossentropy_forward(logits, targets, m.vocab_start, tp)
-        return float(loss), caches
+        loss, caches["head"] = m.head_forward(x, targets)
+        return loss, caches
 
     def backward(self, cache, dout=None, scale=1.0):
-        m, tp = self.model, self.tp_group
-        if self.is_last:
-            dlogits = tpl.vocab_crossentropy_backward(scale, cache["ce"])
-            dh, _, _ = tpl.column_linear_backward(dlogits, cache["head"], tp,
-                                                  dw_out=m._head_weight(grad=True).T)
-            head = m.units[-1][0]
-            grads = [m.params[head].grad, m.params[head + 1].grad]
-            partial, scratch = m._partial(grads, (0, 1))
-            dx, _, _ = layers.layernorm_backward(dh, cache["ln_f"], partial[0], partial[1])
-            m._sum_partial(grads, (0, 1), scratch, partial)
-        else:
-            dx = dout
+        m = self.model
+        dx = m.head_backward(cache["head"], scale) if self.is_last else dout
         first, stop = self.blocks
         for l, c in zip(range(stop - 1, first - 1, -1), reversed(cache["blocks"])):
-            dx = m._block_backward(dx, c, l)
+            dx = m.block_backward(l, dx, c)
         if not self.is_first:
             return dx
-        if m.sequence_parallel:
-            dx = tpl.gather_sequence(dx, tp)
-        T = cache["T"]
-        m.params[1].grad[:T] += dx.sum(axis=0)  # sp = 1: positions 0..T-1
-        tpl.vocab_embedding_backward(dx, cache["emb"], m.params[0].grad)
+        m.embed_backward(dx, cache["emb"])
         return None
 
     def grad_norm_sq(self):
@@ -313,10 +292,8 @@ class TensorParallelStage(PipelineStage):
         full = self.xp.zeros(n_full, dtype=self.dtype)
         full[self.full_start:self.full_stop] = self.xp.asarray(
             _read(read, name, self.full_start, self.full_stop - self.full_start), dtype=self.dtype)
-        if self.tied_copy:
-            wte = self.full_specs[0]
-            full[wte.offset:wte.stop] = self.xp.asarray(_read(read, name, wte.offset, wte.size),
-                                                        dtype=self.dtype)
+        wte = self.full_specs[0].size if self.tied_copy else 0  # two reads on every rank
+        full[:wte] = self.xp.asarray(_read(read, name, 0, wte), dtype=self.dtype)
         local = self.model.local_from_full(full)
         out = self.xp.empty(self.num_params, dtype=self.dtype)
         out[:self.own_size] = local[self.flat_start:self.flat_stop]
@@ -568,9 +545,10 @@ class PipelineParallel:
 
     def load_shards(self, read):
         """Load parameters and optimizer state from a checkpoint of any layout: read(name, offset,
-        length) -> 1-D array of the one-process flat vector's elements. Reads the stage's range
-        (and wte for the copy). Local; drops accumulated gradients. Raises ConfigError when read
-        returns the wrong length."""
+        length) -> 1-D array of the one-process flat vector's elements (rtxmpi.checkpoint's
+        Checkpoint.read). Reads the stage's range and wte for the copy, with the same number of
+        read calls (7) on every rank, so a collective reader works. Collective when `read` is;
+        drops accumulated gradients. Raises ConfigError when read returns the wrong length."""
         st = self.stage
         state = {"step": int(_read(read, "adam.step", 0, 1)[0]),
                  "m": st.load_from(read, "adam.m"), "v": st.load_from(read, "adam.v")}

@@ -151,9 +151,17 @@ def test_checkpoint_pieces_cover_every_tensor_once_and_load_back(world, which):
     np.testing.assert_array_equal(engine.full_params(), reference.flat_data)
     engine.stage.flat_data[...] = 0
     moments = np.arange(reference.num_params, dtype=np.float32)
-    engine.load_shards(lambda name, offset, length: (
-        reference.flat_data[offset:offset + length] if name == "params" else
-        np.full(length, 5, np.int64) if name == "adam.step" else moments[offset:offset + length]))
+    calls = []
+
+    def read(name, offset, length):  # a checkpoint's read is collective: same count everywhere
+        calls.append(name)
+        return (reference.flat_data[offset:offset + length] if name == "params" else
+                np.full(length, 5, np.int64) if name == "adam.step" else
+                moments[offset:offset + length])
+
+    engine.load_shards(read)
+    counts = world.all_gather(np.array([len(calls)]))
+    assert (counts == counts[0]).all(), counts
     np.testing.assert_array_equal(engine.full_params(), reference.flat_data)
     assert engine.optimizer.step_count == 5
     start, m = engine.stage.own_full(engine.optimizer.m[:engine.stage.own_size])
