@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 import rtxmpi
 from rtxmpi import elastic
+from rtxmpi.backend import array_module, to_host
 from rtxmpi.checkpoint import Shard, latest_step, load_checkpoint, save_checkpoint
 from rtxmpi.checkpoint.agree import raise_if_any_failed
 from rtxmpi.control import agree
@@ -115,6 +116,8 @@ def parse_args(argv=None):
     p.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MiB")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the model computes: numpy or cupy (cuda: docs/gpu.md)")
     p.add_argument("--eval-every", type=int, default=50, help="validation every N steps (0: only at the end)")
     p.add_argument("--eval-batches", type=int, default=8, help="global batches per validation")
     p.add_argument("--metrics-jsonl", default=None,
@@ -247,7 +250,7 @@ def evaluate(model, world, tokens, args, dp_rank=None, dp_size=None):
     for x, y in eval_batches(tokens, args.seq_len, args.global_batch, args.eval_batches,
                              dp_rank=dp_rank, dp_size=dp_size):
         loss, _ = model.forward(x, y)
-        total += (loss * len(x), len(x))
+        total += (to_host(loss) * len(x), len(x))
     world.all_reduce(total)
     return float(total[0] / total[1])
 
@@ -571,7 +574,7 @@ def train(args):
                                     params, lr=args.lr, weight_decay=args.weight_decay,
                                     decay_mask=mask))
     hybrid = hybrid or pipeline  # an engine on a DeviceMesh: model, data slice, eval from it
-    model = engine.model if hybrid else GPT(cfg, seed=args.seed)
+    model = engine.model if hybrid else GPT(cfg, seed=args.seed, xp=array_module(args.device))
     engine = engine or build_engine(args, model, world)
     data_rank, data_size = (engine.mesh.dp_rank, engine.mesh.dp) if hybrid else (rank, world_size)
     rng = np.random.default_rng([args.seed, rank])  # per-rank randomness (dropout, ...), checkpointed
@@ -629,7 +632,7 @@ def train(args):
                 engine.backward(cache, scale=1.0 / args.micro_batches)
         grad_norm = engine.grad_norm()  # global: the same on every rank
         lr = cosine_lr(step, args.lr, warmup, args.steps, min_lr)
-        losses = np.array([loss_sum / args.micro_batches])
+        losses = np.array([to_host(loss_sum / args.micro_batches)])
         world.all_reduce(losses, op="avg")
         flags = loop.agree(overflow=not math.isfinite(grad_norm))  # + stop: a signal on any rank
         if flags.overflow:

@@ -59,6 +59,29 @@ def gpu_count():
         return 0
 
 
+def array_module(device):
+    """The array module for a --device value: numpy for "cpu", cupy for "cuda".
+
+    Raises ConfigError when device is neither, or "cuda" without cupy or a visible GPU."""
+    from .errors import ConfigError
+
+    if device == "cpu":
+        return np
+    if device != "cuda":
+        raise ConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if cupy_module() is None:
+        raise ConfigError("device 'cuda' needs cupy: pip install -e '.[cuda12]'")
+    if gpu_count() == 0:
+        raise ConfigError("device 'cuda': cupy sees no CUDA device (driver, CUDA_VISIBLE_DEVICES)")
+    return cupy_module()
+
+
+def to_host(x):
+    """`x` as a host value: a cupy array copied to numpy (synchronizing its stream); numpy
+    arrays and scalars unchanged."""
+    return x.get() if is_device_array(x) else x
+
+
 def select_device(local_rank):
     """Bind this process to GPU `local_rank % gpu_count()`; returns "cuda:i" or "cpu"."""
     n = gpu_count()

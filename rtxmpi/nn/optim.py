@@ -48,7 +48,8 @@ class AdamW:
         xp = xp_of(params)
         self.params, self.lr, self.betas = params, float(lr), (float(b1), float(b2))
         self.eps, self.weight_decay = float(eps), float(weight_decay)
-        self.decay_mask = None if decay_mask is None else decay_mask.astype(params.dtype)
+        # on params' device (a numpy mask is copied to the GPU for cupy params)
+        self.decay_mask = None if decay_mask is None else xp.array(decay_mask, dtype=params.dtype)
         self.m = xp.zeros_like(params)
         self.v = xp.zeros_like(params)
         self.step_count = 0
