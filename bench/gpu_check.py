@@ -1,0 +1,336 @@
+"""The device check: everything rtxmpi does on a GPU, in one call of at most 5 minutes on a one-GPU
+machine.
+
+    python bench/gpu_check.py                   # all checks; exit 0 when all pass
+    python bench/gpu_check.py --json out.json   # also the numbers as JSON
+    python bench/gpu_check.py --require-gpu     # exit 2 (instead of 0) when there is no GPU
+
+Steps, each reported PASS/FAIL with its numbers:
+1. kernels: every kernel of rtxmpi.kernels on fresh random data against its numpy reference, with
+   the outputs poisoned (NaN) before the call: bit for bit where the reference promises it
+   (epilogue, AdamW), within float32 rounding elsewhere; aligned (vectorized) and misaligned /
+   odd-length (scalar) launches; the non-finite flag.
+2. bandwidth: device-to-device copy bandwidth measured first (read + write bytes / time), then
+   each kernel's achieved bandwidth and its ratio to the copy (target >= 0.80 for the
+   memory-bound kernels on an H200).
+3. nccl: single-rank NCCL collectives through rtxmpi.init(backend="nccl") (all_reduce sum/avg,
+   float16, reduce_scatter, all_gather, broadcast, grouped send/recv to self, async Work).
+4. pytest: the GPU-marked tests (`pytest -m gpu`).
+5. train: examples/train.py for a few steps on cupy (--device cuda) and on the CPU, tokens/s ratio
+   (target >= 20x for --model small on an H200).
+
+Without cupy or a CUDA device it prints why and exits 0 (2 with --require-gpu).
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from rtxmpi import kernels  # noqa: E402
+from rtxmpi.backend import cupy_module  # noqa: E402
+
+MEMORY_BOUND = ("grad_epilogue", "adamw", "residual_layernorm", "bias_gelu_forward",
+                "bias_gelu_backward")
+TARGET_COPY_FRACTION = 0.80
+
+
+# ---------------------------------------------------------------------------- correctness
+def _poison_pool(cp, nbytes):
+    """Fill the memory pool's next blocks of about `nbytes` with NaN, so arrays the kernels'
+    wrappers allocate next start as NaN (an output the kernel fails to write stays NaN)."""
+    for _ in range(4):
+        block = cp.full(max(1, nbytes // 4), np.nan, cp.float32)
+        del block
+
+
+def _same_bits(got, want):
+    return np.asarray(got).tobytes() == np.asarray(want).tobytes()
+
+
+def _close(got, want, rtol, atol):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return bool(np.isfinite(got).all()) and bool(np.allclose(got, want, rtol=rtol, atol=atol))
+
+
+def check_all_kernels(cp, seed=0):
+    """Run every kernel against its reference; returns a list of failure messages (empty: pass)."""
+    rng = np.random.default_rng(seed)
+    failures = []
+
+    def fail(name, what):
+        failures.append(f"{name}: {what}")
+
+    # (a) epilogue: sizes hitting the vector body + tail, a misaligned view (scalar kernel)
+    for n, offset, cast in ((1 << 20, 0, None), (1000003, 0, "float16"), (4099, 1, "bfloat16"),
+                            (0, 0, None)):
+        host = rng.standard_normal(n + offset).astype(np.float32)
+        dev = cp.asarray(host)[offset:]
+        _poison_pool(cp, 2 * n + 64)
+        out, flag = kernels.grad_epilogue(dev, 1 / 3, cast=cast)
+        ref, ref_flag = kernels.grad_epilogue(host[offset:].copy(), 1 / 3, cast=cast)
+        got = cp.asnumpy(out)
+        if cast == "bfloat16":
+            got = got.view(ref.dtype)
+        if not _same_bits(cp.asnumpy(dev), host[offset:] * np.float32(1 / 3)) or not _same_bits(got, ref):
+            fail("grad_epilogue", f"n={n} offset={offset} cast={cast}: differs from the reference")
+        if bool(flag) != bool(ref_flag) or bool(flag):
+            fail("grad_epilogue", f"n={n}: non-finite flag {bool(flag)} on finite data")
+    for bad in (np.inf, np.nan):
+        dev = cp.asarray(rng.standard_normal(1 << 16).astype(np.float32))
+        dev[12345] = bad
+        if not bool(kernels.grad_epilogue(dev, 0.5)[1]):
+            fail("grad_epilogue", f"a single {bad} was not flagged")
+    big = cp.asarray(np.array([1.0, 7e4, 2.0, 3.0], np.float32))
+    if not bool(kernels.grad_epilogue(big, 1.0, cast="float16")[1]):
+        fail("grad_epilogue", "float16 overflow was not flagged")
+
+    # (b) AdamW: bit for bit over three steps, with and without the decay mask, odd length
+    for n, masked in ((1 << 20, False), (1000003, True)):
+        p = rng.standard_normal(n).astype(np.float32)
+        mask = (rng.random(n) > 0.5).astype(np.float32) if masked else None
+        state = [p.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)]
+        dstate = [cp.asarray(a) for a in state]
+        dmask = None if mask is None else cp.asarray(mask)
+        for t in range(1, 4):
+            g = rng.standard_normal(n).astype(np.float32)
+            hyper = dict(lr=3e-3 * t, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=t)
+            kernels.adamw_step(*dstate[:1], cp.asarray(g), *dstate[1:], decay_mask=dmask, **hyper)
+            kernels.adamw_step(*state[:1], g, *state[1:], decay_mask=mask, **hyper)
+        for name, d, h in zip(("p", "m", "v"), dstate, state):
+            if not _same_bits(cp.asnumpy(d), h):
+                worst = float(np.max(np.abs(cp.asnumpy(d) - h)))
+                fail("adamw", f"n={n} masked={masked}: {name} not bit-identical (max |diff| {worst:g})")
+
+    # (c) bias + GELU forward and backward
+    for rows, C in ((4096, 3072), (37, 129)):
+        h = rng.standard_normal((rows, C)).astype(np.float32)
+        b = rng.standard_normal(C).astype(np.float32)
+        dy = rng.standard_normal((rows, C)).astype(np.float32)
+        _poison_pool(cp, h.nbytes)
+        u, y = kernels.bias_gelu_forward(cp.asarray(h), cp.asarray(b))
+        ru, ry = kernels.bias_gelu_forward(h, b)
+        if not _same_bits(cp.asnumpy(u), ru) or not _close(cp.asnumpy(y), ry, 1e-5, 1e-6):
+            fail("bias_gelu_forward", f"{rows}x{C}: differs from the reference")
+        _poison_pool(cp, h.nbytes)
+        du, db = kernels.bias_gelu_backward(cp.asarray(dy), u)
+        rdu, rdb = kernels.bias_gelu_backward(dy, ru)
+        if not _close(cp.asnumpy(du), rdu, 1e-5, 1e-6) or not _close(cp.asnumpy(db), rdb, 1e-4, 1e-3):
+            fail("bias_gelu_backward", f"{rows}x{C}: differs from the reference")
+
+    # (d) residual + LayerNorm forward
+    for rows, C in ((8192, 768), (33, 4099), (5, 7)):
+        x, r = (rng.standard_normal((rows, C)).astype(np.float32) for _ in range(2))
+        g, b = (rng.standard_normal(C).astype(np.float32) for _ in range(2))
+        _poison_pool(cp, x.nbytes)
+        got = kernels.residual_layernorm_forward(*(cp.asarray(a) for a in (x, r, g, b)))
+        want = kernels.residual_layernorm_forward(x, r, g, b)
+        for name, d, w, tol in zip(("s", "y", "mean", "rstd"), got, want,
+                                   ((0, 0), (1e-4, 1e-5), (1e-5, 1e-6), (1e-4, 0))):
+            ok = _same_bits(cp.asnumpy(d), w) if name == "s" else _close(cp.asnumpy(d), w, *tol)
+            if not ok:
+                fail("residual_layernorm", f"{rows}x{C}: {name} differs from the reference")
+    return failures
+
+
+# ------------------------------------------------------------------------------ bandwidth
+def _time_gpu(cp, fn, repeats=20):
+    """Median seconds of fn() measured with CUDA events (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+    return float(np.median(times))
+
+
+def copy_bandwidth(cp, nbytes=1 << 30):
+    """Device-to-device copy bandwidth in GB/s, counting read + write bytes."""
+    src = cp.ones(nbytes // 4, cp.float32)
+    dst = cp.empty_like(src)
+    seconds = _time_gpu(cp, lambda: cp.cuda.runtime.memcpyAsync(
+        dst.data.ptr, src.data.ptr, nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
+        cp.cuda.get_current_stream().ptr))
+    return 2 * nbytes / seconds / 1e9
+
+
+def kernel_bandwidths(cp, n=1 << 26):
+    """{kernel: (seconds, GB/s)} for each kernel on n float32 elements; bytes are what each must
+    read and write at least once."""
+    rng = cp.random.default_rng(0)
+    a = [rng.standard_normal(n, dtype=cp.float32) for _ in range(4)]
+    p, g, m, v = a
+    C = 1024
+    h2, x2, r2 = (t.reshape(-1, C) for t in (p, g, m))
+    b = rng.standard_normal(C, dtype=cp.float32)
+    u, _ = kernels.bias_gelu_forward(h2, b)
+    results = {}
+
+    def record(name, fn, nbytes):
+        seconds = _time_gpu(cp, fn)
+        results[name] = (seconds, nbytes / seconds / 1e9)
+
+    record("grad_epilogue", lambda: kernels.grad_epilogue(g, 1.0), 8 * n)
+    record("adamw", lambda: kernels.adamw_step(p, g, m, v, lr=1e-9, beta1=0.9, beta2=0.95,
+                                               eps=1e-8, weight_decay=0.0, step=1), 28 * n)
+    record("bias_gelu_forward", lambda: kernels.bias_gelu_forward(h2, b), 12 * n)
+    record("bias_gelu_backward", lambda: kernels.bias_gelu_backward(x2, u), 12 * n)  # + db read
+    record("residual_layernorm", lambda: kernels.residual_layernorm_forward(x2, r2, b, b), 16 * n)
+    return results
+
+
+# ------------------------------------------------------------------------------------- nccl
+def check_nccl(cp):
+    """Single-rank NCCL collectives through the public API; returns failure messages."""
+    import rtxmpi
+
+    failures = []
+    world = rtxmpi.init(backend="nccl", timeout_s=60)
+    if world.backend.name != "nccl":
+        return [f"init(backend='nccl') gave backend {world.backend.name!r}"]
+    x = cp.arange(1000, dtype=cp.float32)
+    if not bool((world.all_reduce(x.copy()) == x).all()):
+        failures.append("all_reduce sum")
+    if not bool((world.all_reduce(x.copy(), op="avg") == x).all()):
+        failures.append("all_reduce avg")
+    half = x.astype(cp.float16)
+    if not bool((world.all_reduce(half.copy()) == half).all()):
+        failures.append("all_reduce float16")
+    if not bool((world.reduce_scatter(x.reshape(10, 100)) == x.reshape(10, 100)).all()):
+        failures.append("reduce_scatter")
+    if not bool((world.all_gather(x) == x).all()):
+        failures.append("all_gather")
+    y = x.copy()
+    if not bool((world.broadcast(y, src=0) == x).all()):
+        failures.append("broadcast")
+    work = world.all_reduce(x.copy(), async_op=True)
+    if not bool((work.wait() == x).all()):
+        failures.append("async all_reduce")
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        z = x * 2
+    if not bool((world.all_reduce(z, stream=stream) == x * 2).all()):
+        failures.append("all_reduce on a user stream")
+    recv = cp.zeros_like(x)
+    world.send_recv(sends=[(x, 0)], recvs=[(recv, 0)])
+    if not bool((recv == x).all()):
+        failures.append("grouped send/recv to self")
+    sub = world.split(color=0)
+    if not bool((sub.all_reduce(x.copy()) == x).all()):
+        failures.append("all_reduce on a split group")
+    return failures
+
+
+# ------------------------------------------------------------------------------- the rest
+def run_gpu_pytests(timeout_s):
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/unit"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    tail = (result.stdout + result.stderr).strip().splitlines()[-1:]
+    return result.returncode == 0, " ".join(tail)
+
+
+def train_tokens_per_s(device, model, steps, timeout_s):
+    cmd = [sys.executable, "examples/train.py", "--device", device, "--model", model, "--steps",
+           str(steps), "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0",
+           "--no-progress", "--global-batch", "32", "--seq-len", "128"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    found = re.findall(r"([0-9.]+) tokens/s", result.stdout)
+    if result.returncode != 0 or not found:
+        raise RuntimeError(f"{' '.join(cmd)} failed (rc {result.returncode}): "
+                           f"{(result.stdout + result.stderr)[-2000:]}")
+    return float(found[-1])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--require-gpu", action="store_true", help="exit 2 when no GPU is found")
+    parser.add_argument("--train-model", default="small")
+    parser.add_argument("--train-steps", type=int, default=8)
+    parser.add_argument("--skip", default="", help="comma-separated steps to skip: "
+                        "kernels,bandwidth,nccl,pytest,train")
+    args = parser.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    cp = cupy_module()
+    if cp is None or not kernels.gpu_available():
+        why = "cupy is not installed" if cp is None else "cupy sees no CUDA device"
+        print(f"gpu_check: SKIP: {why}; nothing to check on this machine "
+              "(install with pip install -e '.[cuda12]' on a GPU host)")
+        return 2 if args.require_gpu else 0
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    report = {"device": props["name"].decode(), "steps": {}}
+    print(f"gpu_check on {report['device']} (cupy {cp.__version__})", flush=True)
+    ok = True
+    started = time.monotonic()
+
+    def step(name, fn):
+        nonlocal ok
+        if name in skip:
+            print(f"[SKIP] {name}")
+            return
+        t0 = time.monotonic()
+        try:
+            passed, detail = fn()
+        except Exception as exc:  # a check that crashes is a failed check, reported with its cause
+            passed, detail = False, f"{type(exc).__name__}: {exc}"
+        ok = ok and passed
+        report["steps"][name] = {"pass": passed, "detail": detail, "s": time.monotonic() - t0}
+        print(f"[{'PASS' if passed else 'FAIL'}] {name} ({time.monotonic() - t0:.1f} s): {detail}",
+              flush=True)
+
+    def do_kernels():
+        failures = check_all_kernels(cp, seed=int(time.time()))
+        return not failures, "all match their references" if not failures else "; ".join(failures)
+
+    def do_bandwidth():
+        copy = copy_bandwidth(cp)
+        rows = kernel_bandwidths(cp)
+        report["copy_gbps"] = copy
+        report["kernels"] = {k: {"ms": s * 1e3, "gbps": bw, "of_copy": bw / copy}
+                             for k, (s, bw) in rows.items()}
+        print(f"  copy d2d: {copy:.0f} GB/s (read + write)")
+        print("  | kernel | ms | GB/s | of copy |\n  |---|---|---|---|")
+        for k, (s, bw) in rows.items():
+            print(f"  | {k} | {s * 1e3:.3f} | {bw:.0f} | {bw / copy:.2f} |")
+        slow = [k for k, (_, bw) in rows.items() if k in MEMORY_BOUND
+                and bw / copy < TARGET_COPY_FRACTION]
+        return not slow, ("every memory-bound kernel >= 0.80 of copy" if not slow else
+                          f"below {TARGET_COPY_FRACTION:.2f} of copy: {', '.join(slow)}")
+
+    def do_nccl():
+        failures = check_nccl(cp)
+        return not failures, "single-rank collectives correct" if not failures else "; ".join(failures)
+
+    def do_pytest():
+        return run_gpu_pytests(timeout_s=120)
+
+    def do_train():
+        gpu = train_tokens_per_s("cuda", args.train_model, args.train_steps, 150)
+        cpu = train_tokens_per_s("cpu", args.train_model, 2, 120)
+        report["train"] = {"gpu_tokens_per_s": gpu, "cpu_tokens_per_s": cpu, "ratio": gpu / cpu}
+        return gpu / cpu >= 20, f"{gpu:.0f} vs {cpu:.0f} tokens/s on the CPU: {gpu / cpu:.1f}x (target 20x)"
+
+    for name, fn in (("kernels", do_kernels), ("bandwidth", do_bandwidth), ("nccl", do_nccl),
+                     ("pytest", do_pytest), ("train", do_train)):
+        step(name, fn)
+    report["total_s"] = time.monotonic() - started
+    print(f"gpu_check: {'PASS' if ok else 'FAIL'} in {report['total_s']:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
