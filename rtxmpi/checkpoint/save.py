@@ -49,14 +49,19 @@ def _signature(shards):
     return table, zlib.crc32(json.dumps(table).encode())
 
 
-def _check_same_tensors(group, shards):
-    table, crc = _signature(shards)
+def _check_same_tensors(group, shards, error, what):
+    """One all_gather of (this rank failed, signature): raises CheckpointError on every rank when
+    any rank passed `error` (its message, via raise_if_any_failed) or the signatures differ."""
     if group is None:
+        raise_if_any_failed(None, error, what)
         return
-    crcs = group.all_gather(np.array([crc], np.int64))
-    if (crcs != crcs[0]).any():
-        raise CheckpointError(f"ranks passed different tensors (names, global sizes or dtypes); "
-                              f"rank {group.rank} passed {table}")
+    table, crc = _signature(shards) if error is None else ([], 0)
+    rows = group.all_gather(np.array([error is not None, crc], np.int64)).reshape(-1, 2)
+    if rows[:, 0].any():
+        raise_if_any_failed(group, error, what)  # every rank takes this branch alike
+    if (rows[:, 1] != rows[0, 1]).any():
+        raise CheckpointError(f"{what}: ranks passed different tensors (names, global sizes or "
+                              f"dtypes); rank {group.rank} passed {table}")
 
 
 def _prepare_dir(ckpt_dir, step_dir, overwrite):
@@ -108,13 +113,7 @@ def _begin(group, ckpt_dir, step_dir, shards, meta, overwrite, what):
                 raise CheckpointError(f"shards[{name!r}] must be a Shard, got {type(shard).__name__}")
     except CheckpointError as exc:
         error = exc
-    raise_if_any_failed(group, error, what)
-    error = None
-    try:
-        _check_same_tensors(group, shards)  # every rank reaches its all_gather
-    except CheckpointError as exc:
-        error = exc
-    raise_if_any_failed(group, error, what)
+    _check_same_tensors(group, shards, error, what)  # every rank reaches its all_gather
 
     error = None
     if rank == 0:
@@ -144,14 +143,16 @@ def _commit(group, ckpt_dir, step_dir, step, names, write_result, meta, what):
     """Collective steps 4-5: agree the writes succeeded, gather the piece table, rank 0 commits."""
     rank, world_size = (0, 1) if group is None else (group.rank, group.world_size)
     error, written, file_bytes = write_result
-    raise_if_any_failed(group, error, what)
-
+    # one all_gather: row 0 = (file bytes, this rank's write failed, 0), then the piece table
     local = np.zeros((1 + len(names), 3), np.int64)
-    local[0, 0] = file_bytes
-    for t, name in enumerate(names):
-        w = written[name]
-        local[1 + t] = (w["offset"], w["length"], int(w["checksum"].split(":")[1], 16))
+    local[0, :2] = file_bytes, error is not None
+    if error is None:
+        for t, name in enumerate(names):
+            w = written[name]
+            local[1 + t] = (w["offset"], w["length"], int(w["checksum"].split(":")[1], 16))
     table = local[None] if group is None else group.all_gather(local).reshape(world_size, -1, 3)
+    if table[:, 0, 1].any():
+        raise_if_any_failed(group, error, what)  # every rank takes this branch alike
 
     error = None
     if rank == 0:
