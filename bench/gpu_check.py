@@ -46,9 +46,8 @@ TARGET_COPY_FRACTION = 0.80
 def _poison_pool(cp, nbytes):
     """Fill the memory pool's next blocks of about `nbytes` with NaN, so arrays the kernels'
     wrappers allocate next start as NaN (an output the kernel fails to write stays NaN)."""
-    for _ in range(4):
-        block = cp.full(max(1, nbytes // 4), np.nan, cp.float32)
-        del block
+    blocks = [cp.full(max(1, nbytes // 4), np.nan, cp.float32) for _ in range(4)]
+    del blocks  # back to the pool, NaN-filled, for the next allocations of that size
 
 
 def _same_bits(got, want):
