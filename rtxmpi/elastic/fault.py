@@ -51,7 +51,8 @@ def parse_faults(spec, phases):
     return faults
 
 
-def _act(action):
+def _act(action, where=""):
+    os.write(2, f"[rtxmpi fault] {action} {where} t={time.time():.6f}\n".encode())
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "exit":
@@ -73,11 +74,13 @@ class FaultPlan:
             if f.fired or f.step != step or f.phase != phase:
                 continue
             f.fired = True
+            where = f"launch rank {f.rank} step {step} phase {phase}"
             if f.action == "stall":
+                os.write(2, f"[rtxmpi fault] stall {where} for {f.seconds:g} s\n".encode())
                 time.sleep(f.seconds)
             elif f.seconds > 0:
-                timer = threading.Timer(f.seconds, _act, args=(f.action,))
+                timer = threading.Timer(f.seconds, _act, args=(f.action, where))
                 timer.daemon = True
                 timer.start()
             else:
-                _act(f.action)
+                _act(f.action, where)
