@@ -44,6 +44,7 @@ ARGS = ["--model", "tiny", "--global-batch", "12", "--seq-len", "32", "--eval-ev
         "--ckpt-every", str(CKPT_EVERY)]
 KINDS = ("shrink", "sigterm", "stuck", "restart", "crash")
 OUTER_TIMEOUT_S = 120
+LOG = {"path": None}  # the current scenario's log file: every command with its output
 
 
 def env(**extra):
@@ -63,6 +64,10 @@ def run(argv, **extra):
     start = time.monotonic()
     done = subprocess.run(argv, capture_output=True, text=True, env=env(**extra),
                           start_new_session=True)
+    if LOG["path"]:
+        with open(LOG["path"], "a") as f:
+            f.write(f"$ {extra} {' '.join(argv)}\nexit {done.returncode}\n--- stdout\n{done.stdout}"
+                    f"\n--- stderr\n{done.stderr}\n")
     return done, time.monotonic() - start
 
 
@@ -194,6 +199,7 @@ def main(argv=None):
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir()
         start = time.monotonic()
+        LOG["path"] = folder / "log.txt"
         what, problem = scenario(kind, rng, folder)
         ok = problem is None
         passed += ok
