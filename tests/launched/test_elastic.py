@@ -211,3 +211,15 @@ def test_shrink_with_zero_reloads_the_last_committed_checkpoint_at_3_ranks(tmp_p
     steps = [r["step"] for r in records(tmp_path)]
     assert steps[-1] == SHRINK_STEPS and set(steps) == set(range(1, SHRINK_STEPS + 1))
     assert load_checkpoint(None, tmp_path / "ckpt", SHRINK_STEPS).world_size_saved == 3
+
+
+def test_stuck_rank_is_reported_with_its_phase_and_step_and_ends_the_job(tmp_path):
+    """Without ULFM: the heartbeats name the stuck rank long before the collective deadline
+    (30 s here), and the job ends non-zero so that a supervisor can act."""
+    proc = train(tmp_path, tmp_path / "ckpt", "--stuck-timeout-s", "2", steps=12,
+                 RTXMPI_FAULT="stall:1:5:backward:600", outer_timeout_s=60)
+    assert not proc.outer_timeout and proc.returncode != 0, str(proc)
+    assert ("RankFailure: all_reduce" in proc.stderr
+            and "rank 1 made no progress for" in proc.stderr
+            and "last in phase 'backward' of step 5; alive (heartbeats arrive)" in proc.stderr), str(proc)
+    assert "CollectiveTimeout" not in proc.stderr
