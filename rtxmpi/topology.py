@@ -536,6 +536,23 @@ def max_tp_in_island(topo):
     return 1
 
 
+def placement_filter(topo, base=None):
+    """A `supported(layout)` predicate for the planner (rtxmpi.parallel.planner.make_plan):
+    `base(layout)`'s reason when it rejects, else — on GPU hosts — a reason when the layout's
+    tensor-parallel blocks (consecutive ranks) leave an NVLink island; None when supported.
+    CPU-only jobs are not filtered (the planner's per-node cost model covers them). Local."""
+    def supported(layout):
+        why = base(layout) if base is not None else None
+        if why or not topo.has_gpu or layout.tp <= 1 or topo.world_size % layout.tp:
+            return why
+        if _tp_blocks_outside(topo, layout.tp):
+            return (f"placement: tp {layout.tp} blocks leave an NVLink island (the largest tp "
+                    f"that fits is {max_tp_in_island(topo)})")
+        return None
+
+    return supported
+
+
 def _ranges(values):
     """[0, 1, 2, 5] -> "0-2,5"."""
     out, start = [], None

@@ -751,10 +751,13 @@ def plan_for_job(group, cfg, global_batch, profile_path=None, mem_per_device=Non
             local.Free()
         except (ValueError, OSError, AttributeError):
             mem_per_device = None
+    from ..topology import discover, placement_filter
+
+    supported = placement_filter(discover(group), default_supported)  # collective: tp in NVLink
     choice, plan, error = None, None, None
     if group.rank == 0:
         plan = make_plan(cfg, global_batch, group.world_size, profile,
-                         mem_per_device=mem_per_device)
+                         mem_per_device=mem_per_device, supported=supported)
         if plan.best is None:
             error = plan.reason()
         else:

@@ -187,3 +187,18 @@ def test_estimates_are_symmetric_with_infinite_self_bandwidth():
     assert np.array_equal(topo.bandwidth_gbps, topo.bandwidth_gbps.T)
     assert np.isinf(np.diag(topo.bandwidth_gbps)).all()
     assert topo.bandwidth_gbps[0, 2] == 200 / 8
+
+
+def test_planner_filter_rejects_tp_outside_an_nvlink_island_on_gpu_hosts_only():
+    layout = types.SimpleNamespace
+    hosts = [_host("dgx_h100_topo_m.txt", "dgx_h100_sys", n) for n in ("a", "b")]
+    gpu = topology.build(hosts, [r // 8 for r in range(16)], [r % 8 for r in range(16)],
+                         [r % 8 for r in range(16)])
+    supported = topology.placement_filter(gpu)
+    assert supported(layout(tp=8)) is None
+    assert "largest tp that fits is 8" in supported(layout(tp=16))
+    base = topology.placement_filter(gpu, base=lambda L: "base says no")
+    assert base(layout(tp=2)) == "base says no"
+    cpu = topology.build([topology.HostTopology("a"), topology.HostTopology("b")],
+                         [0, 0, 1, 1], [0, 1, 0, 1], [-1] * 4)
+    assert topology.placement_filter(cpu)(layout(tp=4)) is None
