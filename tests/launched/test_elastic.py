@@ -223,3 +223,46 @@ def test_stuck_rank_is_reported_with_its_phase_and_step_and_ends_the_job(tmp_pat
             and "rank 1 made no progress for" in proc.stderr
             and "last in phase 'backward' of step 5; alive (heartbeats arrive)" in proc.stderr), str(proc)
     assert "CollectiveTimeout" not in proc.stderr
+
+
+ULFM_JOB = """
+import os, signal, time
+import numpy as np
+import rtxmpi
+from rtxmpi.elastic.shrink import shrink_world
+
+world = rtxmpi.init(timeout_s=30)
+world.barrier()
+if world.rank == 2:
+    os.kill(os.getpid(), signal.SIGKILL)
+start = time.monotonic()
+try:
+    for _ in range(1000):                      # the failure surfaces in one of these
+        world.all_reduce(np.ones(1000, np.float32))
+    print(f"NO FAILURE rank={world.rank}", flush=True)
+except rtxmpi.RankFailure as exc:
+    print(f"FAILURE rank={world.rank} ranks={exc.ranks} after_s={time.monotonic() - start:.3f}",
+          flush=True)
+new, old_size = shrink_world(world)
+x = np.full(4, new.rank + 1.0)
+new.all_reduce(x)
+print(f"SHRUNK old_rank={world.rank} rank={new.rank} size={new.world_size} sum={x[0]:g}", flush=True)
+new.barrier()
+os._exit(0)
+"""
+
+
+def test_ulfm_failure_is_rank_failure_on_every_survivor_and_shrink_works(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(ULFM_JOB)
+    mpiexec = mpiexec_argv(4)
+    proc = run_command(mpiexec[:1] + ULFM + mpiexec[1:] + [sys.executable, script],
+                       outer_timeout_s=60, env=launch_env())
+    assert not proc.outer_timeout, str(proc)
+    failures = proc.lines("FAILURE")
+    assert len(failures) == 3, str(proc)  # every survivor, as RankFailure (not MPI.Exception)
+    for line in failures:
+        assert float(line.split("after_s=")[1]) < 10.0, line  # ULFM, not the 30 s deadline
+    shrunk = sorted(proc.lines("SHRUNK"))
+    assert len(shrunk) == 3 and all("size=3 sum=6" in line for line in shrunk), str(proc)
+    assert {line.split()[2] for line in shrunk} == {"rank=0", "rank=1", "rank=2"}
