@@ -612,7 +612,7 @@ def train(args):
     loop = elastic.Loop(world)  # pre-emption, phases, what survivors hand over (docs/elastic.md)
     loop.track(meta=lambda: checkpoint_meta(args, cfg, model, engine, sampler),
                tensors=engine.pieces if args.zero_stage == 0 and not hybrid else None,
-               close=(log, metrics))
+               close=(log, metrics), step=start_step - 1)
     for step in range(start_step, last_step + 1):
         obs.begin_step(step)
         t0 = time.perf_counter()

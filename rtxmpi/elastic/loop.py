@@ -105,13 +105,16 @@ class Loop:
         self._applied_meta = None
         _config.current = self
 
-    def track(self, *, meta, tensors=None, close=()):
+    def track(self, *, meta, tensors=None, close=(), step=None):
         """What survivors hand over after a failure. meta() -> JSON-able dict (the checkpoint meta);
         tensors() -> {name: full 1-D array}, or None when state is sharded (then a shrink reloads
         the last committed checkpoint). close: objects (or None) whose close() runs before the
-        next attempt (open files such as the write-ahead log). Local."""
+        next attempt (open files such as the write-ahead log). step: the step the state is at now
+        (0 fresh, S after a resume), so a failure before the next step still hands it over. Local."""
         self._meta, self._tensors = meta, tensors
         self._close = [c for c in close if c is not None]
+        if step is not None:
+            self._mark(step)
 
     def phase(self, name, step):
         """Mark the start of phase `name` (one of PHASES) of `step`. Local and cheap."""
@@ -119,6 +122,11 @@ class Loop:
         progress(name, step)
         if self.faults.faults:
             self.faults.at(name, step)
+
+    def _mark(self, step):
+        self.applied_step = step
+        if self._meta is not None and _config.policy == "shrink" and self._tensors is not None:
+            self._applied_meta = self._meta()  # e.g. the data position as of this step
 
     def agree(self, **flags):
         """control.agree(world, **flags, stop=<a stop was requested on this rank>): the step
@@ -128,9 +136,7 @@ class Loop:
 
     def applied(self, step):
         """This rank applied (or agreed to skip) the update of `step`. Local."""
-        self.applied_step = step
-        if self._meta is not None and _config.policy == "shrink":
-            self._applied_meta = self._meta()  # e.g. the data position as of this step
+        self._mark(step)
         if _config.failure_time is not None:
             elapsed = time.time() - _config.failure_time
             _config.failure_time = None

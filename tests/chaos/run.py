@@ -16,7 +16,8 @@ RTXMPI_FAULT (rtxmpi/elastic/fault.py) at a random step, phase, delay and victim
   restart  a rank is SIGKILLed without ULFM under `rtxmpi run --max-restarts 2`: the relaunch
            resumes from the last committed checkpoint and finishes;
   crash    a rank is SIGKILLed with --elastic off: the job must end non-zero (no hang) with the
-           last committed checkpoint intact (checksums verified).
+           last committed checkpoint intact (checksums verified);
+  shrink2  two ranks die at different steps (--min-ranks 2): 4 -> 3 -> 2 ranks, as for shrink.
 
 Prints one line per scenario and `chaos: N scenarios tried, M passed`; exits 1 if any failed.
 """
@@ -42,7 +43,7 @@ STEPS, CKPT_EVERY = 12, 4
 ARGS = ["--model", "tiny", "--global-batch", "12", "--seq-len", "32", "--eval-every", "0",
         "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--steps", str(STEPS),
         "--ckpt-every", str(CKPT_EVERY)]
-KINDS = ("shrink", "sigterm", "stuck", "restart", "crash")
+KINDS = ("shrink", "sigterm", "stuck", "restart", "crash", "shrink2")
 OUTER_TIMEOUT_S = 120
 LOG = {"path": None}  # the current scenario's log file: every command with its output
 
@@ -177,6 +178,17 @@ def scenario(kind, rng, folder):
             except CheckpointError as exc:
                 return fault, f"last committed checkpoint {last} does not verify: {exc}"
         return fault, None
+    if kind == "shrink2":
+        first, second = rng.sample(range(4), 2)
+        later = rng.randrange(step + 1, STEPS)
+        fault = f"kill:{first}:{step}:{phase}:{delay},kill:{second}:{later}:forward"
+        done, t = run(train_argv(folder, 4, "--elastic", "shrink", "--min-ranks", "2", ulfm=True),
+                      RTXMPI_FAULT=fault)
+        if done.returncode != 0:
+            return fault, f"exit {done.returncode}: {done.stderr[-600:]}"
+        if "shrank the world 3 -> 2" not in done.stderr:
+            return fault, "no second shrink reported"
+        return fault, check_final(folder, 2)
     raise ValueError(kind)
 
 
