@@ -266,3 +266,51 @@ def test_ulfm_failure_is_rank_failure_on_every_survivor_and_shrink_works(tmp_pat
     shrunk = sorted(proc.lines("SHRUNK"))
     assert len(shrunk) == 3 and all("size=3 sum=6" in line for line in shrunk), str(proc)
     assert {line.split()[2] for line in shrunk} == {"rank=0", "rank=1", "rank=2"}
+
+
+def test_rtxmpi_run_turns_sigterm_into_a_checkpoint_and_exit_75(tmp_path):
+    """SIGTERM to the supervisor reaches the ranks through mpiexec as SIGUSR1 (prterun would turn
+    TERM into SIGKILL): they stop at one step with a committed checkpoint; nothing is relaunched."""
+    import subprocess
+    args = [*ARGS, "--steps", "100000", "--ckpt-dir", tmp_path / "ckpt", "--metrics-jsonl",
+            tmp_path / "m.jsonl"]
+    supervisor = [sys.executable, "-m", "rtxmpi.cli", "run", "-n", "2", "--grace-s", "60",
+                  "--mpiexec", " ".join(mpiexec_argv(2)[:1] + mpiexec_argv(2)[3:]), "--",
+                  sys.executable, str(TRAIN)] + [str(a) for a in args]
+    job = subprocess.Popen(["timeout", "--kill-after=5", "90"] + supervisor, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True,
+                           env=launch_env(RTXMPI_CACHE_DIR=tmp_path.parent / "cache"),
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if (tmp_path / "m.jsonl").exists() and len(records(tmp_path)) >= 3:
+                break
+            time.sleep(0.05)
+        supervisors = [pid for pid in rank_pids_of_cmd("rtxmpi.cli", job.pid)
+                       if _parent(pid) == job.pid]  # not `timeout` itself
+        assert len(supervisors) == 1, supervisors
+        os.kill(supervisors[0], signal.SIGTERM)
+        stdout, stderr = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == EXIT_PREEMPTED, stdout + stderr
+    assert "SIGTERM: asking the ranks to stop" in stderr and "attempt 2" not in stderr
+    stopped = int(re.search(r"stopped after step (\d+) \(pre-empted\)", stdout).group(1))
+    assert latest_step(tmp_path / "ckpt") == stopped == records(tmp_path)[-1]["step"]
+
+
+def rank_pids_of_cmd(marker, ancestor):
+    """pids of descendants of `ancestor` whose command line contains `marker`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if not _descends_from(int(pid), ancestor):
+            continue
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if marker.encode() in cmdline:
+            found.append(int(pid))
+    return found
