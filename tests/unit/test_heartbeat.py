@@ -62,10 +62,12 @@ def test_own_marker_resets_while_waiting():
     try:
         beat.progress("backward", 4)
         changed = beat.changed
-        time.sleep(0.1)
+        deadline = time.monotonic() + 5
+        while beat.changed == changed and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert beat.changed > changed  # the thread counts waiting in a collective as progress
         waiting["now"] = False
-        time.sleep(0.05)
+        time.sleep(0.2)  # the thread's iteration in flight may still see waiting=True
         frozen = beat.changed
         time.sleep(0.1)
         assert beat.changed == frozen
