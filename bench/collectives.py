@@ -332,6 +332,21 @@ def summary(cells, ops):
     return lines, overhead, verdicts
 
 
+def side_by_side(cells, g):
+    """size | rtxmpi, raw, gloo busbw | rtxmpi/raw | rtxmpi/gloo | path (shm or MPI)."""
+    engine, threshold = g.backend._shm, g.backend.shm_config.threshold
+    rows = []
+    for c in cells:
+        r, w, gl = c["impls"]["rtxmpi"], c["impls"]["raw"], c["impls"].get("gloo")
+        path = (f"shm ({engine.mode})" if engine and c["size_bytes"] >= threshold else "MPI")
+        rows.append([format_bytes(c["size_bytes"]), fmt(r["busbw_gbps"], 3), fmt(w["busbw_gbps"], 3),
+                     fmt(gl["busbw_gbps"], 3) if gl else "n/a",
+                     fmt(c["busbw_ratio_rtxmpi_raw"], 2),
+                     fmt(gl["median_us"] / r["median_us"], 2) if gl else "n/a", path])
+    return markdown_table(["size", "rtxmpi busbw", "raw busbw", "gloo busbw", "rtxmpi/raw",
+                           "rtxmpi/gloo", "rtxmpi path"], rows)
+
+
 def shm_line(g):
     """How rtxmpi's all_reduce ran: the shared-memory path's settings and mode (comm/shm.py)."""
     config, engine = g.backend.shm_config, g.backend._shm
@@ -440,6 +455,9 @@ def main(argv=None):
         lines += [f"#### {op} (busbw factor {busbw_factor(op, n):.3g}; times in us, "
                   "bandwidths in GB/s)", "",
                   op_table([c for c in cells if c["op"] == op], "gloo" in impls), ""]
+    if "all_reduce" in args.ops:
+        lines += ["#### all_reduce busbw side by side (GB/s; ratios of busbw; path: what rtxmpi ran)",
+                  "", side_by_side([c for c in cells if c["op"] == "all_reduce"], g), ""]
     summary_lines, overhead, verdicts = summary(cells, args.ops)
     lines += [f"- {line}" for line in summary_lines]
     lines += ["", f"Total run time {time.perf_counter() - started:.1f} s."]
