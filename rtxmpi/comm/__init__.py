@@ -99,10 +99,8 @@ def replace_world(comm):
     _world = make_world(getattr(old.backend, "transport", None), comm, monitor, members,
                         old.device, name="world", rank=rank, world_size=size,
                         local_rank=local_rank, timeout_s=old.timeout_s, check=old.check)
-    beat = old.backend.monitor.heartbeat
-    if beat is not None:  # heartbeats continue on the survivors
-        beat.stop()
-        start_heartbeats(beat.stuck_timeout_s, beat.period_s)
+    if old.backend.monitor.heartbeat is not None:  # its peers are gone; start_heartbeats() again
+        old.backend.monitor.heartbeat.stop()      # once the survivors' loop runs
     return _world
 
 

@@ -201,16 +201,37 @@ def run(fn, args):
                 args.resume = True
 
 
+def _evict(group, beat, failure):
+    """Ask the live ranks named by `failure` to kill themselves (their heartbeat thread does, at
+    its next beat) and wait up to a beat period + 0.5 s until ULFM reports them failed, so that a
+    slow rank that was not stuck after all does not rejoin the shrink. (A rank still alive after
+    that is removed by the shrink once it dies: a shrink waits for every live rank.)"""
+    wait_s = beat.period_s + 0.5
+    comm = group.backend.comm
+    alive = [r for r in failure.ranks if r != group.rank and r not in failed_ranks(comm)]
+    for r in alive:
+        beat.evict(r, f"no progress; handled as a failed rank ({failure})")
+    deadline = time.monotonic() + wait_s
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.002)
+        try:
+            comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)  # let MPI hear of the failure
+        except MPI.Exception:
+            pass
+        dead = set(failed_ranks(comm))
+        alive = [r for r in alive if r not in dead]
+    if alive:
+        print(f"elastic: evicted ranks {alive} not yet reported failed after {wait_s:g} s",
+              file=sys.stderr, flush=True)
+
+
 def recover(group, failure, loop):
     """Shrink after `failure` and prepare the next attempt's state (collective over survivors)."""
     _config.failure_time = seen = time.time()
     _config.attempts.append(loop)
     beat = group.backend.monitor.heartbeat
     if beat is not None:  # a stuck rank is alive: make it a failed one, which shrink removes
-        dead = set(failed_ranks(group.backend.comm))
-        for r in failure.ranks:
-            if r not in dead and r != group.rank:
-                beat.evict(r, f"no progress; handled as a failed rank ({failure})")
+        _evict(group, beat, failure)
     new, old_size = shrink_world(group, _config.min_ranks)
     shrunk = time.time()
     state = None

@@ -141,7 +141,7 @@ def scenario(kind, rng, folder):
         return fault, check_final(folder, 2)
     if kind == "stuck":
         fault = f"stall:{victim}:{step}:{phase}:600"
-        done, t = run(train_argv(folder, 4, "--elastic", "shrink", "--stuck-timeout-s", "2",
+        done, t = run(train_argv(folder, 4, "--elastic", "shrink", "--stuck-timeout-s", "5",
                                  ulfm=True), RTXMPI_FAULT=fault)
         if done.returncode != 0:
             return fault, f"exit {done.returncode}: {done.stderr[-600:]}"
