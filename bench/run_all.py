@@ -41,9 +41,9 @@ BENCHES = (
     ("checkpoint", "Checkpoint I/O", (1, 2, 4), ()),
     ("tensor_parallel", "Tensor and sequence parallelism", (2, 4), ()),
     ("pipeline", "Pipeline parallelism", (), ()),
-    ("timeline", "Observability overhead", (2,), ()),
+    ("elastic", "Elastic recovery", (), ()),
+    ("timeline", "Timeline overhead", (1, 2), ()),
     ("planner", "Planner", (), ()),
-    ("elastic", "Elastic recovery", (2,), ()),
 )
 
 
