@@ -133,7 +133,7 @@ def worker(args):
 
     import rtxmpi
     from rtxmpi.nn import GPTConfig
-    from rtxmpi.parallel.calibrate import ReferenceRun, calibrate
+    from rtxmpi.parallel.calibrate import ReferenceRun, _measure_sync, calibrate
     from rtxmpi.parallel.planner import estimate, make_plan
 
     world = rtxmpi.init(check=False)
@@ -144,6 +144,8 @@ def worker(args):
     profile = calibrate(world, cfg=cfg)
     ref = ReferenceRun(comm, cfg, profile.ref_model["micro_batch"])
     ref_samples = {k: [] for k in ref.ks}
+    sync_samples, ranks_of_node = [], [list(range(world.world_size))]  # one node
+    segment = min(0.02, float(profile.ref_busy_ms[str(ref.ks[-1])]) * 1e-3 / (2 * cfg.n_layer))
     if rank0:
         print(f"[planner] calibrated in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     plan = make_plan(cfg, args.global_batch, world.world_size, profile)
@@ -179,6 +181,7 @@ def worker(args):
                 times[i].append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
         for k, v in ref.sample(1).items():  # the reference run, interleaved with the layouts
             ref_samples[k] += v
+        sync_samples.append(_measure_sync(comm, ranks_of_node, cfg, segment, reps=3))
         if rank0:
             print(f"[planner] round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     profile_end = calibrate(world, cfg=cfg)
@@ -188,8 +191,10 @@ def worker(args):
     # machine load as the measurements (the start profile saw only the first seconds)
     during = profile.with_reference(ReferenceRun.median_ms(ref_samples),
                                     note="reference run re-sampled during the benchmark rounds")
+    during.sync_s = {n: float(np.median([s[n] for s in sync_samples])) for n in sync_samples[0]}
     fastest_ref = {k: float(np.min(v)) * 1e3 for k, v in ref_samples.items()}
     during_min = profile.with_reference(fastest_ref, note="fastest reference runs during the rounds")
+    during_min.sync_s = {n: float(np.min([s[n] for s in sync_samples])) for n in sync_samples[0]}
     plan_during = make_plan(cfg, args.global_batch, world.world_size, during,
                             layouts=[e.layout for e in chosen])  # ranks the layouts run
     results = []
@@ -276,7 +281,8 @@ def report(args, out, info):
         p = out[name]
         print(f"{name.replace('profile', 'profile ').strip():<16}: effective cores "
               f"{p['effective_cores']:.2f}, wait weight {p['wait_weight']:.2f}, contention "
-              f"{p['contention']:.2f}, reference run {p['ref_ms']:.0f} ms")
+              f"{p['contention']:.2f}, reference run {p['ref_ms']:.0f} ms, sync wait "
+              f"{', '.join(f'{n} ranks {1e3 * v:.1f} ms' for n, v in p.get('sync_s', {}).items())}")
     print("('start' is calibrate() before the runs, as --plan auto uses it; 'during' refits the "
           "reference run sampled between the rounds; 'end' is calibrate() after the runs)")
     print(f"machine: {machine_line(info)}")

@@ -31,6 +31,11 @@ A `HardwareProfile` holds the numbers the planner's cost model (rtxmpi/parallel/
                      sleeping waiter, 1 a busy one)
     contention       ref_busy_ms[R] / ref_ms (1.0: every rank has its own core)
   The planner uses speed(k) / speed(1) for the k ranks of a node computing at once.
+  sync_s           {n: seconds}: what a collective among n ranks costs beyond its alpha-beta time
+                   when the ranks compute between collectives (~ one block's share of the
+                   reference run, all ranks busy, at most 20 ms): they arrive at different moments, and the
+                   early ones wait (scheduling jitter when ranks outnumber cores); measured as
+                   (time of work + 8-byte all_reduce - time of work alone) per repetition
   communication, alpha-beta fits t(bytes) = alpha_s + factor(op, n) * bytes / bw_bytes_per_s per
   operation and group size n, measured with every group of that size in the world communicating
   at once (as the dp/tp groups of a layout do): factor is 2(n-1)/n for all_reduce, (n-1)/n for
@@ -102,6 +107,7 @@ class HardwareProfile:
     links: dict
     ref_model: dict
     ref_ms: float
+    sync_s: dict = field(default_factory=dict)
     machine: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     version: int = PROFILE_VERSION
@@ -123,6 +129,15 @@ class HardwareProfile:
         nearest = min(sizes, key=lambda s: (abs(s - n), -s))
         alpha, bw = table[str(nearest)]
         return alpha + ring_factor(op, n) * nbytes / bw
+
+    def sync_time_s(self, n):
+        """Seconds a collective among n ranks waits, beyond alpha-beta, when the ranks compute
+        between collectives (they arrive at different moments: scheduling jitter, uneven shares
+        of the cores); the nearest measured group size; 0 for n == 1 or when not measured."""
+        if n <= 1 or not self.sync_s:
+            return 0.0
+        sizes = sorted(int(k) for k in self.sync_s)
+        return float(self.sync_s[str(min(sizes, key=lambda s: (abs(s - n), -s)))])
 
     def with_reference(self, busy_ms, note=None):
         """A copy whose reference run and sharing model come from `busy_ms` ({k: ms}, e.g. from
@@ -194,6 +209,7 @@ _DEFAULT = {
     "ref_model": {"n_layer": 4, "n_head": 4, "n_embd": 128, "vocab_size": 256, "seq_len": 128,
                   "tie_embeddings": True, "micro_batch": 8},
     "ref_ms": 190.0,
+    "sync_s": {"2": 1e-4, "4": 3e-4},
     "links": {
         "intra": {
             "all_reduce": {"2": [5e-06, 2.5e9], "4": [2e-05, 1.5e9]},
@@ -444,6 +460,53 @@ def fit_sharing(busy_ms, ranks_per_node, cores):
     return best[1], best[2]
 
 
+def _measure_sync(comm, ranks_of_node, cfg, segment_s, reps):
+    """{str(n): seconds}: the extra wait of an 8-byte all_reduce among every group of n ranks
+    (consecutive ranks of a node, all groups at once) when each rank first computes for about
+    segment_s (a GEMM loop of at most 200 GEMMs), against the same loop without the all_reduce;
+    interleaved, median of 3 rounds, clamped to [0, segment_s]; alpha of an 8-byte all_reduce (a
+    few us) is not subtracted."""
+    from mpi4py import MPI
+
+    C = cfg.n_embd
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((256, C)).astype(np.float32)
+    w = rng.standard_normal((C, 4 * C)).astype(np.float32)
+    ones = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        a @ w
+        ones.append(time.perf_counter() - t0)
+    one = max(1e-5, float(np.median(ones)))
+    loops = comm.bcast(max(1, min(200, int(segment_s / one))), root=0)
+    flag = np.zeros(1, np.float64)
+    out = {}
+    R = max(len(r) for r in ranks_of_node)
+    rank = comm.Get_rank()
+    for n in sorted({2, R}):
+        groups = _pairs_within(ranks_of_node, n) if 2 <= n <= R else None
+        if not groups:
+            continue
+        sub = comm.Split(next(i for i, g in enumerate(groups) if rank in g), key=rank)
+        diffs = []
+        for rnd in range(3):
+            times = {}
+            for with_sync in ((False, True) if rnd % 2 == 0 else (True, False)):
+                comm.Barrier()
+                t = time.perf_counter()
+                for _ in range(reps):
+                    for _ in range(loops):
+                        a @ w
+                    if with_sync:
+                        sub.Allreduce(MPI.IN_PLACE, flag)
+                times[with_sync] = comm.allreduce(time.perf_counter() - t, op=MPI.MAX)
+            diffs.append((times[True] - times[False]) / reps)
+        # a wait longer than the segment itself is noise of this moment, not a property
+        out[str(n)] = float(min(max(0.0, np.median(diffs)), segment_s))
+        sub.Free()
+    return out
+
+
 def _pairs_within(ranks_of_node, n):
     """Split each node's ranks into consecutive groups of n (None when n does not divide)."""
     groups = []
@@ -581,6 +644,9 @@ def _calibrate(comm, cfg, micro_batch, sizes, reps):
     if not links["intra"]:
         links["intra"] = default_profile().links["intra"]
         notes.append("intra-node links not measured (one rank per node): defaults used")
+    # one block's forward + backward with every rank busy: the compute between collectives
+    segment = min(0.02, busy_ms[ranks_per_node] * 1e-3 / max(1, 2 * cfg.n_layer))
+    sync = _measure_sync(comm, ranks_of_node, cfg, segment, reps=5)
     notes.append(f"calibration took {time.perf_counter() - t_start:.1f} s")
     facts = _machine_facts(comm, len(names)) if rank == 0 else None
     facts = comm.bcast(facts, root=0)
@@ -589,7 +655,7 @@ def _calibrate(comm, cfg, micro_batch, sizes, reps):
                f"{len(names)} node(s))",
         ranks_per_node=ranks_per_node, cores_per_node=cores, contention=float(contention),
         effective_cores=float(effective), wait_weight=float(wait_weight),
-        ref_busy_ms={str(k): float(v) for k, v in busy_ms.items()},
+        ref_busy_ms={str(k): float(v) for k, v in busy_ms.items()}, sync_s=sync,
         links=links, machine=facts, notes=notes,
         ref_model={"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
                    "vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len,

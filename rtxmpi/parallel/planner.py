@@ -35,6 +35,8 @@ a rank, h = n_head / (tp * sp) heads, S = b * h * T * T attention scores, P = pa
   rates were measured in; outside the pipeline every rank computes, so n = R.
   communication (alpha-beta, HardwareProfile.comm_time_s; intra-node unless the group spans
   nodes, mesh order pp, dp, sp, tp outermost to innermost as in rtxmpi.mesh):
+    every collective also pays HardwareProfile.sync_time_s(n): the wait for the last of n ranks
+         that computed before it (measured; large when ranks outnumber cores).
     tp   Megatron: per block 2 all_reduce of n C floats forward and 2 backward; the vocabulary-
          parallel embedding and head add one forward and one backward (Shoeybi et al. 2019).
     sp   Ulysses: per block, forward and backward, an all_to_all of the q, k, v shard (3 n C / tp
@@ -347,10 +349,13 @@ class _Costs:
         R = ranks_per_node
         act = 4 * n * C  # bytes of one (b, T/sp, C) float32 activation
         tp_inter, sp_inter = tp > R, tp * sp > R
-        self.tp_block = 2 * p.comm_time_s("all_reduce", act, tp, tp_inter) if tp > 1 else 0.0
-        self.tp_edge = p.comm_time_s("all_reduce", act, tp, tp_inter) if tp > 1 else 0.0
+        # each collective: alpha-beta + the wait for the last rank to arrive (sync_time_s)
+        sync_tp, sync_sp = p.sync_time_s(tp), p.sync_time_s(sp)
+        self.tp_block = 2 * (p.comm_time_s("all_reduce", act, tp, tp_inter) + sync_tp) if tp > 1 else 0.0
+        self.tp_edge = p.comm_time_s("all_reduce", act, tp, tp_inter) + sync_tp if tp > 1 else 0.0
         self.sp_block = (p.comm_time_s("all_to_all", 3 * act / tp, sp, sp_inter)
-                         + p.comm_time_s("all_to_all", act / tp, sp, sp_inter)) if sp > 1 else 0.0
+                         + p.comm_time_s("all_to_all", act / tp, sp, sp_inter)
+                         + 2 * sync_sp) if sp > 1 else 0.0
         self.p2p = p.comm_time_s("send_recv", act, 2, L.dp * tp * sp * L.pp > R) if L.pp > 1 else 0.0
         self.n, self.S, self.b = n, S, b
 
@@ -510,9 +515,12 @@ def estimate(cfg, layout, global_batch, profile, ranks_per_node=None):
         dp_s = (p.comm_time_s("reduce_scatter", 4 * P, grad_group, dp_inter)
                 + p.comm_time_s("all_gather", 4 * P, grad_group, dp_inter))
     if z == 3:
-        dp_s += 2 * L.micro_batches * p.comm_time_s("all_gather", 4 * P, L.dp, dp_inter)
+        dp_s += 2 * L.micro_batches * (p.comm_time_s("all_gather", 4 * P, L.dp, dp_inter)
+                                       + p.sync_time_s(L.dp))
+    dp_s += p.sync_time_s(grad_group) * (2 if z else 1)
     opt_s = P / (L.dp if z else 1) * p.adam_ns * 1e-9 / all_speed
     small_s = STEP_OVERHEAD_ALL_REDUCES * p.comm_time_s("all_reduce", 8, world, world > R)
+    small_s += p.sync_time_s(world)  # the first small reduction waits for the slowest rank
     total_s = pipe_s + dp_s + opt_s + small_s
     ideal = compute_s + comm_pipe_s
     bubble = max(0.0, 1.0 - sum(busy) / (L.pp * pipe_s)) if L.pp > 1 and pipe_s > 0 else 0.0

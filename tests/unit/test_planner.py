@@ -23,7 +23,7 @@ def synthetic(**over):
     data.update(source="synthetic test profile", ranks_per_node=4, cores_per_node=4,
                 dense_flops=1e11, attn_flops=5e10, score_fwd_ns=2.0, score_bwd_ns=2.0,
                 gelu_ns=4.0, ln_ns=4.0, adam_ns=5.0, block_call_us=100.0, contention=1.0,
-                effective_cores=4.0)
+                effective_cores=4.0, sync_s={})
     link = {op: {"2": [1e-5, 2e9], "4": [2e-5, 2e9]} for op in
             ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")}
     data["links"] = {"intra": link, "inter": json.loads(json.dumps(link))}
@@ -143,6 +143,14 @@ def test_tensor_parallel_communication_is_four_all_reduces_per_block():
     per = p.comm_time_s("all_reduce", act, 2)
     expected = (4 * CFG.n_layer + 2) * per  # 4 per block + embedding and head
     assert e.detail["tp_sp_pp_ms"] == pytest.approx(expected * 1e3, rel=1e-6)
+
+
+def test_collectives_pay_the_measured_sync_wait():
+    base = estimate(CFG, Layout(1, 1, 1, 4), 32, synthetic(), 4)
+    synced = estimate(CFG, Layout(1, 1, 1, 4), 32, synthetic(sync_s={"2": 0.001, "4": 0.002}), 4)
+    # per block 2 all_to_all forward + 2 backward, the gradient reduction, one small reduction
+    expected = (4 * CFG.n_layer + 1 + 1) * 0.002
+    assert synced.comm_ms - base.comm_ms == pytest.approx(expected * 1e3, rel=1e-6)
 
 
 def test_pipeline_simulation_gives_the_textbook_bubble_for_equal_stages():
