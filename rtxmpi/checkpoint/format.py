@@ -199,7 +199,8 @@ def write_rank_file(path, shards, rank_state=None):
     return written
 
 
-def _open(path):
+def open_rank_file(path):
+    """A rank file opened read-only with h5py. Raises CheckpointError (missing, not HDF5)."""
     try:
         return h5py.File(path, "r")
     except FileNotFoundError:
@@ -256,7 +257,7 @@ def read_piece(path, name, expected, start=0, stop=None, out=None, *, h5file=Non
     if not 0 <= start <= stop <= length:
         raise CheckpointError(f"{where}: range [{start}, {stop}) outside its {length} elements")
     algorithm = checksum_algorithm(expected["checksum"], where)
-    f = h5file if h5file is not None else _open(path)
+    f = h5file if h5file is not None else open_rank_file(path)
     try:
         try:
             ds = f["tensors"][name]
@@ -316,7 +317,7 @@ def read_piece(path, name, expected, start=0, stop=None, out=None, *, h5file=Non
 
 def read_rank_state(path):
     """The rank_state dict stored in a rank file (arrays verified). Raises CheckpointError."""
-    with _open(path) as f:
+    with open_rank_file(path) as f:
         try:
             state = json.loads(f.attrs["rank_state_json"])
         except (KeyError, ValueError) as exc:

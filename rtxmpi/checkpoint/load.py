@@ -31,7 +31,9 @@ class Checkpoint:
     def __repr__(self):
         return f"<Checkpoint {self.path} step={self.step} world_size_saved={self.world_size_saved}>"
 
-    def _read_local(self, name, offset, length, out):
+    def _read_local(self, name, offset, length, out, files=None):
+        """files: optional {path: open h5py.File} reused across calls (read_many); None: each
+        piece's file is opened and closed here."""
         if name not in self.tensors:
             raise CheckpointError(f"{self.path}: no tensor {name!r}; it holds {sorted(self.tensors)}")
         info = self.tensors[name]
@@ -49,9 +51,14 @@ class Checkpoint:
         for piece in info["pieces"]:  # sorted by offset; only overlapping files are opened
             lo, hi = max(offset, piece["offset"]), min(stop, piece["offset"] + piece["length"])
             if lo < hi:
-                fmt.read_piece(os.path.join(self.path, piece["file"]), name,
-                               {**piece, "dtype": info["dtype"]}, lo - piece["offset"],
-                               hi - piece["offset"], out[lo - offset:hi - offset])
+                path = os.path.join(self.path, piece["file"])
+                h5file = None
+                if files is not None:
+                    if path not in files:
+                        files[path] = fmt.open_rank_file(path)
+                    h5file = files[path]
+                fmt.read_piece(path, name, {**piece, "dtype": info["dtype"]}, lo - piece["offset"],
+                               hi - piece["offset"], out[lo - offset:hi - offset], h5file=h5file)
         return out
 
     def read(self, name, offset=0, length=None, out=None):
@@ -80,12 +87,15 @@ class Checkpoint:
         over tensors of the slowest rank's). Collective like `read`; raises CheckpointError on
         every rank, naming the file and dataset, when any rank's read fails.
         """
-        error, result = None, {}
+        error, result, files = None, {}, {}  # each rank file opened once for all the requests
         try:
             for name, (offset, length, out) in requests.items():
-                result[name] = self._read_local(name, int(offset), length, out)
+                result[name] = self._read_local(name, int(offset), length, out, files)
         except (CheckpointError, OSError, TypeError, ValueError) as exc:  # must reach every rank
             error = exc
+        finally:
+            for f in files.values():
+                f.close()
         raise_if_any_failed(self.group, error, f"reading {sorted(requests)} from {self.path}")
         return result
 
