@@ -217,7 +217,7 @@ class _ElementReader:
 
     def __init__(self, path, ds):
         self.ds, self.fd, self.base = ds, None, None
-        if ds.chunks is None and ds.compression is None and ds.size:
+        if ds.chunks is None and ds.compression is None and ds.external is None and ds.size:
             self.base = ds.id.get_offset()
         if self.base is not None:
             self.itemsize = ds.dtype.itemsize
