@@ -64,18 +64,25 @@ def replay(lists, cost):
     return max(clock), busy
 
 
+def model_config(args):
+    from rtxmpi.nn import GPTConfig
+
+    extra = {} if args.n_layer is None else {"n_layer": args.n_layer}
+    return GPTConfig.named(args.model, seq_len=args.seq_len, **extra)
+
+
 def worker_bubble(args):
     import numpy as np
 
     import rtxmpi
     from rtxmpi.data import BatchSampler, load_corpus
-    from rtxmpi.nn import GPT, GPTConfig
+    from rtxmpi.nn import GPT
     from rtxmpi.parallel.pipeline import PipelineParallel
 
     world = rtxmpi.init(check=False)
     p, m = world.world_size, args.micro_batches
     corpus = load_corpus(progress=False)
-    cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
+    cfg = model_config(args)
     global_batch = args.micro_batch_size * m
     out = {}
     for schedule in ("1f1b", "gpipe"):
@@ -139,14 +146,14 @@ def worker_compare(args):
 
     import rtxmpi
     from rtxmpi.data import BatchSampler, load_corpus
-    from rtxmpi.nn import GPT, AdamW, GPTConfig, decay_mask
+    from rtxmpi.nn import GPT, AdamW, decay_mask
     from rtxmpi.parallel.data import DataParallel
     from rtxmpi.parallel.pipeline import PipelineParallel
 
     world = rtxmpi.init(check=False)
     comm = MPI.COMM_WORLD
     corpus = load_corpus(progress=False)
-    cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
+    cfg = model_config(args)
     m = args.compare_micro_batches
     global_batch = args.global_batch
     pp = PipelineParallel(GPT(cfg, seed=0), world, micro_batches=m, schedule="1f1b")
@@ -192,7 +199,8 @@ def launch(args, ranks, part):
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = ["mpiexec", "--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
            "-n", str(ranks), sys.executable, os.path.abspath(__file__), "--worker", part,
-           "--model", args.model, "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+           "--model", args.model, *(["--n-layer", str(args.n_layer)] if args.n_layer else []),
+           "--seq-len", str(args.seq_len), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--micro-batches", str(args.micro_batches),
            "--micro-batch-size", str(args.micro_batch_size), "--global-batch",
            str(args.global_batch), "--compare-micro-batches", str(args.compare_micro_batches)]
@@ -210,11 +218,14 @@ def main():
     p.add_argument("--micro-batches", type=int, default=8)
     p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
     p.add_argument("--model", default="small")
+    p.add_argument("--n-layer", type=int, default=None,
+                   help="override the model's blocks (e.g. 8 with --model base: 2 blocks a stage)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--global-batch", type=int, default=16, help="PP vs DP: sequences per step")
     p.add_argument("--compare-micro-batches", type=int, default=4, help="PP=2 micro-batches")
     p.add_argument("--steps", type=int, default=6, help="timed steps")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no-compare", action="store_true", help="only the bubble (no PP=2 vs DP=2)")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -223,13 +234,14 @@ def main():
     if args.worker == "compare":
         return worker_compare(args)
     bubble = launch(args, args.stages, "bubble")
-    compare = launch(args, 2, "compare")
+    compare = None if args.no_compare else launch(args, 2, "compare")
     rows = []
     for name, r in bubble["schedules"].items():
         rows.append([name, bubble["stages"], bubble["micro_batches"], f"{r['theory']:.3f}",
                      f"{r['replay_bubble']:.3f}", f"{r['replay_equal_bubble']:.3f}",
                      f"{r['wall_bubble']:.3f}", f"{r['recv_wait']:.3f}", f"{r['step_ms']:.0f}"])
-    print(f"Pipeline bubble, model {args.model} ({bubble['params'] / 1e6:.2f} M params), "
+    name = args.model + (f", n_layer {args.n_layer}" if args.n_layer else "")
+    print(f"Pipeline bubble, model {name} ({bubble['params'] / 1e6:.2f} M params), "
           f"micro-batch {args.micro_batch_size} x {args.seq_len} tokens, {args.steps} steps")
     print(markdown_table(["schedule", "stages", "micro-batches", "theory (p-1)/(m+p-1)",
                           "replay (measured stage CPU costs)", "replay (equal stages)",
@@ -240,12 +252,15 @@ def main():
                          [[s, f"{r['cpu_F_s'] * 1e3:.1f}", f"{r['cpu_B_s'] * 1e3:.1f}",
                            f"{r['wall_bubble']:.3f}", f"{r['recv_wait']:.3f}"]
                           for s, r in enumerate(bubble["schedules"]["1f1b"]["ranks"])]))
-    print()
-    print(f"PP=2 (1F1B, {compare['micro_batches']} micro-batches) vs DP=2, global batch "
-          f"{compare['global_batch']} x {args.seq_len}, median of {args.steps} interleaved steps")
-    print(markdown_table(["layout", "step ms", "tokens/s"],
-                         [["PP=2", f"{compare['pp_step_ms']:.0f}", f"{compare['pp_tokens_per_s']:,.0f}"],
-                          ["DP=2", f"{compare['dp_step_ms']:.0f}", f"{compare['dp_tokens_per_s']:,.0f}"]]))
+    if compare is not None:
+        print()
+        print(f"PP=2 (1F1B, {compare['micro_batches']} micro-batches) vs DP=2, global batch "
+              f"{compare['global_batch']} x {args.seq_len}, median of {args.steps} interleaved steps")
+        print(markdown_table(["layout", "step ms", "tokens/s"],
+                             [["PP=2", f"{compare['pp_step_ms']:.0f}",
+                               f"{compare['pp_tokens_per_s']:,.0f}"],
+                              ["DP=2", f"{compare['dp_step_ms']:.0f}",
+                               f"{compare['dp_tokens_per_s']:,.0f}"]]))
     info = machine_info()
     print(f"\nmachine: {machine_line(info)}")
     print(f"command: python bench/pipeline.py {shlex.join(sys.argv[1:])}".rstrip())
