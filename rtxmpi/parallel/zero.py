@@ -42,6 +42,7 @@ import numpy as np
 from ..backend import xp_of
 from ..control import join_batches
 from ..errors import CheckpointError, ConfigError, RtxmpiError
+from ..kernels import grad_epilogue
 from ..nn import AdamW, clip_grad_norm, grad_norm_sq
 from .data import DEFAULT_BUCKET_BYTES, DataParallel
 from .offload import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_CHUNKS, NvmeStore
@@ -368,6 +369,9 @@ class ZeroDataParallel:
         self._sync = True
         self._synced = False
         self._averaged = False  # stages 2, 3: this rank's gradient shard holds the group average
+        # stages 2, 3 after averaging: 0-d bool array, True when this rank's averaged gradient
+        # shard holds inf/NaN (rtxmpi.kernels.grad_epilogue; agree across ranks before use)
+        self.nonfinite = None
         self._ready_count = 0
         if stage == 1:
             self._dp = DataParallel(model, group, bucket_bytes=self.bucket_bytes,
@@ -503,8 +507,7 @@ class ZeroDataParallel:
             self.model.backward(cache, scale=scale)
             self.provider.finish()
             if self._sync and self.group.world_size > 1:
-                grad = self.grad_shard()
-                grad *= grad.dtype.type(1.0 / self.group.world_size)
+                _, self.nonfinite = grad_epilogue(self.grad_shard(), 1.0 / self.group.world_size)
                 self._averaged = True
         elif self.stage == 1:
             if self._sync:
@@ -538,7 +541,7 @@ class ZeroDataParallel:
         grad = self.model.flat_grad
         grad[:self.start] = 0  # other ranks' slices: sent, and no longer this rank's to keep
         grad[self.stop:] = 0
-        self.grad_shard()[...] *= grad.dtype.type(1.0 / self.group.world_size)
+        _, self.nonfinite = grad_epilogue(self.grad_shard(), 1.0 / self.group.world_size)
         self._averaged = True
 
     def _grad_ready(self, i):
