@@ -378,6 +378,22 @@ def resume(world, args, cfg, engine, sampler, rng):
                    load_checkpoint(world, args.ckpt_dir, step=int(found[0])))
 
 
+def finish_recovered_step(world, args, replica, metrics, last_step, save_step):
+    """After an elastic shrink to the replica of step S: write S's metrics line (rank 0) and
+    commit S's checkpoint when it is due, unless the failure happened after they were done."""
+    record, step = replica.meta.get("record"), replica.step
+    if metrics is not None and record is not None:
+        logged = [json.loads(line)["step"] for line in open(args.metrics_jsonl) if line.strip()]
+        if not logged or logged[-1] < step:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+    if args.ckpt_dir and step and (step == last_step or args.ckpt_every and step % args.ckpt_every == 0):
+        found = np.array([(latest_step(args.ckpt_dir) or 0) if world.rank == 0 else 0], np.int64)
+        world.broadcast(found, src=0)
+        if found[0] < step:
+            save_step(step)
+
+
 def restore(world, args, cfg, engine, sampler, rng, ckpt):
     """Load `ckpt` (a loaded checkpoint, or the surviving replica's state after an elastic
     shrink) into engine, sampler and rng; returns its step (collective)."""
@@ -597,6 +613,9 @@ def train(args):
     start_step = (restore(world, args, cfg, engine, sampler, rng, replica) if replica else
                   resume(world, args, cfg, engine, sampler, rng) if args.ckpt_dir else 0) + 1
     last_step = args.steps if args.stop_after_step is None else args.stop_after_step
+    if replica is not None:  # the failure may have cut the tail of that step short
+        finish_recovered_step(world, args, replica, metrics, last_step,
+                              lambda s: save(world, args, s, cfg, model, engine, sampler, rng))
     if start_step > last_step:
         if rank == 0:
             print(f"nothing to do: the checkpoint is at step {start_step - 1} >= "
@@ -639,11 +658,11 @@ def train(args):
             engine.zero_grad()  # every rank skips the step: a non-finite gradient somewhere
         else:
             engine.step(lr=lr, max_grad_norm=args.grad_clip or None, total_norm=grad_norm)
-        loop.applied(step)
         step_time = time.perf_counter() - t0
         record = {"step": step, "loss": float(losses[0]), "lr": lr, "grad_norm": float(grad_norm),
                   "tokens_per_s": tokens_per_step / step_time, "step_time_ms": step_time * 1e3,
                   "world_size": world_size}
+        loop.applied(step, record)  # no collective since the update: survivors agree on `step`
         record.update(obs.end_step(step))  # allreduce_pct, overlap_pct, net_bw_gbps, ...
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
             record["val_loss"] = evaluate(engine if hybrid else model, world, corpus.val, args,

@@ -123,10 +123,12 @@ class Loop:
         if self.faults.faults:
             self.faults.at(name, step)
 
-    def _mark(self, step):
+    def _mark(self, step, record=None):
         self.applied_step = step
         if self._meta is not None and _config.policy == "shrink" and self._tensors is not None:
             self._applied_meta = self._meta()  # e.g. the data position as of this step
+            if record is not None:
+                self._applied_meta["record"] = dict(record)
 
     def agree(self, **flags):
         """control.agree(world, **flags, stop=<a stop was requested on this rank>): the step
@@ -134,9 +136,11 @@ class Loop:
         Collective."""
         return agree(self.world, **flags, stop=self.stop.requested)
 
-    def applied(self, step):
-        """This rank applied (or agreed to skip) the update of `step`. Local."""
-        self._mark(step)
+    def applied(self, step, record=None):
+        """This rank applied (or agreed to skip) the update of `step`. record: a JSON-able dict
+        about the step (e.g. its metrics line), handed over in the replica's meta["record"].
+        Call it before any collective that follows the update. Local."""
+        self._mark(step, record)
         if _config.failure_time is not None:
             elapsed = time.time() - _config.failure_time
             _config.failure_time = None
