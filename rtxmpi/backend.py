@@ -82,6 +82,27 @@ def to_host(x):
     return x.get() if is_device_array(x) else x
 
 
+def host_empty(shape, dtype, pinned=False):
+    """An uninitialized numpy array; in page-locked (pinned) host memory when `pinned` and a GPU
+    is usable, so device<->host copies run at full link speed (the documented cupy idiom:
+    numpy.frombuffer over cupy.cuda.alloc_pinned_memory). Pageable memory otherwise."""
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    count = int(np.prod(shape, dtype=np.int64))
+    if pinned and gpu_count() > 0:
+        memory = cupy_module().cuda.alloc_pinned_memory(max(1, count * np.dtype(dtype).itemsize))
+        return np.frombuffer(memory, dtype, count).reshape(shape)
+    return np.empty(shape, dtype)
+
+
+def copy_to_host(x, out):
+    """Copy array `x` (numpy or cupy) into the numpy array `out` of the same shape: straight
+    from the device into `out` when dtypes match (no temporary), else through a host copy."""
+    if is_device_array(x) and x.dtype == out.dtype and out.flags.c_contiguous:
+        x.get(out=out)
+    else:
+        out[...] = to_host(x)
+
+
 def select_device(local_rank):
     """Bind this process to GPU `local_rank % gpu_count()`; returns "cuda:i" or "cpu"."""
     n = gpu_count()

@@ -39,7 +39,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..backend import xp_of
+from ..backend import copy_to_host, host_empty, xp_of
 from ..control import join_batches
 from ..errors import CheckpointError, ConfigError, RtxmpiError
 from ..kernels import grad_epilogue
@@ -399,8 +399,11 @@ class ZeroDataParallel:
                             offload_chunk_bytes, offload_max_chunks)
         elif offload == "cpu":
             dtype = np.promote_types(dtype, np.float32)
-            self._master = _to_host(shard).astype(dtype)  # a copy, always
-            self._host_grad = np.zeros_like(self._master)
+            pinned = self.xp is not np  # device<->host copies at full speed from pinned memory
+            self._master = host_empty(shard.shape, dtype, pinned)  # a copy, always
+            self._master[...] = _to_host(shard)
+            self._host_grad = host_empty(self._master.shape, dtype, pinned)
+            self._host_grad[...] = 0
             self.optimizer = optimizer(self._master, mask.astype(dtype))
         else:
             self._master = shard
@@ -430,7 +433,9 @@ class ZeroDataParallel:
         host = _to_host(shard)
         self.store.write_chunks(lambda lo, hi: {"params": host[lo:hi]}, names=("params",))
         self._master = None
-        self._host_grad = np.zeros(self.store.num_chunks * chunk, dtype)  # padded to chunks
+        self._host_grad = host_empty(self.store.num_chunks * chunk, dtype,  # padded to chunks
+                                     pinned=self.xp is not np)
+        self._host_grad[...] = 0
         self.optimizer = optimizer(np.zeros(chunk, dtype), np.ones(chunk, dtype))
         if not isinstance(self.optimizer, AdamW):
             self.store.close()
@@ -615,7 +620,7 @@ class ZeroDataParallel:
                               "the last micro-batch's backward outside no_sync()")
         grad = self.grad_shard()
         if self._host_grad is not None:
-            self._host_grad[:len(grad)] = _to_host(grad)
+            copy_to_host(grad, self._host_grad[:len(grad)])
             grad = self._host_grad
         norm = None
         if max_grad_norm is not None:

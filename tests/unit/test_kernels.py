@@ -184,3 +184,12 @@ def test_gpu_kernels_match_the_numpy_references():
     spec.loader.exec_module(gpu_check)
     failures = gpu_check.check_all_kernels(cp, seed=int(RNG.integers(1 << 30)))
     assert not failures, "\n".join(failures)
+
+
+def test_host_buffers_fall_back_to_pageable_memory_without_a_gpu():
+    from rtxmpi.backend import copy_to_host, host_empty
+    buf = host_empty((2, 3), np.float32, pinned=True)
+    assert isinstance(buf, np.ndarray) and buf.shape == (2, 3) and buf.dtype == np.float32
+    copy_to_host(np.arange(6, dtype=np.float64).reshape(2, 3), buf)
+    assert buf.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert host_empty(4, np.int64).shape == (4,)
