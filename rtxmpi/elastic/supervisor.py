@@ -69,6 +69,19 @@ def launch_size(n, *, hostfile=None, max_ranks=None):
     return min(hostfile_slots(hostfile), max_ranks or n)
 
 
+def _detach_but_follow_parent():
+    """In the child before exec: a session of its own (so the grace-period SIGKILL reaches the
+    launcher's whole group), and SIGTERM when the supervisor dies (Linux PR_SET_PDEATHSIG), so a
+    killed supervisor leaves no job behind."""
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
 class Supervisor:
     """Runs attempts of one job until it succeeds, is pre-empted, or restarts run out.
 
@@ -162,7 +175,7 @@ class Supervisor:
             self.say(f"attempt {restart + 1}: {shlex.join(argv)}")
             env = dict(os.environ, RTXMPI_RESTART=str(restart))
             start = time.monotonic()
-            self.process = subprocess.Popen(argv, env=env, start_new_session=True)
+            self.process = subprocess.Popen(argv, env=env, preexec_fn=_detach_but_follow_parent)
             status = self._wait()
             seconds = time.monotonic() - start
             self.process = None

@@ -1,4 +1,5 @@
-"""One-process parts of rtxmpi.elastic: fault specs, the stop request, requeue, the supervisor."""
+"""One-process parts of rtxmpi.elastic: fault specs, the stop request, requeue, the supervisor
+(named apart from tests/launched/test_elastic.py: pytest imports test files by basename)."""
 import os
 import signal
 import sys
@@ -150,3 +151,36 @@ def test_supervisor_forwards_sigterm_as_sigusr1_and_escalates_after_the_grace(tm
     assert status == 128 + signal.SIGTERM
     text = (tmp_path / "out").read_text()
     assert "asking the ranks to stop" in text and "grace period of 0.5 s over" in text
+
+
+def test_a_killed_supervisor_leaves_no_job_behind(tmp_path):
+    """The launcher runs in its own session but gets SIGTERM when the supervisor dies."""
+    import subprocess
+    import time
+    pid_file = tmp_path / "pid"
+    fake = launcher(tmp_path, f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n")
+    code = ("import sys; from rtxmpi.elastic.supervisor import Supervisor; "
+            f"sys.exit(Supervisor(['job'], n=1, mpiexec={fake!r}).run())")
+    supervisor = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        child = int(pid_file.read_text())
+        supervisor.kill()
+        supervisor.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            if open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                break  # a zombie: dead, waiting for init to reap it
+            time.sleep(0.05)
+        else:
+            os.kill(child, signal.SIGKILL)
+            raise AssertionError("the launcher outlived its supervisor")
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
