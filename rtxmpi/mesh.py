@@ -23,6 +23,7 @@ the ProcessGroup of the ranks that share this rank's coordinates on every OTHER 
 ranks follow the mesh order (for one axis: group rank == that axis's coordinate). All of them are
 created in the constructor, in one fixed order, so creating a mesh is the only collective here.
 """
+import warnings
 from collections import namedtuple
 from itertools import combinations
 
@@ -69,6 +70,9 @@ class DeviceMesh:
 
     dp, tp, pp, sp: parallel degrees (ints >= 1). dp=None means world_size // (tp * pp * sp).
     group: the ProcessGroup to lay out (default: rtxmpi.comm.world()).
+    topology: optional rtxmpi.topology.Topology of `group` (`discover(group)`): `placement` then
+    lists the tp blocks that leave an NVLink island (GPU) or a host (CPU), and on GPU hosts a
+    RuntimeWarning names them (every layer's tp collectives would cross PCIe or the network).
     Raises ConfigError, on every rank alike (the check depends only on arguments and the world
     size), when a degree is not a positive integer or dp * tp * pp * sp != world_size; the
     message names every factor, e.g. "dp(2) * tp(2) * pp(1) * sp(1) = 4 != world_size(8)".
@@ -82,7 +86,7 @@ class DeviceMesh:
     batch_axes = ("dp",)        # split the global batch's samples
     token_axes = ("dp", "sp")   # hold different tokens: average the loss (and replicated grads)
 
-    def __init__(self, dp=None, tp=1, pp=1, sp=1, *, group=None):
+    def __init__(self, dp=None, tp=1, pp=1, sp=1, *, group=None, topology=None):
         if group is None:
             from rtxmpi.comm import world
             group = world()
@@ -93,6 +97,14 @@ class DeviceMesh:
         self.world, self.rank, self.world_size = group, group.rank, n
         self.coord = self.coord_of(group.rank)
         self.pp_rank, self.dp_rank, self.sp_rank, self.tp_rank = self.coord
+        self.placement = []  # problems of the tp placement (rtxmpi.topology.advise_tp)
+        if topology is not None:
+            from rtxmpi.topology import advise_tp
+
+            self.placement = advise_tp(topology, tp)
+            if self.placement and topology.has_gpu:
+                warnings.warn("DeviceMesh: " + "; ".join(self.placement), RuntimeWarning,
+                              stacklevel=2)
         self._groups = {}
         for k in range(1, len(AXES) + 1):
             for axes in combinations(AXES, k):  # fixed order: the same splits on every rank

@@ -3,6 +3,7 @@ ranks as MPI sees them, and a measured bandwidth/latency matrix (holds at any wo
 import socket
 
 import numpy as np
+import pytest
 from mpi4py import MPI
 
 from rtxmpi import topology
@@ -28,3 +29,18 @@ def test_calibrated_matrix_is_measured_positive_and_shared(world, assert_same_on
     assert (topo.latency_us[off] > 0).all()
     assert np.isinf(np.diag(topo.bandwidth_gbps)).all()
     assert_same_on_every_rank(world, np.nan_to_num(topo.latency_us))
+
+
+def test_mesh_reports_tp_blocks_outside_an_nvlink_island(world):
+    from rtxmpi.mesh import DeviceMesh
+    n = world.world_size
+    mesh = DeviceMesh(tp=n, group=world, topology=topology.discover(world))
+    assert mesh.placement == []  # CPU ranks on one host: one island
+    pcie = topology.HostTopology("pcie", gpus=[topology.GPU(i) for i in range(n)],
+                                 links=[["X" if i == j else "SYS" for j in range(n)]
+                                        for i in range(n)])
+    fake = topology.build([pcie], [0] * n, list(range(n)), list(range(n)))
+    if n > 1:
+        with pytest.warns(RuntimeWarning, match="not in rank 0's NVLink island"):
+            mesh = DeviceMesh(tp=n, group=world, topology=fake)
+        assert len(mesh.placement) == 1
