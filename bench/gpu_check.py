@@ -115,12 +115,14 @@ def check_all_kernels(cp, seed=0):
         _poison_pool(cp, h.nbytes)
         u, y = kernels.bias_gelu_forward(cp.asarray(h), cp.asarray(b))
         ru, ry = kernels.bias_gelu_forward(h, b)
-        if not _same_bits(cp.asnumpy(u), ru) or not _close(cp.asnumpy(y), ry, 1e-5, 1e-6):
+        # tolerances: CUDA's tanhf (2 ulp) against libm's tanh, amplified where 1 + tanh cancels
+        # (a ~ 1e-5 at u ~ -4): about 1e-6 * |u| in y and 1e-6 * |dy| in du
+        if not _same_bits(cp.asnumpy(u), ru) or not _close(cp.asnumpy(y), ry, 1e-5, 1e-5):
             fail("bias_gelu_forward", f"{rows}x{C}: differs from the reference")
         _poison_pool(cp, h.nbytes)
         du, db = kernels.bias_gelu_backward(cp.asarray(dy), u)
         rdu, rdb = kernels.bias_gelu_backward(dy, ru)
-        if not _close(cp.asnumpy(du), rdu, 1e-5, 1e-6) or not _close(cp.asnumpy(db), rdb, 1e-4, 1e-3):
+        if not _close(cp.asnumpy(du), rdu, 1e-5, 1e-5) or not _close(cp.asnumpy(db), rdb, 1e-4, 1e-3):
             fail("bias_gelu_backward", f"{rows}x{C}: differs from the reference")
 
     # (d) residual + LayerNorm forward
@@ -131,7 +133,7 @@ def check_all_kernels(cp, seed=0):
         got = kernels.residual_layernorm_forward(*(cp.asarray(a) for a in (x, r, g, b)))
         want = kernels.residual_layernorm_forward(x, r, g, b)
         for name, d, w, tol in zip(("s", "y", "mean", "rstd"), got, want,
-                                   ((0, 0), (1e-4, 1e-5), (1e-5, 1e-6), (1e-4, 0))):
+                                   ((0, 0), (1e-4, 5e-5), (1e-5, 1e-6), (1e-4, 0))):
             ok = _same_bits(cp.asnumpy(d), w) if name == "s" else _close(cp.asnumpy(d), w, *tol)
             if not ok:
                 fail("residual_layernorm", f"{rows}x{C}: {name} differs from the reference")
