@@ -185,7 +185,8 @@ def kernel_bandwidths(cp, n=1 << 26):
     record("adamw", lambda: kernels.adamw_step(p, g, m, v, lr=1e-9, beta1=0.9, beta2=0.95,
                                                eps=1e-8, weight_decay=0.0, step=1), 28 * n)
     record("bias_gelu_forward", lambda: kernels.bias_gelu_forward(h2, b), 12 * n)
-    record("bias_gelu_backward", lambda: kernels.bias_gelu_backward(x2, u), 12 * n)  # + db read
+    # backward: dy, u read and du written by the kernel, du read again by the bias-gradient sum
+    record("bias_gelu_backward", lambda: kernels.bias_gelu_backward(x2, u), 16 * n)
     record("residual_layernorm", lambda: kernels.residual_layernorm_forward(x2, r2, b, b), 16 * n)
     return results
 
