@@ -306,7 +306,9 @@ class PipelineParallel:
     """Train a GPT split into pipeline stages over `pp_group`, replicated over `dp_group`.
 
     model: GPT (rtxmpi.nn.GPT), the same config and seed on every rank; this rank copies its
-    stage's parameters (stage = pp_group.rank) and the caller may drop the model.
+    stage's parameters (stage = pp_group.rank) and the caller may drop the model. Or a
+    ParallelGPT (rtxmpi.parallel.hybrid) on a mesh with sp = 1: tensor-parallel stages
+    (TensorParallelStage; every collective then also involves the model's tp group).
     pp_group: ProcessGroup of the pipeline (group rank = stage). dp_group: ProcessGroup of the
     data-parallel replicas of this stage (None: no data parallelism); every replica runs the same
     schedule on its own slice of the global batch.
@@ -323,7 +325,9 @@ class PipelineParallel:
     micro_batches < 1 or < pp with 1F1B, a split that does not fit, a schedule that fails
     check_schedule.
 
-    Attributes: stage (PipelineStage), schedule (this stage's op list), schedules (every stage's),
+    Attributes: stage (PipelineStage or TensorParallelStage), model (the same stage: dtype,
+    num_params, full_specs, as train.py reads a model), mesh (from_mesh), num_params (the whole
+    one-process model's), embed_group, optimizer, schedule (this stage's op list), schedules (every stage's),
     layouts (blocks per stage), micro_batches, timeline (after train_step: list of (kind,
     micro_batch, start_s, stop_s) per op of this rank, perf_counter seconds; recv spans are the
     time blocked waiting).
