@@ -21,6 +21,10 @@ A `HardwareProfile` holds the numbers the planner's cost model (rtxmpi/parallel/
                      on warm, reused buffers; the model allocates fresh activations and misses
                      caches, so the planner scales its kernel sum by ref_ms / (the kernel sum of
                      this run): the model factor
+    ref_small        {"micro_batch": a quarter of the reference's, "ms_ratio": its time / the
+                     reference's}, both alone and interleaved: the planner interpolates the model
+                     factor between the two working-set sizes (log-linear, clamped), since small
+                     micro-batches stay in cache and run closer to the kernels' rates
   sharing (the crux when ranks outnumber cores): the reference run is also timed with k = half
   and k = all of a node's ranks computing at once (ref_busy_ms: {k: ms}), and a processor-sharing
   model is fitted to the three times:
@@ -108,6 +112,7 @@ class HardwareProfile:
     ref_model: dict
     ref_ms: float
     sync_s: dict = field(default_factory=dict)
+    ref_small: dict = field(default_factory=dict)
     machine: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     version: int = PROFILE_VERSION
@@ -386,8 +391,22 @@ def _measure_compute(comm, local_rank, ranks_per_node, cfg, micro_batch, reps):
         rates[name] = _rate(kind, units, max(t, 1e-9))
     ref = ReferenceRun(comm, cfg, micro_batch)
     busy_ms = ref.median_ms(ref.sample(max(3, reps // 2)))
+    # the same run at a quarter of the micro-batch, alone, interleaved with the full one: how the
+    # model factor changes when the working set shrinks (smaller micro-batches stay in cache)
+    small_batch = max(1, micro_batch // 4)
+    small = ReferenceRun(comm, cfg, small_batch)
+    ratios = []
+    for _ in range(3):
+        t_big = _time_min(ref._step, comm, 1, active=local_rank == 0)
+        t_small = _time_min(small._step, comm, 1, active=local_rank == 0)
+        if local_rank == 0:
+            ratios.append(t_small / t_big)
+    ref_small = {"micro_batch": small_batch, "ms_ratio": float(np.median(ratios))} \
+        if ratios else None
     # rates measured on local rank 0: take the node-0 values everywhere (broadcast)
     rates = comm.bcast(rates, root=0)
+    busy_ms = comm.bcast(busy_ms, root=0)
+    rates["ref_small"] = comm.bcast(ref_small, root=0)
     return rates, busy_ms
 
 
@@ -661,5 +680,5 @@ def _calibrate(comm, cfg, micro_batch, sizes, reps):
                    "vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len,
                    "tie_embeddings": cfg.tie_embeddings, "micro_batch": micro_batch},
         ref_ms=float(ref_ms),
-        **{k: float(v) for k, v in rates.items()})
+        **{k: (v if k == "ref_small" else float(v)) for k, v in rates.items()})
     return comm.bcast(profile if rank == 0 else None, root=0)

@@ -360,17 +360,36 @@ class _Costs:
         self.n, self.S, self.b = n, S, b
 
 
-def model_factor(profile):
-    """profile.ref_ms / the kernel-sum prediction of the same reference run (one forward +
-    backward of profile.ref_model, alone): how much slower the real model runs than its kernels
-    on warm buffers (fresh allocations, cache misses, Python between calls). Clamped to
-    [0.5, 10]."""
+def _kernel_seconds(cfg, b, profile):
+    c = _Costs(cfg, Layout(1, 1, 1, 1), b, profile, 1)
+    return cfg.n_layer * (c.block_f + c.block_b) + c.head_f + c.head_b + c.emb_f + c.emb_b
+
+
+def model_factor(profile, working_set=None):
+    """How much slower the real model runs than its kernels on warm buffers (fresh allocations,
+    cache misses, Python between calls): profile.ref_ms / the kernel-sum prediction of the same
+    reference run. With profile.ref_small (the run at a quarter of the micro-batch) and a
+    `working_set` (activation bytes per block and micro-batch, activation_bytes), the factor is
+    interpolated log-linearly between the two runs' working sets and held constant beyond them.
+    Clamped to [0.5, 10]."""
     ref = dict(profile.ref_model)
     b = int(ref.pop("micro_batch"))
     cfg = GPTConfig(**ref)
-    c = _Costs(cfg, Layout(1, 1, 1, 1), b, profile, 1)
-    kernel_s = cfg.n_layer * (c.block_f + c.block_b) + c.head_f + c.head_b + c.emb_f + c.emb_b
-    return min(10.0, max(0.5, profile.ref_ms * 1e-3 / kernel_s))
+    big = profile.ref_ms * 1e-3 / _kernel_seconds(cfg, b, profile)
+    small_info = profile.ref_small or {}
+    if working_set is None or not small_info.get("micro_batch"):
+        return min(10.0, max(0.5, big))
+    bs = int(small_info["micro_batch"])
+    small = (profile.ref_ms * 1e-3 * float(small_info["ms_ratio"])
+             / _kernel_seconds(cfg, bs, profile))
+    x_big = activation_bytes(cfg, Layout(1, 1, 1, 1, 1), b)[0]
+    x_small = activation_bytes(cfg, Layout(1, 1, 1, 1, 1), bs)[0]
+    if x_big <= x_small:
+        return min(10.0, max(0.5, big))
+    t = (math.log(max(working_set, 1.0)) - math.log(x_small)) / (math.log(x_big) - math.log(x_small))
+    t = min(1.0, max(0.0, t))
+    factor = math.exp(math.log(max(small, 1e-9)) * (1 - t) + math.log(max(big, 1e-9)) * t)
+    return min(10.0, max(0.5, factor))
 
 
 def _stage_tasks(costs, blocks, stage, stages):
@@ -493,7 +512,8 @@ def estimate(cfg, layout, global_batch, profile, ranks_per_node=None):
     L, p = layout, profile
     world = L.dp * L.tp * L.pp * L.sp
     R = min(world, ranks_per_node or p.ranks_per_node)
-    costs = _Costs(cfg, L, global_batch, p, R, model_factor(p))
+    costs = _Costs(cfg, L, global_batch, p, R,
+                   model_factor(p, activation_bytes(cfg, L, global_batch)[0]))
     stage_params, stage_blocks = _stage_params(cfg, L.pp)
     tasks = [_stage_tasks(costs, stage_blocks[s], s, L.pp) for s in range(L.pp)]
     ranks_per_stage_on_node = R / L.pp  # the stages' ranks spread evenly over the nodes

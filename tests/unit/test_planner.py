@@ -30,8 +30,11 @@ def synthetic(**over):
     data.update(over)
     profile = HardwareProfile.from_dict(data)
     if "ref_ms" not in over:  # make model_factor exactly 1
-        profile.ref_ms = 1.0
-        profile.ref_ms = 1.0 / model_factor(profile)
+        from rtxmpi.parallel.planner import _kernel_seconds
+
+        ref = dict(profile.ref_model)
+        b = ref.pop("micro_batch")
+        profile.ref_ms = _kernel_seconds(GPTConfig(**ref), b, profile) * 1e3
     return profile
 
 
@@ -282,3 +285,23 @@ def test_cli_bad_flags_exit_2_and_nothing_fits_exits_1():
     assert r.returncode == 1 and "No layout fits" in r.stdout
     r = _cli("--world-size", "4", "--save-profile", "x.json")
     assert r.returncode == 2 and "--save-profile needs --calibrate" in r.stderr
+
+
+def test_model_factor_follows_the_working_set_between_the_two_reference_runs():
+    from rtxmpi.parallel.planner import _kernel_seconds, activation_bytes
+
+    p = synthetic()
+    big = model_factor(p)
+    ref = dict(p.ref_model)
+    b = ref.pop("micro_batch")
+    cfg = GPTConfig(**ref)
+    ratio = 0.75 * _kernel_seconds(cfg, 2, p) / _kernel_seconds(cfg, b, p)  # small: factor x0.75
+    p.ref_small = {"micro_batch": 2, "ms_ratio": ratio}
+    x_small = activation_bytes(cfg, Layout(1, 1, 1, 1), 2)[0]
+    x_big = activation_bytes(cfg, Layout(1, 1, 1, 1), b)[0]
+    assert big == pytest.approx(1.0)
+    assert model_factor(p, x_small) == pytest.approx(0.75 * big)
+    assert model_factor(p, x_big) == pytest.approx(big)
+    assert model_factor(p, x_small / 10) == pytest.approx(0.75 * big)  # held beyond the ends
+    mid = model_factor(p, (x_small * x_big) ** 0.5)
+    assert 0.75 * big < mid < big
