@@ -206,3 +206,31 @@ def write_json(path, obj):
 def progress(message):
     """A progress line on stderr (call from rank 0 only)."""
     print(message, file=sys.stderr, flush=True)
+
+
+def time_interleaved(comm, variants, next_input, steps, warmup=0, label=None):
+    """Time several step functions side by side on the same inputs, in a rotating order.
+
+    comm: the mpi4py communicator every rank of the job calls this on. variants: {name: fn(x, y)}.
+    next_input: () -> (x, y), called once per round so every variant sees the same batch. Each
+    round rotates the order (noise and drift hit every variant alike); a step's time is the slowest
+    rank's (MAX-reduced), in seconds, after a barrier. Rounds below `warmup` are not recorded.
+    Returns {name: [seconds per recorded round]}. With `label`, rank 0 prints progress to stderr.
+    """
+    import time
+    from mpi4py import MPI
+    names = list(variants)
+    times = {name: [] for name in names}
+    for i in range(warmup + steps):
+        x, y = next_input()
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            comm.Barrier()
+            t0 = time.perf_counter()
+            variants[name](x, y)
+            elapsed = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            if i >= warmup:
+                times[name].append(elapsed)
+        if label and comm.Get_rank() == 0:
+            print(f"[{label}] step {i + 1}/{warmup + steps}", file=sys.stderr, flush=True)
+    return times

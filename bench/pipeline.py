@@ -33,7 +33,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import machine_info, machine_line, markdown_table, write_json  # noqa: E402
+from _common import time_interleaved, machine_info, machine_line, markdown_table, write_json  # noqa: E402
 
 
 def replay(lists, cost):
@@ -173,17 +173,8 @@ def worker_compare(args):
         ddp.backward(cache)
         ddp.step(dp_opt, lr=1e-4)
 
-    times = {"pp": [], "dp": []}
-    for i in range(args.warmup + args.steps):
-        x, y = sampler.next_batch()
-        order = (("pp", step_pp), ("dp", step_dp))
-        for name, fn in (order if i % 2 == 0 else order[::-1]):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            fn(x, y)
-            elapsed = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-            if i >= args.warmup:
-                times[name].append(elapsed)
+    times = time_interleaved(comm, {"pp": step_pp, "dp": step_dp}, sampler.next_batch,
+                             args.steps, args.warmup)
     if world.rank == 0:
         tokens = global_batch * args.seq_len
         result = {"global_batch": global_batch, "micro_batches": m}

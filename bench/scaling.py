@@ -20,12 +20,11 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import machine_info, machine_line, markdown_table, write_json  # noqa: E402
+from _common import time_interleaved, machine_info, machine_line, markdown_table, write_json  # noqa: E402
 
 
 def worker(args):
@@ -63,17 +62,8 @@ def worker(args):
         raw_opt.step(raw.flat_grad)
         raw.zero_grad()
 
-    times = {"rtxmpi": [], "raw": []}
-    for i in range(args.warmup + args.steps):
-        x, y = sampler.next_batch()
-        order = (("rtxmpi", step_rtxmpi), ("raw", step_raw))
-        for name, fn in (order if i % 2 == 0 else order[::-1]):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            fn(x, y)
-            elapsed = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-            if i >= args.warmup:
-                times[name].append(elapsed)
+    times = time_interleaved(comm, {"rtxmpi": step_rtxmpi, "raw": step_raw}, sampler.next_batch,
+                             args.steps, args.warmup)
     if world.rank == 0:
         tokens = global_batch * args.seq_len
         result = {"ranks": world.world_size, "params": ours.num_params,

@@ -20,12 +20,11 @@ barrier and counts as the slowest rank's time; the table shows the median over -
 import argparse
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import launch_command, machine_info, machine_line, markdown_table, write_json  # noqa: E402
+from _common import time_interleaved, launch_command, machine_info, machine_line, markdown_table, write_json  # noqa: E402
 
 
 def main(argv=None):
@@ -96,20 +95,8 @@ def main(argv=None):
         variants["1 rank"] = (single_step, single.num_params)
 
     names = list(variants)
-    times = {name: [] for name in names}
-    for i in range(args.warmup + args.steps):
-        x, y = sampler.next_batch()
-        shift = i % len(names)
-        for name in names[shift:] + names[:shift]:
-            comm.Barrier()
-            t0 = time.perf_counter()
-            variants[name][0](x, y)
-            elapsed = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-            if i >= args.warmup:
-                times[name].append(elapsed)
-        if world.rank == 0:
-            print(f"[tensor_parallel] step {i + 1}/{args.warmup + args.steps}", file=sys.stderr,
-                  flush=True)
+    times = time_interleaved(comm, {name: fn for name, (fn, _) in variants.items()},
+                             sampler.next_batch, args.steps, args.warmup, label="tensor_parallel")
     if world.rank != 0:
         return
     tokens = args.global_batch * args.seq_len
