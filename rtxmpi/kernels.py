@@ -345,8 +345,19 @@ def residual_layernorm_forward(x, r, g, b, eps=LN_EPS):
                 (rows,), (threads,), (x, r, g, b, s, y, mean, rstd, np.int32(C), np.float32(eps)))
         return s, y, mean, rstd
     s = x + r
-    mean = s.mean(axis=-1, keepdims=True)
-    xhat = s - mean
+    y, _, mean, rstd = layernorm_reference(s, g, b, eps)
+    return s, y, mean[..., 0], rstd[..., 0]
+
+
+def layernorm_reference(x, g, b, eps=LN_EPS):
+    """LayerNorm over the last dim with biased variance, in x's dtype (the numpy reference).
+
+    x: (..., C); g, b: (C,). Returns (y, xhat, mean, rstd): y and xhat x's shape, mean and rstd
+    (..., 1) with rstd = 1 / sqrt(var + eps). rtxmpi.nn.layers.layernorm_forward is this function.
+    """
+    xp = xp_of(x)
+    mean = x.mean(axis=-1, keepdims=True)
+    xhat = x - mean
     var = (xhat * xhat).mean(axis=-1, keepdims=True)
     var += eps
     rstd = xp.sqrt(var, out=var)
@@ -354,7 +365,7 @@ def residual_layernorm_forward(x, r, g, b, eps=LN_EPS):
     xhat *= rstd
     y = xhat * g
     y += b
-    return s, y, mean[..., 0], rstd[..., 0]
+    return y, xhat, mean, rstd
 
 
 def gpu_available():

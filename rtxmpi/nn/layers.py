@@ -20,8 +20,8 @@ Inputs are not validated here (this is the inner loop); models validate once, at
 import math
 
 from rtxmpi.backend import xp_of
+from rtxmpi.kernels import LN_EPS, layernorm_reference
 
-LN_EPS = 1e-5
 _GELU_K = math.sqrt(2.0 / math.pi)  # tanh-approximation constant (Hendrycks & Gimpel 2016)
 _GELU_C = 0.044715
 
@@ -106,16 +106,7 @@ def layernorm_forward(x, g, b, eps=LN_EPS):
     x: (..., C); g, b: (C,). y = (x - mean) / sqrt(var + eps) * g + b, biased variance.
     Returns y: (..., C), cache.
     """
-    xp = xp_of(x)
-    mean = x.mean(axis=-1, keepdims=True)
-    xhat = x - mean
-    var = (xhat * xhat).mean(axis=-1, keepdims=True)
-    var += eps
-    rstd = xp.sqrt(var, out=var)
-    xp.reciprocal(rstd, out=rstd)
-    xhat *= rstd
-    y = xhat * g
-    y += b
+    y, xhat, _, rstd = layernorm_reference(x, g, b, eps)
     return y, (xhat, rstd, g)
 
 
