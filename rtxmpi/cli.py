@@ -67,6 +67,7 @@ def cmd_info(args):
 
     from .backend import gpu_count
     from .comm import init
+    from .comm.launch import slurm_env, slurm_summary
     from .errors import ConfigError
 
     warning = None
@@ -79,6 +80,7 @@ def cmd_info(args):
         rank, size, local_rank, device = comm.Get_rank(), comm.Get_size(), 0, "cpu"
     row = (rank, socket.gethostname(), local_rank, device, gpu_count())
     rows = MPI.COMM_WORLD.gather(row, root=0) if size > 1 and warning is None else [row]
+    slurm = MPI.COMM_WORLD.gather(slurm_env(), root=0) if size > 1 and warning is None else [slurm_env()]
     topo = None
     if warning is None:  # collective: GPUs, links, InfiniBand, NUMA of every host
         from .topology import discover
@@ -96,6 +98,8 @@ def cmd_info(args):
     print(f"{'rank':>6} {'host':<24} {'local_rank':>10} {'device':<8}")
     for rank_, host, local, dev, _ in rows:
         print(f"{rank_:>6} {host:<24} {local:>10} {dev:<8}")
+    for line in slurm_summary(slurm, size, hosts):  # SLURM_* variables checked against MPI
+        print(f"{'slurm':<14} {line}")
     if topo is not None:
         print("topology")
         print("\n".join("  " + line for line in topo.describe().splitlines()))

@@ -7,7 +7,7 @@ from ..backend import env_flag, select_device
 from ..errors import ConfigError
 from .group import ProcessGroup, validate_timeout
 from .heartbeat import Heartbeat
-from .launch import check_launch
+from .launch import check_launch, check_slurm_ranks
 from .monitor import Monitor, install_excepthook
 from . import traced
 from . import shm
@@ -49,6 +49,14 @@ def init(backend="auto", timeout_s=None, check=None):
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank = node.Get_rank()
     node.Free()
+    try:  # srun tasks: SLURM_PROCID/LOCALID/STEP_NUM_TASKS must match MPI (ConfigError on every rank)
+        check_slurm_ranks(rank, size, local_rank)
+        slurm_error = None
+    except ConfigError as exc:
+        slurm_error = str(exc)
+    slurm_errors = [e for e in comm.allgather(slurm_error) if e]
+    if slurm_errors:
+        raise ConfigError(slurm_errors[0])
     if size > 1:
         install_excepthook(rank)
     members = list(range(size))
