@@ -1,0 +1,185 @@
+"""examples/train.py under a real single-node Slurm (slurmctld + slurmd + munged, tests/launched/
+slurm_cluster.py), submitted with the scripts in examples/slurm/ as users submit them.
+
+- a batch job (mpiexec inside the allocation) trains and commits its checkpoints;
+- `scancel -b --signal=USR1` (mpiexec script) and `scancel --signal=USR1` (srun --mpi=pmix
+  script) stop every rank after one step with a committed checkpoint; rank 0 requeues the job
+  and the requeued run resumes from that checkpoint and finishes, every step logged once;
+- a job that reaches its time limit (`--time=1`: Slurm sends TERM, the mpiexec script turns it
+  into USR1) commits a checkpoint and requeues itself within KillWait, before the SIGKILL;
+- under srun every rank's SLURM_PROCID/STEP_NUM_TASKS match MPI (`rtxmpi info`), and plain
+  `srun -n 2` (singletons) is refused with exit 2.
+
+Skipped with the reason when Slurm is not installed or not root (`python tests/launched/
+slurm_cluster.py install` installs it; .ci/run does). The time-limit job runs alongside the other
+tests (it needs Slurm's minute plus up to 30 s of time-limit polling). Slurm holds a requeued job
+for about two minutes before it may start again; the tests release it at once with
+`scontrol update StartTime=now` (a real cluster just waits).
+"""
+import json
+import os
+import sys
+import time
+
+import pytest
+from conftest import BIN, MPIEXEC, REPO, launch_env
+
+from rtxmpi.checkpoint import latest_step, verify_checkpoint
+
+import slurm_cluster
+
+WHY_NOT = slurm_cluster.missing()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
+
+SCRIPTS = REPO / "examples" / "slurm"
+ARGS = ["--model", "tiny", "--global-batch", "12", "--seq-len", "32", "--eval-every", "0",
+        "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
+DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+class Job:
+    """One submitted job: its dir (ckpt/, metrics.jsonl, out), id and cluster."""
+
+    def __init__(self, cluster, tmp, script, steps, *extra, ntasks=2, sbatch=()):
+        self.cluster, self.tmp = cluster, tmp
+        self.ckpt, self.metrics, self.out = tmp / "ckpt", tmp / "metrics.jsonl", tmp / "out"
+        env = launch_env(**cluster.env, CKPT_DIR=self.ckpt, PYTHON=sys.executable,
+                         MPIEXEC=f"{MPIEXEC} --oversubscribe --mca mpi_yield_when_idle 1",
+                         OPAL_PREFIX=BIN.parent, PMIX_MCA_psec="native",
+                         RTXMPI_CACHE_DIR=tmp.parent / "cache", RTXMPI_TIMEOUT_S=60,
+                         PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+        argv = ["sbatch", "--parsable", f"--ntasks={ntasks}", "-o", self.out, "-D", REPO,
+                *sbatch, SCRIPTS / script, *ARGS, "--steps", str(steps),
+                "--metrics-jsonl", self.metrics, *extra]
+        self.id = cluster.run([str(a) for a in argv], env=env).stdout.strip().split(";")[0]
+
+    def steps(self):
+        if not self.metrics.exists():
+            return []
+        return [json.loads(line)["step"] for line in self.metrics.read_text().splitlines() if line]
+
+    def output(self):
+        return self.out.read_text(errors="replace") if self.out.exists() else ""
+
+    def info(self):
+        return self.cluster.job(self.id)
+
+    def wait_steps(self, n, timeout_s=60):
+        deadline = time.monotonic() + timeout_s
+        while len(self.steps()) < n:
+            assert time.monotonic() < deadline, f"fewer than {n} steps after {timeout_s} s\n{self}"
+            assert self.info()["JobState"] in ("PENDING", "RUNNING"), str(self)
+            time.sleep(0.2)
+
+    def wait_requeued(self, timeout_s=60):
+        """Until the job is pending again after its requeue (Restarts >= 1)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = self.info()
+            if info["JobState"] == "PENDING" and int(info.get("Restarts", 0)) >= 1:
+                return info
+            assert time.monotonic() < deadline, f"not requeued after {timeout_s} s: {info}\n{self}"
+            time.sleep(0.3)
+
+    def wait_done(self, timeout_s):
+        try:
+            return self.cluster.wait_job(self.id, DONE, timeout_s)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n{self}") from None
+
+    def __str__(self):
+        return f"job {self.id} output:\n{self.output()[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """The cluster, and the time-limit job started first so its minute overlaps the others."""
+    with slurm_cluster.Cluster(kill_wait_s=20) as running:
+        running.limited = Job(running, tmp_path_factory.mktemp("limited"), "train_mpiexec.sbatch",
+                              100000, "--ckpt-every", "100000", ntasks=1,
+                              sbatch=["--time=1", "--signal=B:USR1@0"])
+        try:
+            yield running
+        finally:
+            running.run(["scancel", "--user=root"], check=False)
+
+
+def test_mpiexec_batch_job_trains_and_commits_checkpoints(cluster, tmp_path):
+    job = Job(cluster, tmp_path, "train_mpiexec.sbatch", 30, "--ckpt-every", "10")
+    info = job.wait_done(90)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", str(job)
+    assert job.steps() == list(range(1, 31))
+    assert latest_step(job.ckpt) == 30 and verify_checkpoint(job.ckpt, 30)
+    out = job.output()
+    assert f"job {job.id} restart 0 on {cluster.node}: 2 tasks" in out
+    assert "world_size 2" in out and "train.py exit 0" in out
+
+
+def preempt_requeue_resume(cluster, tmp_path, script, scancel):
+    steps = 200
+    job = Job(cluster, tmp_path, script, steps, "--ckpt-every", "1000")
+    job.wait_steps(5)
+    cluster.run(["scancel", *scancel, job.id])
+    job.wait_requeued()
+    stopped = latest_step(job.ckpt)
+    assert stopped is not None and 5 <= stopped < steps, str(job)
+    verify_checkpoint(job.ckpt, stopped)  # committed and intact
+    out = job.output()
+    assert f"stopped after step {stopped} (pre-empted)" in out, str(job)
+    assert f"requeue: job {job.id} requeued" in out, str(job)
+    cluster.run(["scontrol", "update", f"JobId={job.id}", "StartTime=now"])  # skip Slurm's hold
+    info = job.wait_done(120)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", str(job)
+    assert int(info["Restarts"]) == 1
+    out = job.output()
+    assert f"job {job.id} restart 1" in out
+    assert f"continuing at step {stopped + 1}" in out, str(job)
+    assert job.steps() == list(range(1, steps + 1))  # each step once, across the two runs
+    assert latest_step(job.ckpt) == steps
+    return job
+
+
+def test_mpiexec_scancel_usr1_checkpoints_requeues_and_resumes(cluster, tmp_path):
+    job = preempt_requeue_resume(cluster, tmp_path, "train_mpiexec.sbatch",
+                                 ["-b", "--signal=USR1"])
+    assert "batch script: USR1 -> USR1 to mpiexec" in job.output()
+
+
+def test_srun_pmix_usr1_to_the_ranks_checkpoints_requeues_and_resumes(cluster, tmp_path):
+    job = preempt_requeue_resume(cluster, tmp_path, "train_srun.sbatch", ["--signal=USR1"])
+    assert "world_size 2" in job.output()
+
+
+def test_srun_ranks_match_slurm_and_singletons_are_refused(cluster, tmp_path):
+    out = tmp_path / "out"
+    env = launch_env(**cluster.env, OPAL_PREFIX=BIN.parent, PMIX_MCA_psec="native",
+                     RTXMPI_CACHE_DIR=tmp_path.parent / "cache",
+                     PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    wrap = (f"srun --mpi=pmix -n 2 {BIN / 'rtxmpi'} info; echo info exit $?; "
+            f"srun -n 2 {sys.executable} {REPO / 'examples' / 'train.py'} {' '.join(ARGS)} "
+            f"--steps 2; echo singletons exit $?")
+    job_id = cluster.run(["sbatch", "--parsable", "-n", "2", "-o", str(out), "-D", str(REPO),
+                          "--wrap", wrap], env=env).stdout.strip()
+    cluster.wait_job(job_id, DONE, 90)
+    text = out.read_text()
+    assert f"slurm          job {job_id}: 2 tasks on 1 node(s); ranks started by srun (step 0, " \
+           "2 tasks)" in text, text
+    assert "SLURM_PROCID == rank and SLURM_STEP_NUM_TASKS == world_size on every rank" in text
+    assert "info exit 0" in text and "singletons exit 2" in text, text
+    assert "Slurm started 2 tasks but MPI sees a world of 1" in text
+
+
+def test_time_limit_commits_a_checkpoint_before_the_kill_and_requeues(cluster):
+    job = cluster.limited
+    deadline = time.monotonic() + 150
+    while "train.py exit" not in job.output():
+        assert time.monotonic() < deadline, f"no time-limit stop after 150 s\n{job}"
+        time.sleep(1)
+    out = job.output()
+    assert "DUE TO TIME LIMIT" in out and "batch script: TERM -> USR1 to mpiexec" in out, str(job)
+    assert "train.py exit 75" in out, str(job)  # train.py exited by itself, not SIGKILLed
+    stopped = latest_step(job.ckpt)
+    assert stopped and f"stopped after step {stopped} (pre-empted)" in out, str(job)
+    verify_checkpoint(job.ckpt, stopped)
+    assert f"requeue: job {job.id} requeued" in out
+    assert int(job.wait_requeued()["Restarts"]) == 1
