@@ -4,7 +4,9 @@ rank on each node, the second node's rank SIGKILLed in backward, and the job rec
 
 ULFM works across the nodes (the TCP BTL over the veth): the rank on the first node sees the
 failure, shrinks the world 2 -> 1 in the same process and trains on; every step is logged once
-and the last checkpoint is saved by the 1-rank world.
+and the last checkpoint is saved by the 1-rank world. Without ULFM the kill ends the job and
+`rtxmpi run --hostfile` relaunches it on both nodes from the last committed checkpoint. The veth
+byte counters show that rank 1's traffic really crossed between the namespaces.
 """
 import json
 import subprocess
@@ -68,3 +70,37 @@ def test_kill_the_second_nodes_rank_and_shrink_across_nodes(tmp_path, two_nodes)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1)), str(proc)
     assert got[0]["world_size"] == 2 and got[-1]["world_size"] == 1
     assert latest_step(ckpt) == STEPS and load_checkpoint(None, ckpt, STEPS).world_size_saved == 1
+
+
+@pytest.mark.netns
+def test_kill_the_second_nodes_rank_without_ulfm_and_rtxmpi_run_restarts_on_both(tmp_path,
+                                                                                   two_nodes):
+    """The other recovery: no ULFM, so the kill ends the mpiexec job; `rtxmpi run` relaunches it
+    across both nodes (the hostfile) with --resume from the last committed checkpoint."""
+    nodes, agent, hostfile = two_nodes
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    launcher = " ".join(str(a) for a in mpiexec(nodes, agent, hostfile, "-x", "RTXMPI_FAULT")
+                        if str(a) not in ("-n", "2"))
+    launcher = launcher.replace(f" --hostfile {hostfile}", "")  # rtxmpi run adds it
+    command = [sys.executable, "-m", "rtxmpi.cli", "run", "-n", 2, "--min-ranks", 2,
+               "--max-restarts", 2, "--hostfile", hostfile, "--mpiexec", f"'{launcher}'", "--",
+               sys.executable, TRAIN, *ARGS, "--steps", STEPS, "--ckpt-dir", ckpt,
+               "--ckpt-every", 4, "--metrics-jsonl", metrics, "--elastic", "restart",
+               "--timeout-s", "30"]
+    shell = f"hostname {nodes[0]}; exec " + " ".join(str(a) for a in command)
+    before = veth_bytes(nodes[1])
+    proc = run_command(["ip", "netns", "exec", nodes[0], "unshare", "--uts", "sh", "-c", shell],
+                       outer_timeout_s=150,
+                       env=launch_env(RTXMPI_CACHE_DIR=tmp_path / "cache", RTXMPI_TIMEOUT_S=30,
+                                      RTXMPI_FAULT="kill:1:6:backward:0.002"))
+    assert not proc.outer_timeout and proc.returncode == 0, str(proc)
+    assert "kill launch rank 1 step 6" in proc.stderr, str(proc)
+    assert "relaunching from the latest committed checkpoint" in proc.stderr + proc.stdout
+    assert "continuing at step 5" in proc.stdout, str(proc)
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    # the killed attempt may have logged steps after its last checkpoint (4); the relaunch
+    # re-runs them from that checkpoint: every step present, the relaunch from 5 to the end
+    assert sorted(set(steps)) == list(range(1, STEPS + 1)), steps
+    assert steps[-(STEPS - 4):] == list(range(5, STEPS + 1)), steps
+    assert load_checkpoint(None, ckpt, STEPS).world_size_saved == 2
+    assert veth_bytes(nodes[1]) - before > 1_000_000
