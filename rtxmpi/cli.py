@@ -7,13 +7,14 @@
     rtxmpi ckpt verify DIR [--step S] every file and dataset: sizes and checksums (exit 1 if bad)
     rtxmpi ckpt inspect DIR [--step S] the tensor table (name, dtype, shape, pieces) and the meta
     rtxmpi run -n N [--min-ranks K] [--max-restarts R] -- python train.py ...
+                                      supervise: forward signals, relaunch after a failure
     rtxmpi plan --model small --world-size 4 [--profile F]   ranked layouts and why the first
     mpiexec -n 4 rtxmpi plan --calibrate --save-profile F  ... measuring this machine first
-                                      supervise: forward signals, relaunch after a failure
     rtxmpi report RUN_DIR [RUN_DIR ...] [--out DIR] [--last N]   summary, bottleneck and PNG plots
                                       of examples/train.py --run-dir runs (docs/observe.md)
 """
 import argparse
+import os
 import platform
 import socket
 import sys
@@ -119,6 +120,9 @@ def cmd_ckpt_ls(args):
     """One line per step dir: step, committed or not, saved world size, size on disk, latest."""
     from .checkpoint import list_checkpoints
 
+    if not os.path.isdir(args.dir):
+        print(f"error: {args.dir}: no such directory", file=sys.stderr)
+        return 2
     found = list_checkpoints(args.dir)
     if not found:
         print(f"{args.dir}: no checkpoints")

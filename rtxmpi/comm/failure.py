@@ -6,6 +6,8 @@ or ERR_REVOKED (a peer revoked the communicator after seeing a failure). Every p
 waits on MPI turns these into `RankFailure` naming the dead ranks, so the class of the error alone
 tells the recovery layer what happened. Other MPI errors pass through unchanged.
 """
+import os
+
 from mpi4py import MPI
 
 from ..errors import RankFailure
@@ -13,6 +15,15 @@ from ..errors import RankFailure
 FAILURE_CLASSES = frozenset(getattr(MPI, name) for name in
                             ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
                             if hasattr(MPI, name))
+
+
+def ulfm_enabled():
+    """Whether this job runs with fault tolerance on: True or False under Open MPI (`mpiexec
+    --with-ft ulfm` sets OMPI_MCA_mpi_ft_enable in every rank's environment), None where the MPI
+    library gives no way to tell. Local; no communication."""
+    if "Open MPI" not in MPI.Get_library_version():
+        return None
+    return os.environ.get("OMPI_MCA_mpi_ft_enable", "0").lower() in ("1", "true", "yes", "on")
 
 
 def is_process_failure(exc, comm=None):
