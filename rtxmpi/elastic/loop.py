@@ -31,6 +31,7 @@ from ..comm import progress, start_heartbeats
 from ..comm.failure import failed_ranks, is_process_failure, rank_failure
 from ..control import agree
 from ..errors import ConfigError, RankFailure
+from . import exitreport
 from .fault import FaultPlan
 from .preempt import StopRequest
 from .shrink import exchange_replica, shrink_world
@@ -154,6 +155,7 @@ def exit_after(main):
     the others in a barrier, then leaves with os._exit: Open MPI 5's MPI_Finalize can abort or
     hang once the failed rank was launch rank 0 (measured here), and the survivors' work is done
     and flushed. Without a shrink: a normal exit (MPI_Finalize). Call it on every rank."""
+    exitreport.mark("start")  # for `rtxmpi run`: a 0 from mpiexec is done only if a rank says so
     try:
         main()
         code = 0
@@ -161,6 +163,7 @@ def exit_after(main):
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
+    exitreport.mark("exit", code)
     if not _config.attempts:
         sys.exit(code)
     from ..comm import world

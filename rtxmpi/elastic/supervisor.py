@@ -14,6 +14,9 @@ set to the attempt's restart count (0 first). What the exit status means:
                     when missing), on the ranks available then, until --max-restarts relaunches
                     have failed; then the supervisor exits with the last status.
 
+mpiexec's 0 counts as done only when a rank process reported exit code 0 (elastic.exitreport:
+prterun also exits 0 after losing a node's daemon mid-run); without reports, as mpiexec says.
+
 Ranks available: with --hostfile, the file is re-read before every launch and its slots counted
 (a node removed from it is not used again, a node added is), capped by --max-ranks (default -n);
 without one, -n. Fewer than --min-ranks: give up.
@@ -25,12 +28,15 @@ SIGTERM, 5 s later the whole session SIGKILL.
 """
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from ..errors import ConfigError
+from . import exitreport
 from .preempt import EXIT_PREEMPTED
 
 EXIT_CONFIG = 2
@@ -173,12 +179,17 @@ class Supervisor:
                 break
             argv = self.argv(ranks, restart)
             self.say(f"attempt {restart + 1}: {shlex.join(argv)}")
-            env = dict(os.environ, RTXMPI_RESTART=str(restart))
+            reports = tempfile.mkdtemp(prefix="rtxmpi-exit-")  # exitreport: how the ranks ended
+            env = dict(os.environ, RTXMPI_RESTART=str(restart), **{exitreport.ENV: reports})
             start = time.monotonic()
             self.process = subprocess.Popen(argv, env=env, preexec_fn=_detach_but_follow_parent)
             status = self._wait()
             seconds = time.monotonic() - start
             self.process = None
+            status, note = exitreport.reconcile(status, reports)
+            shutil.rmtree(reports, ignore_errors=True)
+            if note:
+                self.say(note)
             what = ("done" if status == 0 else "pre-empted (checkpoint committed)"
                     if status == EXIT_PREEMPTED else "configuration error" if status == EXIT_CONFIG
                     else "stopped by a signal" if self.stop_signal is not None

@@ -9,8 +9,11 @@ and the last checkpoint is saved by the 1-rank world. Without ULFM the kill ends
 byte counters show that rank 1's traffic really crossed between the namespaces.
 """
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import test_observe_run
@@ -104,3 +107,73 @@ def test_kill_the_second_nodes_rank_without_ulfm_and_rtxmpi_run_restarts_on_both
     assert steps[-(STEPS - 4):] == list(range(5, STEPS + 1)), steps
     assert load_checkpoint(None, ckpt, STEPS).world_size_saved == 2
     assert veth_bytes(nodes[1]) - before > 1_000_000
+
+
+def _descendants(root):
+    """pids of every process below `root` (walks /proc parent links)."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parent.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def _in_netns(pid, ns):
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(f"/run/netns/{ns}").st_ino
+    except OSError:
+        return False
+
+
+@pytest.mark.netns
+def test_losing_the_whole_second_node_rtxmpi_run_restarts_on_the_first(tmp_path, two_nodes):
+    """Node loss: the second node's Open MPI daemon (prted) and its rank are SIGKILLed together
+    while the job trains, and the node is taken out of the hostfile (as a scheduler would).
+    prterun cannot survive a lost daemon, even under ULFM (measured here: the job ends), so the
+    recovery is a restart: `rtxmpi run` re-reads the hostfile and relaunches 1 rank on the first
+    node from the last committed checkpoint (resharded from 2 ranks)."""
+    nodes, agent, hostfile = two_nodes
+    metrics, ckpt, steps = tmp_path / "m.jsonl", tmp_path / "ckpt", 300
+    launcher = " ".join(str(a) for a in mpiexec(nodes, agent, hostfile) if str(a) not in ("-n", "2"))
+    launcher = launcher.replace(f" --hostfile {hostfile}", "")  # rtxmpi run adds it
+    command = [sys.executable, "-m", "rtxmpi.cli", "run", "-n", 2, "--min-ranks", 1,
+               "--max-restarts", 2, "--hostfile", hostfile, "--mpiexec", f"'{launcher}'", "--",
+               sys.executable, TRAIN, *ARGS, "--steps", steps, "--ckpt-dir", ckpt,
+               "--ckpt-every", 10, "--metrics-jsonl", metrics, "--elastic", "restart",
+               "--timeout-s", "30"]
+    shell = f"hostname {nodes[0]}; exec " + " ".join(str(a) for a in command)
+    out = open(tmp_path / "out", "w+")
+    proc = subprocess.Popen(["timeout", "--kill-after=5", "150", "ip", "netns", "exec", nodes[0],
+                             "unshare", "--uts", "sh", "-c", shell], stdout=out, stderr=out,
+                            env=launch_env(RTXMPI_CACHE_DIR=tmp_path / "cache",
+                                           RTXMPI_TIMEOUT_S=30), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 15):
+            assert proc.poll() is None and time.monotonic() < deadline, out.seek(0) or out.read()
+            time.sleep(0.1)
+        victims = [pid for pid in _descendants(proc.pid) if _in_netns(pid, nodes[1])]
+        assert victims, "no process of the job in the second node"
+        hostfile.write_text(f"{nodes[0]} slots=1\n")  # the node is gone for the next launch
+        for pid in victims:  # the daemon and the rank
+            os.kill(pid, signal.SIGKILL)
+        rc = proc.wait(timeout=150)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out.seek(0)
+    text = out.read()
+    assert rc == 0, text[-4000:]
+    assert "attempt 2: 1 ranks" in text or "attempt 2: 1 rank" in text, text[-4000:]
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert sorted(set(logged)) == list(range(1, steps + 1)), text[-3000:]
+    assert load_checkpoint(None, ckpt, steps).world_size_saved == 1

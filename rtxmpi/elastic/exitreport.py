@@ -1,0 +1,54 @@
+"""Exit reports: each rank process tells `rtxmpi run` how it ended, so a launcher's exit status of
+0 is not taken for a finished job when it is not one.
+
+prterun exits 0 when it loses a node's daemon (measured with two network-namespace nodes, with or
+without ULFM: the job is torn down mid-run, status 0), and in ULFM mode its status is no failure
+signal at all (docs/elastic.md). So for each attempt the supervisor sets $RTXMPI_EXIT_DIR to an
+empty folder; `elastic.exit_after` (every rank of examples/train.py) writes `start.<pid>` when it
+begins and `exit.<pid>` holding its exit code when it ends. After mpiexec returns 0: some rank
+wrote exit code 0 -> done; ranks started but none ended with 0 -> a failure (relaunch). A command
+that writes no reports (not an rtxmpi program, or all its ranks on hosts that cannot see the
+folder) is judged by mpiexec's status alone, as before.
+"""
+import os
+
+ENV = "RTXMPI_EXIT_DIR"
+
+
+def mark(kind, code=None, environ=os.environ):
+    """Write this process's report `kind` ("start" or "exit", with its code); never raises."""
+    folder = environ.get(ENV)
+    if not folder:
+        return
+    try:
+        with open(os.path.join(folder, f"{kind}.{os.getpid()}"), "w") as f:
+            f.write("" if code is None else str(code))
+    except OSError:
+        pass  # a host that cannot see the folder: the reports of the others decide
+
+
+def reconcile(status, folder):
+    """The attempt's status given mpiexec's `status` and the reports in `folder`.
+
+    Returns (status, note): note is None when the status stands, else a one-line reason why a
+    0 became a failure (status 1). Non-zero statuses are returned unchanged.
+    """
+    if status != 0:
+        return status, None
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return status, None
+    started = [n for n in names if n.startswith("start.")]
+    codes = []
+    for name in names:
+        if name.startswith("exit."):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    codes.append(f.read().strip())
+            except OSError:
+                continue
+    if not started or "0" in codes:
+        return status, None
+    return 1, (f"mpiexec exited 0 but none of the {len(started)} rank process(es) that reported "
+               f"finished (exit codes {sorted(codes) or 'none'}): a node or its daemon was lost")
