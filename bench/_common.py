@@ -234,3 +234,19 @@ def time_interleaved(comm, variants, next_input, steps, warmup=0, label=None):
         if label and comm.Get_rank() == 0:
             print(f"[{label}] step {i + 1}/{warmup + steps}", file=sys.stderr, flush=True)
     return times
+
+
+def worker_job(ranks, script, worker_args):
+    """(cmd, env) that runs `script --worker ...` as an MPI job of `ranks` ranks on this machine.
+
+    One BLAS thread per rank, checking mode off, more ranks than cores allowed (--oversubscribe,
+    ranks yield while idle, no binding), root allowed when run as root. worker_args: the worker's
+    own arguments after `--worker`, as strings.
+    """
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", RTXMPI_CHECK="0")
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = ["mpiexec", "--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
+           "-n", str(ranks), sys.executable, os.path.abspath(script), "--worker",
+           *[str(a) for a in worker_args]]
+    return cmd, env

@@ -29,7 +29,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import machine_info, machine_line, markdown_table, write_json  # noqa: E402
+from _common import worker_job, machine_info, machine_line, markdown_table, write_json  # noqa: E402
 
 MIB = 2**20
 
@@ -96,13 +96,8 @@ def available_stages():
 
 
 def launch(args, ranks, stage):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", RTXMPI_CHECK="0")
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = ["mpiexec", "--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
-           "-n", str(ranks), sys.executable, os.path.abspath(__file__), "--worker",
-           "--stage", str(stage), "--model", args.model, "--local-batch", str(args.local_batch),
-           "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
+    cmd, env = worker_job(ranks, __file__, ["--stage", str(stage), "--model", args.model, "--local-batch", str(args.local_batch),
+           "--seq-len", str(args.seq_len), "--steps", str(args.steps)])
     print(f"[memory] {shlex.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:

@@ -33,7 +33,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import time_interleaved, machine_info, machine_line, markdown_table, write_json  # noqa: E402
+from _common import worker_job, time_interleaved, machine_info, machine_line, markdown_table, write_json  # noqa: E402
 
 
 def replay(lists, cost):
@@ -185,16 +185,12 @@ def worker_compare(args):
 
 
 def launch(args, ranks, part):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", RTXMPI_CHECK="0")
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = ["mpiexec", "--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
-           "-n", str(ranks), sys.executable, os.path.abspath(__file__), "--worker", part,
+    cmd, env = worker_job(ranks, __file__, [part,
            "--model", args.model, *(["--n-layer", str(args.n_layer)] if args.n_layer else []),
            "--seq-len", str(args.seq_len), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--micro-batches", str(args.micro_batches),
            "--micro-batch-size", str(args.micro_batch_size), "--global-batch",
-           str(args.global_batch), "--compare-micro-batches", str(args.compare_micro_batches)]
+           str(args.global_batch), "--compare-micro-batches", str(args.compare_micro_batches)])
     print(f"[pipeline] {shlex.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -31,7 +31,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import machine_info, machine_line, markdown_table, write_json  # noqa: E402
+from _common import worker_job, machine_info, machine_line, markdown_table, write_json  # noqa: E402
 
 LAUNCH = "self"  # rtxmpi bench planner: runs as python and starts its own mpiexec -n 4
 TARGETS = [(4, 1, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (1, 2, 2, 1), (1, 1, 4, 1), (1, 1, 1, 4),
@@ -217,14 +217,9 @@ def worker(args):
 
 
 def launch(args):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", RTXMPI_CHECK="0")
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = ["mpiexec", "--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
-           "-n", "4", sys.executable, os.path.abspath(__file__), "--worker",
-           "--model", args.model, "--global-batch", str(args.global_batch), "--seq-len",
-           str(args.seq_len), "--rounds", str(args.rounds), "--steps-per-round",
-           str(args.steps_per_round)]
+    cmd, env = worker_job(4, __file__, [
+        "--model", args.model, "--global-batch", args.global_batch, "--seq-len", args.seq_len,
+        "--rounds", args.rounds, "--steps-per-round", args.steps_per_round])
     print(f"[planner] {shlex.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:

@@ -24,7 +24,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import time_interleaved, machine_info, machine_line, markdown_table, write_json  # noqa: E402
+from _common import worker_job, time_interleaved, machine_info, machine_line, markdown_table, write_json  # noqa: E402
 
 
 def worker(args):
@@ -76,14 +76,9 @@ def worker(args):
 
 
 def launch(args, ranks, local_batch):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", RTXMPI_CHECK="0")
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = ["mpiexec", "--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
-           "-n", str(ranks), sys.executable, os.path.abspath(__file__), "--worker",
-           "--model", args.model, "--local-batch", str(local_batch), "--seq-len",
+    cmd, env = worker_job(ranks, __file__, ["--model", args.model, "--local-batch", str(local_batch), "--seq-len",
            str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--bucket-mb", str(args.bucket_mb)]
+           "--bucket-mb", str(args.bucket_mb)])
     print(f"[scaling] {shlex.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
