@@ -42,6 +42,15 @@ def train(tmp, ckpt, *extra, n=2, steps=20, ulfm=False, outer_timeout_s=90, **en
                                       **env))
 
 
+def wait_for_steps(tmp_path, n, timeout_s=60):
+    """Poll the run's metrics file until it holds `n` steps (or `timeout_s` passes)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (tmp_path / "m.jsonl").exists() and len(records(tmp_path)) >= n:
+            return
+        time.sleep(0.05)
+
+
 def records(tmp):
     return [json.loads(line) for line in (tmp / "m.jsonl").read_text().splitlines()]
 
@@ -119,11 +128,7 @@ def test_sigterm_from_outside_to_one_rank_stops_every_rank_with_exit_75(tmp_path
                            env=launch_env(RTXMPI_CACHE_DIR=tmp_path.parent / "cache"),
                            start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # wait until a few steps are done
-            if (tmp_path / "m.jsonl").exists() and len(records(tmp_path)) >= 3:
-                break
-            time.sleep(0.05)
+        wait_for_steps(tmp_path, 3)
         pids = rank_pids(TRAIN, 1, job.pid)
         assert len(pids) == 1, pids
         os.kill(pids[0], signal.SIGTERM)
@@ -281,11 +286,7 @@ def test_rtxmpi_run_turns_sigterm_into_a_checkpoint_and_exit_75(tmp_path):
                            env=launch_env(RTXMPI_CACHE_DIR=tmp_path.parent / "cache"),
                            start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if (tmp_path / "m.jsonl").exists() and len(records(tmp_path)) >= 3:
-                break
-            time.sleep(0.05)
+        wait_for_steps(tmp_path, 3)
         supervisors = [pid for pid in rank_pids_of_cmd("rtxmpi.cli", job.pid)
                        if _parent(pid) == job.pid]  # not `timeout` itself
         assert len(supervisors) == 1, supervisors

@@ -48,6 +48,19 @@ def mpiexec(nodes, agent, hostfile, *extra):
             "--prtemca", "oob_tcp_if_include", "10.77.0.0/24", *extra, "-n", "2"]
 
 
+def supervisor_launcher(nodes, agent, hostfile, *extra):
+    """mpiexec() as one string for `rtxmpi run --mpiexec`, less -n and --hostfile (it adds both)."""
+    launcher = " ".join(str(a) for a in mpiexec(nodes, agent, hostfile, *extra)
+                        if str(a) not in ("-n", "2"))
+    return launcher.replace(f" --hostfile {hostfile}", "")
+
+
+def on_first_node(nodes, command):
+    """argv running `command` in the first node's namespace, under that node's hostname."""
+    shell = f"hostname {nodes[0]}; exec " + " ".join(str(a) for a in command)
+    return ["ip", "netns", "exec", nodes[0], "unshare", "--uts", "sh", "-c", shell]
+
+
 @pytest.mark.netns
 def test_kill_the_second_nodes_rank_and_shrink_across_nodes(tmp_path, two_nodes):
     nodes, agent, hostfile = two_nodes
@@ -58,9 +71,8 @@ def test_kill_the_second_nodes_rank_and_shrink_across_nodes(tmp_path, two_nodes)
     command = [*mpiexec(nodes, agent, hostfile, *ulfm), sys.executable, TRAIN, *ARGS,
                "--steps", STEPS, "--ckpt-dir", ckpt, "--ckpt-every", 4, "--metrics-jsonl",
                metrics, "--elastic", "shrink", "--min-ranks", "1", "--timeout-s", "30"]
-    shell = f"hostname {nodes[0]}; exec " + " ".join(str(a) for a in command)
     before = veth_bytes(nodes[1])
-    proc = run_command(["ip", "netns", "exec", nodes[0], "unshare", "--uts", "sh", "-c", shell],
+    proc = run_command(on_first_node(nodes, command),
                        outer_timeout_s=120,
                        env=launch_env(RTXMPI_CACHE_DIR=tmp_path / "cache", RTXMPI_TIMEOUT_S=30,
                                       RTXMPI_FAULT="kill:1:5:backward:0.002"))
@@ -82,17 +94,14 @@ def test_kill_the_second_nodes_rank_without_ulfm_and_rtxmpi_run_restarts_on_both
     across both nodes (the hostfile) with --resume from the last committed checkpoint."""
     nodes, agent, hostfile = two_nodes
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
-    launcher = " ".join(str(a) for a in mpiexec(nodes, agent, hostfile, "-x", "RTXMPI_FAULT")
-                        if str(a) not in ("-n", "2"))
-    launcher = launcher.replace(f" --hostfile {hostfile}", "")  # rtxmpi run adds it
+    launcher = supervisor_launcher(nodes, agent, hostfile, "-x", "RTXMPI_FAULT")
     command = [sys.executable, "-m", "rtxmpi.cli", "run", "-n", 2, "--min-ranks", 2,
                "--max-restarts", 2, "--hostfile", hostfile, "--mpiexec", f"'{launcher}'", "--",
                sys.executable, TRAIN, *ARGS, "--steps", STEPS, "--ckpt-dir", ckpt,
                "--ckpt-every", 4, "--metrics-jsonl", metrics, "--elastic", "restart",
                "--timeout-s", "30"]
-    shell = f"hostname {nodes[0]}; exec " + " ".join(str(a) for a in command)
     before = veth_bytes(nodes[1])
-    proc = run_command(["ip", "netns", "exec", nodes[0], "unshare", "--uts", "sh", "-c", shell],
+    proc = run_command(on_first_node(nodes, command),
                        outer_timeout_s=150,
                        env=launch_env(RTXMPI_CACHE_DIR=tmp_path / "cache", RTXMPI_TIMEOUT_S=30,
                                       RTXMPI_FAULT="kill:1:6:backward:0.002"))
@@ -142,17 +151,15 @@ def test_losing_the_whole_second_node_rtxmpi_run_restarts_on_the_first(tmp_path,
     node from the last committed checkpoint (resharded from 2 ranks)."""
     nodes, agent, hostfile = two_nodes
     metrics, ckpt, steps = tmp_path / "m.jsonl", tmp_path / "ckpt", 300
-    launcher = " ".join(str(a) for a in mpiexec(nodes, agent, hostfile) if str(a) not in ("-n", "2"))
-    launcher = launcher.replace(f" --hostfile {hostfile}", "")  # rtxmpi run adds it
+    launcher = supervisor_launcher(nodes, agent, hostfile)
     command = [sys.executable, "-m", "rtxmpi.cli", "run", "-n", 2, "--min-ranks", 1,
                "--max-restarts", 2, "--hostfile", hostfile, "--mpiexec", f"'{launcher}'", "--",
                sys.executable, TRAIN, *ARGS, "--steps", steps, "--ckpt-dir", ckpt,
                "--ckpt-every", 10, "--metrics-jsonl", metrics, "--elastic", "restart",
                "--timeout-s", "30"]
-    shell = f"hostname {nodes[0]}; exec " + " ".join(str(a) for a in command)
     out = open(tmp_path / "out", "w+")
-    proc = subprocess.Popen(["timeout", "--kill-after=5", "150", "ip", "netns", "exec", nodes[0],
-                             "unshare", "--uts", "sh", "-c", shell], stdout=out, stderr=out,
+    proc = subprocess.Popen(["timeout", "--kill-after=5", "150", *on_first_node(nodes, command)],
+                            stdout=out, stderr=out,
                             env=launch_env(RTXMPI_CACHE_DIR=tmp_path / "cache",
                                            RTXMPI_TIMEOUT_S=30), start_new_session=True)
     try:
