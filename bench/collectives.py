@@ -279,48 +279,21 @@ def summary(cells, ops):
                          f"{op} at {format_bytes(o['size_bytes'])} {o['median_us']:+.1f} us "
                          f"({o['min_us']:+.1f})" for op, o in overhead.items()))
     ar = [c for c in cells if c["op"] == "all_reduce"]
-    big = [c for c in ar if c["size_bytes"] >= TARGET_RATIO_FROM_BYTES]
-    if big:
-        worst = min(big, key=lambda c: c["busbw_ratio_rtxmpi_raw"])
-        ok = worst["busbw_ratio_rtxmpi_raw"] >= TARGET_RATIO
-        verdicts["all_reduce_busbw_ratio"] = {
-            "target": TARGET_RATIO, "from_bytes": TARGET_RATIO_FROM_BYTES, "met": ok,
-            "worst": worst["busbw_ratio_rtxmpi_raw"], "worst_size_bytes": worst["size_bytes"],
-            "by_size": {c["size_bytes"]: c["busbw_ratio_rtxmpi_raw"] for c in big}}
-        lines.append(f"Target all_reduce busbw >= {TARGET_RATIO}x raw at >= "
-                     f"{format_bytes(TARGET_RATIO_FROM_BYTES)}: "
-                     + ", ".join(f"{format_bytes(c['size_bytes'])} {c['busbw_ratio_rtxmpi_raw']:.3f}"
-                                 for c in big)
-                     + f" -> {'met' if ok else 'MISSED'} (worst {worst['busbw_ratio_rtxmpi_raw']:.3f})")
-    shm_big = [c for c in ar if c["size_bytes"] >= TARGET_SHM_FROM_BYTES]
-    if shm_big:
-        worst = min(shm_big, key=lambda c: c["busbw_ratio_rtxmpi_raw"])
-        ok = worst["busbw_ratio_rtxmpi_raw"] >= TARGET_SHM_RATIO
-        verdicts["all_reduce_shm_busbw_ratio"] = {
-            "target": TARGET_SHM_RATIO, "from_bytes": TARGET_SHM_FROM_BYTES, "met": ok,
-            "worst": worst["busbw_ratio_rtxmpi_raw"], "worst_size_bytes": worst["size_bytes"]}
-        lines.append(f"Target all_reduce busbw >= {TARGET_SHM_RATIO:g}x raw at >= "
-                     f"{format_bytes(TARGET_SHM_FROM_BYTES)}: worst "
-                     f"{worst['busbw_ratio_rtxmpi_raw']:.2f} at {format_bytes(worst['size_bytes'])}"
-                     f" -> {'met' if ok else 'MISSED'}")
+    raw = {c["size_bytes"]: c["busbw_ratio_rtxmpi_raw"] for c in ar}
+    for key, target, from_bytes in (("all_reduce_busbw_ratio", TARGET_RATIO, TARGET_RATIO_FROM_BYTES),
+                                    ("all_reduce_shm_busbw_ratio", TARGET_SHM_RATIO,
+                                     TARGET_SHM_FROM_BYTES)):
+        ratio_target(verdicts, lines, key, "raw", raw, target, from_bytes)
     if ar:
         worst = min(ar, key=lambda c: c["busbw_ratio_rtxmpi_raw"])
         lines.append("all_reduce rtxmpi/raw busbw at every size: " + ", ".join(
             f"{format_bytes(c['size_bytes'])} {c['busbw_ratio_rtxmpi_raw']:.2f}" for c in ar)
             + f" (worst {worst['busbw_ratio_rtxmpi_raw']:.2f} at "
               f"{format_bytes(worst['size_bytes'])})")
-    gloo_big = [c for c in ar if c["size_bytes"] >= TARGET_GLOO_FROM_BYTES and "gloo" in c["impls"]]
-    if gloo_big:
-        ratios = {c["size_bytes"]: c["impls"]["gloo"]["median_us"] / c["impls"]["rtxmpi"]["median_us"]
-                  for c in gloo_big}
-        worst_size = min(ratios, key=ratios.get)
-        ok = ratios[worst_size] >= TARGET_GLOO_RATIO
-        verdicts["all_reduce_gloo_busbw_ratio"] = {
-            "target": TARGET_GLOO_RATIO, "from_bytes": TARGET_GLOO_FROM_BYTES, "met": ok,
-            "worst": ratios[worst_size], "worst_size_bytes": worst_size}
-        lines.append(f"Target all_reduce busbw >= {TARGET_GLOO_RATIO:g}x PyTorch gloo at >= "
-                     f"{format_bytes(TARGET_GLOO_FROM_BYTES)}: worst {ratios[worst_size]:.2f} at "
-                     f"{format_bytes(worst_size)} -> {'met' if ok else 'MISSED'}")
+    gloo = {c["size_bytes"]: c["impls"]["gloo"]["median_us"] / c["impls"]["rtxmpi"]["median_us"]
+            for c in ar if "gloo" in c["impls"]}
+    ratio_target(verdicts, lines, "all_reduce_gloo_busbw_ratio", "PyTorch gloo", gloo,
+                 TARGET_GLOO_RATIO, TARGET_GLOO_FROM_BYTES)
     if "all_reduce" in overhead and overhead["all_reduce"]["size_bytes"] <= 8:
         o, o_min = overhead["all_reduce"]["median_us"], overhead["all_reduce"]["min_us"]
         verdicts["all_reduce_overhead_8b"] = {"target_us": TARGET_OVERHEAD_US, "measured_us": o,
@@ -330,6 +303,22 @@ def summary(cells, ops):
                      f"{o:.1f} us median ({o_min:.1f} min) -> "
                      f"{'met' if o <= TARGET_OVERHEAD_US else 'MISSED'}")
     return lines, overhead, verdicts
+
+
+def ratio_target(verdicts, lines, key, peer, ratios, target, from_bytes):
+    """Judge `ratios` ({size in bytes: rtxmpi busbw / peer busbw}) against `target` at sizes >=
+    `from_bytes`: adds verdicts[key] and one line naming every size, the worst and met/MISSED."""
+    judged = {size: r for size, r in sorted(ratios.items()) if size >= from_bytes}
+    if not judged:
+        return
+    worst_size = min(judged, key=judged.get)
+    ok = judged[worst_size] >= target
+    verdicts[key] = {"target": target, "from_bytes": from_bytes, "met": ok,
+                     "worst": judged[worst_size], "worst_size_bytes": worst_size, "by_size": judged}
+    lines.append(f"Target all_reduce busbw >= {target:g}x {peer} at >= {format_bytes(from_bytes)}: "
+                 + ", ".join(f"{format_bytes(size)} {r:.2f}" for size, r in judged.items())
+                 + f" -> {'met' if ok else 'MISSED'} (worst {judged[worst_size]:.2f} at "
+                   f"{format_bytes(worst_size)})")
 
 
 def side_by_side(cells, g):
