@@ -55,14 +55,17 @@ class StopRequest:
 def requeue(job_id=None, scontrol="scontrol"):
     """Ask Slurm to requeue this job (`scontrol requeue $SLURM_JOB_ID`); one process calls it.
 
-    job_id: default $SLURM_JOB_ID. Returns a one-line message saying what happened; never raises
-    (a pre-empted job exits with its exit code whether or not the requeue worked).
+    job_id: default $SLURM_JOB_ID. Prints "requeue: asking Slurm to requeue job N" first (Slurm
+    may cancel this very process as soon as the requeue takes effect, before scontrol returns),
+    then returns a one-line message saying what happened; never raises (a pre-empted job exits
+    with its exit code whether or not the requeue worked).
     """
     job_id = job_id or os.environ.get("SLURM_JOB_ID")
     if not job_id:
         return "requeue: not running under Slurm (no SLURM_JOB_ID); not requeued"
     if shutil.which(scontrol) is None:
         return f"requeue: {scontrol} not found; job {job_id} not requeued"
+    print(f"requeue: asking Slurm to requeue job {job_id}", flush=True)
     try:
         done = subprocess.run([scontrol, "requeue", str(job_id)], capture_output=True, text=True,
                               timeout=30)
