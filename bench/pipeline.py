@@ -184,13 +184,61 @@ def worker_compare(args):
         print("RESULT " + json.dumps(result), flush=True)
 
 
+def worker_overlap(args):
+    import numpy as np
+    from mpi4py import MPI
+
+    import rtxmpi
+    from rtxmpi.data import BatchSampler, load_corpus
+    from rtxmpi.mesh import DeviceMesh
+    from rtxmpi.nn import GPT
+    from rtxmpi.parallel.pipeline import PipelineParallel
+
+    world = rtxmpi.init(check=False)
+    comm = MPI.COMM_WORLD
+    corpus = load_corpus(progress=False)
+    cfg = model_config(args)
+    mesh = DeviceMesh(dp=2, pp=world.world_size // 2, group=world)
+    m, bucket_bytes = args.compare_micro_batches, int(args.bucket_mb * 2**20)
+    engines = {name: PipelineParallel.from_mesh(GPT(cfg, seed=0), mesh, micro_batches=m,
+                                                bucket_bytes=bucket_bytes, overlap_dp=on)
+               for name, on in (("overlap", True), ("after", False))}
+    sampler = BatchSampler(corpus.train, args.seq_len, args.global_batch, seed=0)
+    rows = mesh.batch_slice(args.global_batch)
+    waits = {name: [] for name in engines}
+
+    def stepper(name):
+        engine = engines[name]
+
+        def run(x, y):
+            engine.train_step(x[rows], y[rows])
+            waits[name].append(next(b - a for k, _, a, b in engine.timeline if k == "dp_wait"))
+            engine.step(lr=1e-4)
+        return run
+
+    times = time_interleaved(comm, {name: stepper(name) for name in engines}, sampler.next_batch,
+                             args.steps, args.warmup)
+    wait_ms = {name: 1e3 * float(np.median(w[args.warmup:])) for name, w in waits.items()}
+    everyone = comm.gather({"stage": mesh.pp_rank, "wait_ms": wait_ms}, root=0)
+    if world.rank == 0:
+        result = {"global_batch": args.global_batch, "micro_batches": m,
+                  "buckets": len(engines["overlap"].buckets), "bucket_mb": args.bucket_mb}
+        for name, ts in times.items():
+            result[f"{name}_step_ms"] = float(np.median(ts)) * 1e3
+            result[f"{name}_wait_ms_by_stage"] = [
+                float(np.mean([r["wait_ms"][name] for r in everyone if r["stage"] == s]))
+                for s in range(mesh.pp)]
+        print("RESULT " + json.dumps(result), flush=True)
+
+
 def launch(args, ranks, part):
     cmd, env = worker_job(ranks, __file__, [part,
            "--model", args.model, *(["--n-layer", str(args.n_layer)] if args.n_layer else []),
            "--seq-len", str(args.seq_len), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--micro-batches", str(args.micro_batches),
            "--micro-batch-size", str(args.micro_batch_size), "--global-batch",
-           str(args.global_batch), "--compare-micro-batches", str(args.compare_micro_batches)])
+           str(args.global_batch), "--compare-micro-batches", str(args.compare_micro_batches),
+           "--bucket-mb", str(args.bucket_mb)])
     print(f"[pipeline] {shlex.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -199,29 +247,7 @@ def launch(args, ranks, part):
     return json.loads(line[len("RESULT "):])
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stages", type=int, default=4, help="pipeline stages (= ranks) for the bubble")
-    p.add_argument("--micro-batches", type=int, default=8)
-    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
-    p.add_argument("--model", default="small")
-    p.add_argument("--n-layer", type=int, default=None,
-                   help="override the model's blocks (e.g. 8 with --model base: 2 blocks a stage)")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--global-batch", type=int, default=16, help="PP vs DP: sequences per step")
-    p.add_argument("--compare-micro-batches", type=int, default=4, help="PP=2 micro-batches")
-    p.add_argument("--steps", type=int, default=6, help="timed steps")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--no-compare", action="store_true", help="only the bubble (no PP=2 vs DP=2)")
-    p.add_argument("--json", default=None)
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.worker == "bubble":
-        return worker_bubble(args)
-    if args.worker == "compare":
-        return worker_compare(args)
-    bubble = launch(args, args.stages, "bubble")
-    compare = None if args.no_compare else launch(args, 2, "compare")
+def print_bubble(args, bubble):
     rows = []
     for name, r in bubble["schedules"].items():
         rows.append([name, bubble["stages"], bubble["micro_batches"], f"{r['theory']:.3f}",
@@ -239,6 +265,41 @@ def main():
                          [[s, f"{r['cpu_F_s'] * 1e3:.1f}", f"{r['cpu_B_s'] * 1e3:.1f}",
                            f"{r['wall_bubble']:.3f}", f"{r['recv_wait']:.3f}"]
                           for s, r in enumerate(bubble["schedules"]["1f1b"]["ranks"])]))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages (= ranks) for the bubble")
+    p.add_argument("--micro-batches", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
+    p.add_argument("--model", default="small")
+    p.add_argument("--n-layer", type=int, default=None,
+                   help="override the model's blocks (e.g. 8 with --model base: 2 blocks a stage)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--global-batch", type=int, default=16, help="PP vs DP: sequences per step")
+    p.add_argument("--compare-micro-batches", type=int, default=4, help="PP=2 micro-batches")
+    p.add_argument("--steps", type=int, default=6, help="timed steps")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no-compare", action="store_true", help="only the bubble (no PP=2 vs DP=2)")
+    p.add_argument("--no-bubble", action="store_true", help="skip the bubble part")
+    p.add_argument("--overlap", action="store_true",
+                   help="also PP=2 x DP=2 (4 ranks): dp all_reduce overlapped with the last "
+                        "backward vs after the schedule, exposed wait per stage")
+    p.add_argument("--bucket-mb", type=float, default=0.25, help="dp bucket size for --overlap")
+    p.add_argument("--json", default=None)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker == "bubble":
+        return worker_bubble(args)
+    if args.worker == "compare":
+        return worker_compare(args)
+    if args.worker == "overlap":
+        return worker_overlap(args)
+    bubble = None if args.no_bubble else launch(args, args.stages, "bubble")
+    compare = None if args.no_compare else launch(args, 2, "compare")
+    overlap = launch(args, 4, "overlap") if args.overlap else None
+    if bubble is not None:
+        print_bubble(args, bubble)
     if compare is not None:
         print()
         print(f"PP=2 (1F1B, {compare['micro_batches']} micro-batches) vs DP=2, global batch "
@@ -248,12 +309,24 @@ def main():
                                f"{compare['pp_tokens_per_s']:,.0f}"],
                               ["DP=2", f"{compare['dp_step_ms']:.0f}",
                                f"{compare['dp_tokens_per_s']:,.0f}"]]))
+    if overlap is not None:
+        print()
+        print(f"PP=2 x DP=2 (1F1B, {overlap['micro_batches']} micro-batches, global batch "
+              f"{overlap['global_batch']}, {overlap['buckets']} dp buckets of "
+              f"{overlap['bucket_mb']} MiB per stage): dp all_reduce started during the last "
+              f"backward vs after the schedule; exposed = time waiting for it after the schedule")
+        print(markdown_table(
+            ["dp all_reduce", "step ms"] + [f"exposed ms, stage {s}"
+                                            for s in range(len(overlap["overlap_wait_ms_by_stage"]))],
+            [[name, f"{overlap[name + '_step_ms']:.0f}"]
+             + [f"{w:.2f}" for w in overlap[name + "_wait_ms_by_stage"]]
+             for name in ("overlap", "after")]))
     info = machine_info()
     print(f"\nmachine: {machine_line(info)}")
     print(f"command: python bench/pipeline.py {shlex.join(sys.argv[1:])}".rstrip())
     if args.json:
         write_json(args.json, {"args": vars(args), "machine": info, "bubble": bubble,
-                               "compare": compare})
+                               "compare": compare, "overlap": overlap})
 
 
 if __name__ == "__main__":

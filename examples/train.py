@@ -601,8 +601,9 @@ def train(args):
                               params, lr=args.lr, weight_decay=args.weight_decay,
                               decay_mask=mask)) if hybrid else None
     if pipeline:  # with --tp > 1: tensor-parallel stages
-        engine = build_pipeline(cfg, world, dp=args.dp, pp=args.pp, tp=args.tp, seed=args.seed,
-                                sequence_parallel=args.sequence_parallel,
+        engine = build_pipeline(cfg, world, dp=args.dp, pp=args.pp, tp=args.tp, sp=args.sp,
+                                seed=args.seed, sequence_parallel=args.sequence_parallel,
+                                bucket_bytes=int(args.bucket_mb * 2**20),
                                 micro_batches=args.micro_batches, schedule=args.schedule,
                                 optimizer=lambda params, mask: AdamW(
                                     params, lr=args.lr, weight_decay=args.weight_decay,

@@ -433,12 +433,9 @@ def check_layout(world_size, *, dp=None, tp=1, pp=1, sp=1, seq_len, zero_stage=0
     """Validate a training job's layout before anything is built (pure, local, the same verdict
     on every rank). Returns dp. Raises ConfigError: dp * tp * pp * sp != world_size (naming every
     factor), seq_len not divisible by sp (or by tp * sp under Megatron sequence parallelism,
-    checked by the model), sequence_parallel with tp = 1, pipeline combined with sp, ZeRO or
+    checked by the model), sequence_parallel with tp = 1, ZeRO or
     elastic shrink with tp or sp > 1 (not supported yet)."""
     dp, tp, pp, sp = resolve_degrees(world_size, dp=dp, tp=tp, pp=pp, sp=sp)
-    if pp > 1 and sp > 1:
-        raise ConfigError(f"pp({pp}) together with sp({sp}) > 1 is not supported yet; pipeline "
-                          "parallelism composes with dp and tp (rtxmpi.parallel.pipeline)")
     if seq_len % sp:
         raise ConfigError(f"sequence length {seq_len} is not divisible by sp({sp}); use a multiple "
                           f"of {sp}")

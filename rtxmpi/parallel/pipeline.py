@@ -42,6 +42,7 @@ from ..nn.optim import AdamW, clip_grad_norm, grad_norm_sq
 from ..nn.params import bind, decay_mask, layout
 from ..observe import trace
 from . import tensor as tpl
+from .data import DEFAULT_BUCKET_BYTES, build_buckets
 from .hybrid import ParallelGPT
 from .schedule import build_schedule, partition
 
@@ -120,6 +121,16 @@ class PipelineStage:
             else:
                 self._head = self.params[-1] if self.tied_copy else self.params[0]
         self.wte = self.params[0] if self.is_first else (self.params[-1] if self.tied_copy else None)
+        # units: (start, stop) ranges of flat_grad in flat order (embeddings, each block, head,
+        # wte copy); backward finishes them in reverse order and reports each (unit_ready)
+        bounds = ([2] if self.is_first else []) + [base + 12 * (k + 1) for k in range(stop - first)]
+        if self.is_last:
+            bounds.append(len(own))
+        if self.tied_copy:
+            bounds.append(len(self.params))
+        starts = [0] + bounds[:-1]
+        self.units = [(self.params[a].offset, self.params[b - 1].offset + self.params[b - 1].size)
+                      for a, b in zip(starts, bounds)]
         self.full_specs = param_layout(cfg)
         self.full_start, self.full_stop = self.flat_start, self.flat_stop  # the same layout here
         self.tp, self.tp_rank = 1, 0
@@ -134,6 +145,10 @@ class PipelineStage:
 
     def check_positions(self, T):
         """Raise ConfigError when this stage cannot take T positions (nothing to check here)."""
+
+    def local_tokens(self, a):
+        """This rank's positions of a (B, T) id array (all of them here)."""
+        return a
 
     def grad_norm_sq(self):
         """Squared L2 norm of the stage's own gradient (the wte copy not counted). Local."""
@@ -173,20 +188,59 @@ class PipelineStage:
         loss, caches["ce"] = layers.crossentropy_forward(logits, targets)
         return float(loss), caches
 
-    def backward(self, cache, dout=None, scale=1.0):
+    def backward(self, cache, dout=None, scale=1.0, unit_ready=None):
+        ready = _Countdown(len(self.units), unit_ready)
         if self.is_last:
             dlogits = layers.crossentropy_backward(scale, cache["ce"])
             dh, _, _ = layers.linear_backward(dlogits, cache["head"], dw_out=self._head.grad.T)
             g, b = self._ln_f
             dx, _, _ = layers.layernorm_backward(dh, cache["ln_f"], g.grad, b.grad)
+            ready.head(self)
         else:
             dx = dout
         for ps, c in zip(reversed(self._blocks), reversed(cache["blocks"])):
             dx, _ = layers.block_backward(dx, c, [p.grad for p in ps])
+            ready()
         if self.is_first:
             layers.embedding_backward(dx, cache["emb"], self.params[0].grad, self.params[1].grad)
+            ready()
             return None
         return dx
+
+
+def stage_buckets(units, bucket_bytes, itemsize):
+    """Data-parallel gradient buckets of a stage: its units (flat (start, stop) ranges in flat
+    order) grouped, from the last unit back, into contiguous buckets of about bucket_bytes
+    (rtxmpi.parallel.data.build_buckets; a bucket's first/last are unit indices). Returns the
+    buckets in launch order (last units first). Local (pure)."""
+    spans = [_Span(a, b - a) for a, b in units]
+    return build_buckets(spans, bucket_bytes, itemsize)
+
+
+class _Span:
+    __slots__ = ("offset", "size")
+
+    def __init__(self, offset, size):
+        self.offset, self.size = offset, size
+
+
+class _Countdown:
+    """Reports a stage's units as final, last unit first (the order backward finishes them)."""
+
+    def __init__(self, n_units, unit_ready):
+        self.next, self.unit_ready = n_units - 1, unit_ready
+
+    def __call__(self):
+        if self.unit_ready is not None:
+            self.unit_ready(self.next)
+        self.next -= 1
+
+    def head(self, stage):
+        """After the head's backward: the wte copy (if any) and the head unit are final (on a
+        one-stage pipeline with tied embeddings wte is in unit 0, final after the embeddings)."""
+        if stage.tied_copy:
+            self()
+        self()
 
 
 def _read(read, name, offset, length):
@@ -199,9 +253,9 @@ def _read(read, name, offset, length):
 
 class TensorParallelStage(PipelineStage):
     """A pipeline stage of a ParallelGPT (rtxmpi.parallel.hybrid): the stage's blocks with
-    Megatron tensor parallelism over the model's tp group (sp = 1).
+    Megatron tensor parallelism over the model's tp group and Ulysses attention over its sp group.
 
-    model: ParallelGPT on a mesh with sp = 1; its parameters of this stage are copied into the
+    model: ParallelGPT on a mesh (any tp, sp); its parameters of this stage are copied into the
     stage's own flat buffers and the model's Param views are re-pointed at them (the model's own
     flat buffers, and every other stage's parameters, are dropped), so the model's tensor-parallel
     layer code runs on the stage's buffers. flat_start / flat_stop are the range in this tp rank's
@@ -230,13 +284,26 @@ class TensorParallelStage(PipelineStage):
         self._wte_local = (model.params[0].offset, model.params[0].offset + model.params[0].size)
 
     def activation_shape(self, b, T):
-        Tl = T // self.tp if self.model.sequence_parallel else T
-        return (b, Tl, self.cfg.n_embd)
+        Ts = T // self.model.sp
+        return (b, Ts // self.tp if self.model.sequence_parallel else Ts, self.cfg.n_embd)
 
     def check_positions(self, T):
-        if self.model.sequence_parallel and T % self.tp:
+        sp = self.model.sp
+        if T % sp:
+            raise ConfigError(f"T={T} positions are not divisible by sp({sp}) (Ulysses splits "
+                              f"each sample's positions over sp); use a multiple of {sp}")
+        if self.model.sequence_parallel and (T // sp) % self.tp:
             raise ConfigError(f"sequence_parallel: T={T} positions are not divisible by "
-                              f"tp({self.tp}); use a sequence length divisible by tp")
+                              f"sp({sp}) * tp({self.tp}); use a sequence length divisible by "
+                              f"{sp * self.tp}")
+
+    def local_tokens(self, a):
+        """Positions [sp_rank * Ts, (sp_rank + 1) * Ts) of a (B, T) array, Ts = T / sp."""
+        sp = self.model.sp
+        if sp == 1:
+            return a
+        Ts = a.shape[1] // sp
+        return a[:, self.model.sp_rank * Ts:(self.model.sp_rank + 1) * Ts]
 
     # the model's passes in pieces (ParallelGPT.embed_forward, block_forward, head_forward, ...)
     def forward(self, inp, targets=None):
@@ -255,15 +322,21 @@ class TensorParallelStage(PipelineStage):
         loss, caches["head"] = m.head_forward(x, targets)
         return loss, caches
 
-    def backward(self, cache, dout=None, scale=1.0):
-        m = self.model
-        dx = m.head_backward(cache["head"], scale) if self.is_last else dout
+    def backward(self, cache, dout=None, scale=1.0, unit_ready=None):
+        m, ready = self.model, _Countdown(len(self.units), unit_ready)
+        if self.is_last:
+            dx = m.head_backward(cache["head"], scale)
+            ready.head(self)
+        else:
+            dx = dout
         first, stop = self.blocks
         for l, c in zip(range(stop - 1, first - 1, -1), reversed(cache["blocks"])):
             dx = m.block_backward(l, dx, c)
+            ready()
         if not self.is_first:
             return dx
         m.embed_backward(dx, cache["emb"])
+        ready()
         return None
 
     def grad_norm_sq(self):
@@ -307,11 +380,14 @@ class PipelineParallel:
 
     model: GPT (rtxmpi.nn.GPT), the same config and seed on every rank; this rank copies its
     stage's parameters (stage = pp_group.rank) and the caller may drop the model. Or a
-    ParallelGPT (rtxmpi.parallel.hybrid) on a mesh with sp = 1: tensor-parallel stages
-    (TensorParallelStage; every collective then also involves the model's tp group).
+    ParallelGPT (rtxmpi.parallel.hybrid): tensor- and/or Ulysses-parallel stages
+    (TensorParallelStage; every collective then also involves the model's tp and sp groups).
     pp_group: ProcessGroup of the pipeline (group rank = stage). dp_group: ProcessGroup of the
-    data-parallel replicas of this stage (None: no data parallelism); every replica runs the same
-    schedule on its own slice of the global batch.
+    replicas of this stage that see different tokens (None: no data parallelism): the dp ranks,
+    and with sp > 1 the sp ranks too (mesh.loss_group); every replica runs the same schedule on
+    its own tokens, and gradients and loss are averaged over it.
+    bucket_bytes: dp gradient bucket size (whole units: blocks, embeddings, head); each bucket's
+    all_reduce starts during the stage's last backward (overlap_dp=True) or after the schedule.
     micro_batches: m, micro-batches per step on each pipeline (>= 1; >= pp for 1F1B).
     schedule: "1f1b" (default) or "gpipe". split: blocks per stage (see stage_layout), None:
     balanced by parameter count. optimizer: callable(params_flat, decay_mask) -> AdamW-like
@@ -334,13 +410,15 @@ class PipelineParallel:
     """
 
     def __init__(self, model, pp_group, dp_group=None, *, micro_batches, schedule="1f1b",
-                 split=None, optimizer=None):
+                 split=None, optimizer=None, bucket_bytes=DEFAULT_BUCKET_BYTES, overlap_dp=True):
         if not isinstance(model, (GPT, ParallelGPT)):
             raise ConfigError(f"PipelineParallel needs an rtxmpi.nn.GPT or a ParallelGPT, got "
                               f"{type(model).__name__}")
-        if isinstance(model, ParallelGPT) and model.sp > 1:
-            raise ConfigError(f"pipeline parallelism with sp({model.sp}) > 1 is not supported; "
-                              "use sp=1 (tensor parallelism composes: tp >= 1)")
+        if isinstance(model, ParallelGPT) and model.sp > 1 and (
+                dp_group is None or dp_group.world_size % model.sp):
+            raise ConfigError(f"with sp({model.sp}) > 1 the replica group must hold the sp ranks "
+                              f"(mesh.loss_group = group('dp', 'sp')), got "
+                              f"{getattr(dp_group, 'world_size', None)} ranks")
         p = pp_group.world_size
         self.pp_group, self.dp_group = pp_group, dp_group
         self.micro_batches, self.schedule_name = micro_batches, schedule
@@ -366,20 +444,27 @@ class PipelineParallel:
             self.embed_group.broadcast(st.wte.data, src=0)
         make = optimizer or (lambda params, mask: AdamW(params, lr=3e-4, decay_mask=mask))
         self.optimizer = make(st.flat_data, decay_mask(st.params, xp=st.xp, dtype=st.dtype))
+        if not bucket_bytes > 0:
+            raise ConfigError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        self.overlap_dp = bool(overlap_dp)
+        self.buckets = stage_buckets(st.units, int(bucket_bytes), st.flat_grad.itemsize)
+        # the stage's last backward (micro-batch of the schedule's last B): its gradients are final
+        # unit by unit during it, and the dp all_reduce of each bucket starts as soon as it is
+        self._last_b = [op.micro_batch for op in self.schedule if op.kind == "B"][-1]
+        self.dp_launched_in_backward = 0  # buckets whose all_reduce the last step started in B
 
     @classmethod
     def from_mesh(cls, model, mesh, **kwargs):
         """Build over a DeviceMesh (rtxmpi.mesh): pp_group = mesh.group("pp"), dp_group =
-        mesh.group("dp"). With mesh.tp > 1 the model must be a ParallelGPT on the same mesh
-        (tensor-parallel stages). Raises ConfigError when mesh.sp > 1 (not supported) or tp > 1
-        with a plain GPT."""
-        if mesh.sp > 1:
-            raise ConfigError(f"pipeline parallelism with sp({mesh.sp}) > 1 is not supported; use "
-                              "sp=1 (tensor parallelism composes)")
-        if mesh.tp > 1 and not isinstance(model, ParallelGPT):
-            raise ConfigError(f"pipeline parallelism with tp({mesh.tp}) > 1 needs the model as a "
-                              "ParallelGPT on the same mesh (rtxmpi.parallel.hybrid)")
-        engine = cls(model, mesh.group("pp"), mesh.group("dp"), **kwargs)
+        mesh.loss_group (group("dp", "sp"): with Ulysses every sp rank holds the whole stage and
+        the loss of its positions, so gradients and loss average over dp x sp). With mesh.tp > 1
+        or mesh.sp > 1 the model must be a ParallelGPT on the same mesh. Raises ConfigError when
+        tp or sp > 1 with a plain GPT."""
+        if (mesh.tp > 1 or mesh.sp > 1) and not isinstance(model, ParallelGPT):
+            raise ConfigError(f"pipeline parallelism with tp({mesh.tp}) or sp({mesh.sp}) > 1 needs "
+                              "the model as a ParallelGPT on the same mesh "
+                              "(rtxmpi.parallel.hybrid)")
+        engine = cls(model, mesh.group("pp"), mesh.loss_group, **kwargs)
         engine.mesh = mesh
         return engine
 
@@ -419,11 +504,49 @@ class PipelineParallel:
         b, T = self._check_batch(x, y)
         self._run(x, y, b, T, backward=True)
         st = self.stage
-        if self.embed_group is not None:
+        t0 = time.perf_counter()
+        with trace.span("pp.dp_wait", "pipeline", stage=st.stage):
+            self._finish_dp()
+        if self.embed_group is not None:  # a sum: commutes with the dp average
             self.embed_group.all_reduce(st.wte.grad, op="sum")
-        if self.dp_group is not None and self.dp_group.world_size > 1:
-            self.dp_group.all_reduce(st.flat_grad, op="avg")
+        self.timeline.append(("dp_wait", -1, t0, time.perf_counter()))
         return self._global_loss()
+
+    # data-parallel gradient buckets (DataParallel's scheme, per stage) ----------------------------
+    def _dp_active(self):
+        return self.dp_group is not None and self.dp_group.world_size > 1
+
+    def _start_buckets(self):
+        """Arm the buckets for the stage's last backward; returns the unit_ready callback."""
+        pending = {b.index: b.num_params for b in self.buckets}
+        bucket_of = {u: b for b in self.buckets for u in range(b.first, b.last + 1)}
+        grad, dp = self.stage.flat_grad, self.dp_group
+
+        self.dp_launched_in_backward = 0
+
+        def unit_ready(u):
+            b = bucket_of[u]
+            pending[b.index] -= 1
+            if pending[b.index] == 0:
+                b.work = dp.all_reduce(grad[b.start:b.stop], op="avg", async_op=True)
+                self.dp_launched_in_backward += 1
+            for other in self.buckets:  # let reductions in flight progress
+                if other.work is not None:
+                    other.work.test()
+        return unit_ready
+
+    def _finish_dp(self):
+        """Wait for every bucket's all_reduce (launch those not started: overlap_dp off)."""
+        if not self._dp_active():
+            return
+        grad = self.stage.flat_grad
+        for b in self.buckets:
+            if b.work is None:
+                self.dp_group.all_reduce(grad[b.start:b.stop], op="avg")
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
 
     def eval_loss(self, x, y):
         """Mean loss of a batch, forward only (every micro-batch forward in order, no backward,
@@ -454,6 +577,8 @@ class PipelineParallel:
     def _run(self, x, y, b, T, backward):
         st, pp, m, xp = self.stage, self.pp_group, self.micro_batches, self.stage.xp
         shape = st.activation_shape(b, T)
+        x, y = st.local_tokens(x), st.local_tokens(y)  # Ulysses: this sp rank's positions
+        x, y = xp.asarray(x), xp.asarray(y)  # host batch -> the model's device (cupy)
         ops = self.schedule if backward else [op for op in self.schedule
                                               if op.kind in ("F", "send_act", "recv_act")]
         inputs, outputs, caches, grads = {}, {}, {}, {}
@@ -474,7 +599,10 @@ class PipelineParallel:
                     if backward:
                         caches[i] = cache
                 elif kind == "B":
-                    dinp = st.backward(caches.pop(i), dout=grads.pop(i, None), scale=scale)
+                    ready = (self._start_buckets() if i == self._last_b and self.overlap_dp
+                             and self._dp_active() else None)
+                    dinp = st.backward(caches.pop(i), dout=grads.pop(i, None), scale=scale,
+                                       unit_ready=ready)
                     if dinp is not None:
                         outputs[i] = dinp
                 elif kind.startswith("send_"):
@@ -561,14 +689,12 @@ class PipelineParallel:
         st.zero_grad()
 
 
-def check_pipeline(*, pp, micro_batches, schedule, n_layer, zero_stage=0, offload="none",
-                   elastic="off"):
+def check_pipeline(*, pp, micro_batches, schedule, n_layer, zero_stage=0, offload="none"):
     """Validate a training job's pipeline settings before anything is built (pure, local, the
     same verdict on every rank). Raises ConfigError: pp > n_layer, an impossible schedule
     (unknown, micro_batches < 1, 1F1B with micro_batches < pp; the schedule is built and
     simulated), ZeRO (stages shard what dp replicates; with pipeline stages the dp group holds
-    only the stage's parameters: not supported), offload, elastic shrink (a lost rank is a lost
-    stage)."""
+    only the stage's parameters: not supported), offload."""
     if pp < 1:
         raise ConfigError(f"--pp must be >= 1, got {pp}")
     if pp == 1:
@@ -582,21 +708,21 @@ def check_pipeline(*, pp, micro_batches, schedule, n_layer, zero_stage=0, offloa
                           "--zero-stage 0 with pipeline parallelism")
     if offload != "none":
         raise ConfigError(f"--offload {offload} needs ZeRO, which does not compose with --pp")
-    if elastic == "shrink":
-        raise ConfigError(f"--elastic {elastic} with --pp {pp} is not supported: a lost rank is a "
-                          "lost pipeline stage; use --elastic off")
     build_schedule(schedule, micro_batches, pp)
 
 
-def build_pipeline(cfg, group, *, dp=None, pp, tp=1, micro_batches, schedule="1f1b", split=None,
-                   seed=0, dtype=np.float32, sequence_parallel=False, optimizer=None):
-    """The mesh (dp x pp x tp, sp = 1) and PipelineParallel engine for a training job: builds the
-    GPT (a ParallelGPT when tp > 1, optionally with Megatron sequence_parallel) from (cfg, seed),
+def build_pipeline(cfg, group, *, dp=None, pp, tp=1, sp=1, micro_batches, schedule="1f1b", split=None,
+                   seed=0, dtype=np.float32, sequence_parallel=False, optimizer=None,
+                   bucket_bytes=DEFAULT_BUCKET_BYTES, xp=np):
+    """The mesh (dp x pp x tp x sp) and PipelineParallel engine for a training job: builds the
+    GPT (a ParallelGPT when tp or sp > 1, optionally with Megatron sequence_parallel) from (cfg, seed),
     keeps this rank's stage and drops the rest. Returns the engine (engine.mesh, engine.model =
     its stage). Collective on `group`. Raises ConfigError on every rank (layout, schedule, split,
-    a model that does not divide by tp)."""
-    mesh = DeviceMesh(dp=dp, tp=tp, pp=pp, sp=1, group=group)
-    model = (ParallelGPT(cfg, mesh, seed=seed, dtype=dtype, sequence_parallel=sequence_parallel)
-             if tp > 1 else GPT(cfg, seed=seed, dtype=dtype))
+    a model that does not divide by tp or sp)."""
+    mesh = DeviceMesh(dp=dp, tp=tp, pp=pp, sp=sp, group=group)
+    model = (ParallelGPT(cfg, mesh, seed=seed, xp=xp, dtype=dtype,
+                         sequence_parallel=sequence_parallel)
+             if tp > 1 or sp > 1 else GPT(cfg, seed=seed, xp=xp, dtype=dtype))  # xp: numpy or cupy
     return PipelineParallel.from_mesh(model, mesh, micro_batches=micro_batches, schedule=schedule,
-                                      split=split, optimizer=optimizer)
+                                      split=split, optimizer=optimizer,
+                                      bucket_bytes=bucket_bytes)

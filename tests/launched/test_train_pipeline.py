@@ -21,13 +21,13 @@ def train(n, args, tmp_path, name):
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
-def test_pp2_tp2_then_resumed_at_pp2_dp2_follow_the_one_process_loss_curve(tmp_path):
+def test_pp2_tp2_then_resumed_at_pp2_sp2_follow_the_one_process_loss_curve(tmp_path):
     straight = train(1, [], tmp_path, "one")
     ckpt = tmp_path / "ckpt"
     first = train(4, ["--pp", "2", "--tp", "2", "--schedule", "gpipe", "--ckpt-dir", ckpt,
                       "--stop-after-step", "3"], tmp_path, "pp")
-    resumed = train(4, ["--pp", "2", "--dp", "2", "--ckpt-dir", ckpt, "--resume"], tmp_path,
-                    "pp")  # appends steps 4..6 to the same file
+    resumed = train(4, ["--pp", "2", "--sp", "2", "--ckpt-dir", ckpt, "--resume"], tmp_path,
+                    "pp")  # Ulysses stages; appends steps 4..6 to the same file
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert first == resumed[:3]
     for ref, got in zip(straight, resumed):

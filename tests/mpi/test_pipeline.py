@@ -1,9 +1,9 @@
 """Pipeline parallelism against the one-process reference on the same global batch.
 
-Layouts (dp, tp, pp) come from the world size n: pp = n (one pipeline through every rank) and, at
-n = 4, pp = 2 x dp = 2 and pp = 2 x tp = 2 (tensor-parallel stages, with and without Megatron
-sequence parallelism); at n = 1 the pipeline has one stage. Both schedules, tied and untied
-embeddings.
+Layouts (dp, tp, pp, sp) come from the world size n: pp = n (one pipeline through every rank) and,
+at n = 4, pp = 2 x dp = 2, pp = 2 x tp = 2 (tensor-parallel stages, with and without Megatron
+sequence parallelism) and pp = 2 x sp = 2 (Ulysses stages); at n = 1 the pipeline has one stage.
+Both schedules, tied and untied embeddings.
 """
 import numpy as np
 import pytest
@@ -25,23 +25,22 @@ def make_model(tied=True, dtype=np.float32, n_layer=4):
     return GPT(config(tied, n_layer), seed=3, dtype=dtype)
 
 
-def layouts(world, tensor=True):
-    """(dp, tp, pp, sequence_parallel) layouts of this world size."""
+def layouts(world):
+    """(dp, tp, pp, sp, sequence_parallel) layouts of this world size."""
     n = world.world_size
-    out = [(1, 1, n, False)]
+    out = [(1, 1, n, 1, False)]
     if n == 4:
-        out.append((2, 1, 2, False))
-        if tensor:
-            out += [(1, 2, 2, False), (1, 2, 2, True)]
+        out += [(2, 1, 2, 1, False), (1, 2, 2, 1, False), (1, 2, 2, 1, True), (1, 1, 2, 2, False)]
     return out
 
 
-def build(world, dp, pp, tp=1, sequence_parallel=False, tied=True, dtype=np.float32, **kwargs):
-    mesh = DeviceMesh(dp=dp, tp=tp, pp=pp, group=world)
+def build(world, dp, pp, tp=1, sp=1, sequence_parallel=False, tied=True, dtype=np.float32,
+          **kwargs):
+    mesh = DeviceMesh(dp=dp, tp=tp, pp=pp, sp=sp, group=world)
     model = kwargs.pop("model", None)
     if model is None:
         model = (ParallelGPT(config(tied), mesh, seed=3, dtype=dtype,
-                             sequence_parallel=sequence_parallel) if tp > 1
+                             sequence_parallel=sequence_parallel) if tp > 1 or sp > 1
                  else make_model(tied, dtype))
     return mesh, PipelineParallel.from_mesh(model, mesh, **kwargs)
 
@@ -71,12 +70,14 @@ def test_pipeline_gradients_match_single_process(world, schedule, tied):
     reference = make_model(tied)
     reference_grad(reference, x, y)
     ref_loss, _ = make_model(tied).forward(x, y)
-    for dp, tp, pp, seq in layouts(world):
-        mesh, engine = build(world, dp, pp, tp, seq, tied=tied, micro_batches=4,
-                             schedule=schedule)
+    for dp, tp, pp, sp, seq in layouts(world):
+        mesh, engine = build(world, dp, pp, tp, sp, seq, tied=tied, micro_batches=4,
+                             schedule=schedule, bucket_bytes=1)  # a bucket per unit
         rows = mesh.batch_slice(GLOBAL_BATCH)
         loss = engine.train_step(x[rows], y[rows])
         check_stage_grads(engine, reference)
+        if dp * sp > 1:  # every dp (x sp) bucket started during the last backward, not after it
+            assert engine.dp_launched_in_backward == len(engine.buckets) > 1
         assert loss == pytest.approx(ref_loss, rel=1e-5)
 
 
@@ -109,8 +110,9 @@ def test_pipeline_loss_curve_matches_single_process_over_10_steps(world):
         ref_opt.step(reference.flat_grad)
         reference.zero_grad()
         ref_losses.append(loss)
-    for dp, tp, pp, seq in layouts(world)[-2:]:  # at n = 4: pp x dp and pp x tp
-        mesh, engine = build(world, dp, pp, tp, seq, dtype=np.float64, micro_batches=4,
+    for dp, tp, pp, sp, seq in [lay for lay in layouts(world) if not lay[4]][-3:]:
+        # at n = 4: pp x dp, pp x tp and pp x sp
+        mesh, engine = build(world, dp, pp, tp, sp, seq, dtype=np.float64, micro_batches=4,
                              optimizer=optimizer)
         rows = mesh.batch_slice(GLOBAL_BATCH)
         losses = []
@@ -139,8 +141,8 @@ def test_eval_loss_is_the_forward_loss_and_leaves_no_gradient(world):
 
 @pytest.mark.parametrize("which", ["first", "last"])
 def test_checkpoint_pieces_cover_every_tensor_once_and_load_back(world, which):
-    dp, tp, pp, seq = layouts(world)[0 if which == "first" else -1]
-    _, engine = build(world, dp, pp, tp, seq, micro_batches=4)
+    dp, tp, pp, sp, seq = layouts(world)[0 if which == "first" else -1]
+    _, engine = build(world, dp, pp, tp, sp, seq, micro_batches=4)
     reference = make_model()
     pieces = engine.shards()  # collective on tp
     for name, (data, offset, size) in pieces.items():
@@ -214,7 +216,7 @@ def test_pipeline_refuses_a_plain_gpt_on_a_tensor_parallel_mesh(world, assert_ra
     mesh = DeviceMesh(dp=1, tp=2, pp=world.world_size // 2, group=world)
     assert_raised_on_every_rank(
         world, lambda: PipelineParallel.from_mesh(make_model(), mesh, micro_batches=2),
-        ConfigError, match=["tp(2) > 1 needs the model as a ParallelGPT"])
+        ConfigError, match=["tp(2) or sp(1) > 1 needs the model as a ParallelGPT"])
 
 
 @pytest.mark.mpi(min_size=2)
