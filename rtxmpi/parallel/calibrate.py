@@ -14,6 +14,7 @@ A `HardwareProfile` holds the numbers the planner's cost model (rtxmpi/parallel/
     gelu_ns          ns per MLP hidden element, GELU forward + backward
     ln_ns            ns per activation element, LayerNorm forward + backward
     adam_ns          ns per parameter of one AdamW step
+    copy_ns          ns per float32 element copied (4 MiB arrays): ZeRO offload's host copies
     block_call_us    us for one block forward + backward at 8 tokens: the fixed cost of the ~70
                      numpy calls a block makes, paid per block and micro-batch
     ref_model, ref_ms  the reference run: one GPT forward + backward (rtxmpi.nn.GPT, the model
@@ -113,6 +114,7 @@ class HardwareProfile:
     ref_ms: float
     sync_s: dict = field(default_factory=dict)
     ref_small: dict = field(default_factory=dict)
+    copy_ns: float = 1.0  # profiles saved before it was measured: the CI machine kind's
     machine: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     version: int = PROFILE_VERSION
@@ -208,6 +210,7 @@ _DEFAULT = {
     "ranks_per_node": 4, "cores_per_node": 2,
     "dense_flops": 1.0e11, "attn_flops": 4.0e10,
     "score_fwd_ns": 3.5, "score_bwd_ns": 2.3, "gelu_ns": 10.0, "ln_ns": 7.0, "adam_ns": 4.0,
+    "copy_ns": 1.0,
     "block_call_us": 470.0,
     "contention": 2.0, "effective_cores": 2.0, "wait_weight": 0.3,
     "ref_busy_ms": {"1": 190.0, "2": 245.0, "4": 380.0},
@@ -354,6 +357,9 @@ def _compute_kernels(C, H, T, tokens):
     block = [(rng.standard_normal(shape) * 0.02).astype(np.float32)
              for _, shape, _ in layers.block_param_shapes(C)]
 
+    src = rng.standard_normal(1 << 20).astype(np.float32)  # 4 MiB: past the caches, as a shard
+    dst = np.empty_like(src)
+
     def block_call():  # one block forward + backward at 8 tokens: the per-call cost
         y, cache = layers.block_forward(xs, block, H)
         layers.block_backward(y, cache)
@@ -367,6 +373,7 @@ def _compute_kernels(C, H, T, tokens):
         "gelu_ns": (gelu, h.size, "ns"),
         "ln_ns": (ln, x.size, "ns"),
         "adam_ns": (lambda: opt.step(grad), n_adam, "ns"),
+        "copy_ns": (lambda: np.copyto(dst, src), src.size, "ns"),
     }
 
 

@@ -14,9 +14,9 @@ Enumeration (`enumerate_layouts`): every dp * tp * pp * sp == world_size, every 
 dividing the per-rank batch (global_batch / dp), ZeRO stages 0-3 and, when pp > 1, the GPipe and
 1F1B schedules. `check_layout` says why a candidate is invalid (one reason, a sentence):
 n_head % (tp * sp), vocab_size % tp, seq_len % sp, n_layer < pp, global_batch % dp, per-rank batch
-% m, 1F1B with m < pp, ZeRO with dp == 1 (nothing to shard) or combined with tp/pp/sp (this
-version's ZeroDataParallel is pure data parallelism), and what the runtime cannot run yet
-(`supported`); then `estimate` rejects what does not fit in memory.
+% m, 1F1B with m < pp, ZeRO with dp * sp == 1 (nothing to shard), offload without ZeRO, and what
+the runtime cannot run yet (`supported`: the runtime's own checks decide which ZeRO stages compose
+with tp / pp / sp); then `estimate` rejects what does not fit in memory.
 
 Cost model (`estimate`), per step, seconds; n = b * T / sp tokens of a micro-batch of b samples on
 a rank, h = n_head / (tp * sp) heads, S = b * h * T * T attention scores, P = parameters per rank:
@@ -42,20 +42,20 @@ a rank, h = n_head / (tp * sp) heads, S = b * h * T * T attention scores, P = pa
     sp   Ulysses: per block, forward and backward, an all_to_all of the q, k, v shard (3 n C / tp
          floats) and one of the output (n C / tp) (Jacobs et al. 2023).
     pp   per micro-batch and stage boundary: send/recv of n C floats forward, the same backward.
-    dp   gradients of P floats averaged over dp * sp (the ranks holding different tokens):
-         all_reduce (ZeRO 1-2: reduce_scatter + all_gather of the parameters, the same bytes),
-         exposed in full: on the MPI CPU path a non-blocking reduction progresses only inside MPI
-         calls, and a model under the 25 MiB bucket is one bucket reduced after backward anyway.
-         ZeRO-3 adds an all_gather of the parameters per micro-batch in forward and in backward.
+    dp   gradients of P floats averaged over W = dp * sp (the ranks holding the same
+         parameters), exposed in full: on the MPI CPU path a non-blocking reduction progresses
+         only inside MPI calls, and a model under the 25 MiB bucket is one bucket reduced after
+         backward anyway. ZeRO over the same W (_data_parallel_seconds): 1 all_reduce +
+         all_gather, 2 reduce_scatter + all_gather, 3 per micro-batch a gather of every unit in
+         forward and backward and a reduce_scatter of the unit gradients; offload copies.
   pipeline: the stage op lists of rtxmpi.parallel.schedule (GPipe, 1F1B) are simulated event by
   event with the processor-sharing rule above (so idle stages lend their cores to busy ones on an
   oversubscribed node); the bubble is 1 - busy / (stages * pipeline time). For equal stages on
   a machine without contention this gives the textbook (p - 1) / (m + p - 1).
-  memory per rank, bytes, float32: params 4 P, grads 4 P, AdamW 16 P (m, v, decay mask, scratch);
-  ZeRO as in zero.py's memory_bytes: 1-2 shard the optimizer (stage 2 keeps the full gradient
-  buffer backward writes into), 3 shards all three and holds two gathered blocks; activations per
-  block and micro-batch 4 (4 n C + 17 n C / tp + S) bytes (the caches of rtxmpi.nn.layers),
-  head 8 n V / tp; in flight: GPipe m micro-batches, 1F1B min(m, pp - stage).
+  memory per rank (memory_breakdown), bytes, float32: params 4 P, grads 4 P, AdamW 16 P (m, v,
+  decay mask, scratch); ZeRO and offload as zero.py's memory_bytes counts them, plus transients;
+  activations per block and micro-batch 4 (4 n C + 17 n C / tp + S) bytes (the caches of
+  rtxmpi.nn.layers), head 8 n V / tp; in flight: GPipe m micro-batches, 1F1B min(m, pp - stage).
 Sources: Narayanan et al. 2021 (Megatron-LM, the bubble and 1F1B memory), Rajbhandari et al. 2020
 (ZeRO), Korthikanti et al. 2022 (activation memory per layer).
 Pure: nothing here communicates.
@@ -70,6 +70,7 @@ from .schedule import build_schedule, partition
 
 SCHEDULES = ("1f1b", "gpipe")
 ZERO_STAGES = (0, 1, 2, 3)
+OFFLOADS = ("none", "cpu", "nvme")  # examples/train.py --offload
 BUCKET_BYTES = 25 * 2**20
 STEP_OVERHEAD_ALL_REDUCES = 3  # loss average, overflow agree, grad-norm reduction: small messages
 
@@ -86,20 +87,24 @@ class Layout:
     micro_batches: int = 1
     zero_stage: int = 0
     schedule: str = "none"
+    offload: str = "none"
 
     @property
     def degrees(self):
         return (self.dp, self.tp, self.pp, self.sp)
 
     def flags(self):
-        """The examples/train.py flags that run this layout."""
+        """The examples/train.py flags that run this layout (--offload nvme also needs the
+        job's --offload-dir DIR)."""
         out = (f"--dp {self.dp} --tp {self.tp} --pp {self.pp} --sp {self.sp} "
                f"--micro-batches {self.micro_batches} --zero-stage {self.zero_stage}")
-        return out + (f" --schedule {self.schedule}" if self.pp > 1 else "")
+        out += f" --schedule {self.schedule}" if self.pp > 1 else ""
+        return out + (f" --offload {self.offload}" if self.offload != "none" else "")
 
     def __str__(self):
         s = f"dp{self.dp} tp{self.tp} pp{self.pp} sp{self.sp} m{self.micro_batches} z{self.zero_stage}"
-        return s + (f" {self.schedule}" if self.pp > 1 else "")
+        s += f" {self.schedule}" if self.pp > 1 else ""
+        return s + (f" offload-{self.offload}" if self.offload != "none" else "")
 
 
 @dataclass
@@ -139,7 +144,7 @@ class Plan:
         for i, e in enumerate(self.ranked[:top], 1):
             L = e.layout
             lines.append(f"| {i} | {L.dp} | {L.tp} | {L.pp} | {L.sp} | {L.micro_batches} | "
-                         f"{L.zero_stage} | {L.schedule} | {e.compute_ms:.1f} | {e.comm_ms:.1f} | "
+                         f"{L.zero_stage}{'' if L.offload == 'none' else ' +' + L.offload} | {L.schedule} | {e.compute_ms:.1f} | {e.comm_ms:.1f} | "
                          f"{100 * e.bubble:.0f} | {_fmt_bytes(e.peak_bytes)} | {e.total_ms:.1f} |")
         if len(self.ranked) > top:
             lines.append(f"({len(self.ranked) - top} more valid layouts not shown; --top K)")
@@ -224,10 +229,11 @@ def factorizations(world_size):
 
 
 def enumerate_layouts(world_size, global_batch, max_micro_batches=32, zero_stages=ZERO_STAGES,
-                      schedules=SCHEDULES):
+                      schedules=SCHEDULES, offloads=("none",)):
     """Every candidate Layout: all factorizations, micro-batch counts dividing the per-rank batch
     (global_batch // dp; up to max_micro_batches; 1 when dp does not divide the batch, so that
-    check_layout can say why), the given ZeRO stages, and for pp > 1 each schedule."""
+    check_layout can say why), the given ZeRO stages, for pp > 1 each schedule, and for ZeRO
+    stages >= 1 each of `offloads` (a subset of OFFLOADS; stage 0 has no offload)."""
     out = []
     for dp, tp, pp, sp in factorizations(world_size):
         local = global_batch // dp if global_batch % dp == 0 else 0
@@ -235,7 +241,8 @@ def enumerate_layouts(world_size, global_batch, max_micro_batches=32, zero_stage
         for m in micro:
             for z in zero_stages:
                 for s in (schedules if pp > 1 else ("none",)):
-                    out.append(Layout(dp, tp, pp, sp, m, z, s))
+                    for o in (offloads if z else ("none",)):
+                        out.append(Layout(dp, tp, pp, sp, m, z, s, o))
     return out
 
 
@@ -257,7 +264,7 @@ def default_supported(layout):
                      zero_stage=L.zero_stage)
         if L.pp > 1:
             check_pipeline(pp=L.pp, micro_batches=L.micro_batches, schedule=L.schedule,
-                           n_layer=L.pp, zero_stage=L.zero_stage)
+                           n_layer=L.pp, zero_stage=L.zero_stage, offload=L.offload)
     except ConfigError as exc:
         return str(exc).split("; ")[0]
     return None
@@ -288,10 +295,12 @@ def check_layout(cfg, layout, global_batch, world_size, supported=default_suppor
         return f"1f1b: needs micro-batches >= pp ({m} < {pp})"
     if L.zero_stage not in ZERO_STAGES:
         return f"zero: unknown stage {L.zero_stage}"
-    if L.zero_stage and dp == 1:
-        return "zero: dp = 1 leaves nothing to shard (same as stage 0)"
-    if L.zero_stage and (tp > 1 or pp > 1 or sp > 1):
-        return "zero: ZeRO stages 1-3 run on pure data parallelism in this version (tp=pp=sp=1)"
+    if L.zero_stage and dp * sp == 1:
+        return "zero: dp * sp = 1 leaves nothing to shard (same as stage 0)"
+    if L.offload not in OFFLOADS:
+        return f"offload: unknown offload {L.offload!r} (one of {', '.join(OFFLOADS)})"
+    if L.offload != "none" and not L.zero_stage:
+        return f"offload: --offload {L.offload} needs ZeRO stage 1-3"
     if supported is not None:
         why = supported(L)
         if why:
@@ -504,11 +513,129 @@ def _sharing(profile, R, ranks_per_stage):
     return speed
 
 
-def estimate(cfg, layout, global_batch, profile, ranks_per_node=None):
+def _units(cfg, stage, stages, blocks):
+    """Parameter counts of the ZeRO-3 units one stage gathers (rtxmpi.nn.GPT unit hooks:
+    embeddings, each block, the head; a tied wte is gathered with the head)."""
+    specs = param_layout(cfg)
+    C, V = cfg.n_embd, cfg.vocab_size
+    block = sum(spec.size for spec in specs[2:14])
+    units = [block] * blocks
+    if stage == 0:
+        units.append(specs[0].size + specs[1].size)
+    if stage == stages - 1:
+        units.append(2 * C + V * C)  # ln_f and the head (the tied wte, or its own matrix)
+    return units
+
+
+def memory_breakdown(cfg, layout, global_batch, device="cpu"):
+    """Peak bytes per rank of each pipeline stage, float32: a list (one per stage) of dicts
+    {"params", "grads", "optimizer", "activations", "transient", "total"}.
+
+    ZeRO shards over the ranks holding the same parameters, W = dp * sp (the gradient averaging
+    group, rtxmpi.mesh loss_group), as ZeroDataParallel.memory_bytes counts it (docs/zero.md);
+    P = the stage's parameters / tp:
+      stage 0    params 4P, grads 4P, AdamW 16P (m, v, decay mask, scratch)
+      stage 1-2  params 4P, grads 4P (backward writes the full buffer), AdamW 16P / W; at the
+                 step the all_gather result, 4P, is transient
+      stage 3    params, grads and AdamW / W; transient while forward / backward run: two gathered
+                 units (the one in use and the prefetched one) and two unit gradient buffers
+      offload "cpu": a master copy of the shard (4P / W) and a host copy of its gradient
+                 (4P / W); on device "cpu" (numpy) they are in the same memory, so they add to
+                 it; on "cuda" they, and AdamW, are host memory and the device holds only params
+                 and grads
+      offload "nvme": master parameters, m and v in files; in memory the host gradient copy
+                 (4P / W) and the store's bound, min(chunks, 3) chunks of the three tensors plus
+                 the chunk-sized AdamW scratch and mask (rtxmpi.parallel.offload defaults)
+    activations: per block and micro-batch (activation_bytes), times the micro-batches in flight
+    (1 without a pipeline: accumulation frees each cache; GPipe m; 1F1B min(m, pp - stage)).
+    total = params + grads + optimizer + max(activations + transient during backward, the
+    step's transient)."""
+    from .offload import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_CHUNKS
+
+    L = layout
+    stage_params, stage_blocks = _stage_params(cfg, L.pp)
+    per_block, head_act = activation_bytes(cfg, L, global_batch)
+    W, z, host = L.dp * L.sp, L.zero_stage, device == "cpu"
+    out = []
+    for s in range(L.pp):
+        P = stage_params[s] / L.tp
+        shard = P / W if z else P
+        params, grads = 4 * P, 4 * P
+        optimizer = 16 * shard
+        transient_fb = transient_step = 0.0
+        if z in (1, 2):
+            transient_step = 4 * P
+        if z == 3:
+            params, grads = 4 * shard, 4 * shard
+            biggest = max(_units(cfg, s, L.pp, stage_blocks[s])) / L.tp
+            transient_fb = 2 * 4 * biggest + 2 * 4 * biggest
+        if L.offload == "cpu":
+            if host:
+                params, grads = params + 4 * shard, grads + 4 * shard
+            else:
+                optimizer = 0.0
+        elif L.offload == "nvme":
+            chunk = DEFAULT_CHUNK_BYTES / 4
+            chunks = max(1, math.ceil(shard / chunk))
+            elems = min(chunk, shard)
+            optimizer = 4 * elems * (3 * min(DEFAULT_MAX_CHUNKS, chunks) + 2)
+            if host:
+                grads += 4 * chunks * chunk  # the host gradient copy, padded to whole chunks
+        in_flight = (L.micro_batches if L.schedule == "gpipe"
+                     else min(L.micro_batches, L.pp - s))
+        if L.pp == 1:
+            in_flight = 1
+        act = in_flight * (stage_blocks[s] * per_block + (head_act if s == L.pp - 1 else 0))
+        total = params + grads + optimizer + max(act + transient_fb, transient_step)
+        out.append({"params": int(params), "grads": int(grads), "optimizer": int(optimizer),
+                    "activations": int(act), "transient": int(max(transient_fb, transient_step)),
+                    "total": int(total)})
+    return out
+
+
+def _data_parallel_seconds(cfg, L, P, profile, inter):
+    """Exposed seconds per step of the gradient reduction and ZeRO traffic over the ranks with
+    the same parameters (W = dp * sp), P parameters per rank (busiest stage / tp), and of the
+    optimizer's offload copies (docs/zero.md, "Communication per step"):
+      stage 0   all_reduce of the gradient (after the last micro-batch)
+      stage 1   the same all_reduce, then an all_gather of the updated parameters
+      stage 2   reduce_scatter of the gradient, all_gather of the parameters
+      stage 3   per micro-batch: every unit gathered in forward and again in backward (the bytes
+                of an all_gather of the stage, a collective per unit) and the unit gradients
+                reduce_scattered (every backward, also under no_sync); no all_gather at the step
+    Every blocking collective also pays the measured sync wait. Offload copies: "cpu" the
+    gradient shard to the host and the master back (2 copies of the shard), "nvme" also reads
+    and writes master, m and v through the files (8 copies), at profile.copy_ns per element."""
+    p, W, z = profile, L.dp * L.sp, L.zero_stage
+    if W <= 1:
+        return 0.0, 0.0
+    sync = p.sync_time_s(W)
+    grad = 4 * P
+    if z == 0:
+        dp_s = p.comm_time_s("all_reduce", grad, W, inter) + sync
+    elif z == 1:
+        dp_s = (p.comm_time_s("all_reduce", grad, W, inter)
+                + p.comm_time_s("all_gather", grad, W, inter) + 2 * sync)
+    elif z == 2:
+        dp_s = (p.comm_time_s("reduce_scatter", grad, W, inter)
+                + p.comm_time_s("all_gather", grad, W, inter) + 2 * sync)
+    else:
+        units = len(_units(cfg, 0, 1, cfg.n_layer))
+        alpha = p.comm_time_s("all_gather", 1, W, inter)
+        gather = p.comm_time_s("all_gather", grad, W, inter) + (units - 1) * alpha + units * sync
+        reduce = p.comm_time_s("reduce_scatter", grad, W, inter) + (units - 1) * alpha
+        dp_s = L.micro_batches * (2 * gather + reduce)
+    copies = {"none": 0, "cpu": 2, "nvme": 8}[L.offload]
+    offload_s = copies * (P / W) * p.copy_ns * 1e-9
+    return dp_s, offload_s
+
+
+def estimate(cfg, layout, global_batch, profile, ranks_per_node=None, device="cpu"):
     """Predicted Estimate of one valid layout (check_layout first). Local (pure).
 
     cfg: GPTConfig; global_batch: sequences per step; profile: HardwareProfile; ranks_per_node:
-    default profile.ranks_per_node capped at the world size."""
+    default profile.ranks_per_node capped at the world size; device: "cpu" (numpy: host memory
+    is the device's) or "cuda" (offload moves state off the device), for memory_breakdown."""
     L, p = layout, profile
     world = L.dp * L.tp * L.pp * L.sp
     R = min(world, ranks_per_node or p.ranks_per_node)
@@ -524,59 +651,37 @@ def estimate(cfg, layout, global_batch, profile, ranks_per_node=None):
     # compute alone: the same work at the busy-all speed, for the compute column
     compute_s = max(L.micro_batches * (t[0] + t[2]) for t in tasks) / all_speed
     comm_pipe_s = max(L.micro_batches * (t[1] + t[3]) for t in tasks)
-    # data-parallel gradient reduction over dp * sp, optimizer, per-step small collectives
+    # data-parallel gradient reduction and ZeRO traffic over dp * sp, optimizer, small collectives
     P = max(stage_params) / L.tp
-    grad_group = L.dp * L.sp
     dp_inter = world > R and L.dp * L.sp * L.tp > R
-    z = L.zero_stage
-    if z == 0:
-        dp_s = p.comm_time_s("all_reduce", 4 * P, grad_group, dp_inter)
-    else:  # reduce_scatter of the gradients, all_gather of the updated parameters
-        dp_s = (p.comm_time_s("reduce_scatter", 4 * P, grad_group, dp_inter)
-                + p.comm_time_s("all_gather", 4 * P, grad_group, dp_inter))
-    if z == 3:
-        dp_s += 2 * L.micro_batches * (p.comm_time_s("all_gather", 4 * P, L.dp, dp_inter)
-                                       + p.sync_time_s(L.dp))
-    dp_s += p.sync_time_s(grad_group) * (2 if z else 1)
-    opt_s = P / (L.dp if z else 1) * p.adam_ns * 1e-9 / all_speed
+    dp_s, offload_s = _data_parallel_seconds(cfg, L, P, p, dp_inter)
+    shard = P / (L.dp * L.sp) if L.zero_stage else P
+    opt_s = (shard * p.adam_ns * 1e-9 + offload_s) / all_speed
     small_s = STEP_OVERHEAD_ALL_REDUCES * p.comm_time_s("all_reduce", 8, world, world > R)
     small_s += p.sync_time_s(world)  # the first small reduction waits for the slowest rank
     total_s = pipe_s + dp_s + opt_s + small_s
     ideal = compute_s + comm_pipe_s
     bubble = max(0.0, 1.0 - sum(busy) / (L.pp * pipe_s)) if L.pp > 1 and pipe_s > 0 else 0.0
-    # memory, the largest stage
-    peak = 0
-    block_params = sum(spec.size for spec in param_layout(cfg)[2:14])
-    per_block, head_act = activation_bytes(cfg, L, global_batch)
-    for s in range(L.pp):
-        Ps = stage_params[s] / L.tp
-        if z == 0:
-            state = 24 * Ps
-        elif z in (1, 2):
-            state = 4 * Ps + 4 * Ps / L.dp + 4 * Ps + 16 * Ps / L.dp
-        else:
-            state = 24 * Ps / L.dp + 2 * 4 * block_params / L.tp  # + two gathered blocks
-        in_flight = L.micro_batches if L.schedule in ("gpipe", "none") else min(L.micro_batches, L.pp - s)
-        if L.pp == 1:
-            in_flight = 1  # gradient accumulation frees each micro-batch's cache after backward
-        act = in_flight * (stage_blocks[s] * per_block + (head_act if s == L.pp - 1 else 0))
-        peak = max(peak, int(state + act))
+    memory = max(memory_breakdown(cfg, L, global_batch, device), key=lambda m: m["total"])
     comm_ms = (comm_pipe_s + dp_s + small_s) * 1e3
     detail = {"pipeline_ms": pipe_s * 1e3, "bubble_ms": max(0.0, pipe_s - ideal) * 1e3,
               "dp_ms": dp_s * 1e3, "optimizer_ms": opt_s * 1e3, "tp_sp_pp_ms": comm_pipe_s * 1e3,
-              "speed_all_busy": all_speed}
-    return Estimate(L, compute_s * 1e3 + opt_s * 1e3, comm_ms, bubble, peak, total_s * 1e3, detail)
+              "speed_all_busy": all_speed, "memory": memory}
+    return Estimate(L, compute_s * 1e3 + opt_s * 1e3, comm_ms, bubble, memory["total"],
+                    total_s * 1e3, detail)
 
 
 def make_plan(cfg, global_batch, world_size, profile, ranks_per_node=None, mem_per_device=None,
               max_micro_batches=32, zero_stages=ZERO_STAGES, schedules=SCHEDULES,
-              supported=default_supported, layouts=None):
+              supported=default_supported, layouts=None, offloads=("none",), device="cpu"):
     """Enumerate, check, estimate and rank. Local (pure); every rank gets the same Plan.
 
     cfg: GPTConfig (seq_len is the sequence length); global_batch: sequences per step;
     world_size: ranks; profile: HardwareProfile; ranks_per_node: default min(world_size,
-    profile.ranks_per_node); mem_per_device: bytes per rank (None: unlimited); layouts: an
-    explicit candidate list instead of enumerate_layouts (e.g. the benchmark's).
+    profile.ranks_per_node); mem_per_device: bytes per rank (None: unlimited); offloads: the
+    ZeRO offload modes to consider (subset of OFFLOADS; "nvme" only when the job has an
+    --offload-dir); device: "cpu" or "cuda" (memory_breakdown); layouts: an explicit candidate
+    list instead of enumerate_layouts (e.g. the benchmark's).
     Returns Plan (ranked by predicted total time, ties broken by lower memory, then fewer
     micro-batches, then lower ZeRO stage). Raises ConfigError on bad inputs.
     """
@@ -589,25 +694,30 @@ def make_plan(cfg, global_batch, world_size, profile, ranks_per_node=None, mem_p
         raise ConfigError(f"ranks_per_node must be an integer >= 1, got {ranks_per_node!r}")
     if mem_per_device is not None and not mem_per_device > 0:
         raise ConfigError(f"mem_per_device must be > 0 bytes, got {mem_per_device!r}")
+    if not offloads or set(offloads) - set(OFFLOADS):
+        raise ConfigError(f"offloads must be a non-empty subset of {OFFLOADS}, got {offloads!r}")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
     R = min(world_size, ranks_per_node or profile.ranks_per_node)
     candidates = layouts if layouts is not None else enumerate_layouts(
-        world_size, global_batch, max_micro_batches, zero_stages, schedules)
+        world_size, global_batch, max_micro_batches, zero_stages, schedules, offloads)
     ranked, rejected = [], []
     for L in candidates:
         why = check_layout(cfg, L, global_batch, world_size, supported)
         if why:
             rejected.append((L, why))
             continue
-        e = estimate(cfg, L, global_batch, profile, R)
+        e = estimate(cfg, L, global_batch, profile, R, device)
         if mem_per_device is not None and e.peak_bytes > mem_per_device:
             rejected.append((L, f"memory: peak {_fmt_bytes(e.peak_bytes)} > "
                                 f"{_fmt_bytes(mem_per_device)} per device"))
             continue
         ranked.append(e)
     ranked.sort(key=lambda e: (round(e.total_ms, 6), e.peak_bytes, e.layout.micro_batches,
-                               e.layout.zero_stage))
+                               e.layout.zero_stage, OFFLOADS.index(e.layout.offload)))
     inputs = {"model": cfg, "global_batch": global_batch, "world_size": world_size,
-              "ranks_per_node": R, "mem_per_device": mem_per_device}
+              "ranks_per_node": R, "mem_per_device": mem_per_device, "device": device,
+              "offloads": tuple(offloads)}
     return Plan(ranked, rejected, profile, inputs)
 
 
@@ -732,7 +842,8 @@ def main(args):
 
 
 # ------------------------------------------------------------------- examples/train.py --plan auto
-LAYOUT_FLAGS = ("--dp", "--tp", "--pp", "--sp", "--micro-batches", "--zero-stage", "--schedule")
+LAYOUT_FLAGS = ("--dp", "--tp", "--pp", "--sp", "--micro-batches", "--zero-stage", "--schedule",
+                "--offload")
 
 
 def explicit_layout_flags(argv):
@@ -740,13 +851,16 @@ def explicit_layout_flags(argv):
     return [f for f in LAYOUT_FLAGS if any(a == f or a.startswith(f + "=") for a in argv)]
 
 
-def plan_for_job(group, cfg, global_batch, profile_path=None, mem_per_device=None):
+def plan_for_job(group, cfg, global_batch, profile_path=None, mem_per_device=None,
+                 offload_dir=None, device="cpu"):
     """`--plan auto`: the fastest layout for this job. Collective: every rank of `group` calls it.
 
     The profile is read from `profile_path` when that file exists, else measured now (calibrate,
     5-15 s) and, with a path, saved there for the next run (rank 0 writes). Rank 0 plans and
     broadcasts the choice, so every rank runs the same layout. mem_per_device: bytes per rank
-    (None: the host's physical memory / ranks on it). Returns (Layout, Plan).
+    (None: the host's physical memory / ranks on it). ZeRO stages 0-3 are considered where the
+    runtime supports them; offload "nvme" only with an `offload_dir`, "cpu" only on device
+    "cuda" (on numpy it adds host copies to the same memory). Returns (Layout, Plan).
     Raises ConfigError on every rank when the profile is unreadable or no layout fits.
     """
     import os
@@ -784,8 +898,11 @@ def plan_for_job(group, cfg, global_batch, profile_path=None, mem_per_device=Non
     supported = placement_filter(discover(group), default_supported)  # collective: tp in NVLink
     choice, plan, error = None, None, None
     if group.rank == 0:
+        offloads = ("none",) + (("cpu",) if device == "cuda" else ()) + \
+            (("nvme",) if offload_dir else ())
         plan = make_plan(cfg, global_batch, group.world_size, profile,
-                         mem_per_device=mem_per_device, supported=supported)
+                         mem_per_device=mem_per_device, supported=supported, offloads=offloads,
+                         device=device)
         if plan.best is None:
             error = plan.reason()
         else:

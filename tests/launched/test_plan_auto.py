@@ -2,6 +2,8 @@
 import json
 import sys
 
+import pytest
+
 from conftest import REPO, launch_env, mpiexec_argv, run_command
 
 from rtxmpi.parallel.calibrate import HardwareProfile, default_profile
@@ -21,9 +23,27 @@ def _profile_favouring_the_pipeline(path):
     HardwareProfile.from_dict(data).save(str(path))
 
 
-def test_plan_auto_runs_the_layout_the_planner_chose(tmp_path):
+def _profile_favouring_zero_2(path):
+    """all_reduce, all_to_all and send/recv cost 50 ms each, reduce_scatter and all_gather are
+    cheap: the planner must pick dp=2 with ZeRO stage 2 (reduce_scatter + all_gather instead of
+    the gradient all_reduce; stage 3 gathers more)."""
+    data = json.loads(json.dumps(vars(default_profile())))
+    data["source"] = "test profile (cheap reduce_scatter)"
+    data["ranks_per_node"] = 2
+    data["links"] = {scope: {op: {"2": [1e-5, 1e9] if op in ("reduce_scatter", "all_gather")
+                                  else [0.05, 1e9]}
+                             for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                                        "send_recv")} for scope in ("intra", "inter")}
+    HardwareProfile.from_dict(data).save(str(path))
+
+
+@pytest.mark.parametrize("make_profile, layout, source", [
+    (_profile_favouring_the_pipeline, "--dp 1 --tp 1 --pp 2 --sp 1", "slow collectives"),
+    (_profile_favouring_zero_2, "--dp 2 --tp 1 --pp 1 --sp 1 --micro-batches 1 --zero-stage 2",
+     "cheap reduce_scatter")], ids=["pipeline", "zero-2"])
+def test_plan_auto_runs_the_layout_the_planner_chose(tmp_path, make_profile, layout, source):
     profile = tmp_path / "profile.json"
-    _profile_favouring_the_pipeline(profile)
+    make_profile(profile)
     metrics = tmp_path / "m.jsonl"
     proc = run_command(mpiexec_argv(2) + [
         sys.executable, REPO / "examples" / "train.py", "--plan", "auto", "--plan-profile",
@@ -33,8 +53,10 @@ def test_plan_auto_runs_the_layout_the_planner_chose(tmp_path):
         env=launch_env(RTXMPI_CACHE_DIR=tmp_path / "cache"))
     assert proc.returncode == 0, str(proc)
     running = proc.lines("plan: running")
-    assert len(running) == 1 and "--dp 1 --tp 1 --pp 2 --sp 1" in running[0], str(proc)
-    assert "test profile (slow collectives)" in proc.stdout
+    assert len(running) == 1 and layout in running[0], str(proc)
+    assert f"test profile ({source})" in proc.stdout
+    stage = layout.split("--zero-stage ")[1] if "--zero-stage" in layout else "0"
+    assert f"ZeRO stage {stage}" in proc.stdout, str(proc)  # the banner of the run itself
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
 

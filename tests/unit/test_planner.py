@@ -9,8 +9,9 @@ import pytest
 from rtxmpi.errors import ConfigError
 from rtxmpi.nn import GPTConfig
 from rtxmpi.parallel.calibrate import HardwareProfile, default_profile, ring_factor
-from rtxmpi.parallel.planner import (Layout, check_layout, enumerate_layouts, estimate,
-                                     factorizations, make_plan, model_factor, parse_bytes,
+from rtxmpi.parallel.planner import (Layout, check_layout, default_supported,
+                                     enumerate_layouts, estimate, factorizations, make_plan,
+                                     memory_breakdown, model_factor, parse_bytes,
                                      simulate_pipeline)
 
 TARGETS = [(4, 1, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (1, 2, 2, 1), (1, 1, 4, 1), (1, 1, 1, 4),
@@ -305,3 +306,108 @@ def test_model_factor_follows_the_working_set_between_the_two_reference_runs():
     assert model_factor(p, x_small / 10) == pytest.approx(0.75 * big)  # held beyond the ends
     mid = model_factor(p, (x_small * x_big) ** 0.5)
     assert 0.75 * big < mid < big
+
+
+# ------------------------------------------------------------------------------------ ZeRO
+def _pure_dp(layout):
+    """The runtime as it was before ZeRO composed with model parallelism: dp only."""
+    return None if layout.tp == layout.pp == layout.sp == 1 else "model parallelism not here"
+
+
+def test_enumeration_has_zero_stages_and_offload_only_with_zero():
+    layouts = enumerate_layouts(4, 32, max_micro_batches=1, offloads=("none", "cpu", "nvme"))
+    dp4 = {(L.zero_stage, L.offload) for L in layouts if L.degrees == (4, 1, 1, 1)}
+    assert dp4 == {(0, "none")} | {(z, o) for z in (1, 2, 3) for o in ("none", "cpu", "nvme")}
+    assert check_layout(CFG, Layout(1, 1, 1, 1, 1, 2), 32, 1, None).startswith("zero")
+    assert check_layout(CFG, Layout(1, 1, 1, 4, 1, 2), 32, 4, None) is None  # shards over sp
+    assert check_layout(CFG, Layout(4, 1, 1, 1, 1, 0, "none", "cpu"), 32, 4,
+                        None).startswith("offload")
+    assert check_layout(CFG, Layout(4, 1, 1, 1, 1, 1, "none", "disk"), 32, 4,
+                        None).startswith("offload")
+    assert Layout(4, 1, 1, 1, 1, 3, "none", "nvme").flags().endswith("--zero-stage 3 --offload nvme")
+
+
+def test_zero_with_model_parallelism_follows_the_runtime_checks():
+    """The planner has no ZeRO rule of its own for tp/pp/sp: it proposes what the runtime's
+    checks (hybrid.check_layout, pipeline.check_pipeline) accept, whatever version is installed."""
+    from rtxmpi.errors import ConfigError as Refused
+    from rtxmpi.parallel.hybrid import check_layout as runtime_layout
+    from rtxmpi.parallel.pipeline import check_pipeline
+
+    for dp, tp, pp, sp in TARGETS:
+        for z in (1, 2, 3):
+            if dp * sp == 1:
+                continue
+            m, sched = (4, "1f1b") if pp > 1 else (1, "none")
+            try:
+                runtime_layout(4, dp=dp, tp=tp, pp=pp, sp=sp, seq_len=128, zero_stage=z)
+                if pp > 1:
+                    check_pipeline(pp=pp, micro_batches=m, schedule=sched, n_layer=4, zero_stage=z)
+                runs = True
+            except Refused:
+                runs = False
+            why = check_layout(CFG, Layout(dp, tp, pp, sp, m, z, sched), 32, 4, default_supported)
+            assert (why is None) == runs, (dp, tp, pp, sp, z, why)
+
+
+def test_memory_model_matches_zero_memory_bytes_table():
+    """docs/zero.md's memory_bytes table for GPT small at W = 4 (params / grads / optimizer,
+    MiB), which tests/mpi/test_zero.py checks against the real engine."""
+    mib = lambda m: tuple(round(m[k] / 2**20, 2) for k in ("params", "grads", "optimizer"))  # noqa: E731
+    rows = {(0, "none"): (3.21, 3.21, 12.86), (1, "none"): (3.21, 3.21, 3.21),
+            (2, "none"): (3.21, 3.21, 3.21), (2, "cpu"): (4.02, 4.02, 3.21),
+            (3, "none"): (0.80, 0.80, 3.21), (3, "cpu"): (1.61, 1.61, 3.21)}
+    for (z, off), expected in rows.items():
+        got = memory_breakdown(CFG, Layout(4, 1, 1, 1, 1, z, "none", off), 32)
+        assert len(got) == 1 and mib(got[0]) == expected, (z, off, got)
+    # on a GPU, cpu offload moves AdamW and the host copies off the device
+    gpu = memory_breakdown(CFG, Layout(4, 1, 1, 1, 1, 2, "none", "cpu"), 32, device="cuda")[0]
+    assert mib(gpu) == (3.21, 3.21, 0.0)
+    # nvme: the optimizer in memory is the chunk store's bound, not the shard's state
+    big = GPTConfig(vocab_size=256, seq_len=16, n_layer=8, n_head=8, n_embd=512)  # 25M params
+    nv = memory_breakdown(big, Layout(2, 1, 1, 1, 1, 1, "none", "nvme"), 8)[0]
+    plain = memory_breakdown(big, Layout(2, 1, 1, 1, 1, 1), 8)[0]
+    assert nv["optimizer"] == 4 * (2**20) * (3 * 3 + 2) < plain["optimizer"]
+    # with tp the shard is of the rank's 1/tp of the model; with pp of its stage
+    tp2 = memory_breakdown(CFG, Layout(2, 2, 1, 1, 1, 3), 32)[0]
+    assert tp2["params"] == pytest.approx(4 * 842496 / 2 / 2, rel=0.01)
+    stages = memory_breakdown(CFG, Layout(2, 1, 2, 1, 2, 1, "1f1b"), 32)
+    assert len(stages) == 2 and all(s["optimizer"] < 16 * 842496 / 2 for s in stages)
+
+
+def test_zero_communication_per_stage():
+    """Stage 2 moves an all_reduce's bytes as reduce_scatter + all_gather; stage 1 adds the
+    all_gather to the all_reduce; stage 3 gathers every micro-batch."""
+    p = synthetic(sync_s={"4": 1e-4})
+    dp = {z: estimate(CFG, Layout(4, 1, 1, 1, 2, z), 32, p, 4).detail["dp_ms"] for z in range(4)}
+    assert dp[0] < dp[2] < dp[1] < dp[3]
+    P = 842496
+    expected2 = (p.comm_time_s("reduce_scatter", 4 * P, 4) + p.comm_time_s("all_gather", 4 * P, 4)
+                 + 2e-4)
+    assert dp[2] == pytest.approx(expected2 * 1e3, rel=1e-6)
+    z3_m4 = estimate(CFG, Layout(4, 1, 1, 1, 4, 3), 32, p, 4).detail["dp_ms"]
+    assert z3_m4 == pytest.approx(2 * dp[3], rel=1e-6)  # per micro-batch
+    opt = {z: estimate(CFG, Layout(4, 1, 1, 1, 2, z), 32, p, 4).detail["optimizer_ms"] for z in (0, 1)}
+    assert opt[1] == pytest.approx(opt[0] / 4, rel=1e-6)  # AdamW on a quarter
+
+
+def test_memory_constrained_plan_picks_zero_when_data_parallel_does_not_fit():
+    big = GPTConfig.named("base", seq_len=16)
+    peaks = {(z, o): estimate(big, Layout(4, 1, 1, 1, 1, z, "none", o), 4, synthetic(), 4).peak_bytes
+             for z in (0, 1, 3) for o in ("none",)}
+    assert peaks[(0, "none")] > peaks[(1, "none")] > peaks[(3, "none")]
+    # below one replica's state: data parallelism only fits with ZeRO
+    limit = (peaks[(0, "none")] + peaks[(1, "none")]) // 2
+    plan = make_plan(big, 4, 4, synthetic(), mem_per_device=limit, supported=_pure_dp,
+                     max_micro_batches=1)
+    assert plan.best.layout.degrees == (4, 1, 1, 1) and plan.best.layout.zero_stage >= 1
+    assert any(L.zero_stage == 0 and why.startswith("memory") for L, why in plan.rejected)
+    # below stage 1-2: only stage 3 shards the parameters and gradients too
+    limit = (peaks[(1, "none")] + peaks[(3, "none")]) // 2
+    plan = make_plan(big, 4, 4, synthetic(), mem_per_device=limit, supported=_pure_dp,
+                     max_micro_batches=1)
+    assert plan.best.layout.zero_stage == 3
+    assert "zero" in plan.table() and plan.reason().startswith("Chosen: dp4 tp1 pp1 sp1 m1 z3")
+    # without a limit, ZeRO's extra traffic is not worth it on these links
+    free = make_plan(big, 4, 4, synthetic(adam_ns=0.0), supported=_pure_dp, max_micro_batches=1)
+    assert free.best.layout.zero_stage in (0, 2)
