@@ -50,14 +50,14 @@ from rtxmpi.backend import array_module, to_host
 from rtxmpi.checkpoint import Shard, latest_step, load_checkpoint, save_checkpoint
 from rtxmpi.checkpoint.agree import raise_if_any_failed
 from rtxmpi.control import agree
-from rtxmpi.data import BatchSampler, decode, encode, eval_batches, load_corpus
+from rtxmpi.data import BatchSampler, batch_split, decode, encode, eval_batches, load_corpus
 from rtxmpi.errors import CheckpointError, ConfigError
 from rtxmpi.observe.observer import Observer
 from rtxmpi.nn import (GPT, MODEL_SIZES, AdamW, GPTConfig, clip_grad_norm, cosine_lr, decay_mask,
                        grad_norm_sq)
 from rtxmpi.nn.gpt import param_layout
 from rtxmpi.comm.failure import ulfm_enabled
-from rtxmpi.parallel.data import DataParallel
+from rtxmpi.parallel.data import DataParallel, weighted_micro_batches
 from rtxmpi.parallel.hybrid import build_hybrid, check_layout
 from rtxmpi.parallel.pipeline import build_pipeline, check_pipeline
 from rtxmpi.parallel.planner import explicit_layout_flags, plan_for_job
@@ -105,8 +105,7 @@ def parse_args(argv=None):
                    help="pipeline schedule with --pp > 1 (1f1b needs --micro-batches >= --pp)")
     p.add_argument("--plan", default=None, choices=("auto",),
                    help="auto: the planner picks --dp/--tp/--pp/--sp/--micro-batches/--zero-stage/"
-                        "--schedule/--offload from a hardware profile (docs/planner.md; with "
-                        "--offload-dir it may pick nvme offload); not with those flags")
+                        "--schedule from a hardware profile (docs/planner.md); not with those flags")
     p.add_argument("--plan-profile", default=None, metavar="FILE",
                    help="--plan auto: read the hardware profile from FILE, or measure it and save "
                         "it there when FILE does not exist (default: measure, 5-15 s)")
@@ -232,19 +231,32 @@ def check_args(args, world_size):
     dp = check_layout(world_size, dp=args.dp, tp=args.tp, pp=getattr(args, "pp", 1), sp=args.sp,
                       seq_len=args.seq_len, zero_stage=args.zero_stage, elastic=args.elastic,
                       sequence_parallel=args.sequence_parallel)  # docs/parallel.md
-    if args.global_batch % dp:
-        raise ConfigError(f"--global-batch {args.global_batch} is not divisible by the data-parallel "
-                          f"size {dp}; use a multiple of {dp}")
-    local = args.global_batch // dp
-    if local % args.micro_batches:
-        raise ConfigError(f"the per-rank batch {local} (global batch {args.global_batch} / dp {dp}) "
-                          f"is not divisible by --micro-batches {args.micro_batches}")
+    check_batch_split(args, dp)
     check_pipeline(pp=args.pp, micro_batches=args.micro_batches, schedule=args.schedule,
                    n_layer=MODEL_SIZES[args.model]["n_layer"], zero_stage=args.zero_stage,
                    offload=args.offload, elastic=args.elastic)  # docs/parallel.md
     if args.data is not None and not os.path.exists(os.path.expanduser(args.data)):
         raise ConfigError(f"--data {args.data}: no such file or directory")
     return dp
+
+
+def check_batch_split(args, dp):
+    """The global batch over dp ranks (rtxmpi.data.batch_split): any dp up to the global batch,
+    split as evenly as possible (8 over 3: 3, 3, 2) and weighted by samples
+    (rtxmpi.parallel.data.weighted_micro_batches), so the step's math is the same at every world
+    size; the pipeline needs equal per-rank batches divisible by --micro-batches. Returns the
+    per-rank sizes. Raises ConfigError naming the numbers."""
+    sizes = batch_split(args.global_batch, dp, "--global-batch")
+    split = ", ".join(map(str, sizes)) if len(set(sizes)) > 1 else f"{sizes[0]} each"
+    if args.pp > 1 and (len(set(sizes)) > 1 or sizes[0] % args.micro_batches):
+        raise ConfigError(f"--global-batch {args.global_batch} over dp {dp} gives per-rank batches "
+                          f"of {split}: the pipeline (--pp {args.pp}) needs them equal and divisible "
+                          f"by --micro-batches {args.micro_batches}; use a multiple of "
+                          f"{dp * args.micro_batches}")
+    if min(sizes) < args.micro_batches:
+        raise ConfigError(f"the per-rank batch {min(sizes)} (--global-batch {args.global_batch} over "
+                          f"dp {dp}: {split}) is smaller than --micro-batches {args.micro_batches}")
+    return sizes
 
 
 def load_data(world, args):
@@ -576,13 +588,10 @@ def observer(world, args, engine, sampler):
 def apply_plan(world, args):
     """--plan auto: calibrate (or read --plan-profile), plan, and set the layout flags in args."""
     cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
-    layout, plan = plan_for_job(world, cfg, args.global_batch, args.plan_profile,
-                                offload_dir=args.offload_dir, device=args.device)
+    layout, plan = plan_for_job(world, cfg, args.global_batch, args.plan_profile)
     args.dp, args.tp, args.pp, args.sp = layout.degrees
     args.micro_batches, args.zero_stage = layout.micro_batches, layout.zero_stage
     args.schedule = layout.schedule if layout.pp > 1 else args.schedule
-    args.offload = layout.offload  # --offload-dir lets the planner consider nvme offload
-    args.offload_dir = args.offload_dir if layout.offload == "nvme" else None
     if world.rank == 0:
         print(f"plan (--plan auto):\n{plan.table(top=5)}\n{plan.reason()}\nplan: running "
               f"{layout.flags()}", flush=True)
@@ -630,8 +639,8 @@ def train(args):
               f"({param_layout(cfg)[-1].stop / 1e6:.2f} M params), "
               f"corpus {corpus.source} "
               f"({_size(corpus.train.size)} train / {_size(corpus.val.size)} val), "
-              f"global batch {args.global_batch} x {args.seq_len} tokens, ZeRO stage "
-              f"{args.zero_stage}", flush=True)
+              f"global batch {args.global_batch} x {args.seq_len} tokens{_uneven(args, data_size)}, "
+              f"ZeRO stage {args.zero_stage}", flush=True)
         if args.elastic == "shrink" and ulfm_enabled() is False:
             print("warning: --elastic shrink without fault-tolerant MPI: a lost rank ends the job "
                   "(CollectiveTimeout) instead of shrinking; launch with mpiexec --with-ft ulfm "
@@ -666,18 +675,20 @@ def train(args):
         t0 = time.perf_counter()
         loop.phase("forward", step)
         x, y = sampler.next_batch()
-        xs, ys = np.split(x, args.micro_batches), np.split(y, args.micro_batches)
         # --pp: the schedule runs every micro-batch's forward and backward through the stages
         loss_sum = engine.train_step(x, y) * args.micro_batches if pipeline else 0.0
-        for m in range(0 if pipeline else args.micro_batches):
-            loss, cache = engine.forward(xs[m], ys[m])
-            loss_sum += loss
+        # weighted by samples when the global batch splits unevenly (scale 1/k, weight 1.0 if not)
+        micro = [] if pipeline else weighted_micro_batches(x, y, args.micro_batches,
+                                                           args.global_batch, data_size)
+        for m, (x_m, y_m, scale, weight) in enumerate(micro):
+            loss, cache = engine.forward(x_m, y_m)
+            loss_sum += loss * weight
             loop.phase("backward", step)
             if m < args.micro_batches - 1:
                 with engine.no_sync():
-                    engine.backward(cache, scale=1.0 / args.micro_batches)
+                    engine.backward(cache, scale=scale)
             else:
-                engine.backward(cache, scale=1.0 / args.micro_batches)
+                engine.backward(cache, scale=scale)
         grad_norm = engine.grad_norm()  # global: the same on every rank
         lr = cosine_lr(step, args.lr, warmup, args.steps, min_lr)
         losses = np.array([to_host(loss_sum / args.micro_batches)])
@@ -745,6 +756,13 @@ def train(args):
     if args.offload == "nvme":
         engine.close()  # removes this rank's offload files
     return record
+
+
+def _uneven(args, dp):
+    """Banner note when the global batch splits unevenly over dp (docs/elastic.md)."""
+    sizes = batch_split(args.global_batch, dp)
+    return "" if len(set(sizes)) == 1 else (f" (uneven over dp {dp}: {', '.join(map(str, sizes))}"
+                                            f" per rank, gradients weighted by samples)")
 
 
 def _size(n_bytes):

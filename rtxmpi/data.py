@@ -457,10 +457,23 @@ def _check_rank(dp_rank, dp_size):
     return int(dp_rank)
 
 
-def _check_split(global_batch, dp_size, what="global batch"):
-    if global_batch % dp_size:
-        raise ConfigError(f"{what} {global_batch} is not divisible by the data-parallel size "
-                          f"{dp_size}; use a multiple of {dp_size}")
+def batch_split(global_batch, dp_size, what="global batch"):
+    """Samples of each data-parallel rank in one global batch: as even as possible, the first
+    global_batch % dp_size ranks one more (8 over 3 ranks -> [3, 3, 2]; 8 over 4 -> [2, 2, 2, 2]).
+
+    Rank r reads the samples [sum(sizes[:r]), sum(sizes[:r + 1])) of the batch, so the ranks'
+    slices in rank order are the global batch in its one-process order at any dp_size. With an
+    uneven split each rank's gradient must be weighted by its samples
+    (rtxmpi.parallel.data.grad_scale). Returns a list of dp_size ints, each >= 1.
+    Raises ConfigError when global_batch < dp_size (a rank would get no sample).
+    """
+    global_batch, dp_size = _check_int(what, global_batch, 1), _check_int("dp_size", dp_size, 1)
+    if global_batch < dp_size:
+        raise ConfigError(f"{what} {global_batch} is smaller than the data-parallel size "
+                          f"{dp_size}: a rank would get no sample; use a {what} of at least "
+                          f"{dp_size}")
+    base, extra = divmod(global_batch, dp_size)
+    return [base + (r < extra) for r in range(dp_size)]
 
 
 def _check_tokens(tokens, seq_len, what):
@@ -477,7 +490,7 @@ class BatchSampler:
     """This rank's slice of each global batch, drawn from (seed, global sample index) alone.
 
     tokens: 1-D integer array (e.g. `Corpus.train`). seq_len: T, tokens per sample.
-    global_batch: samples per step over all data-parallel ranks; divisible by dp_size.
+    global_batch: samples per step over all data-parallel ranks, at least dp_size.
     dp_rank, dp_size: this rank's place in the data-parallel group (ints; no MPI needed).
     start_sample: global samples already consumed (the resume position).
     num_samples: None for an endless stream; else the stream ends after this many samples
@@ -485,10 +498,14 @@ class BatchSampler:
       short: ranks are filled in order, so trailing ranks get fewer samples or none.
 
     Step k reads global samples [s, s + global_batch) with s = samples_consumed; rank r gets
-    [s + r*b, s + (r+1)*b), b = global_batch // dp_size, so concatenating the slices of all ranks in
-    rank order gives the dp_size=1 batch bit for bit. Local: no rank talks to another, and
+    [s + o, s + o + b): b = local_batch = batch_split(global_batch, dp_size)[r] and o =
+    local_offset, the samples of the ranks before it. With dp_size dividing global_batch,
+    b = global_batch // dp_size and o = r * b; otherwise the first global_batch % dp_size ranks
+    read one sample more (8 over 3: 3, 3, 2), and the caller weights gradients by samples
+    (rtxmpi.parallel.data.grad_scale). Either way concatenating the slices of all ranks in rank
+    order gives the dp_size=1 batch bit for bit. Local: no rank talks to another, and
     `samples_consumed` advances identically on every rank.
-    Raises ConfigError: global_batch not divisible by dp_size, tokens shorter than seq_len + 1,
+    Raises ConfigError: global_batch smaller than dp_size, tokens shorter than seq_len + 1,
     a rank outside [0, dp_size), non-integer or negative sizes.
     """
 
@@ -498,14 +515,15 @@ class BatchSampler:
         self.global_batch = _check_int("global_batch", global_batch, 1)
         self.dp_size = _check_int("dp_size", dp_size, 1)
         self.dp_rank = _check_rank(dp_rank, self.dp_size)
-        _check_split(self.global_batch, self.dp_size)
+        sizes = batch_split(self.global_batch, self.dp_size)
         _check_tokens(tokens, self.seq_len, "training")
         self.tokens = tokens
         self.seed = _check_int("seed", seed, 0)
         self.samples_consumed = _check_int("start_sample", start_sample, 0)
         self.num_samples = (None if num_samples is None
                             else _check_int("num_samples", num_samples, 0))
-        self.local_batch = self.global_batch // self.dp_size
+        self.local_batch = sizes[self.dp_rank]
+        self.local_offset = sum(sizes[:self.dp_rank])
         self.samples_per_epoch = samples_per_epoch(tokens.size, self.seq_len)
 
     @property
@@ -521,7 +539,7 @@ class BatchSampler:
     def next_batch(self):
         """-> x, y: (b, T) int64 token ids; y is x shifted left by one token (next-token targets).
 
-        b = global_batch // dp_size, or fewer (possibly 0) in a finite stream's last batch.
+        b = local_batch, or fewer (possibly 0) in a finite stream's last batch.
         Raises StopIteration when a finite stream is exhausted.
         """
         if self.exhausted:
@@ -530,7 +548,7 @@ class BatchSampler:
         end = base + self.global_batch
         if self.num_samples is not None:
             end = min(end, self.num_samples)
-        lo = min(base + self.dp_rank * self.local_batch, end)
+        lo = min(base + self.local_offset, end)
         hi = min(lo + self.local_batch, end)
         starts = window_starts(self.tokens.size, self.seq_len, self.seed, np.arange(lo, hi))
         self.samples_consumed = end
@@ -562,22 +580,23 @@ def eval_batches(tokens, seq_len, batch, n_batches, *, dp_rank=0, dp_size=1):
 
     The batch * n_batches windows are spread evenly over `tokens` (first at 0, last ending at the
     end; they overlap when tokens are short), independent of any seed, so every run and every world
-    size evaluates the same windows. Rank r gets samples [r*b, (r+1)*b) of each batch,
-    b = batch // dp_size. x, y: (b, T) int64, y = x shifted by one token. Average the loss over
-    all ranks' samples (sum, then all-reduce) to get a val_loss comparable across world sizes.
-    Raises ConfigError: batch not divisible by dp_size, tokens shorter than seq_len + 1.
+    size evaluates the same windows. Rank r gets its `batch_split(batch, dp_size)[r]` samples of
+    each batch (batch // dp_size when it divides), in rank order. x, y: (b, T) int64, y = x shifted
+    by one token. Average the loss over all ranks' samples (sum of loss * b, then all-reduce) to
+    get a val_loss comparable across world sizes.
+    Raises ConfigError: batch smaller than dp_size, tokens shorter than seq_len + 1.
     """
     seq_len = _check_int("seq_len", seq_len, 1)
     batch = _check_int("batch", batch, 1)
     n_batches = _check_int("n_batches", n_batches, 0)
     dp_size = _check_int("dp_size", dp_size, 1)
     dp_rank = _check_rank(dp_rank, dp_size)
-    _check_split(batch, dp_size, "eval batch")
+    sizes = batch_split(batch, dp_size, "eval batch")
     _check_tokens(tokens, seq_len, "validation")
     total = batch * n_batches
     last_start = tokens.size - seq_len - 1
     starts = np.arange(total, dtype=np.int64) * last_start // max(total - 1, 1)
-    local = batch // dp_size
+    local, offset = sizes[dp_rank], sum(sizes[:dp_rank])
     for k in range(n_batches):
-        lo = k * batch + dp_rank * local
+        lo = k * batch + offset
         yield _gather(tokens, starts[lo:lo + local], seq_len)

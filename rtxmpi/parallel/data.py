@@ -9,6 +9,13 @@ a bucket is final, its all_reduce starts asynchronously while backward goes on. 
 completes last has nothing left to overlap with and is reduced with the blocking (faster) call.
 After all buckets: the epilogue (`rtxmpi.kernels.grad_epilogue`) scales by 1/world_size (the
 average) and flags non-finite values (`DataParallel.nonfinite`).
+
+Uneven batches: when the global batch does not divide by the data-parallel size (8 samples over 3
+ranks: 3, 3, 2; `rtxmpi.data.batch_split`), a plain average of the ranks' mean-loss gradients
+would weight a sample on a smaller rank more. `grad_scale` / `weighted_micro_batches` give each
+(micro-)batch the backward scale samples * dp / global_batch, so that the summed-then-averaged
+gradient is exactly the mean over the global batch (each rank's loss is scaled by its share of
+the samples before the average; docs/parallel.md).
 """
 from contextlib import contextmanager
 
@@ -19,6 +26,43 @@ from ..errors import ConfigError, RtxmpiError
 from ..kernels import grad_epilogue
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+def grad_scale(samples, global_batch, dp_size):
+    """Backward scale for a (micro-)batch of `samples` samples whose loss is the mean over them.
+
+    For an engine that sums gradients over dp_size ranks and divides by dp_size (DataParallel,
+    ZeroDataParallel, HybridParallel), backward(cache, scale=grad_scale(...)) on every
+    micro-batch of every rank makes the reduced gradient the mean over all `global_batch`
+    samples, however they are split over ranks and micro-batches: samples * dp_size /
+    global_batch (a ratio of ints, correctly rounded; with an even split into k micro-batches
+    exactly 1.0 / k). Local.
+    """
+    return samples * dp_size / global_batch
+
+
+def weighted_micro_batches(x, y, micro_batches, global_batch, dp_size):
+    """Split this rank's batch into micro-batches, each weighted by its samples.
+
+    x, y: (b, T) this rank's samples of a global batch of `global_batch` samples over `dp_size`
+    data-parallel ranks (b = rtxmpi.data.batch_split(global_batch, dp_size)[dp_rank]; it may
+    differ between ranks). Yields `micro_batches` tuples (x_m, y_m, scale, weight): x_m, y_m are
+    np.array_split rows (sizes differ by at most one), scale = grad_scale(len(x_m), global_batch,
+    dp_size) is the backward scale, and weight = scale * micro_batches (computed exactly, as a
+    ratio of ints) weights the micro-batch's mean loss: sum_m weight * loss_m / micro_batches,
+    averaged over the dp ranks, is the mean loss over the global batch. With an even split
+    (global_batch = dp_size * micro_batches * n) scale = 1.0 / micro_batches and weight = 1.0
+    exactly, so the even case is the plain average bit for bit. Local.
+    Raises ConfigError when b < micro_batches (a micro-batch would be empty).
+    """
+    if len(x) < micro_batches:
+        raise ConfigError(f"this rank's batch of {len(x)} samples cannot be split into "
+                          f"{micro_batches} micro-batches; use fewer --micro-batches or a larger "
+                          f"global batch")
+    for x_m, y_m in zip(np.array_split(x, micro_batches), np.array_split(y, micro_batches)):
+        n = len(x_m)
+        yield (x_m, y_m, grad_scale(n, global_batch, dp_size),
+               n * dp_size * micro_batches / global_batch)
 
 
 class Bucket:

@@ -36,7 +36,7 @@ def test_train_30_steps_at_2_ranks_lowers_the_loss(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--global-batch", "6"], "--global-batch 6 is not divisible by the data-parallel size 4"),
+    (["--global-batch", "3"], "--global-batch 3 is smaller than the data-parallel size 4"),
     (["--data", "/nonexistent/corpus"], "--data /nonexistent/corpus: no such file or directory"),
     (["--model", "huge"], "invalid choice: 'huge'"),
     (["--metrics-jsonl", "/nonexistent/dir/m.jsonl"], "--metrics-jsonl /nonexistent/dir/m.jsonl: not a"),

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from conftest import GLOBAL_BATCH, T, global_batch, local_slice
 
+from rtxmpi.data import batch_split
 from rtxmpi.errors import ConfigError, RtxmpiError
 from rtxmpi.nn import GPT, AdamW, GPTConfig, clip_grad_norm, decay_mask
 from rtxmpi.nn.params import layout
-from rtxmpi.parallel.data import DataParallel
+from rtxmpi.parallel.data import DataParallel, weighted_micro_batches
 from rtxmpi.parallel.zero import (ShardedParams, ZeroDataParallel, optimizer_bytes, shard_range,
                                   shard_size)
 
@@ -365,6 +366,35 @@ def test_step_refuses_without_a_synchronized_backward(world, stage):
     zdp.step()
     with pytest.raises(RtxmpiError, match="synchronized backward"):
         zdp.step()
+
+
+@pytest.mark.parametrize("engine", ["dp", 1, 2, 3])
+def test_uneven_global_batch_weighted_by_samples_matches_single_process(world, engine):
+    """2 * world_size + 1 samples (5 over 2 ranks: 3, 2; 9 over 4: 3, 2, 2, 2), 2 micro-batches
+    each: the weighted gradient and loss are the one-process mean over the global batch."""
+    n = world.world_size
+    B = 2 * n + 1
+    x, y = (np.concatenate(pair)[:B] for pair in zip(global_batch(0), global_batch(1)))
+    reference = make_model(dtype=np.float32)
+    ref_loss, cache = reference.forward(x, y)
+    reference.backward(cache)
+    sizes = batch_split(B, n)
+    rows = slice(sum(sizes[:world.rank]), sum(sizes[:world.rank + 1]))
+    model = make_model(dtype=np.float32)
+    wrapper = (DataParallel(model, world, bucket_bytes=small_buckets(model)) if engine == "dp"
+               else ZeroDataParallel(model, world, stage=engine, bucket_bytes=small_buckets(model)))
+    loss_sum = 0.0
+    for m, (x_m, y_m, scale, weight) in enumerate(weighted_micro_batches(x[rows], y[rows], 2, B, n)):
+        loss, cache = wrapper.forward(x_m, y_m)
+        loss_sum += loss * weight
+        with wrapper.no_sync() if m == 0 else nullcontext():
+            wrapper.backward(cache, scale=scale)
+    grad = model.flat_grad if engine == "dp" else wrapper.grad_shard()
+    start, stop = (0, model.num_params) if engine == "dp" else (wrapper.start, wrapper.stop)
+    np.testing.assert_allclose(grad, reference.flat_grad[start:stop], rtol=1e-5, atol=1e-7)
+    losses = np.array([loss_sum / 2], np.float64)
+    world.all_reduce(losses, op="avg")
+    np.testing.assert_allclose(losses[0], ref_loss, rtol=1e-5)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -264,9 +264,9 @@ def global_batches(dp_size, steps, seq_len=16, global_batch=8, seed=0, start_sam
     return out
 
 
-def test_same_global_batch_at_dp_sizes_1_2_4():
+def test_same_global_batch_at_dp_sizes_1_to_5_even_or_uneven():
     reference = global_batches(1, steps=5)
-    for dp_size in (2, 4):
+    for dp_size in (2, 3, 4, 5):  # 8 over 3: 3, 3, 2; over 5: 2, 2, 2, 1, 1
         for (x, y), (x_ref, y_ref) in zip(global_batches(dp_size, steps=5), reference):
             assert x.dtype == np.int64 and x.shape == (8, 16)
             np.testing.assert_array_equal(x, x_ref)
@@ -339,11 +339,22 @@ def test_finite_stream_ends_with_an_uneven_last_batch():
         samplers[3].next_batch()
 
 
-def test_indivisible_global_batch_raises_with_the_fix():
+def test_batch_split_is_as_even_as_possible_first_ranks_one_more():
+    assert data.batch_split(8, 3) == [3, 3, 2]
+    assert data.batch_split(8, 4) == [2, 2, 2, 2]
+    assert data.batch_split(7, 7) == [1] * 7 and data.batch_split(5, 1) == [5]
+    sizes = [data.BatchSampler(TOKENS, 16, 8, dp_rank=r, dp_size=3).next_batch()[0].shape[0]
+             for r in range(3)]
+    assert sizes == [3, 3, 2]
+
+
+def test_global_batch_smaller_than_dp_size_raises_with_the_fix():
     with pytest.raises(ConfigError) as err:
-        data.BatchSampler(TOKENS, 16, 6, dp_rank=0, dp_size=4)
-    assert str(err.value) == ("global batch 6 is not divisible by the data-parallel size 4; "
-                              "use a multiple of 4")
+        data.BatchSampler(TOKENS, 16, 3, dp_rank=0, dp_size=4)
+    assert str(err.value) == ("global batch 3 is smaller than the data-parallel size 4: a rank "
+                              "would get no sample; use a global batch of at least 4")
+    with pytest.raises(ConfigError, match="eval batch 2 is smaller"):
+        list(data.eval_batches(TOKENS, 16, 2, 1, dp_size=3))
 
 
 def test_tokens_shorter_than_one_sample_raise():
@@ -369,7 +380,7 @@ def test_sampler_is_cheap_per_batch_on_a_large_corpus():
 # ---------------------------------------------------------------------------- validation windows
 
 
-def test_eval_batches_are_the_same_at_dp_sizes_1_2_4():
+def test_eval_batches_are_the_same_at_dp_sizes_1_to_4_even_or_uneven():
     def batches(dp_size):
         per_rank = [list(data.eval_batches(TOKENS, 16, 8, 3, dp_rank=r, dp_size=dp_size))
                     for r in range(dp_size)]
@@ -377,7 +388,7 @@ def test_eval_batches_are_the_same_at_dp_sizes_1_2_4():
 
     reference = batches(1)
     assert reference[0].shape == (8, 16)
-    for dp_size in (2, 4):
+    for dp_size in (2, 3, 4):
         for x, x_ref in zip(batches(dp_size), reference):
             np.testing.assert_array_equal(x, x_ref)
 
