@@ -105,7 +105,8 @@ def parse_args(argv=None):
                    help="pipeline schedule with --pp > 1 (1f1b needs --micro-batches >= --pp)")
     p.add_argument("--plan", default=None, choices=("auto",),
                    help="auto: the planner picks --dp/--tp/--pp/--sp/--micro-batches/--zero-stage/"
-                        "--schedule from a hardware profile (docs/planner.md); not with those flags")
+                        "--schedule/--offload from a hardware profile (docs/planner.md; with "
+                        "--offload-dir it may pick nvme offload); not with those flags")
     p.add_argument("--plan-profile", default=None, metavar="FILE",
                    help="--plan auto: read the hardware profile from FILE, or measure it and save "
                         "it there when FILE does not exist (default: measure, 5-15 s)")
@@ -588,10 +589,13 @@ def observer(world, args, engine, sampler):
 def apply_plan(world, args):
     """--plan auto: calibrate (or read --plan-profile), plan, and set the layout flags in args."""
     cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
-    layout, plan = plan_for_job(world, cfg, args.global_batch, args.plan_profile)
+    layout, plan = plan_for_job(world, cfg, args.global_batch, args.plan_profile,
+                                offload_dir=args.offload_dir, device=args.device)
     args.dp, args.tp, args.pp, args.sp = layout.degrees
     args.micro_batches, args.zero_stage = layout.micro_batches, layout.zero_stage
     args.schedule = layout.schedule if layout.pp > 1 else args.schedule
+    args.offload = layout.offload  # --offload-dir lets the planner consider nvme offload
+    args.offload_dir = args.offload_dir if layout.offload == "nvme" else None
     if world.rank == 0:
         print(f"plan (--plan auto):\n{plan.table(top=5)}\n{plan.reason()}\nplan: running "
               f"{layout.flags()}", flush=True)
