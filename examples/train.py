@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 import rtxmpi
 from rtxmpi import elastic
+from rtxmpi.elastic.replan import describe, replan
 from rtxmpi.backend import array_module, to_host
 from rtxmpi.checkpoint import Shard, latest_step, load_checkpoint, save_checkpoint
 from rtxmpi.checkpoint.agree import raise_if_any_failed
@@ -61,6 +62,7 @@ from rtxmpi.parallel.data import DataParallel, weighted_micro_batches
 from rtxmpi.parallel.hybrid import build_hybrid, check_layout
 from rtxmpi.parallel.pipeline import build_pipeline, check_pipeline
 from rtxmpi.parallel.planner import explicit_layout_flags, plan_for_job
+from rtxmpi.parallel.replica import replica_pieces
 from rtxmpi.parallel.zero import ZeroDataParallel
 from rtxmpi.wal import ResumeParity, WriteAheadLog, params_digest, read_wal, wal_path
 
@@ -230,12 +232,12 @@ def check_args(args, world_size):
         raise ConfigError("--offload nvme needs --offload-dir DIR, and --offload-dir only goes "
                           "with --offload nvme")
     dp = check_layout(world_size, dp=args.dp, tp=args.tp, pp=getattr(args, "pp", 1), sp=args.sp,
-                      seq_len=args.seq_len, zero_stage=args.zero_stage, elastic=args.elastic,
+                      seq_len=args.seq_len, zero_stage=args.zero_stage,
                       sequence_parallel=args.sequence_parallel)  # docs/parallel.md
     check_batch_split(args, dp)
     check_pipeline(pp=args.pp, micro_batches=args.micro_batches, schedule=args.schedule,
                    n_layer=MODEL_SIZES[args.model]["n_layer"], zero_stage=args.zero_stage,
-                   offload=args.offload, elastic=args.elastic)  # docs/parallel.md
+                   offload=args.offload)  # docs/parallel.md
     if args.data is not None and not os.path.exists(os.path.expanduser(args.data)):
         raise ConfigError(f"--data {args.data}: no such file or directory")
     return dp
@@ -408,6 +410,18 @@ def resume(world, args, cfg, engine, sampler, rng):
         return 0
     return restore(world, args, cfg, engine, sampler, rng,
                    load_checkpoint(world, args.ckpt_dir, step=int(found[0])))
+
+
+def drop_metrics_after(path, step):
+    """After an elastic shrink that reloaded the checkpoint of `step` (rank 0): remove the lines
+    of later steps from the metrics file, which the survivors run again, so each step is logged
+    once (as the write-ahead log keeps only the records up to the checkpoint). In place: the
+    run's append handle keeps writing at the new end."""
+    with open(path, "r+") as f:
+        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        f.seek(0)
+        f.writelines(lines)
+        f.truncate()
 
 
 def finish_recovered_step(world, args, replica, metrics, last_step, save_step):
@@ -601,11 +615,38 @@ def apply_plan(world, args):
               f"{layout.flags()}", flush=True)
 
 
+def replan_layout(world, args):
+    """After an elastic shrink: keep the user's --tp/--pp/--sp when they fit the survivors, else
+    take the first that fits in rtxmpi.elastic.replan's fixed order (dp fills the rest); rank 0
+    prints the old and the new layout. Pure data parallelism is left as it is (dp follows the
+    world size). Raises ConfigError (on every rank) when nothing fits."""
+    user = args.__dict__.setdefault("user_layout", [args.tp, args.pp, args.sp, args.micro_batches,
+                                                    args.sequence_parallel])
+    if user[:3] == [1, 1, 1]:
+        return
+    old_size, size = elastic.shrinks()[-1]
+    old = describe(old_size // (args.tp * args.pp * args.sp), args.tp, args.pp, args.sp)
+    tp, pp, sp, micro_batches, sequence_parallel = user
+    layout, args.sequence_parallel, why = replan(
+        size, GPTConfig.named(args.model, seq_len=args.seq_len), args.global_batch, tp=tp, pp=pp,
+        sp=sp, micro_batches=micro_batches, schedule=args.schedule, zero_stage=args.zero_stage,
+        sequence_parallel=sequence_parallel)
+    args.dp, args.tp, args.pp, args.sp = layout.degrees
+    args.micro_batches = layout.micro_batches
+    if world.rank == 0:
+        micro = (f", micro-batches {layout.micro_batches}" if layout.micro_batches != micro_batches
+                 else "")
+        print(f"elastic: layout for {size} ranks: {old} -> {describe(*layout.degrees)}{micro} "
+              f"({why or '--tp/--pp/--sp as given'})", flush=True)
+
+
 def train(args):
     world = rtxmpi.init(timeout_s=args.timeout_s)
     rank, world_size = world.rank, world.world_size
     if args.plan:  # --plan auto: every rank runs the layout rank 0 planned (docs/planner.md)
         apply_plan(world, args)
+    elif elastic.shrinks():  # after a shrink: a layout for the survivors (docs/elastic.md)
+        replan_layout(world, args)
     check_args(args, world_size)
     corpus = load_data(world, args)
     cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
@@ -658,6 +699,8 @@ def train(args):
     if replica is not None:  # the failure may have cut the tail of that step short
         finish_recovered_step(world, args, replica, metrics, last_step,
                               lambda s: save(world, args, s, cfg, model, engine, sampler, rng))
+    elif elastic.shrinks() and metrics is not None:  # reloaded a checkpoint: steps re-run
+        drop_metrics_after(args.metrics_jsonl, start_step - 1)
     if start_step > last_step:
         if rank == 0:
             print(f"nothing to do: the checkpoint is at step {start_step - 1} >= "
@@ -673,6 +716,7 @@ def train(args):
     loop = elastic.Loop(world)  # pre-emption, phases, what survivors hand over (docs/elastic.md)
     loop.track(meta=lambda: checkpoint_meta(args, cfg, model, engine, sampler),
                tensors=engine.pieces if args.zero_stage == 0 and not hybrid else None,
+               pieces=(lambda: replica_pieces(engine)) if args.zero_stage == 0 and hybrid else None,
                close=(log, metrics), step=start_step - 1)
     for step in range(start_step, last_step + 1):
         obs.begin_step(step)

@@ -17,6 +17,9 @@ REDUCE_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "p
 # bool buffers travel as uint8 0/1: logical or is MAX, logical and is MIN
 BOOL_OPS = {"sum": MPI.MAX, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.MIN}
 ARRIVE_SPIN_TESTS = 16  # Test() polls of the arrival barrier before Monitor.wait takes over
+# blocking all_reduce up to this size runs as Iallreduce + deadline-aware wait (one
+# synchronization); above it Open MPI's nonblocking algorithms fall behind its blocking ones
+NONBLOCKING_MAX_BYTES = 64 << 10
 
 
 def as_bytes(buf):
@@ -84,36 +87,76 @@ class MPIBackend:
     def blocking(self, op, seq, timeout_s):
         return self.monitor.blocking(op, seq, self.group_name, timeout_s)
 
-    def all_reduce_now(self, buf, mpi_op, seq, timeout_s):
-        """Blocking in-place all_reduce of a contiguous 1-D `buf`: arrive(), then the MPI call
-        under the watchdog; what arrive() + blocking() + all_reduce() do, in fewer Python calls
-        (the fast path of ProcessGroup.all_reduce: after a large transfer has flushed the caches,
-        each Python call costs several times its warm time)."""
-        if self.size > 1:
-            self.arrive("all_reduce", seq, timeout_s)
-        monitor = self.monitor
-        monitor.blocking_entry = (self.group_name, seq, "all_reduce", time.monotonic() + timeout_s)
+    def _wait_fast(self, requests, op, seq, timeout_s):
+        """wait() with a few direct Test() calls first (peers usually answer within microseconds,
+        and the deadline-aware wait costs more per poll than that)."""
         try:
-            if buf.nbytes < self.shm_min_bytes or not self._shm_all_reduce(buf, mpi_op):
+            for _ in range(ARRIVE_SPIN_TESTS):
+                if MPI.Request.Testall(requests):
+                    return
+        except MPI.Exception as exc:
+            raise self._translate(exc, f"{op} #{seq}") from None
+        self.wait(requests, op=op, seq=seq, timeout_s=timeout_s)
+
+    def all_reduce_now(self, buf, mpi_op, seq, timeout_s):
+        """Blocking in-place all_reduce of a contiguous 1-D `buf` with its own arrival check (the
+        fast path of ProcessGroup.all_reduce; after a large transfer has flushed the caches, each
+        Python call costs several times its warm time). One synchronization where the path allows
+        it, so that no size pays for the deadline:
+        - below NONBLOCKING_MAX_BYTES: MPI's nonblocking Iallreduce, completed by the
+          deadline-aware wait (the transfer is the arrival check);
+        - from the shared-memory threshold: comm/shm.py, whose address exchange is the arrival
+          check and whose final node barrier is a deadline-aware wait too;
+        - between the two: an arrival barrier (Ibarrier, deadline-aware), then MPI's blocking
+          Allreduce under the watchdog (Open MPI's nonblocking algorithms are slower there).
+        Raises CollectiveTimeout (a rank did not arrive in time), RankFailure (a peer died)."""
+        if self.size == 1:
+            return
+        nbytes = buf.nbytes
+        try:
+            if nbytes >= self.shm_min_bytes:
+                engine = self._shm
+                if engine is None:  # first use: build it (collective) once every rank is here
+                    self.arrive("all_reduce", seq, timeout_s)
+                    with self.blocking("all_reduce", seq, timeout_s):
+                        engine = self._shm_engine()
+                if engine and engine.supports(buf, mpi_op):
+                    engine.all_reduce(
+                        buf, mpi_op,
+                        lambda requests: self._wait_fast(requests, "all_reduce", seq, timeout_s),
+                        lambda: self.blocking("all_reduce", seq, timeout_s))
+                    return
+            if nbytes <= NONBLOCKING_MAX_BYTES:
+                request = self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op)
+                self._wait_fast([request], "all_reduce", seq, timeout_s)
+                return
+            self.arrive("all_reduce", seq, timeout_s)
+            monitor = self.monitor
+            monitor.blocking_entry = (self.group_name, seq, "all_reduce",
+                                      time.monotonic() + timeout_s)
+            try:
                 self.comm.Allreduce(MPI.IN_PLACE, buf, mpi_op)
+            finally:
+                monitor.blocking_entry = None
         except MPI.Exception as exc:
             raise self._translate(exc, f"all_reduce #{seq}") from None
-        finally:
-            monitor.blocking_entry = None
 
     def _shm_all_reduce(self, buf, mpi_op):
         """The shared-memory / hierarchical all_reduce (comm/shm.py) when the group's layout
         allows it; False when not (the caller then runs MPI's). Collective: every rank selects
-        it from the same message size and the same (collectively built) engine."""
+        it from the same message size and the same (collectively built) engine. Runs after the
+        arrival check, inside the caller's watchdog entry."""
         engine = self._shm_engine()
-        return engine is not False and engine.all_reduce(buf, mpi_op)
+        return engine is not False and engine.supports(buf, mpi_op) and engine.all_reduce(
+            buf, mpi_op)
 
     def _shm_engine(self):
         """The group's NodeAllReduce, built on first use (collective: every rank gets here at the
         same call); False when the group's layout does not allow one."""
         engine = self._shm
         if engine is None:
-            engine = self._shm = shm.NodeAllReduce.create(self.comm, self.shm_config) or False
+            engine = self._shm = shm.NodeAllReduce.create(self.comm, self.shm_config,
+                                                          self.members) or False
             if engine is False:
                 self.shm_min_bytes = shm.NEVER  # one rank per node: MPI from now on
         return engine
@@ -149,7 +192,13 @@ class MPIBackend:
         send, recv = [as_bytes(buf), MPI.BYTE], [as_bytes(out), MPI.BYTE]
         if nonblocking:
             return [self.comm.Iallgather(send, recv)]
-        self.comm.Allgather(send, recv)
+        if out.nbytes < self.shm_min_bytes or not self._shm_all_gather(buf, out):
+            self.comm.Allgather(send, recv)
+
+    def _shm_all_gather(self, buf, out):
+        """all_gather by cross-memory reads on one node (comm/shm.py), or False (MPI)."""
+        engine = self._shm_engine()
+        return engine is not False and engine.all_gather(buf, out)
 
     def broadcast(self, buf, root, nonblocking):
         data = [as_bytes(buf), MPI.BYTE]

@@ -57,7 +57,9 @@ nodes with different numbers of ranks) keep MPI's algorithms. Configuration, rea
 node into pretend nodes of k consecutive local ranks, to exercise the hierarchical path on one
 machine (tests). Groups take the settings current when they are created.
 """
+import contextlib
 import ctypes
+import errno
 import mmap
 import os
 import sys
@@ -66,7 +68,7 @@ import tempfile
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import CollectiveError, ConfigError
+from ..errors import CollectiveError, ConfigError, RankFailure
 
 # Below this, MPI wins here: Open MPI's small/medium-message algorithms (single-copy, one
 # synchronization) reach 5-7 GB/s up to 16 MiB on the CI machine and only fall to about 2 GB/s
@@ -169,52 +171,101 @@ class _Iovec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-def _load_process_vm_readv():
-    """libc's process_vm_readv (Linux cross-memory attach, "CMA"), or None."""
+def _load_cma():
+    """libc's process_vm_readv and process_vm_writev (Linux cross-memory attach, "CMA"), or
+    None."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
+        libc = ctypes.CDLL(None, use_errno=True)
+        fns = libc.process_vm_readv, libc.process_vm_writev
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec),
-                   ctypes.c_ulong, ctypes.c_ulong]
-    fn.restype = ctypes.c_ssize_t
-    return fn
+    for fn in fns:
+        fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
+                       ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
+        fn.restype = ctypes.c_ssize_t
+    return fns
+
+
+class PeerAccessError(OSError):
+    """A cross-memory read or write of a local peer's array failed. Attribute: pid (the peer)."""
+
+    def __init__(self, err, pid, what):
+        super().__init__(err, f"{what} pid {pid}: {os.strerror(err)}")
+        self.pid = pid
 
 
 class _PeerReader:
-    """Copies bytes out of another process's memory with one system call (process_vm_readv: the
-    kernel copies directly, no staging buffer). Needs ptrace-read permission on the peer: same
-    user, and not forbidden by the Yama ptrace scope or a seccomp profile."""
+    """Copies bytes out of (read) or into (write) another process's memory with one system call
+    each (process_vm_readv / process_vm_writev: the kernel copies directly, no staging buffer).
+    Needs ptrace-read permission on the peer: same user, and not forbidden by the Yama ptrace
+    scope or a seccomp profile."""
 
-    def __init__(self, fn):
-        self._fn = fn
+    def __init__(self, fns):
+        self._readv, self._writev = fns
         self._local, self._remote = _Iovec(), _Iovec()
         self._local_ref, self._remote_ref = ctypes.byref(self._local), ctypes.byref(self._remote)
 
-    def read(self, pid, dst, src, nbytes):
-        """Copy `nbytes` from address `src` of process `pid` to address `dst` here; OSError."""
-        local, remote, fn = self._local, self._remote, self._fn
+    def _move(self, fn, what, pid, local_addr, remote_addr, nbytes):
+        local, remote = self._local, self._remote
         while nbytes > 0:
-            local.base, local.len, remote.base, remote.len = dst, nbytes, src, nbytes
+            local.base, local.len, remote.base, remote.len = local_addr, nbytes, remote_addr, nbytes
             got = fn(pid, self._local_ref, 1, self._remote_ref, 1, 0)
             if got <= 0:
-                err = ctypes.get_errno() or 5
-                raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
-            dst, src, nbytes = dst + got, src + got, nbytes - got
+                raise PeerAccessError(ctypes.get_errno() or errno.EIO, pid, what)
+            local_addr, remote_addr, nbytes = local_addr + got, remote_addr + got, nbytes - got
+
+    def read(self, pid, dst, src, nbytes):
+        """Copy `nbytes` from address `src` of process `pid` to address `dst` here;
+        PeerAccessError."""
+        self._move(self._readv, "process_vm_readv from", pid, dst, src, nbytes)
+
+    def write(self, pid, dst, src, nbytes):
+        """Copy `nbytes` from address `src` here to address `dst` of process `pid`;
+        PeerAccessError."""
+        self._move(self._writev, "process_vm_writev to", pid, src, dst, nbytes)
+
+
+def process_gone(pid):
+    """True when process `pid` has exited (no /proc entry, or a zombie / dead task). Local."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    except OSError:
+        return False
+    state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
+    return state in (b"Z", b"X", b"x")
+
+
+def peer_failure(op, exc, pids, ranks, me):
+    """The error for a failed cross-memory transfer `exc` (PeerAccessError) in collective `op`:
+    RankFailure naming the peer's rank when that process has exited (ESRCH, or EFAULT from a
+    dying process), else CollectiveError. pids / ranks: each local rank's pid and world rank;
+    me: this process's world rank. Local."""
+    pid = getattr(exc, "pid", None)
+    if pid in pids and process_gone(pid):
+        rank = ranks[pids.index(pid)]
+        return RankFailure(f"{op}: rank {rank} (pid {pid}, on this node) exited during a "
+                           f"cross-memory transfer ({exc}) [rank {me}]", ranks=[rank])
+    return CollectiveError(f"{op}: a cross-memory transfer with a local peer failed ({exc}); set "
+                           "RTXMPI_SHM_CMA=0 to use the shared arena (all_reduce) or MPI instead "
+                           f"[rank {me}]")
 
 
 def _probe_peers(node, comm, enabled):
     """Collective over `comm` (node: this rank's node communicator): a _PeerReader and every
-    local rank's pid when every rank of `comm` can read its local peers' memory, else None."""
-    fn = _load_process_vm_readv() if enabled else None
+    local rank's pid when every rank of `comm` can read and write its local peers' memory, else
+    None."""
+    fns = _load_cma() if enabled else None
     local_size, local_rank = node.Get_size(), node.Get_rank()
     probe = np.array([os.getpid(), 0, 0x5EED0000 + local_rank], np.int64)
     probe[1] = probe.ctypes.data + 16  # address of probe[2]
     table = np.empty((local_size, 3), np.int64)
     node.Allgather(probe, table)
-    reader = _PeerReader(fn) if fn is not None else None
+    reader = _PeerReader(fns) if fns is not None else None
     ok = reader is not None
     if ok:
         got = np.zeros(1, np.int64)
@@ -223,10 +274,11 @@ def _probe_peers(node, comm, enabled):
                 continue
             try:
                 reader.read(int(table[j, 0]), got.ctypes.data, int(table[j, 1]), 8)
+                ok = ok and int(got[0]) == int(table[j, 2])
+                reader.write(int(table[j, 0]), int(table[j, 1]), got.ctypes.data, 8)  # same value
             except OSError:
                 ok = False
                 break
-            ok = ok and int(got[0]) == int(table[j, 2])
     ok = comm.allreduce(ok, op=MPI.LAND)
     node.Barrier()  # every peer has read our probe before it goes away
     return (reader, [int(p) for p in table[:, 0]]) if ok else None
@@ -270,34 +322,51 @@ def _map_arena(node, comm, total):
     return mm
 
 
+def _wait_all(requests):
+    MPI.Request.Waitall(requests)
+
+
 class NodeAllReduce:
-    """The shared-memory (and hierarchical) all_reduce of one group; see the module docstring.
+    """The shared-memory (and hierarchical) collectives of one group; see the module docstring.
 
     Built by `create()` (collective over the group's communicator). Attributes: mode ("cma":
-    ranks read each other's arrays directly; "copy": through the shared arena), local_size,
-    local_rank (this rank's index on its node), nodes (number of nodes), chunk_bytes.
+    ranks read and write each other's arrays directly; "copy": through the shared arena),
+    local_size, local_rank (this rank's index on its node), nodes (number of nodes),
+    chunk_bytes.
+
+    Every method is collective over the group and takes two hooks from the caller: `wait(requests)`
+    completes MPI requests (the backend passes a deadline-aware wait, so an arrival that never
+    comes raises CollectiveTimeout; default: MPI Waitall), and `guard()` a context manager around
+    a blocking MPI call (the backend's watchdog entry; default: none).
     """
 
-    def __init__(self, node, cross, chunk_bytes, *, mm=None, peers=None):
-        self.node, self.cross, self._mm = node, cross, mm
+    def __init__(self, comm, node, cross, chunk_bytes, *, members=None, mm=None, peers=None):
+        self.comm, self.node, self.cross, self._mm = comm, node, cross, mm
         self.local_size, self.local_rank = node.Get_size(), node.Get_rank()
         self.nodes = 1 if cross is None else cross.Get_size()
         self.chunk_bytes = chunk_bytes
         self.slot_bytes = BUFFERS * chunk_bytes
         self.mode = "copy" if peers is None else "cma"
+        size = comm.Get_size()
+        self._members = list(members) if members is not None else list(range(size))
+        # group ranks of the local ranks (by local rank), and of the cross ranks (by cross rank)
+        self._local_group = [int(r) for r in node.allgather(comm.Get_rank())]
+        self._cross_group = ([comm.Get_rank()] if cross is None else
+                             [int(r) for r in cross.allgather(comm.Get_rank())])
         self._arena = None if mm is None else np.frombuffer(mm, np.uint8)
         self._views = {}  # dtype -> [1-D view of each local rank's buffers]
+        self._stage = np.zeros(0, np.uint8)  # hierarchical reduce_scatter: grown, reused
         if peers is not None:
             self._reader, self._pids = peers
             self._tmp = np.zeros(chunk_bytes, np.uint8)  # touched once, reused
             self._my_addr = np.zeros(1, np.int64)
-            self._addrs = np.zeros(self.local_size, np.int64)
+            self._addrs = np.zeros(size, np.int64)
 
     @classmethod
-    def create(cls, comm, config):
+    def create(cls, comm, config, members=None):
         """Collective over `comm`: the engine, or None on every rank when the group has one rank
-        per node, nodes of different sizes, or neither cross-memory reads nor the arena work on
-        every rank."""
+        per node, nodes of different sizes, or neither cross-memory access nor the arena work on
+        every rank. members: world ranks of the group (for RankFailure), by group rank."""
         rank, size = comm.Get_rank(), comm.Get_size()
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         if config.node_size:
@@ -312,14 +381,14 @@ class NodeAllReduce:
         cross = comm.Split(local_rank, key=rank) if local_size < size else None
         peers = _probe_peers(node, comm, config.cma)
         if peers is not None:
-            return cls(node, cross, config.chunk_bytes, peers=peers)
+            return cls(comm, node, cross, config.chunk_bytes, members=members, peers=peers)
         mm = _map_arena(node, comm, local_size * BUFFERS * config.chunk_bytes)
         if mm is None:
             node.Free()
             if cross is not None:
                 cross.Free()
             return None
-        engine = cls(node, cross, config.chunk_bytes, mm=mm)
+        engine = cls(comm, node, cross, config.chunk_bytes, members=members, mm=mm)
         mine = engine._arena[local_rank * engine.slot_bytes:(local_rank + 1) * engine.slot_bytes]
         mine.fill(0)  # first touch here, by the rank that writes it, not inside a timed call
         node.Barrier()
@@ -334,100 +403,155 @@ class NodeAllReduce:
             self._views[dtype] = views
         return views
 
-    def all_reduce(self, x, mpi_op):
-        """Reduce the contiguous 1-D array `x` in place over the group; every rank must call,
-        after every rank has arrived, with the same size and dtype. Returns False (nothing done,
-        on every rank) for an MPI op it does not handle; the caller then uses MPI. Raises
-        CollectiveError when a cross-memory read fails (the peers are then stuck in the node
-        barrier until the watchdog ends the job)."""
+    # -- cross-memory helpers ---------------------------------------------------------------
+    def _exchange(self, x, wait):
+        """Arrival of every rank of the group and the local peers' array addresses: one
+        all_gather of one int64 over the group. Returns [(pid, address)] of the other local
+        ranks, in local-rank order."""
+        self._my_addr[0] = x.ctypes.data
+        wait([self.comm.Iallgather(self._my_addr, self._addrs)])
+        addrs, pids, me = self._addrs, self._pids, self.local_rank
+        return [(pids[j], int(addrs[g])) for j, g in enumerate(self._local_group) if j != me]
+
+    def _peer_error(self, op, exc):
+        return peer_failure(op, exc, self._pids, [self._members[g] for g in self._local_group],
+                            self._members[self.comm.Get_rank()])
+
+    # -- all_reduce -------------------------------------------------------------------------
+    def supports(self, x, mpi_op):
+        """Whether all_reduce(x, mpi_op) runs here: a contiguous 1-D numpy array and an MPI op
+        with a numpy ufunc (sum, max, min, prod). Local; the same answer on every rank for the
+        same call (it depends only on the arguments every rank shares)."""
+        return (type(x) is np.ndarray and x.ndim == 1 and x.flags.c_contiguous
+                and ufunc_of(mpi_op) is not None)
+
+    def all_reduce(self, x, mpi_op, wait=_wait_all, guard=contextlib.nullcontext):
+        """Reduce the contiguous 1-D array `x` in place over the group; every rank must call, with
+        the same size, dtype and op, and only when supports(x, mpi_op). Includes the arrival check
+        (through `wait`). Raises RankFailure (a local peer exited during a transfer),
+        CollectiveError (another cross-memory failure), and what `wait` raises."""
         ufunc = ufunc_of(mpi_op)
-        if ufunc is None or type(x) is not np.ndarray or x.ndim != 1 or not x.flags.c_contiguous:
-            return False  # (device arrays never come here: they have their own transports)
-        if x.size == 0:
-            return True
         if self.mode == "cma":
-            self._all_reduce_cma(x, ufunc, mpi_op)
+            self._all_reduce_cma(x, ufunc, mpi_op, wait, guard)
         else:
-            self._all_reduce_copy(x, ufunc, mpi_op)
+            wait([self.comm.Ibarrier()])
+            if x.size:
+                with guard():
+                    self._all_reduce_copy(x, ufunc, mpi_op)
         return True
 
-    def _all_reduce_cma(self, x, ufunc, mpi_op):
-        """Reduce-scatter by reading the peers' arrays directly (in cache-sized pieces through a
-        scratch buffer), [all_reduce across nodes], barrier, all-gather by reading the peers'
-        reduced segments straight into `x`, barrier (no peer may return and reuse its array while
-        another still reads it). Two barriers and one address exchange per call."""
-        n, me, node = self.local_size, self.local_rank, self.node
-        self._my_addr[0] = x.ctypes.data
-        node.Allgather(self._my_addr, self._addrs)
-        addrs, pids, read = [int(a) for a in self._addrs], self._pids, self._reader.read
+    def _all_reduce_cma(self, x, ufunc, mpi_op, wait, guard):
+        """Arrival + address exchange; then for each cache-sized piece of this rank's segment:
+        read the piece of every peer into the scratch buffer, fold it into `x` in place, and
+        write the reduced piece straight into every peer's array (one node; across nodes the
+        segment is first all_reduced among the ranks with this local index); then one node
+        barrier (no rank returns while a peer still reads or writes its array)."""
+        peers = self._exchange(x, wait)
+        n, me = self.local_size, self.local_rank
         total, itemsize = x.size, x.itemsize
-        cuts = [(total * i) // n for i in range(n + 1)]
-        others = [i for i in range(n) if i != me]
-        lo, hi = cuts[me], cuts[me + 1]
+        lo, hi = (total * me) // n, (total * (me + 1)) // n
         tmp = self._tmp.view(x.dtype)
-        tmp_addr = tmp.ctypes.data
-        step = tmp.size
+        tmp_addr, step, base = tmp.ctypes.data, tmp.size, x.ctypes.data
+        read, write = self._reader.read, self._reader.write
+        push = self.cross is None
         try:
             for start in range(lo, hi, step):
                 stop = min(hi, start + step)
                 own, part = x[start:stop], tmp[:stop - start]
-                for j in others:
-                    read(pids[j], tmp_addr, addrs[j] + start * itemsize, (stop - start) * itemsize)
+                offset, nbytes = start * itemsize, (stop - start) * itemsize
+                for pid, addr in peers:
+                    read(pid, tmp_addr, addr + offset, nbytes)
                     ufunc(own, part, out=own)
-            if self.cross is not None:
-                self.cross.Allreduce(MPI.IN_PLACE, x[lo:hi], mpi_op)
-            node.Barrier()
-            base = x.ctypes.data
-            for j in others:
-                a, b = cuts[j], cuts[j + 1]
-                if b > a:
-                    read(pids[j], base + a * itemsize, addrs[j] + a * itemsize, (b - a) * itemsize)
-        except OSError as exc:
-            raise CollectiveError(f"all_reduce: reading a local peer's array failed ({exc}); set "
-                                  "RTXMPI_SHM_CMA=0 to use the shared arena instead") from exc
-        node.Barrier()
+                if push:  # the piece is still in cache: hand it to the peers now
+                    for pid, addr in peers:
+                        write(pid, addr + offset, base + offset, nbytes)
+            if not push and hi > lo:
+                with guard():
+                    self.cross.Allreduce(MPI.IN_PLACE, x[lo:hi], mpi_op)
+                for pid, addr in peers:
+                    write(pid, addr + lo * itemsize, base + lo * itemsize, (hi - lo) * itemsize)
+        except PeerAccessError as exc:
+            raise self._peer_error("all_reduce", exc) from exc
+        wait([self.node.Ibarrier()])
 
-    def reduce_scatter(self, x, out, counts, mpi_op):
-        """Reduce the contiguous 1-D array `x` over the group and write rank r's elements
-        [sum(counts[:r]), sum(counts[:r+1])) into the contiguous 1-D `out`; every rank must call,
-        after every rank has arrived, with the same x size, dtype and counts (elements per rank).
-        Only in mode "cma" on one node: returns False (nothing done, on every rank) otherwise or
-        for an MPI op it does not handle; the caller then uses MPI.
+    # -- reduce_scatter ---------------------------------------------------------------------
+    def reduce_scatter(self, x, out, counts, mpi_op, wait=_wait_all, guard=contextlib.nullcontext):
+        """Reduce the contiguous 1-D array `x` over the group and write group rank r's elements
+        [sum(counts[:r]), sum(counts[:r+1])) into the contiguous 1-D `out`; every rank must call
+        with the same x size, dtype and counts (elements per group rank). Only in mode "cma":
+        returns False (nothing done, on every rank) otherwise or for an MPI op it does not
+        handle; the caller then uses MPI. Includes the arrival check (through `wait`).
 
-        Rank r copies its own part of x into out, then reads the same part of every peer's x
-        (in ascending local-rank order, in cache-sized pieces) and folds it in; one address
-        exchange and one barrier (no rank returns while a peer still reads its x).
+        Local rank i folds, for every rank g with local index i (on every node), rows g of every
+        local peer's x into its own (read in cache-sized pieces, in ascending local-rank order):
+        into `out` directly on one node; across nodes into a staging buffer that the ranks with
+        local index i then reduce-scatter among themselves (MPI). Then one node barrier.
+        Raises RankFailure / CollectiveError as all_reduce.
         """
         ufunc = ufunc_of(mpi_op)
-        if (ufunc is None or self.mode != "cma" or self.cross is not None
-                or type(x) is not np.ndarray or type(out) is not np.ndarray or x.ndim != 1
-                or out.ndim != 1 or not (x.flags.c_contiguous and out.flags.c_contiguous)):
+        if (ufunc is None or self.mode != "cma" or type(x) is not np.ndarray
+                or type(out) is not np.ndarray or x.ndim != 1 or out.ndim != 1
+                or not (x.flags.c_contiguous and out.flags.c_contiguous)):
             return False
-        if x.size == 0:
-            return True
-        n, me, node = self.local_size, self.local_rank, self.node
-        self._my_addr[0] = x.ctypes.data
-        node.Allgather(self._my_addr, self._addrs)
-        addrs, pids, read = [int(a) for a in self._addrs], self._pids, self._reader.read
-        itemsize = x.itemsize
-        lo = int(sum(counts[:me]))
-        hi = lo + int(counts[me])
+        peers = self._exchange(x, wait)
+        offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        mine = self._cross_group  # the ranks whose rows this rank reduces on this node
+        col_counts = [int(counts[g]) for g in mine]
+        if self.cross is None:
+            dest = out
+        else:
+            need = sum(col_counts) * x.itemsize
+            if self._stage.nbytes < need:
+                self._stage = np.zeros(need, np.uint8)
+            dest = self._stage[:need].view(x.dtype)
         tmp = self._tmp.view(x.dtype)
-        tmp_addr, step = tmp.ctypes.data, tmp.size
+        tmp_addr, step, itemsize, read = tmp.ctypes.data, tmp.size, x.itemsize, self._reader.read
         try:
-            for start in range(lo, hi, step):
-                stop = min(hi, start + step)
-                piece, part = out[start - lo:stop - lo], tmp[:stop - start]
-                piece[...] = x[start:stop]
-                for j in range(n):
-                    if j != me:
-                        read(pids[j], tmp_addr, addrs[j] + start * itemsize,
-                             (stop - start) * itemsize)
+            pos = 0
+            for g, count in zip(mine, col_counts):
+                first = int(offsets[g])
+                for start in range(0, count, step):
+                    stop = min(count, start + step)
+                    piece, part = dest[pos + start:pos + stop], tmp[:stop - start]
+                    piece[...] = x[first + start:first + stop]
+                    offset, nbytes = (first + start) * itemsize, (stop - start) * itemsize
+                    for pid, addr in peers:
+                        read(pid, tmp_addr, addr + offset, nbytes)
                         ufunc(piece, part, out=piece)
-        except OSError as exc:
-            raise CollectiveError(f"reduce_scatter: reading a local peer's array failed ({exc}); "
-                                  "set RTXMPI_SHM_CMA=0 to use MPI instead") from exc
-        node.Barrier()
+                pos += count
+        except PeerAccessError as exc:
+            raise self._peer_error("reduce_scatter", exc) from exc
+        if self.cross is not None:
+            with guard():
+                self.cross.Reduce_scatter(dest, out, col_counts, mpi_op)
+        wait([self.node.Ibarrier()])
+        return True
+
+    # -- all_gather -------------------------------------------------------------------------
+    def all_gather(self, buf, out, wait=_wait_all):
+        """Concatenate every rank's contiguous `buf` (bytes, same size everywhere) into the
+        contiguous `out` (group size x buf bytes) in group-rank order; every rank must call. Only
+        in mode "cma" on one node: returns False (nothing done, on every rank) otherwise; the
+        caller then uses MPI. Includes the arrival check (through `wait`): each rank copies its
+        own block and reads every peer's block straight into `out`, then one node barrier.
+        Raises RankFailure / CollectiveError as all_reduce."""
+        if (self.mode != "cma" or self.cross is not None or type(buf) is not np.ndarray
+                or type(out) is not np.ndarray or not (buf.flags.c_contiguous
+                                                       and out.flags.c_contiguous)):
+            return False
+        peers = self._exchange(buf, wait)
+        nbytes, me = buf.nbytes, self.local_rank
+        src, dst = buf.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8)
+        dst[me * nbytes:(me + 1) * nbytes] = src
+        base, read = dst.ctypes.data, self._reader.read
+        others = [g for j, g in enumerate(self._local_group) if j != me]
+        try:
+            if nbytes:
+                for g, (pid, addr) in zip(others, peers):
+                    read(pid, base + g * nbytes, addr, nbytes)
+        except PeerAccessError as exc:
+            raise self._peer_error("all_gather", exc) from exc
+        wait([self.node.Ibarrier()])
         return True
 
     def _all_reduce_copy(self, x, ufunc, mpi_op):

@@ -2,9 +2,9 @@
 
 See docs/elastic.md. Layer "elastic" (DESIGN.md): above state, below observe/apps.
 """
-from .loop import (PHASES, POLICIES, Loop, configure, exit_after, recovered_state, run,
+from .loop import (PHASES, POLICIES, Loop, configure, exit_after, recovered_state, run, shrinks,
                    stop_request)
 from .preempt import EXIT_PREEMPTED, StopRequest, requeue
 
-__all__ = ["Loop", "configure", "run", "exit_after", "recovered_state", "stop_request", "requeue", "StopRequest",
+__all__ = ["Loop", "configure", "run", "exit_after", "recovered_state", "shrinks", "stop_request", "requeue", "StopRequest",
            "EXIT_PREEMPTED", "PHASES", "POLICIES"]

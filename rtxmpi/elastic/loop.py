@@ -34,7 +34,7 @@ from ..errors import ConfigError, RankFailure
 from . import exitreport
 from .fault import FaultPlan
 from .preempt import StopRequest
-from .shrink import exchange_replica, shrink_world
+from .shrink import exchange_pieces, exchange_replica, shrink_world
 
 PHASES = ("forward", "backward", "step", "save", "eval")
 POLICIES = ("off", "shrink", "restart")
@@ -48,6 +48,7 @@ class _Config:
     recovered = None  # ReplicaState handed to the next attempt
     failure_time = None  # time.time() when this process saw the failure
     attempts = []  # Loop objects of failed attempts, kept alive
+    shrinks = []  # (old world size, new world size) of each shrink
     current = None  # the Loop of the attempt in progress
 
 
@@ -79,6 +80,12 @@ def stop_request():
     return _config.stop
 
 
+def shrinks():
+    """The shrinks this process has gone through: a list of (old world size, new world size),
+    empty in the first attempt. Local."""
+    return list(_config.shrinks)
+
+
 def recovered_state():
     """The surviving replica's state handed over by a shrink (a ReplicaState), else None. Taken
     once: the attempt that restores from it calls this."""
@@ -101,18 +108,21 @@ class Loop:
         if _config.stuck_timeout_s is not None and world.world_size > 1:
             start_heartbeats(_config.stuck_timeout_s)  # collective: every rank builds a Loop
         self.step, self.phase_name, self.applied_step = 0, None, None
-        self._tensors = self._meta = None
+        self._tensors = self._meta = self._pieces = None
         self._close = []
         self._applied_meta = None
         _config.current = self
 
-    def track(self, *, meta, tensors=None, close=(), step=None):
+    def track(self, *, meta, tensors=None, pieces=None, close=(), step=None):
         """What survivors hand over after a failure. meta() -> JSON-able dict (the checkpoint meta);
-        tensors() -> {name: full 1-D array}, or None when state is sharded (then a shrink reloads
-        the last committed checkpoint). close: objects (or None) whose close() runs before the
-        next attempt (open files such as the write-ahead log). step: the step the state is at now
-        (0 fresh, S after a resume), so a failure before the next step still hands it over. Local."""
-        self._meta, self._tensors = meta, tensors
+        tensors() -> {name: full 1-D array} (data parallelism: every rank holds a full replica);
+        pieces() -> rtxmpi.parallel.replica.ReplicaPieces (tensor/pipeline parallelism: the
+        survivors rebuild the full model when one rank of every shard key survives); neither when
+        state is sharded over dp (ZeRO): then a shrink reloads the last committed checkpoint.
+        close: objects (or None) whose close() runs before the next attempt (open files such as
+        the write-ahead log). step: the step the state is at now (0 fresh, S after a resume), so a
+        failure before the next step still hands it over. Local."""
+        self._meta, self._tensors, self._pieces = meta, tensors, pieces
         self._close = [c for c in close if c is not None]
         if step is not None:
             self._mark(step)
@@ -126,7 +136,8 @@ class Loop:
 
     def _mark(self, step, record=None):
         self.applied_step = step
-        if self._meta is not None and _config.policy == "shrink" and self._tensors is not None:
+        if (self._meta is not None and _config.policy == "shrink"
+                and (self._tensors is not None or self._pieces is not None)):
             self._applied_meta = self._meta()  # e.g. the data position as of this step
             if record is not None:
                 self._applied_meta["record"] = dict(record)
@@ -240,13 +251,16 @@ def recover(group, failure, loop):
     if beat is not None:  # a stuck rank is alive: make it a failed one, which shrink removes
         _evict(group, beat, failure)
     new, old_size = shrink_world(group, _config.min_ranks)
+    _config.shrinks.append((old_size, new.world_size))
     shrunk = time.time()
     state = None
+    applied = -1 if loop is None or loop.applied_step is None else loop.applied_step
     if loop is not None and loop._tensors is not None:
-        applied = -1 if loop.applied_step is None else loop.applied_step
         state = exchange_replica(new, applied, loop._tensors, lambda: loop._applied_meta, old_size)
         if state.step < 0:
             state = None  # no step applied anywhere yet: start over from the initial state
+    elif loop is not None and loop._pieces is not None:  # None: no complete copy survived
+        state = exchange_pieces(new, applied, loop._pieces, lambda: loop._applied_meta, old_size)
     _config.recovered = state
     for c in loop._close if loop is not None else ():
         try:
@@ -254,7 +268,12 @@ def recover(group, failure, loop):
         except Exception as exc:  # noqa: BLE001 - a broken file must not stop the recovery
             print(f"elastic: closing {c!r} after the failure: {exc}", file=sys.stderr, flush=True)
     if new.rank == 0:
-        where = (f"rank {state.source_rank}'s replica at step {state.step}" if state else
+        sources = getattr(state, "sources", None)
+        where = (f"the shards of ranks {sources} at step {state.step} (a complete copy survived)"
+                 if sources else
+                 f"rank {state.source_rank}'s replica at step {state.step}" if state else
+                 "the last committed checkpoint (no complete copy survived)"
+                 if loop is not None and loop._pieces is not None else
                  "the last committed checkpoint" if loop is None or loop._tensors is None
                  else "the last committed checkpoint, or the start")
         print(f"elastic: {failure}; shrank the world {old_size} -> {new.world_size} ranks in "

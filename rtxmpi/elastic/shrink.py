@@ -100,3 +100,64 @@ def exchange_replica(group, applied, tensors_fn, meta_fn, old_size):
         group.broadcast(buf, src=src)
         tensors[name] = buf
     return ReplicaState(int(step[0]), tensors, meta, old_size, src)
+
+
+def _complete_step(table, keys):
+    """The newest step at which the survivors' shard keys cover range(keys), with the lowest
+    rank holding each key at that step: (step, {key: rank}), or (None, None). table: rows of
+    (applied step, key, keys) per survivor, in new-rank order."""
+    if any(int(row[2]) != keys for row in table):
+        return None, None  # ranks of different layouts: nothing to assemble
+    for step in sorted({int(row[0]) for row in table if row[0] >= 0}, reverse=True):
+        sources = {}
+        for rank, (applied, key, _) in enumerate(table):
+            if applied == step and int(key) not in sources:
+                sources[int(key)] = rank
+        if len(sources) == keys:
+            return step, sources
+    return None, None
+
+
+def exchange_pieces(group, applied, pieces_fn, meta_fn, old_size):
+    """Rebuild the full model from the survivors' shards of a hybrid layout (collective).
+
+    applied: the last step whose update this rank applied (-1: none). pieces_fn() -> this rank's
+    rtxmpi.parallel.replica.ReplicaPieces (key, keys, {name: (where, values, global_size)});
+    meta_fn() -> JSON-able dict. The survivors agree on the newest step S at which every shard key
+    is held by some survivor that applied S (ranks of one key hold identical state); the lowest
+    such rank of each key broadcasts its pieces, keys in descending order (tp rank 0 writes the
+    tp-replicated parameters last, as a checkpoint does), and the lowest of them its meta.
+    Returns a ReplicaState of full tensors on every rank, or None on every rank when no complete
+    copy survived (then reload the last committed checkpoint).
+    """
+    pieces = pieces_fn()
+    mine = np.array([[applied, pieces.key, pieces.keys]], np.int64)
+    table = group.all_gather(mine).tolist()
+    step, sources = _complete_step(table, pieces.keys)
+    if step is None:
+        return None
+    meta_src = min(sources.values())
+    meta = json.loads(_broadcast_bytes(
+        group, json.dumps(meta_fn() if group.rank == meta_src else None).encode(), meta_src))
+    tensors = {}
+    for key in sorted(sources, reverse=True):
+        src = sources[key]
+        own = pieces.tensors if group.rank == src else None
+        head = json.dumps([[name, where if isinstance(where, int) else None, int(values.size),
+                            str(values.dtype), int(size)]
+                           for name, (where, values, size) in own.items()] if own else None)
+        for name, offset, n, dtype, size in json.loads(_broadcast_bytes(group, head.encode(), src)):
+            values = np.ascontiguousarray(own[name][1]) if own else np.empty(n, dtype)
+            group.broadcast(values, src=src)
+            if offset is None:
+                where = np.ascontiguousarray(own[name][0], np.int64) if own else np.empty(n, np.int64)
+                group.broadcast(where, src=src)
+            full = tensors.setdefault(name, np.zeros(size, values.dtype))
+            if offset is None:
+                full[where] = values
+            else:
+                full[offset:offset + n] = values
+    state = ReplicaState(step, tensors, meta, old_size, meta_src)
+    state.sources = [sources[k] for k in sorted(sources)]
+    state.path = f"<surviving shards on ranks {state.sources}>"
+    return state

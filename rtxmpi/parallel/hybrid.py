@@ -428,13 +428,14 @@ def _check_zero(zero_stage, tp, sp):
                           "supported yet; use --zero-stage 0 with tensor/sequence parallelism")
 
 
-def check_layout(world_size, *, dp=None, tp=1, pp=1, sp=1, seq_len, zero_stage=0, elastic="off",
+def check_layout(world_size, *, dp=None, tp=1, pp=1, sp=1, seq_len, zero_stage=0,
                  sequence_parallel=False):
     """Validate a training job's layout before anything is built (pure, local, the same verdict
     on every rank). Returns dp. Raises ConfigError: dp * tp * pp * sp != world_size (naming every
     factor), seq_len not divisible by sp (or by tp * sp under Megatron sequence parallelism,
-    checked by the model), sequence_parallel with tp = 1, ZeRO or
-    elastic shrink with tp or sp > 1 (not supported yet)."""
+    checked by the model), sequence_parallel with tp = 1, ZeRO with tp or sp > 1 (not supported
+    yet). (After an elastic shrink the layout is re-planned for the survivors:
+    rtxmpi.elastic.replan.)"""
     dp, tp, pp, sp = resolve_degrees(world_size, dp=dp, tp=tp, pp=pp, sp=sp)
     if seq_len % sp:
         raise ConfigError(f"sequence length {seq_len} is not divisible by sp({sp}); use a multiple "
@@ -443,9 +444,6 @@ def check_layout(world_size, *, dp=None, tp=1, pp=1, sp=1, seq_len, zero_stage=0
     if sequence_parallel and tp == 1:
         raise ConfigError("Megatron sequence parallelism splits the sequence over tp: it needs "
                           "tp > 1 (for sequence parallelism without tp use sp, Ulysses)")
-    if elastic != "off" and (tp > 1 or sp > 1):
-        raise ConfigError(f"--elastic {elastic} with tp({tp}) or sp({sp}) > 1 is not supported "
-                          "yet: a shrink changes the world size the mesh was built for")
     return dp
 
 

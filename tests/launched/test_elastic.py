@@ -219,6 +219,54 @@ def test_shrink_with_zero_reloads_the_last_committed_checkpoint_at_3_ranks(tmp_p
     assert load_checkpoint(None, tmp_path / "ckpt", SHRINK_STEPS).world_size_saved == 3
 
 
+HYBRID = ["--global-batch", "12", "--tp", "2", "--dp", "2"]  # 12: even over dp 2 and dp 3
+SHARDS = re.compile(r"continuing from the shards of ranks \[([\d, ]+)\] at step (\d+)")
+
+
+def test_shrink_of_tp2_dp2_replans_to_dp3_like_a_checkpoint_restart(tmp_path):
+    """A tp peer dies: the other dp replica's ranks still hold both tp shards, the survivors
+    rebuild the model from them, re-plan tp 2 x dp 2 -> dp 3 and go on in the same processes."""
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = train(run, run / "ckpt", "--elastic", "shrink", "--ckpt-every", "4", *HYBRID, n=4,
+                 ulfm=True, steps=SHRINK_STEPS, RTXMPI_FAULT="kill:1:7:backward:0.002")
+    assert not proc.outer_timeout and proc.returncode == 0, str(proc)
+    assert "shrank the world 4 -> 3 ranks" in proc.stderr, str(proc)
+    assert ("elastic: layout for 3 ranks: dp 2 x tp 2 x pp 1 x sp 1 -> dp 3 x tp 1 x pp 1 x sp 1 "
+            "(tp 2 x pp 1 x sp 1 = 2 does not divide 3 ranks)") in proc.stdout, str(proc)
+    resumed = int(SHARDS.search(proc.stderr).group(2))
+    got = records(run)
+    assert [r["step"] for r in got] == list(range(1, SHRINK_STEPS + 1))  # none twice or skipped
+    assert {r["world_size"] for r in got if r["step"] > resumed} == {3}
+    assert load_checkpoint(None, run / "ckpt", SHRINK_STEPS).world_size_saved == 3
+    # reference: tp 2 x dp 2 up to the step the survivors continued from, checkpoint, then dp 3
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    proc = train(ref, ref / "ckpt", "--stop-after-step", str(resumed), *HYBRID, n=4,
+                 steps=SHRINK_STEPS)
+    assert proc.returncode == 0, str(proc)
+    proc = train(ref, ref / "ckpt", "--resume", "--global-batch", "12", n=3, steps=SHRINK_STEPS)
+    assert proc.returncode == 0, str(proc)
+    assert [r["loss"] for r in got] == [r["loss"] for r in records(ref)]
+    assert_same_params(run / "ckpt", ref / "ckpt", SHRINK_STEPS)
+
+
+def test_shrink_of_pp2_tp2_without_a_complete_copy_reloads_the_checkpoint(tmp_path):
+    """dp 1: the dead rank's shard has no other copy, so the survivors reload the last committed
+    checkpoint at the re-planned layout; the steps after it run again and are logged once."""
+    proc = train(tmp_path, tmp_path / "ckpt", "--elastic", "shrink", "--global-batch", "12",
+                 "--pp", "2", "--tp", "2", "--micro-batches", "2", "--ckpt-every", "5", n=4,
+                 ulfm=True, steps=SHRINK_STEPS, RTXMPI_FAULT="kill:3:8:forward:0.05")
+    assert not proc.outer_timeout and proc.returncode == 0, str(proc)
+    assert "continuing from the last committed checkpoint (no complete copy survived)" in proc.stderr
+    assert "layout for 3 ranks: dp 1 x tp 2 x pp 2 x sp 1 -> dp 3 x tp 1 x pp 1 x sp 1" in proc.stdout
+    assert "resumed from" in proc.stdout and "step_00000005" in proc.stdout, str(proc)
+    got = records(tmp_path)
+    assert [r["step"] for r in got] == list(range(1, SHRINK_STEPS + 1))
+    assert {r["world_size"] for r in got if r["step"] > 5} == {3}
+    assert load_checkpoint(None, tmp_path / "ckpt", SHRINK_STEPS).world_size_saved == 3
+
+
 def test_stuck_rank_is_reported_with_its_phase_and_step_and_ends_the_job(tmp_path):
     """Without ULFM: the heartbeats name the stuck rank long before the collective deadline
     (30 s here), and the job ends non-zero so that a supervisor can act."""

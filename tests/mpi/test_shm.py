@@ -192,6 +192,43 @@ def test_reduce_scatter_strided_and_empty(groups):
     assert empty.shape == (0, 5)
 
 
+# -- all_gather (cross-memory reads on one node; MPI in the other layouts) ---------------------
+@pytest.mark.parametrize("dtype", ["float32", "int8", "bool", "bfloat16", "float64"])
+@pytest.mark.parametrize("length", [1, 1023, 4097])
+def test_all_gather_matches_numpy(groups, dtype, length):
+    group = groups[length % 2 == 0]
+    every = [rank_values(r, (length, 2), dtype, salt=length) for r in range(group.world_size)]
+    got = group.all_gather(every[group.rank])
+    assert_exact(got, np.concatenate(every))
+
+
+def test_all_gather_strided_zero_dim_and_empty(groups):
+    group = groups[False]
+    n = group.world_size
+    base = rank_values(group.rank, (2 * 3001, 3), "int32")
+    every = [rank_values(r, (2 * 3001, 3), "int32")[::2] for r in range(n)]
+    assert_exact(group.all_gather(base[::2]), np.concatenate(every))
+    assert_exact(group.all_gather(np.array(group.rank + 0.5)), np.arange(n) + 0.5)
+    assert group.all_gather(np.zeros((0, 4), np.float32)).shape == (0, 4)
+
+
+def test_all_gather_takes_the_cross_memory_path_on_one_node(groups, layout):
+    group = groups[False]
+    x = np.full(3000, group.rank, np.int32)
+    group.all_gather(x)  # builds the engine if no call has yet
+    engine = group.backend._shm
+    if not (engine and engine.mode == "cma" and engine.nodes == 1):
+        pytest.skip(f"{layout} at world size {group.world_size}: MPI's Allgather")
+    taken, real = [], engine.all_gather
+    engine.all_gather = lambda *args, **kwargs: taken.append(real(*args, **kwargs)) or taken[-1]
+    try:
+        got = group.all_gather(x)
+    finally:
+        del engine.all_gather
+    assert taken == [True]
+    assert_exact(got, np.repeat(np.arange(group.world_size, dtype=np.int32), 3000))
+
+
 def test_async_all_reduce_matches_blocking(groups):
     group = groups[False]
     x, expected = inputs(group, 5000, "float32", "sum")

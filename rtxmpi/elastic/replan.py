@@ -1,0 +1,109 @@
+"""Re-planning after a shrink: the parallel layout for the surviving world size.
+
+A shrink from N to N - k ranks usually breaks dp * tp * pp * sp = world_size. Without `--plan auto`
+(which simply plans again for the new size) the layout is chosen by a fixed rule, so every
+survivor picks the same one without talking and a user can predict it:
+
+    keep the user's tp, pp and sp if they fit; else drop sp, then pp, then both (keeping tp);
+    then halve tp's divisors down to 1 (pure data parallelism); dp fills the rest.
+
+"Fits" means the runtime can run it: dp * tp * pp * sp = new world size; the model divides (heads
+by tp * sp, vocabulary by tp, at least one layer per stage); the sequence by sp (by tp * sp under
+Megatron sequence parallelism, which is turned off when tp becomes 1); the runtime's own checks
+(rtxmpi.parallel.hybrid.check_layout, rtxmpi.parallel.pipeline.check_pipeline: 1F1B needs
+micro-batches >= pp, ZeRO only without pp); and the batch: a pipeline needs the global batch
+divisible by dp and the per-rank batch by the micro-batches, while without one the global batch
+may split unevenly over dp (docs/elastic.md) and the micro-batches are capped at the smallest
+per-rank batch. Tensor parallelism is kept longest because a tp group is the most tightly coupled
+(collectives in every layer) and usually the reason for the layout (the model's memory).
+"""
+from ..errors import ConfigError
+from ..parallel.hybrid import check_layout as runtime_check
+from ..parallel.pipeline import check_pipeline
+from ..parallel.planner import Layout
+
+
+def _divisors_desc(n):
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def candidates(tp, pp, sp):
+    """(tp, pp, sp) triples in the order the rule tries them (duplicates removed). Pure."""
+    order = [(tp, pp, sp), (tp, pp, 1), (tp, 1, sp), (tp, 1, 1)]
+    order += [(t, 1, 1) for t in _divisors_desc(tp)[1:]]
+    seen, out = set(), []
+    for c in order:
+        if c not in seen:
+            seen.add(c)
+            out.append(c)
+    return out
+
+
+def _model_reason(cfg, tp, pp, sp):
+    if cfg.n_head % (tp * sp):
+        return f"n_head {cfg.n_head} is not divisible by tp * sp = {tp * sp}"
+    if cfg.vocab_size % tp:
+        return f"vocab_size {cfg.vocab_size} is not divisible by tp {tp}"
+    if cfg.n_layer < pp:
+        return f"n_layer {cfg.n_layer} < pp {pp} (every stage needs a block)"
+    return None
+
+
+def _batch_reason(global_batch, dp, pp, micro_batches):
+    if pp > 1 and global_batch % dp:
+        return f"the pipeline needs the global batch {global_batch} divisible by dp {dp}"
+    if pp > 1 and (global_batch // dp) % micro_batches:
+        return (f"the pipeline needs the per-rank batch {global_batch // dp} divisible by "
+                f"{micro_batches} micro-batches")
+    if global_batch < dp:
+        return f"global batch {global_batch} < dp {dp}: a rank without samples"
+    return None
+
+
+def replan(world_size, cfg, global_batch, *, tp=1, pp=1, sp=1, micro_batches=1, schedule="1f1b",
+           zero_stage=0, sequence_parallel=False):
+    """The layout for `world_size` ranks by the module's rule, starting from the user's degrees.
+
+    cfg: rtxmpi.nn.GPTConfig (seq_len is the training sequence length); global_batch: sequences
+    per step. Returns (Layout (rtxmpi.parallel.planner), sequence_parallel (bool), why: '' when
+    the user's tp/pp/sp were kept, else the reason they did not fit). Pure and local (the same
+    answer on every rank). Raises ConfigError naming each candidate's reason when none fits.
+    """
+    if world_size < 1 or global_batch < 1:
+        raise ConfigError(f"replan: world_size ({world_size}) and global_batch ({global_batch}) "
+                          "must be >= 1")
+    reasons = []
+    for t, p, s in candidates(tp, pp, sp):
+        model = t * p * s
+        if world_size % model:
+            reasons.append(f"tp {t} x pp {p} x sp {s} = {model} does not divide {world_size} ranks")
+            continue
+        dp = world_size // model
+        m = micro_batches if p > 1 else max(1, min(micro_batches, global_batch // dp))
+        seq_par = sequence_parallel and t > 1
+        layout = Layout(dp, t, p, s, m, zero_stage, schedule if p > 1 else "none")
+        why = _model_reason(cfg, t, p, s) or _batch_reason(global_batch, dp, p, m)
+        if why is None:
+            try:
+                runtime_check(world_size, dp=dp, tp=t, pp=p, sp=s, seq_len=cfg.seq_len,
+                              zero_stage=zero_stage, sequence_parallel=seq_par)
+                check_pipeline(pp=p, micro_batches=m, schedule=schedule, n_layer=cfg.n_layer,
+                               zero_stage=zero_stage)
+                if seq_par and cfg.seq_len % (t * s):
+                    raise ConfigError(f"sequence length {cfg.seq_len} is not divisible by "
+                                      f"tp * sp = {t * s} (Megatron sequence parallelism)")
+            except ConfigError as exc:
+                why = str(exc)
+        if why is None:
+            return layout, seq_par, "" if (t, p, s) == (tp, pp, sp) else reasons[0]
+        reasons.append(f"{layout}: {why}")
+    raise ConfigError(f"no parallel layout fits {world_size} ranks after the shrink: "
+                      + "; ".join(reasons))
+
+
+def describe(dp, tp, pp, sp):
+    """'dp 2 x tp 2 x pp 1 x sp 1'."""
+    return f"dp {dp} x tp {tp} x pp {pp} x sp {sp}"
+
+
+__all__ = ["replan", "candidates", "describe"]

@@ -1,0 +1,84 @@
+"""What one rank holds of the one-process model, as pieces of its flat vectors: the input of an
+elastic recovery that rebuilds full replicas from the survivors of a hybrid layout.
+
+Under tensor (tp) and pipeline (pp) parallelism no rank holds the whole model; under data (dp)
+and sequence (sp) parallelism ranks hold identical copies of their part. So the ranks that share
+one (pp_rank, tp_rank) coordinate — the rank's *shard key* — hold the same parameters and AdamW
+state at the same step, and one survivor of every key is enough to rebuild the one-process
+model's flat vectors (the checkpoint layout, rtxmpi.checkpoint), which load at any new layout.
+
+`replica_pieces(engine)` describes this rank's share without communicating: for "params",
+"adam.m", "adam.v" the global position of every local element in the one-process flat layout
+(rtxmpi.nn.gpt.param_layout) — a contiguous run (an int offset) where the layouts coincide, else
+an int64 index array (a tp shard of a matrix is strided in the full layout) — and "adam.step".
+Positions come from `tensor.shard_param` applied to the element numbers, so they follow exactly
+the slicing the tensor-parallel model uses. A pipeline's tied wte copy (last stage) is left out:
+stage 0 holds the same values. Parameters replicated over tp (LayerNorm, biases of row-parallel
+layers) appear in every tp rank's pieces; assemble the keys in descending order so that tp rank 0
+writes last, as `ParallelGPT.gather_full` and hence the checkpoint do.
+"""
+from collections import namedtuple
+
+import numpy as np
+
+from ..backend import to_host
+from ..errors import ConfigError
+from . import tensor as tpl
+from .hybrid import HybridParallel
+from .pipeline import PipelineParallel, TensorParallelStage
+
+ReplicaPieces = namedtuple("ReplicaPieces", "key keys tensors")
+ReplicaPieces.__doc__ = """key: this rank's shard key in range(keys) (pp_rank * tp + tp_rank);
+keys: how many distinct keys make a complete model (pp * tp); tensors: {name: (where, values,
+global_size)} with where an int (values fill [where, where + len)) or an int64 array (the global
+position of each value), values a 1-D host array."""
+
+
+def full_index(model):
+    """int64 array (model.num_params,): for each element of a ParallelGPT's local flat vector, its
+    position in the one-process GPT's flat layout. Local (pure)."""
+    out = np.empty(model.num_params, np.int64)
+    for p, full in zip(model.params, model.full_specs):
+        ids = np.arange(full.offset, full.stop, dtype=np.int64).reshape(full.shape)
+        out[p.offset:p.offset + p.size] = tpl.shard_param(p.name, ids, model.tp_rank,
+                                                          model.tp).reshape(-1)
+    return out
+
+
+def _pieces(where, flat, state, n_full, own=None):
+    own = slice(None) if own is None else own
+    tensors = {name: (where, np.array(to_host(values[own])).reshape(-1), n_full)
+               for name, values in (("params", flat), ("adam.m", state["m"]),
+                                    ("adam.v", state["v"]))}
+    tensors["adam.step"] = (0, np.array([state["step"]], np.int64), 1)
+    return tensors
+
+
+def replica_pieces(engine):
+    """This rank's ReplicaPieces of a HybridParallel or PipelineParallel engine (the state as it is
+    now: call it after the last applied update). Local: no communication; the values are copies.
+    Raises ConfigError for another engine (data parallelism hands over full tensors itself) and
+    for one whose optimizer state is sharded over dp (ZeRO: a lost rank's shard has no copy)."""
+    if getattr(engine, "zero", None) is not None or getattr(engine, "zero_stage", 0):
+        raise ConfigError(f"replica_pieces: {type(engine).__name__} shards its state over dp "
+                          "(ZeRO); recover from the last committed checkpoint")
+    if isinstance(engine, HybridParallel):
+        model = engine.model
+        state = engine.optimizer.state_dict()
+        return ReplicaPieces(model.tp_rank, model.tp,
+                             _pieces(full_index(model), model.flat_data, state,
+                                     model.full_num_params))
+    if isinstance(engine, PipelineParallel):
+        st = engine.stage
+        state = engine.optimizer.state_dict()
+        own = slice(0, st.own_size)  # the wte copy (last stage, tied) is stage 0's wte
+        if isinstance(st, TensorParallelStage):
+            where = full_index(st.model)[st.flat_start:st.flat_stop]
+        else:
+            where = st.full_start
+        return ReplicaPieces(st.stage * st.tp + st.tp_rank, st.stages * st.tp,
+                             _pieces(where, st.flat_data, state, engine.num_params, own))
+    raise ConfigError(f"replica_pieces: {type(engine).__name__} is not a hybrid or pipeline engine")
+
+
+__all__ = ["ReplicaPieces", "replica_pieces", "full_index"]

@@ -1,0 +1,77 @@
+"""Cross-memory access to a local peer (rtxmpi/comm/shm.py) when that peer dies: RankFailure.
+
+A child process stands in for a local peer rank: the reader copies from and into its memory
+while it lives, and a transfer after it was killed (zombie or reaped) raises PeerAccessError,
+which the engine turns into RankFailure naming the rank (not CollectiveError).
+"""
+import ctypes
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rtxmpi.comm import shm
+from rtxmpi.errors import CollectiveError, RankFailure
+
+PEER = """
+import ctypes, os, sys
+buf = ctypes.create_string_buffer(b"peer-bytes-0123", 16)
+print(os.getpid(), ctypes.addressof(buf), flush=True)
+sys.stdin.read()
+"""
+
+pytestmark = pytest.mark.skipif(shm._load_cma() is None, reason="no process_vm_readv here")
+
+
+@pytest.fixture
+def peer():
+    child = subprocess.Popen([sys.executable, "-c", PEER], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        pid, addr = (int(v) for v in child.stdout.readline().split())
+        assert pid == child.pid
+        yield child, addr
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+
+
+def transfer(reader, pid, addr):
+    got = ctypes.create_string_buffer(16)
+    reader.read(pid, ctypes.addressof(got), addr, 15)
+    return got.value
+
+
+@pytest.mark.parametrize("reaped", [False, True], ids=["zombie", "reaped"])
+def test_transfer_from_a_dead_peer_is_a_rank_failure(peer, reaped):
+    child, addr = peer
+    reader = shm._PeerReader(shm._load_cma())
+    assert transfer(reader, child.pid, addr) == b"peer-bytes-0123"
+    back = ctypes.create_string_buffer(b"written-by-test", 16)
+    reader.write(child.pid, addr, ctypes.addressof(back), 15)
+    assert transfer(reader, child.pid, addr) == b"written-by-test"
+    assert not shm.process_gone(child.pid)
+    child.send_signal(signal.SIGKILL)
+    if reaped:
+        child.wait(timeout=10)
+    else:
+        deadline = time.monotonic() + 10
+        while not shm.process_gone(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.001)
+    with pytest.raises(shm.PeerAccessError) as info:
+        transfer(reader, child.pid, addr)
+    assert info.value.pid == child.pid
+    error = shm.peer_failure("all_reduce", info.value, [123, child.pid], [0, 5], 0)
+    assert isinstance(error, RankFailure) and error.ranks == [5]
+    assert "all_reduce: rank 5" in str(error)
+
+
+def test_transfer_error_from_a_live_peer_is_a_collective_error(peer):
+    child, addr = peer
+    reader = shm._PeerReader(shm._load_cma())
+    with pytest.raises(shm.PeerAccessError) as info:  # an address the peer has not mapped
+        transfer(reader, child.pid, 8)
+    error = shm.peer_failure("reduce_scatter", info.value, [child.pid], [1], 0)
+    assert type(error) is CollectiveError and "RTXMPI_SHM_CMA=0" in str(error)
