@@ -22,9 +22,17 @@ def train(tmp_path, n, args, name=None):
     return proc, losses
 
 
-def test_tp_and_sp_layouts_follow_the_data_parallel_loss_curve_across_a_checkpoint(tmp_path):
-    proc, reference = train(tmp_path, 2, ["--dp", "2"], "dp2")
+@pytest.fixture(scope="module")
+def dp2_curve(tmp_path_factory):
+    """The 10-step loss curve of --dp 2 (every layout's, the one-process model's)."""
+    proc, reference = train(tmp_path_factory.mktemp("dp2"), 2, ["--dp", "2"], "dp2")
     assert proc.returncode == 0, str(proc)
+    return reference
+
+
+def test_tp_and_sp_layouts_follow_the_data_parallel_loss_curve_across_a_checkpoint(tmp_path,
+                                                                                   dp2_curve):
+    reference = dp2_curve
     ckpt = str(tmp_path / "ckpt")
     proc, first = train(tmp_path, 2, ["--tp", "2", "--sequence-parallel", "--ckpt-dir", ckpt,
                                       "--stop-after-step", "5"], "tp")
@@ -37,10 +45,26 @@ def test_tp_and_sp_layouts_follow_the_data_parallel_loss_curve_across_a_checkpoi
     assert first + second == pytest.approx(reference, rel=1e-5)
 
 
+def test_zero3_dp2_tp2_checkpoint_resumes_at_plain_dp4_on_the_same_curve(tmp_path, dp2_curve):
+    """ZeRO-3 sharded over dp of each tp slice (rtxmpi.parallel.zero_hybrid) writes the one-process
+    model, so plain data parallelism at dp 4 continues its curve (tp 4: tests/mpi/test_zero_hybrid.py;
+    the tiny model's 2 heads do not split 4 ways)."""
+    ckpt = str(tmp_path / "ckpt")
+    proc, first = train(tmp_path, 4, ["--dp", "2", "--tp", "2", "--zero-stage", "3",
+                                      "--ckpt-dir", ckpt, "--stop-after-step", "5"], "zero3")
+    assert proc.returncode == 0, str(proc)
+    assert "(dp 2 x tp 2 x pp 1 x sp 1)" in proc.stdout and "ZeRO stage 3" in proc.stdout
+    proc, second = train(tmp_path, 4, ["--dp", "4", "--ckpt-dir", ckpt, "--resume"], "dp4")
+    assert proc.returncode == 0, str(proc)
+    assert "ZeRO stage 3" in proc.stdout and "resumed from" in proc.stdout
+    assert len(first) == 5 and len(second) == 5
+    assert first + second == pytest.approx(dp2_curve, rel=1e-5)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--dp", "2", "--tp", "2"], "dp(2) * tp(2) * pp(1) * sp(1) = 4 != world_size(2)"),
     (["--sp", "2", "--seq-len", "31"], "sequence length 31 is not divisible by sp(2)"),
-    (["--tp", "2", "--zero-stage", "1"], "ZeRO stage 1 with tp(2) or sp(1) > 1 is not supported"),
+    (["--tp", "2", "--offload", "cpu"], "--offload cpu needs --zero-stage 1, 2 or 3"),
 ])
 def test_bad_layouts_exit_2_with_one_line_error(tmp_path, args, message):
     proc, _ = train(tmp_path, 2, args)

@@ -10,7 +10,7 @@ from conftest import GLOBAL_BATCH, T, global_batch
 from rtxmpi.errors import ConfigError
 from rtxmpi.mesh import DeviceMesh
 from rtxmpi.nn import GPT, AdamW, GPTConfig, decay_mask
-from rtxmpi.parallel.hybrid import HybridParallel, ParallelGPT, check_zero
+from rtxmpi.parallel.hybrid import HybridParallel, ParallelGPT
 
 # (dp, tp, sp): pp = 1 here (pipeline layouts: tests/mpi/test_pipeline.py)
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (4, 1, 1), (2, 2, 1), (2, 1, 2),
@@ -149,14 +149,6 @@ def test_sequence_or_heads_not_divisible_by_sp_raise(world, assert_raised_on_eve
     x, y = global_batch(0)
     assert_raised_on_every_rank(world, lambda: engine.forward(x[:, :T - 1], y[:, :T - 1]),
                                 ConfigError, match=[f"sequence length {T - 1}", f"sp({n})"])
-
-
-@pytest.mark.mpi(min_size=2)
-def test_zero_with_tensor_parallelism_is_refused(world):
-    mesh = DeviceMesh(dp=1, tp=world.world_size, group=world)
-    with pytest.raises(ConfigError, match="not supported yet"):
-        check_zero(1, mesh)
-    check_zero(0, mesh)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -1,0 +1,214 @@
+"""ZeRO on a device mesh: stages 1-3 for a `ParallelGPT` under tensor (tp) and sequence (sp)
+parallelism (pp = 1), as `HybridParallel` trains it without ZeRO.
+
+Source: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", SC 2020, composed with Megatron-LM tensor parallelism the way Megatron's distributed
+optimizer and DeepSpeed do: ZeRO shards over the data-parallel replicas of each tensor-parallel
+slice, never across tp.
+
+Which ranks hold identical parameters: a ParallelGPT's local flat vector (this tp rank's slices of
+the GPT, `num_params` elements) is the same on every rank of `mesh.loss_group` = group("dp", "sp")
+— the ranks that see different tokens and average their gradients. So the ZeRO group is
+loss_group (dp x sp ranks), and each tp rank shards ITS OWN tp slice over it with
+`rtxmpi.parallel.zero.ZeroDataParallel` (same shard layout, buckets, offload, stage-3 unit
+gathers: ParallelGPT has GPT's unit hooks). Ranks of one tp group hold the same [start, stop)
+range of their own local vectors. Per rank, model state is 1/(dp * sp) of the tp slice: 1/world
+of the whole model at stage 3.
+
+What differs from plain ZeRO:
+- the gradient norm is the one-process model's: each rank's shard squared, the replicated
+  parameters (LayerNorms, wpe, row-parallel biases: tensor.is_replicated) counted on tp rank 0
+  only, summed over the mesh's world in one all_reduce (float64);
+- checkpoints hold the one-process GPT's flat vectors (HybridParallel's format), so a run saved
+  at (dp=2, tp=2, ZeRO-3) resumes at plain dp=4, at tp=4, at another stage, and back.
+  `shards()` rebuilds each tensor (params, adam.m, adam.v) one at a time — an all_gather of the
+  shards over loss_group, then of the tp slices (ParallelGPT.gather_full) — and each world rank
+  keeps an even 1/world piece: transiently one whole tensor per rank (see docs/zero.md, "ZeRO
+  with tensor and sequence parallelism"). `load_shards` reads, for this rank's shard only, the
+  whole-model range of the parameters the shard overlaps (one read per tensor and call, the same
+  count on every rank) and slices its tp part out of it.
+"""
+import bisect
+import math
+
+import numpy as np
+
+from ..errors import CheckpointError, ConfigError
+from ..nn import grad_norm_sq
+from . import tensor as tpl
+from .data import DEFAULT_BUCKET_BYTES
+from .offload import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_CHUNKS
+from .zero import ZeroDataParallel, _default_optimizer, shard_range, shard_size
+
+STATE_TENSORS = ("params", "adam.m", "adam.v")
+
+
+class ZeroHybridParallel:
+    """Train a ParallelGPT (mesh pp = 1) with ZeRO stage 1, 2 or 3 over mesh.loss_group, tensor
+    parallelism over tp and Ulysses over sp.
+
+    model: rtxmpi.parallel.hybrid.ParallelGPT. stage, bucket_bytes, optimizer (callable
+    (params_shard, decay_mask_shard) -> optimizer, default AdamW), offload (None, "cpu", "nvme"),
+    offload_dir, offload_chunk_bytes, offload_max_chunks, prefetch: as for
+    rtxmpi.parallel.zero.ZeroDataParallel, which runs on this rank's tp slice over loss_group.
+    Offers the engine calls of examples/train.py (HybridParallel's): forward, backward, no_sync,
+    grad_norm, step(lr, max_grad_norm, total_norm), zero_grad, full_params, shards,
+    load_shards, memory_bytes, close.
+
+    Attributes: model, mesh, group (the mesh's world), zero (the ZeroDataParallel), stage,
+    offload, optimizer, provider (stage 3: the ShardedParams; else None), start / stop (this
+    rank's shard of its local vector), nonfinite.
+    Collective: every rank of the mesh constructs it and calls the same methods in the same
+    order (stage 3: forward and every backward too, as the units are gathered over loss_group).
+    Raises ConfigError (on every rank) when mesh.pp > 1, and for what ZeroDataParallel refuses.
+    """
+
+    def __init__(self, model, stage=1, bucket_bytes=DEFAULT_BUCKET_BYTES,
+                 optimizer=None, offload=None, offload_dir=None, prefetch=True,
+                 offload_chunk_bytes=DEFAULT_CHUNK_BYTES, offload_max_chunks=DEFAULT_MAX_CHUNKS):
+        mesh = model.mesh
+        if mesh.pp > 1:
+            raise ConfigError(f"ZeroHybridParallel runs pp=1; got pp({mesh.pp}): ZeRO under "
+                              "pipeline parallelism is the pipeline engine's")
+        self.model, self.mesh, self.group = model, mesh, mesh.world
+        self.zero = ZeroDataParallel(model, mesh.loss_group, stage=stage,
+                                     bucket_bytes=bucket_bytes,
+                                     optimizer=optimizer or _default_optimizer,
+                                     offload=offload, offload_dir=offload_dir, prefetch=prefetch,
+                                     offload_chunk_bytes=offload_chunk_bytes,
+                                     offload_max_chunks=offload_max_chunks)
+        z = self.zero
+        self.stage, self.offload, self.optimizer, self.provider = (z.stage, z.offload,
+                                                                   z.optimizer, z.provider)
+        self.start, self.stop = z.start, z.stop
+        self.no_sync, self.zero_grad = z.no_sync, z.zero_grad
+        # the gradient-norm ranges of this shard: the tp-split parameters, and the replicated ones
+        # on tp rank 0 only (the other tp ranks hold copies)
+        self._norm_ranges = []
+        for p in model.params:
+            lo, hi = max(p.offset, self.start), min(p.offset + p.size, self.stop)
+            if hi > lo and (mesh.tp_rank == 0 or not tpl.is_replicated(p.name)):
+                self._norm_ranges.append((lo - self.start, hi - self.start))
+        self._offsets = [p.offset for p in model.params]
+
+    @property
+    def nonfinite(self):
+        return self.zero.nonfinite
+
+    def __repr__(self):
+        m = self.mesh
+        return (f"<ZeroHybridParallel stage={self.stage} dp={m.dp} tp={m.tp} sp={m.sp} "
+                f"shard=[{self.start}, {self.stop}) of {self.zero.numel} (tp rank {m.tp_rank})>")
+
+    # -- training -----------------------------------------------------------------------------
+    def forward(self, idx, targets):
+        """(loss, cache) for this rank's samples: idx, targets (B, T) = this dp rank's rows with
+        the FULL sequence (mesh.batch_slice); this sp rank's positions are taken here. loss: mean
+        over this rank's tokens (average it over mesh.loss_group). Collective at stage 3."""
+        cols = self.mesh.seq_slice(idx.shape[1])
+        return self.zero.forward(idx[:, cols], targets[:, cols])
+
+    def backward(self, cache, scale=1.0):
+        """Backward of scale * loss; outside no_sync the gradient shard holds the loss_group
+        average (stage 1: the whole local gradient). Collective (ZeroDataParallel.backward)."""
+        self.zero.backward(cache, scale=scale)
+
+    def grad_norm(self):
+        """The one-process model's gradient L2 norm, the same on every rank: one float64
+        all_reduce over the mesh's world of each shard's squared norm (replicated parameters
+        counted on tp rank 0). Collective."""
+        grad = self.zero.grad_shard()
+        sq = np.array([sum(grad_norm_sq(grad[lo:hi]) for lo, hi in self._norm_ranges)],
+                      np.float64)
+        if self.group.world_size > 1:
+            self.group.all_reduce(sq, op="sum")
+        return math.sqrt(sq[0])
+
+    def step(self, lr=None, max_grad_norm=None, total_norm=None):
+        """Clip to the global norm (optional; total_norm: grad_norm() if already computed), the
+        optimizer on this rank's shard, the parameter all_gather (stages 1, 2). Returns the norm
+        before clipping when max_grad_norm is set, else None. Collective."""
+        if max_grad_norm is not None and total_norm is None:
+            total_norm = self.grad_norm()
+        return self.zero.step(lr=lr, max_grad_norm=max_grad_norm, total_norm=total_norm)
+
+    def close(self):
+        """Remove this rank's offload files (offload="nvme"). Local."""
+        self.zero.close()
+
+    def memory_bytes(self):
+        """Bytes this rank holds (ZeroDataParallel.memory_bytes of its tp slice). Local."""
+        return self.zero.memory_bytes()
+
+    # -- whole-model views and checkpoints --------------------------------------------------------
+    def _local_full(self, shard):
+        """This tp rank's whole local vector from the loss_group's shards (padded all_gather)."""
+        group, n = self.zero.group, self.zero.numel
+        shard = self.model.xp.asarray(shard)
+        if group.world_size == 1:
+            return shard[:n].copy()
+        send = self.model.xp.zeros(shard_size(n, group.world_size), shard.dtype)
+        send[:len(shard)] = shard
+        return group.all_gather(send)[:n]
+
+    def full_params(self):
+        """The one-process GPT's flat parameter vector (rtxmpi.nn.GPT layout), a new array, on
+        every rank. Collective (stage 3: a gather over loss_group; then one over tp)."""
+        return self.model.gather_full(self.zero.full_params())
+
+    def shards(self):
+        """{name: (data, global_offset, global_size)} of the one-process model's flat params,
+        adam.m and adam.v, each world rank an even 1/world piece (HybridParallel's format), and
+        adam.step on world rank 0. Builds one whole tensor at a time. Collective."""
+        r, n = self.group.rank, self.group.world_size
+        own = self.zero.shards()
+        out = {}
+        for name in STATE_TENSORS:
+            full = self.model.gather_full(self._local_full(own[name][0]))
+            size = int(full.shape[0])
+            lo, hi = r * size // n, (r + 1) * size // n
+            out[name] = (full[lo:hi].copy(), lo, size)
+            del full
+        lo, hi = shard_range(1, n, r)
+        out["adam.step"] = (np.full(hi - lo, self.optimizer.step_count, np.int64), lo, 1)
+        return out
+
+    def load_shards(self, read):
+        """Load a checkpoint of the one-process model's flat vectors (any layout, stage, world
+        size wrote it): read(name, offset, length) -> 1-D array. Reads, for this rank's shard,
+        the whole-model range of the parameters it overlaps; drops accumulated gradients.
+        Collective (read is called the same number of times on every rank). Raises
+        CheckpointError when read returns the wrong length."""
+        def read_local(name, offset, length):
+            if name not in STATE_TENSORS:
+                return read(name, offset, length)
+            return self._read_local(read, name, int(offset), int(length))
+
+        self.zero.load_shards(read_local)
+
+    def _read_local(self, read, name, lo, length):
+        """Elements [lo, lo + length) of this tp rank's local vector `name`, from one read of
+        the whole-model range of the parameters they touch."""
+        hi = lo + length
+        first = max(0, bisect.bisect_right(self._offsets, lo) - 1)
+        touched = [i for i in range(first, len(self.model.params))
+                   if self.model.params[i].offset < hi and length > 0]
+        full_specs = self.model.full_specs
+        f0 = full_specs[touched[0]].offset if touched else 0
+        f1 = full_specs[touched[-1]].stop if touched else 0
+        values = read(name, f0, f1 - f0)
+        if getattr(values, "shape", None) != (f1 - f0,):
+            raise CheckpointError(f"read({name!r}, {f0}, {f1 - f0}) returned shape "
+                                  f"{getattr(values, 'shape', type(values).__name__)}, "
+                                  f"expected ({f1 - f0},)")
+        out = np.empty(length, values.dtype)
+        for i in touched:
+            p, spec = self.model.params[i], full_specs[i]
+            piece = tpl.shard_param(p.name, values[spec.offset - f0:spec.stop - f0]
+                                    .reshape(spec.shape), self.mesh.tp_rank, self.mesh.tp)
+            a, b = max(lo, p.offset), min(hi, p.offset + p.size)
+            out[a - lo:b - lo] = np.ascontiguousarray(piece).reshape(-1)[a - p.offset:b - p.offset]
+        return out
+
+
+__all__ = ["ZeroHybridParallel", "STATE_TENSORS"]
