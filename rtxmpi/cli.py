@@ -184,7 +184,10 @@ def cmd_run(args):
         supervisor = Supervisor(command, n=args.n, min_ranks=args.min_ranks,
                                 max_ranks=args.max_ranks, max_restarts=args.max_restarts,
                                 grace_s=args.grace_s, hostfile=args.hostfile,
-                                mpiexec=shlex.split(args.mpiexec), resume_flag=args.resume_flag)
+                                mpiexec=shlex.split(args.mpiexec), resume_flag=args.resume_flag,
+                                early_failure_s=args.early_failure_s,
+                                max_early_failures=args.max_early_failures,
+                                backoff_s=args.backoff_s)
         return supervisor.run()
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
@@ -281,6 +284,13 @@ def build_parser():
                      help="launcher and its options, e.g. 'mpiexec --oversubscribe --bind-to none'")
     run.add_argument("--resume-flag", default="--resume",
                      help="added to the command on relaunches when missing ('' for none)")
+    run.add_argument("--early-failure-s", type=float, default=60.0, metavar="S",
+                     help="a failure within S s of a launch with no training step done is an early "
+                          "failure: back off before relaunching (0: off)")
+    run.add_argument("--max-early-failures", type=int, default=3, metavar="K",
+                     help="give up after K early failures in a row, naming the cause")
+    run.add_argument("--backoff-s", type=float, default=2.0, metavar="B",
+                     help="wait B s after an early failure, doubling each time in a row (at most 60)")
     run.add_argument("job", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     run.set_defaults(func=cmd_run)
     plan = sub.add_parser("plan", help="rank (dp, tp, pp, sp) layouts by predicted step time",

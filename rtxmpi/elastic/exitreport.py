@@ -9,6 +9,11 @@ begins and `exit.<pid>` holding its exit code when it ends. After mpiexec return
 wrote exit code 0 -> done; ranks started but none ended with 0 -> a failure (relaunch). A command
 that writes no reports (not an rtxmpi program, or all its ranks on hosts that cannot see the
 folder) is judged by mpiexec's status alone, as before.
+
+Progress: the first training step a rank process completes writes `progress.<pid>` (`progress()`,
+called by elastic.Loop.applied), so the supervisor can tell a launch that fails before doing any
+work (a typo in the script, an environment problem: relaunching cannot help) from a failure in
+the middle of training.
 """
 import os
 
@@ -25,6 +30,26 @@ def mark(kind, code=None, environ=os.environ):
             f.write("" if code is None else str(code))
     except OSError:
         pass  # a host that cannot see the folder: the reports of the others decide
+
+
+_progress_marked = False
+
+
+def progress(environ=os.environ):
+    """This process completed a training step: write `progress.<pid>` once (later calls do
+    nothing, so it is free to call every step); never raises."""
+    global _progress_marked
+    if not _progress_marked:
+        _progress_marked = True
+        mark("progress", environ=environ)
+
+
+def progressed(folder):
+    """True when some rank process of the attempt wrote a progress report to `folder`."""
+    try:
+        return any(name.startswith("progress.") for name in os.listdir(folder))
+    except OSError:
+        return False
 
 
 def reconcile(status, folder):

@@ -153,6 +153,7 @@ class Loop:
         about the step (e.g. its metrics line), handed over in the replica's meta["record"].
         Call it before any collective that follows the update. Local."""
         self._mark(step, record)
+        exitreport.progress()  # once: `rtxmpi run` tells a launch that did no work from a failure
         if _config.failure_time is not None:
             elapsed = time.time() - _config.failure_time
             _config.failure_time = None

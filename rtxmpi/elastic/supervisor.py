@@ -21,18 +21,30 @@ Ranks available: with --hostfile, the file is re-read before every launch and it
 (a node removed from it is not used again, a node added is), capped by --max-ranks (default -n);
 without one, -n. Fewer than --min-ranks: give up.
 
+Early failures: a launch that fails within --early-failure-s seconds (default 60) without any
+rank completing a training step (elastic.exitreport progress reports; a command without reports
+is judged by the time alone) cannot be helped by an instant relaunch: a typo in the script, a
+missing module, root without Open MPI's root variables, too few slots. The supervisor waits
+--backoff-s seconds (doubling after each such failure in a row, at most BACKOFF_MAX_S) before the
+next launch, and after --max-early-failures of them in a row gives up with a summary naming the
+cause (a known launcher message, or the last Python exception line) and the last lines the job
+wrote to stderr; it exits with the last status. The job's stderr is copied through as it comes
+(and its tail kept for that summary); stdout is the supervisor's own.
+
 Signals: SIGTERM, SIGUSR1 or SIGINT to the supervisor reach the ranks as SIGUSR1 through mpiexec
 (prterun forwards USR1/USR2 but turns TERM into SIGKILL of the ranks, so no handler would run); the
 ranks stop at the next step boundary with a checkpoint. After --grace-s seconds mpiexec gets
 SIGTERM, 5 s later the whole session SIGKILL.
 """
 import os
+import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from ..errors import ConfigError
@@ -41,6 +53,20 @@ from .preempt import EXIT_PREEMPTED
 
 EXIT_CONFIG = 2
 KILL_AFTER_S = 5.0
+BACKOFF_MAX_S = 60.0
+TAIL_BYTES = 8192  # of the job's stderr, kept for the summary
+TAIL_LINES = 6
+
+# (text the launcher or Python prints, what to tell the user): known causes of early failures
+KNOWN_CAUSES = (
+    ("attempt to run as root", "mpiexec refuses to run as root: export OMPI_ALLOW_RUN_AS_ROOT=1 "
+                               "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (or add --allow-run-as-root to "
+                               "--mpiexec)"),
+    ("not enough slots available", "not enough slots for the ranks asked for: add --oversubscribe "
+                                   "to --mpiexec, give a --hostfile, or use fewer ranks"),
+)
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit)\b.*|.*can't open file.*"
+                             r"|cannot start .*)$")
 
 
 def hostfile_slots(path):
@@ -75,6 +101,59 @@ def launch_size(n, *, hostfile=None, max_ranks=None):
     return min(hostfile_slots(hostfile), max_ranks or n)
 
 
+class StderrTail:
+    """Copies a child's stderr pipe to `sink` as it comes (chunks, so progress bars still show)
+    and keeps the last TAIL_BYTES of it, read on a daemon thread."""
+
+    def __init__(self, pipe, sink):
+        self.pipe, self.sink, self.data = pipe, sink, bytearray()
+        self.thread = threading.Thread(target=self._copy, name="rtxmpi-run-stderr", daemon=True)
+        self.thread.start()
+
+    def _copy(self):
+        fd = self.pipe.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except OSError:
+                break
+            if not chunk:
+                break
+            try:
+                buffer = getattr(self.sink, "buffer", None)
+                if buffer is not None:
+                    buffer.write(chunk)
+                    buffer.flush()
+                else:
+                    self.sink.write(chunk.decode("utf-8", "replace"))
+                    self.sink.flush()
+            except (OSError, ValueError):
+                pass  # our stderr is gone: keep draining the pipe so the job never blocks
+            self.data += chunk
+            del self.data[:-TAIL_BYTES]
+
+    def lines(self, wait_s=1.0):
+        """The meaningful lines of the tail (separator lines dropped). Waits up to `wait_s` for
+        the end of the stream (ranks that outlive mpiexec may hold the pipe open)."""
+        self.thread.join(wait_s)
+        text = bytes(self.data).decode("utf-8", "replace")
+        return [line.strip() for line in re.split(r"[\r\n]+", text)
+                if line.strip() and line.strip().strip("-=*") != ""]
+
+
+def failure_cause(lines):
+    """One line naming why a job failed, from the last lines of its stderr: a known launcher
+    message, else the last Python exception line (`ModuleNotFoundError: ...`), else None."""
+    text = "\n".join(lines)
+    for needle, cause in KNOWN_CAUSES:
+        if needle in text:
+            return cause
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line):
+            return line
+    return None
+
+
 def _detach_but_follow_parent():
     """In the child before exec: a session of its own (so the grace-period SIGKILL reaches the
     launcher's whole group), and SIGTERM when the supervisor dies (Linux PR_SET_PDEATHSIG), so a
@@ -92,12 +171,15 @@ class Supervisor:
     """Runs attempts of one job until it succeeds, is pre-empted, or restarts run out.
 
     command: argv of the per-rank program. n: ranks of the first launch. min_ranks, max_ranks,
-    max_restarts, grace_s: see the module doc. mpiexec: argv prefix of the launcher (without -n).
+    max_restarts, grace_s, early_failure_s (0: no early-failure detection), max_early_failures,
+    backoff_s: see the module doc. mpiexec: argv prefix of the launcher (without -n). out: where
+    the supervisor's own lines go; the job's stderr is copied to sys.stderr.
     Raises ConfigError for inconsistent numbers.
     """
 
     def __init__(self, command, *, n, min_ranks=1, max_ranks=None, max_restarts=3, grace_s=30.0,
-                 hostfile=None, mpiexec=("mpiexec",), resume_flag="--resume", out=sys.stderr):
+                 hostfile=None, mpiexec=("mpiexec",), resume_flag="--resume", out=sys.stderr,
+                 early_failure_s=60.0, max_early_failures=3, backoff_s=2.0):
         if not command:
             raise ConfigError("rtxmpi run: no command; use rtxmpi run -n N -- python train.py ...")
         if n < 1 or min_ranks < 1 or min_ranks > n or (max_ranks is not None and max_ranks < n):
@@ -105,6 +187,13 @@ class Supervisor:
                               f"--max-ranks ({max_ranks if max_ranks is not None else n})")
         if max_restarts < 0 or not grace_s >= 0:
             raise ConfigError("rtxmpi run: --max-restarts and --grace-s must be >= 0")
+        if not early_failure_s >= 0 or not backoff_s >= 0 or max_early_failures < 1:
+            raise ConfigError(f"rtxmpi run: need --early-failure-s ({early_failure_s}) >= 0, "
+                              f"--backoff-s ({backoff_s}) >= 0, --max-early-failures "
+                              f"({max_early_failures}) >= 1")
+        self.early_failure_s, self.max_early_failures = early_failure_s, max_early_failures
+        self.backoff_s = backoff_s
+        self.tail = []  # the last attempt's stderr lines
         self.command, self.n, self.min_ranks, self.max_ranks = list(command), n, min_ranks, max_ranks
         self.max_restarts, self.grace_s, self.hostfile = max_restarts, grace_s, hostfile
         self.mpiexec, self.resume_flag, self.out = list(mpiexec), resume_flag, out
@@ -170,8 +259,15 @@ class Supervisor:
             for s, h in handlers.items():
                 signal.signal(s, h)
 
+    def _sleep(self, seconds):
+        """Wait `seconds`; False as soon as a stop signal arrives."""
+        deadline = time.monotonic() + seconds
+        while self.stop_signal is None and time.monotonic() < deadline:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        return self.stop_signal is None
+
     def _run(self):
-        restart, status = 0, 1
+        restart, status, early_in_a_row = 0, 1, 0
         while True:
             ranks = launch_size(self.n, hostfile=self.hostfile, max_ranks=self.max_ranks)
             if ranks < self.min_ranks:
@@ -182,34 +278,71 @@ class Supervisor:
             reports = tempfile.mkdtemp(prefix="rtxmpi-exit-")  # exitreport: how the ranks ended
             env = dict(os.environ, RTXMPI_RESTART=str(restart), **{exitreport.ENV: reports})
             start = time.monotonic()
-            self.process = subprocess.Popen(argv, env=env, preexec_fn=_detach_but_follow_parent)
+            try:
+                self.process = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE,
+                                                preexec_fn=_detach_but_follow_parent)
+            except OSError as exc:  # no such launcher: no relaunch can help
+                shutil.rmtree(reports, ignore_errors=True)
+                status, self.tail = 127, [f"cannot start {argv[0]}: {exc.strerror}"]
+                self.attempts.append((restart, ranks, status, 0.0, "launcher not started"))
+                self.say(f"{self.tail[0]}; check --mpiexec: giving up")
+                break
+            tail = StderrTail(self.process.stderr, sys.stderr)
             status = self._wait()
             seconds = time.monotonic() - start
             self.process = None
+            self.tail = tail.lines()
             status, note = exitreport.reconcile(status, reports)
+            progressed = exitreport.progressed(reports)
             shutil.rmtree(reports, ignore_errors=True)
             if note:
                 self.say(note)
+            failed = status not in (0, EXIT_PREEMPTED, EXIT_CONFIG) and self.stop_signal is None
+            early = (failed and not progressed and seconds < self.early_failure_s)
+            early_in_a_row = early_in_a_row + 1 if early else 0
             what = ("done" if status == 0 else "pre-empted (checkpoint committed)"
                     if status == EXIT_PREEMPTED else "configuration error" if status == EXIT_CONFIG
                     else "stopped by a signal" if self.stop_signal is not None
+                    else f"failed early (exit status {status}, no training step done)" if early
                     else f"failed (exit status {status})")
             self.attempts.append((restart, ranks, status, seconds, what))
-            if status in (0, EXIT_PREEMPTED, EXIT_CONFIG) or self.stop_signal is not None:
+            if not failed:
+                break
+            if early_in_a_row >= self.max_early_failures:
+                self.say(f"giving up: {early_in_a_row} launches in a row failed within "
+                         f"{self.early_failure_s:g} s without completing a training step "
+                         f"(--max-early-failures {self.max_early_failures}); relaunching cannot "
+                         f"help: fix the command or its environment")
                 break
             if restart >= self.max_restarts:
                 self.say(f"giving up: the job failed {restart + 1} times "
                          f"(--max-restarts {self.max_restarts})")
                 break
             restart += 1
-            self.say(f"attempt {restart} {what}; relaunching from the latest committed checkpoint")
-        self.summary()
+            if early:
+                wait_s = min(self.backoff_s * 2 ** (early_in_a_row - 1), BACKOFF_MAX_S)
+                cause = failure_cause(self.tail)
+                self.say(f"attempt {restart} {what}{f': {cause}' if cause else ''}; waiting "
+                         f"{wait_s:g} s before relaunching")
+                if not self._sleep(wait_s):
+                    break  # a signal arrived while waiting: nothing is running, stop here
+            else:
+                self.say(f"attempt {restart} {what}; relaunching from the latest committed "
+                         f"checkpoint")
+        self.summary(status)
         if self.stop_signal is not None and status not in (0, EXIT_PREEMPTED):
             return 128 + self.stop_signal
         return status
 
-    def summary(self):
+    def summary(self, status=0):
+        """Every attempt; after a failure also its cause and the last lines of its stderr."""
         self.say("summary")
-        for restart, ranks, status, seconds, what in self.attempts:
-            print(f"  attempt {restart + 1}: {ranks} ranks, exit {status}, {seconds:.1f} s, {what}",
+        for restart, ranks, code, seconds, what in self.attempts:
+            print(f"  attempt {restart + 1}: {ranks} ranks, exit {code}, {seconds:.1f} s, {what}",
                   file=self.out, flush=True)
+        if status in (0, EXIT_PREEMPTED) or not self.attempts or not self.tail:
+            return
+        cause = failure_cause(self.tail)
+        lines = ([f"  cause: {cause}"] if cause else []) + ["  last stderr lines of the job:"]
+        lines += [f"    {line}" for line in self.tail[-TAIL_LINES:]]
+        print("\n".join(lines), file=self.out, flush=True)

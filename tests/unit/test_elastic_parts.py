@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from rtxmpi.elastic import EXIT_PREEMPTED, PHASES, StopRequest, configure, requeue
+from rtxmpi.elastic import exitreport
 from rtxmpi.elastic.fault import FaultPlan, parse_faults
 from rtxmpi.elastic.supervisor import Supervisor, hostfile_slots, launch_size
 from rtxmpi.errors import ConfigError
@@ -101,11 +102,14 @@ def launcher(tmp_path, body):
 
 
 def test_supervisor_relaunches_failures_with_resume_then_gives_up(tmp_path):
+    """The fake job fails at once, which would count as an early failure (backoff, then give up
+    after --max-early-failures): early_failure_s=0 turns that off to test --max-restarts alone."""
     log = tmp_path / "log"
     fake = launcher(tmp_path, f"open({str(log)!r}, 'a').write(' '.join(sys.argv[1:]) + "
                               "' restart=' + os.environ['RTXMPI_RESTART'] + '\\n')\nsys.exit(9)\n")
     out = open(tmp_path / "out", "w")
-    status = Supervisor(["job"], n=2, max_restarts=2, mpiexec=fake, out=out).run()
+    status = Supervisor(["job"], n=2, max_restarts=2, mpiexec=fake, out=out,
+                        early_failure_s=0).run()
     out.close()
     assert status == 9
     assert log.read_text().splitlines() == ["-n 2 job restart=0", "-n 2 job --resume restart=1",
@@ -131,7 +135,7 @@ def test_supervisor_grows_into_hostfile_slots_between_restarts(tmp_path):
                               "sys.exit(0 if os.environ['RTXMPI_RESTART'] == '1' else 1)\n")
     out = open(tmp_path / "out", "w")
     assert Supervisor(["job"], n=2, max_ranks=4, hostfile=str(hosts), mpiexec=fake,
-                      out=out).run() == 0
+                      out=out, backoff_s=0).run() == 0  # its first attempt fails early
     out.close()
     assert log.read_text().split() == ["2", "4"]
 
@@ -184,3 +188,68 @@ def test_a_killed_supervisor_leaves_no_job_behind(tmp_path):
     finally:
         if supervisor.poll() is None:
             supervisor.kill()
+
+
+PRTERUN_TAIL = ("--------------------------------------------------------------------------\n"
+                "prterun detected that one or more processes exited with non-zero status,\n"
+                "   Exit code:    1\n"
+                "--------------------------------------------------------------------------\n")
+
+
+@pytest.mark.parametrize("stderr, cause", [
+    ("Traceback (most recent call last):\n  File \"train.py\", line 1\n"
+     "ModuleNotFoundError: No module named 'nosuchmod'\n" + PRTERUN_TAIL,
+     "cause: ModuleNotFoundError: No module named 'nosuchmod'"),
+    ("prterun has detected an attempt to run as root.\n\nRunning as root is *strongly* "
+     "discouraged\n", "cause: mpiexec refuses to run as root: export OMPI_ALLOW_RUN_AS_ROOT=1"),
+])
+def test_instant_failures_back_off_then_give_up_naming_the_cause(tmp_path, stderr, cause):
+    log = tmp_path / "log"
+    fake = launcher(tmp_path, f"open({str(log)!r}, 'a').write(f'{{time.monotonic()}}\\n')\n"
+                              f"sys.stderr.write({stderr!r})\nsys.exit(1)\n")
+    out = open(tmp_path / "out", "w")
+    status = Supervisor(["job"], n=2, max_restarts=10, mpiexec=fake, out=out, backoff_s=0.2,
+                        max_early_failures=3).run()
+    out.close()
+    assert status == 1
+    starts = [float(t) for t in log.read_text().split()]
+    assert len(starts) == 3  # not --max-restarts 10
+    assert starts[1] - starts[0] >= 0.2 and starts[2] - starts[1] >= 0.4  # doubling backoff
+    text = (tmp_path / "out").read_text()
+    assert "waiting 0.2 s before relaunching" in text and "waiting 0.4 s" in text
+    assert "giving up: 3 launches in a row failed within 60 s without completing a training step" in text
+    assert cause in text and "last stderr lines of the job:" in text
+    assert text.count("failed early (exit status 1, no training step done)") == 3 + 2
+
+
+def test_a_failure_after_training_progress_is_relaunched_at_once(tmp_path):
+    """A rank that completed a step wrote a progress report (elastic.exitreport.progress)."""
+    fake = launcher(tmp_path, "d = os.environ['RTXMPI_EXIT_DIR']\n"
+                              "open(os.path.join(d, f'progress.{os.getpid()}'), 'w').close()\n"
+                              "sys.exit(0 if os.environ['RTXMPI_RESTART'] == '2' else 9)\n")
+    out = open(tmp_path / "out", "w")
+    assert Supervisor(["job"], n=1, mpiexec=fake, out=out, max_early_failures=1).run() == 0
+    out.close()
+    text = (tmp_path / "out").read_text()
+    assert text.count("failed (exit status 9); relaunching") == 2 and "waiting" not in text
+
+
+def test_a_launcher_that_cannot_start_gives_up_at_once(tmp_path):
+    out = open(tmp_path / "out", "w")
+    status = Supervisor(["job"], n=1, mpiexec=[str(tmp_path / "no-mpiexec")], out=out).run()
+    out.close()
+    text = (tmp_path / "out").read_text()
+    assert status == 127 and "cannot start" in text and "No such file" in text
+    assert text.count("rtxmpi run: attempt") == 1
+
+
+def test_progress_report_is_written_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(exitreport, "_progress_marked", False)
+    env = {exitreport.ENV: str(tmp_path)}
+    assert not exitreport.progressed(tmp_path)
+    exitreport.progress(environ=env)
+    (tmp_path / f"progress.{os.getpid()}").unlink()
+    exitreport.progress(environ=env)  # the second call writes nothing
+    assert not exitreport.progressed(tmp_path)
+    (tmp_path / "progress.1").write_text("")
+    assert exitreport.progressed(tmp_path)
