@@ -328,7 +328,8 @@ class Replicated:
         n = self.model.flat_data.shape[0]
         self.optimizer.load_state_dict({"step": int(read("adam.step", 0, 1)[0]),
                                         "m": read("adam.m", 0, n), "v": read("adam.v", 0, n)})
-        self.model.flat_data[...] = read("params", 0, n)
+        flat = self.model.flat_data
+        flat[...] = self.model.xp.asarray(read("params", 0, n), dtype=flat.dtype)  # cupy: to device
         self.ddp.zero_grad()
 
 
@@ -652,24 +653,23 @@ def train(args):
     cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
     pipeline = args.pp > 1  # layers in stages over --pp ranks, --schedule (docs/pipeline.md)
     hybrid = (args.tp > 1 or args.sp > 1) and not pipeline  # tensor / sequence (docs/parallel.md)
-    engine = build_hybrid(cfg, world, dp=args.dp, tp=args.tp, sp=args.sp, seed=args.seed,
+    xp = array_module(args.device)  # numpy, or cupy for --device cuda (docs/gpu.md)
+    engine = build_hybrid(cfg, world, dp=args.dp, tp=args.tp, sp=args.sp, seed=args.seed, xp=xp,
                           sequence_parallel=args.sequence_parallel,
                           bucket_bytes=int(args.bucket_mb * 2**20),
                           optimizer=lambda params, mask: AdamW(
                               params, lr=args.lr, weight_decay=args.weight_decay,
-                              decay_mask=mask),
-                          zero_stage=args.zero_stage, offload_dir=args.offload_dir,  # ZeRO over dp x sp
-                          offload=None if args.offload == "none" else args.offload) if hybrid else None
+                              decay_mask=mask)) if hybrid else None
     if pipeline:  # with --tp > 1: tensor-parallel stages
         engine = build_pipeline(cfg, world, dp=args.dp, pp=args.pp, tp=args.tp, sp=args.sp,
-                                seed=args.seed, sequence_parallel=args.sequence_parallel,
+                                seed=args.seed, xp=xp, sequence_parallel=args.sequence_parallel,
                                 bucket_bytes=int(args.bucket_mb * 2**20),
                                 micro_batches=args.micro_batches, schedule=args.schedule,
                                 optimizer=lambda params, mask: AdamW(
                                     params, lr=args.lr, weight_decay=args.weight_decay,
                                     decay_mask=mask))
     hybrid = hybrid or pipeline  # an engine on a DeviceMesh: model, data slice, eval from it
-    model = engine.model if hybrid else GPT(cfg, seed=args.seed, xp=array_module(args.device))
+    model = engine.model if hybrid else GPT(cfg, seed=args.seed, xp=xp)
     engine = engine or build_engine(args, model, world)
     data_rank, data_size = (engine.mesh.dp_rank, engine.mesh.dp) if hybrid else (rank, world_size)
     rng = np.random.default_rng([args.seed, rank])  # per-rank randomness (dropout, ...), checkpointed

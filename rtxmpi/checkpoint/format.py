@@ -26,6 +26,7 @@ import crc32c
 import h5py
 import numpy as np
 
+from rtxmpi.backend import copy_to_host, host_empty, is_device_array, to_host
 from rtxmpi.errors import CheckpointError
 
 FORMAT_VERSION = 2  # written; 2: crc32c checksums, 1: zlib crc32 checksums
@@ -152,11 +153,40 @@ def write_text_atomic(path, text):
 
 
 # ---------------------------------------------------------------- rank files
+STREAM_CHUNK_BYTES = 16 * 2**20  # device-to-host streaming of a cupy tensor, per chunk
+
+
 def as_host(array):
     """numpy view of a numpy or cupy 1-D array (cupy is copied to the host, one tensor at a time)."""
-    if type(array).__module__.startswith("cupy"):
-        array = array.get()
-    return np.ascontiguousarray(array)
+    return np.ascontiguousarray(to_host(array))
+
+
+def _write_tensor(tensors, name, array):
+    """Create dataset `name` in h5py group `tensors` from a 1-D numpy or cupy array; returns
+    (dataset, crc, length, dtype). A cupy array streams to the host in STREAM_CHUNK_BYTES chunks
+    through two pinned buffers (no whole-tensor host copy): while h5py writes chunk i and the
+    crc pool checksums it, chunk i + 1 is copied from the device into the other buffer."""
+    running = RunningCrc()
+    if not is_device_array(array):
+        data = np.ascontiguousarray(array)
+        running.add(data)  # the checksum runs on the pool thread while h5py writes
+        ds = tensors.create_dataset(name, data=data)
+        return ds, running.value(), data.size, data.dtype
+    flat = array.reshape(-1)
+    n, dtype = flat.size, np.dtype(flat.dtype)
+    ds = tensors.create_dataset(name, shape=(n,), dtype=dtype)
+    chunk = max(1, STREAM_CHUNK_BYTES // dtype.itemsize)
+    buffers = [host_empty(min(chunk, n), dtype, pinned=True) for _ in range(2 if n else 0)]
+    pending = [None, None]  # the checksum future still reading each buffer
+    for i, lo in enumerate(range(0, n, chunk)):
+        hi = min(lo + chunk, n)
+        if pending[i % 2] is not None:
+            pending[i % 2].result()
+        view = buffers[i % 2][:hi - lo]
+        copy_to_host(flat[lo:hi], view)
+        pending[i % 2] = running.add(view)
+        ds[lo:hi] = view
+    return ds, running.value(), n, dtype
 
 
 def write_rank_file(path, shards, rank_state=None):
@@ -177,18 +207,14 @@ def write_rank_file(path, shards, rank_state=None):
         tensors = f.create_group("tensors")
         for name, shard in shards.items():  # one tensor at a time: at most one host copy alive
             check_tensor_name(name)
-            data = as_host(shard.data)
-            running = RunningCrc()
-            running.add(data)  # the checksum runs on the pool thread while h5py writes
-            ds = tensors.create_dataset(name, data=data)
-            crc = format_checksum(running.value())
+            ds, crc, length, dtype = _write_tensor(tensors, name, shard.data)
+            crc = format_checksum(crc)
             ds.attrs["global_shape"] = np.array([shard.global_size], np.int64)
             ds.attrs["global_offset"] = np.int64(shard.global_offset)
             ds.attrs["checksum"] = crc
-            written[name] = {"offset": int(shard.global_offset), "length": int(data.size),
-                             "checksum": crc, "dtype": data.dtype.str,
+            written[name] = {"offset": int(shard.global_offset), "length": int(length),
+                             "checksum": crc, "dtype": dtype.str,
                              "global_size": int(shard.global_size)}
-            del data
         state = f.create_group("rank_state")
         for key, value in arrays.items():
             check_tensor_name(key)

@@ -73,6 +73,8 @@ def _host_staged(method):
         async_op, stream = kwargs.pop("async_op", False), kwargs.pop("stream", None)
         cp = xp_of(x)
         host = cp.asnumpy(x, stream=stream)
+        if async_op and method.__name__ == "send":  # stays in flight (its Work keeps the copy):
+            return method(self, host, *args, async_op=True, **kwargs)  # send-send can't deadlock
         result = method(self, host, *args, **kwargs)
         if result is host:
             if x.flags.c_contiguous or x.flags.f_contiguous:

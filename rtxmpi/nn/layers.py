@@ -19,8 +19,9 @@ Inputs are not validated here (this is the inner loop); models validate once, at
 """
 import math
 
-from rtxmpi.backend import xp_of
-from rtxmpi.kernels import LN_EPS, layernorm_reference
+from rtxmpi.backend import is_device_array, xp_of
+from rtxmpi.kernels import (LN_EPS, bias_gelu_backward, bias_gelu_forward, layernorm_reference,
+                            residual_layernorm_forward)
 
 _GELU_K = math.sqrt(2.0 / math.pi)  # tanh-approximation constant (Hendrycks & Gimpel 2016)
 _GELU_C = 0.044715
@@ -260,10 +261,16 @@ def mlp_forward(x, w_fc, b_fc, w_proj, b_proj):
     """Position-wise MLP: y = gelu(x @ w_fc + b_fc) @ w_proj + b_proj.
 
     x: (B, T, C); w_fc: (C, 4C), b_fc: (4C,); w_proj: (4C, C), b_proj: (C,).
-    Returns y: (B, T, C), cache.
+    Returns y: (B, T, C), cache. On cupy the bias add and GELU are one fused kernel
+    (rtxmpi.kernels.bias_gelu_forward; the cache keeps u = h + b instead of h and the gate).
     """
-    h, fc_cache = linear_forward(x, w_fc, b_fc)
-    a, gelu_cache = gelu_forward(h)
+    if is_device_array(x):
+        h, fc_cache = linear_forward(x, w_fc)
+        u, a = bias_gelu_forward(h, b_fc)
+        fc_cache, gelu_cache = (x, w_fc, True), (u, None)  # None: fused, backward recomputes
+    else:
+        h, fc_cache = linear_forward(x, w_fc, b_fc)
+        a, gelu_cache = gelu_forward(h)
     y, proj_cache = linear_forward(a, w_proj, b_proj)
     return y, (fc_cache, gelu_cache, proj_cache)
 
@@ -277,8 +284,13 @@ def mlp_backward(dy, cache, dparams=None):
     fc_cache, gelu_cache, proj_cache = cache
     dw_fc, db_fc, dw_proj, db_proj = dparams if dparams is not None else (None,) * 4
     da, dw_proj, db_proj = linear_backward(dy, proj_cache, dw_proj, db_proj)
-    dh = gelu_backward(da, gelu_cache)
-    dx, dw_fc, db_fc = linear_backward(dh, fc_cache, dw_fc, db_fc)
+    if gelu_cache[1] is None:  # fused forward: one kernel gives dh, then the bias gradient
+        dh, db = bias_gelu_backward(da, gelu_cache[0])
+        dx, dw_fc, _ = linear_backward(dh, fc_cache[:2] + (False,), dw_fc)
+        db_fc = _accumulate(db, db_fc)
+    else:
+        dh = gelu_backward(da, gelu_cache)
+        dx, dw_fc, db_fc = linear_backward(dh, fc_cache, dw_fc, db_fc)
     return dx, (dw_fc, db_fc, dw_proj, db_proj)
 
 
@@ -300,14 +312,23 @@ def block_forward(x, params, n_head):
     """Pre-LN transformer block (GPT-2): x = x + attn(ln1(x)); x = x + mlp(ln2(x)).
 
     x: (B, T, C); params: sequence of 12 arrays in BLOCK_PARAM_NAMES order (shapes from
-    `block_param_shapes(C)`); n_head: H. Returns y: (B, T, C), cache.
+    `block_param_shapes(C)`); n_head: H. Returns y: (B, T, C), cache. On cupy the residual add
+    and ln2 are one fused kernel (rtxmpi.kernels.residual_layernorm_forward), and the MLP's bias
+    and GELU another (`mlp_forward`); numpy computes the same operations unfused.
     """
     g1, b1, w_qkv, b_qkv, w_aproj, b_aproj, g2, b2, w_fc, b_fc, w_mproj, b_mproj = params
     h1, ln1_cache = layernorm_forward(x, g1, b1)
     a, attn_cache = attention_forward(h1, w_qkv, b_qkv, w_aproj, b_aproj, n_head)
-    a += x  # x1 = x + attn(ln1(x))
-    x1 = a
-    h2, ln2_cache = layernorm_forward(x1, g2, b2)
+    if is_device_array(x):  # x1 = attn(ln1(x)) + x and h2 = ln2(x1) in one pass
+        x1, h2, mean, rstd = residual_layernorm_forward(a, x, g2, b2)
+        rstd = rstd[..., None]
+        xhat = x1 - mean[..., None]
+        xhat *= rstd
+        ln2_cache = (xhat, rstd, g2)  # layernorm_forward's cache
+    else:
+        a += x  # x1 = x + attn(ln1(x))
+        x1 = a
+        h2, ln2_cache = layernorm_forward(x1, g2, b2)
     y, mlp_cache = mlp_forward(h2, w_fc, b_fc, w_mproj, b_mproj)
     y += x1
     return y, (ln1_cache, attn_cache, ln2_cache, mlp_cache)
