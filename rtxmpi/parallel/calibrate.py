@@ -38,9 +38,10 @@ A `HardwareProfile` holds the numbers the planner's cost model (rtxmpi/parallel/
   The planner uses speed(k) / speed(1) for the k ranks of a node computing at once.
   sync_s           {n: seconds}: what a collective among n ranks costs beyond its alpha-beta time
                    when the ranks compute between collectives (~ one block's share of the
-                   reference run, all ranks busy, at most 20 ms): they arrive at different moments, and the
-                   early ones wait (scheduling jitter when ranks outnumber cores); measured as
-                   (time of work + 8-byte all_reduce - time of work alone) per repetition
+                   reference run, all ranks busy, at most 20 ms): they arrive at different
+                   moments, and the early ones wait (scheduling jitter when ranks outnumber
+                   cores); measured as the mean time a rank spends inside an 8-byte all_reduce
+                   after computing, median of 5 rounds (_measure_sync)
   communication, alpha-beta fits t(bytes) = alpha_s + factor(op, n) * bytes / bw_bytes_per_s per
   operation and group size n, measured with every group of that size in the world communicating
   at once (as the dp/tp groups of a layout do): factor is 2(n-1)/n for all_reduce, (n-1)/n for
@@ -397,13 +398,13 @@ def _measure_compute(comm, local_rank, ranks_per_node, cfg, micro_batch, reps):
             t -= _time_median(spec[3], comm, reps, active=local_rank == 0)
         rates[name] = _rate(kind, units, max(t, 1e-9))
     ref = ReferenceRun(comm, cfg, micro_batch)
-    busy_ms = ref.median_ms(ref.sample(max(3, reps // 2)))
+    busy_ms = ref.median_ms(ref.sample(max(5, reps)))  # interleaved rounds, medians
     # the same run at a quarter of the micro-batch, alone, interleaved with the full one: how the
     # model factor changes when the working set shrinks (smaller micro-batches stay in cache)
     small_batch = max(1, micro_batch // 4)
     small = ReferenceRun(comm, cfg, small_batch)
     ratios = []
-    for _ in range(3):
+    for _ in range(5):
         t_big = _time_min(ref._step, comm, 1, active=local_rank == 0)
         t_small = _time_min(small._step, comm, 1, active=local_rank == 0)
         if local_rank == 0:
@@ -486,12 +487,16 @@ def fit_sharing(busy_ms, ranks_per_node, cores):
     return best[1], best[2]
 
 
-def _measure_sync(comm, ranks_of_node, cfg, segment_s, reps):
-    """{str(n): seconds}: the extra wait of an 8-byte all_reduce among every group of n ranks
-    (consecutive ranks of a node, all groups at once) when each rank first computes for about
-    segment_s (a GEMM loop of at most 200 GEMMs), against the same loop without the all_reduce;
-    interleaved, median of 3 rounds, clamped to [0, segment_s]; alpha of an 8-byte all_reduce (a
-    few us) is not subtracted."""
+def _measure_sync(comm, ranks_of_node, cfg, segment_s, reps, rounds=5):
+    """{str(n): seconds}: how long a rank waits inside an 8-byte all_reduce among every group of
+    n ranks (consecutive ranks of a node, all groups at once) right after computing for about
+    segment_s (a GEMM loop of at most 200 GEMMs): the time from entering the all_reduce to
+    leaving it, averaged over the group's ranks and `reps` repetitions per round; the median of
+    `rounds` rounds (a round the scheduler disturbed more does not move it), clamped to
+    [0, segment_s]. The ranks' mean wait is E[last arrival] - E[own arrival], what the
+    collective adds to the step beyond its alpha-beta time; alpha of an 8-byte all_reduce (a few
+    us) is not subtracted. Measured directly, not as the difference of two loop timings, whose
+    noise is as large as the wait itself on a loaded machine."""
     from mpi4py import MPI
 
     C = cfg.n_embd
@@ -514,21 +519,18 @@ def _measure_sync(comm, ranks_of_node, cfg, segment_s, reps):
         if not groups:
             continue
         sub = comm.Split(next(i for i, g in enumerate(groups) if rank in g), key=rank)
-        diffs = []
-        for rnd in range(3):
-            times = {}
-            for with_sync in ((False, True) if rnd % 2 == 0 else (True, False)):
-                comm.Barrier()
+        waits = []
+        for _ in range(rounds):
+            comm.Barrier()
+            waited = 0.0
+            for _ in range(reps):
+                for _ in range(loops):
+                    a @ w
                 t = time.perf_counter()
-                for _ in range(reps):
-                    for _ in range(loops):
-                        a @ w
-                    if with_sync:
-                        sub.Allreduce(MPI.IN_PLACE, flag)
-                times[with_sync] = comm.allreduce(time.perf_counter() - t, op=MPI.MAX)
-            diffs.append((times[True] - times[False]) / reps)
-        # a wait longer than the segment itself is noise of this moment, not a property
-        out[str(n)] = float(min(max(0.0, np.median(diffs)), segment_s))
+                sub.Allreduce(MPI.IN_PLACE, flag)
+                waited += time.perf_counter() - t
+            waits.append(comm.allreduce(waited, op=MPI.SUM) / (comm.Get_size() * reps))
+        out[str(n)] = float(min(max(0.0, np.median(waits)), segment_s))
         sub.Free()
     return out
 
