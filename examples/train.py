@@ -659,7 +659,9 @@ def train(args):
                           bucket_bytes=int(args.bucket_mb * 2**20),
                           optimizer=lambda params, mask: AdamW(
                               params, lr=args.lr, weight_decay=args.weight_decay,
-                              decay_mask=mask)) if hybrid else None
+                              decay_mask=mask),
+                          zero_stage=args.zero_stage, offload_dir=args.offload_dir,  # ZeRO over dp x sp
+                          offload=None if args.offload == "none" else args.offload) if hybrid else None
     if pipeline:  # with --tp > 1: tensor-parallel stages
         engine = build_pipeline(cfg, world, dp=args.dp, pp=args.pp, tp=args.tp, sp=args.sp,
                                 seed=args.seed, xp=xp, sequence_parallel=args.sequence_parallel,

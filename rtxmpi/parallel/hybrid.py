@@ -32,6 +32,7 @@ from ..nn.params import bind, decay_mask, layout
 from . import tensor as tpl
 from .data import DEFAULT_BUCKET_BYTES, DataParallel
 from .sequence import check_heads, ulysses_attention_backward, ulysses_attention_forward
+from .zero_hybrid import ZeroHybridParallel
 
 # block parameter positions (rtxmpi.nn.layers.BLOCK_PARAM_NAMES) used in the sequence-split region
 # under sequence_parallel: ln1.g, ln1.b, attn.b_proj, ln2.g, ln2.b, mlp.b_proj
@@ -98,10 +99,54 @@ class ParallelGPT:
             (2 + 12 * L, len(self.params))]
         self._sharded = [p for p in self.params if not tpl.is_replicated(p.name)]
         self._replicated = [p for p in self.params if tpl.is_replicated(p.name)]
+        self.provider = None  # ZeRO-3 (use_provider); None: the Param views, read at each use
+
+    def use_provider(self, provider, drop_flat=False):
+        """Take parameters and gradients from `provider` from now on: the unit hooks of
+        rtxmpi.nn.GPT (fetch, release, grads, grads_ready, transient; same units: embeddings,
+        each block, head), which ZeRO-3 (rtxmpi.parallel.zero.ShardedParams) provides.
+
+        drop_flat: also let go of flat_data, flat_grad and the Param views (they become None), so
+        that only the provider holds parameter memory. The passes then fetch each unit when they
+        need it (backward again), keep no parameter in their caches when the provider is
+        transient, and report each unit's gradient final (grads_ready) when its piece ends.
+        Local.
+        """
+        self.provider = provider
+        if drop_flat:
+            self.flat_data = self.flat_grad = None
+            for p in self.params:
+                p.data = p.grad = None
+
+    # unit access: the provider's, or the live Param views (a pipeline stage re-points them)
+    def _fetch(self, unit, then=None):
+        if self.provider is None:
+            a, b = self.units[unit]
+            return [p.data for p in self.params[a:b]]
+        return self.provider.fetch(unit, then=then)
+
+    def _release(self, unit):
+        if self.provider is not None:
+            self.provider.release(unit)
+
+    def _grads(self, unit):
+        if self.provider is None:
+            a, b = self.units[unit]
+            return [p.grad for p in self.params[a:b]]
+        return self.provider.grads(unit)
+
+    def _grads_ready(self, unit):
+        if self.provider is not None:
+            self.provider.grads_ready(unit)
+
+    @property
+    def _transient(self):
+        return self.provider is not None and self.provider.transient
 
     # ------------------------------------------------------------------ parameters
     def zero_grad(self):
-        self.flat_grad.fill(0)
+        if self.flat_grad is not None:  # None once a provider holds the gradients (ZeRO-3)
+            self.flat_grad.fill(0)
 
     def gather_full(self, local):
         """The full GPT flat vector (the layout of rtxmpi.nn.GPT) from every tp rank's `local`
@@ -167,14 +212,6 @@ class ParallelGPT:
                               f"{[hex(int(c)) for c in crcs]}); every tp rank of a dp/sp "
                               f"coordinate must read the same samples (mesh.batch_slice)")
 
-    def _block_params(self, l, grads=False):
-        a, b = self.units[l + 1]
-        return [p.grad if grads else p.data for p in self.params[a:b]]
-
-    def _head_weight(self, grad=False):
-        p = self.params[0] if self.cfg.tie_embeddings else self.params[-1]
-        return p.grad if grad else p.data
-
     # ------------------------------------------------------------------ forward
     def forward(self, idx, targets):
         """Loss and cache for this rank's tokens.
@@ -204,24 +241,38 @@ class ParallelGPT:
         """Token (vocabulary-parallel) plus position embedding of this rank's (B, Ts) ids, already
         validated (`forward` does). Returns x, cache."""
         Ts = idx.shape[1]
-        x, cache = tpl.vocab_embedding_forward(idx, self.params[0].data, self.vocab_start,
-                                               self.tp_group, self.sequence_parallel)
+        wte, wpe = self._fetch(0, then=1)
+        x, cache = tpl.vocab_embedding_forward(idx, wte, self.vocab_start, self.tp_group,
+                                               self.sequence_parallel)  # cache: no parameter
         p0, Tl = self._positions(Ts)
-        x += self.params[1].data[p0:p0 + Tl]
+        x += wpe[p0:p0 + Tl]
+        self._release(0)
         return x, (cache, Ts)
 
     def block_forward(self, l, x):
         """Block l (0-based) on x. Returns y (the shape of x), cache."""
-        return self._block_forward(x, self._block_params(l))
+        params = self._fetch(l + 1, then=l + 2)
+        y, cache = self._block_forward(x, params)
+        if self._transient:
+            cache = _block_cache_with(cache, None)
+        self._release(l + 1)
+        return y, cache
 
     def head_forward(self, x, targets):
         """ln_f, the vocabulary-parallel head and cross-entropy. targets: (B, Ts) ids.
         Returns (loss: Python float, the mean over this rank's positions), cache."""
         tp, sp_on = self.tp_group, self.sequence_parallel
-        g, b = self.params[self.units[-1][0]].data, self.params[self.units[-1][0] + 1].data
-        h, ln_f_cache = layers.layernorm_forward(x, g, b)
-        logits, head_cache = tpl.column_linear_forward(h, self._head_weight().T, None, tp, sp_on)
+        last, tied = len(self.units) - 1, self.cfg.tie_embeddings
+        head = self._fetch(last, then=0 if tied else None)
+        w = self._fetch(0)[0] if tied else head[2]
+        h, ln_f_cache = layers.layernorm_forward(x, head[0], head[1])
+        logits, head_cache = tpl.column_linear_forward(h, w.T, None, tp, sp_on)
         loss, ce_cache = tpl.vocab_crossentropy_forward(logits, targets, self.vocab_start, tp)
+        if tied:
+            self._release(0)
+        self._release(last)
+        if self._transient:
+            ln_f_cache, head_cache = _head_caches_with(ln_f_cache, head_cache, None, None)
         return float(loss), (ln_f_cache, head_cache, ce_cache)
 
     def _positions(self, Ts):
@@ -294,19 +345,36 @@ class ParallelGPT:
         """Adds the gradients of `scale * loss` of ln_f and the head (wte's rows when tied);
         returns dx (the shape of head_forward's x)."""
         ln_f_cache, head_cache, ce_cache = cache
-        head_start = self.units[-1][0]
+        last, tied, L = len(self.units) - 1, self.cfg.tie_embeddings, self.cfg.n_layer
         dlogits = tpl.vocab_crossentropy_backward(scale, ce_cache)
-        dw = self._head_weight(grad=True)
+        head = self._fetch(last, then=0 if tied else L)
+        head_grads = self._grads(last)
+        if tied:  # wte's gradient buffer holds the head's term until embed_backward adds its own
+            w, dw = self._fetch(0, then=L)[0], self._grads(0)[0]
+        else:
+            w, dw = head[2], head_grads[2]
+        if self._transient:
+            ln_f_cache, head_cache = _head_caches_with(ln_f_cache, head_cache, head[0], w.T)
         dh, _, _ = tpl.column_linear_backward(dlogits, head_cache, self.tp_group, dw_out=dw.T)
-        head_grads = [self.params[head_start].grad, self.params[head_start + 1].grad]
-        partial, scratch = self._partial(head_grads, (0, 1))
+        if tied:
+            self._release(0)
+        ln_grads = head_grads[:2]
+        partial, scratch = self._partial(ln_grads, (0, 1))
         dx, _, _ = layers.layernorm_backward(dh, ln_f_cache, partial[0], partial[1])
-        self._sum_partial(head_grads, (0, 1), scratch, partial)
+        self._sum_partial(ln_grads, (0, 1), scratch, partial)
+        self._release(last)
+        self._grads_ready(last)
         return dx
 
     def block_backward(self, l, dy, cache):
         """Adds block l's gradients; returns dx (the shape of dy)."""
-        return self._block_backward(dy, cache, l)
+        params = self._fetch(l + 1, then=l or None)  # block l-1 next; the embedding needs none
+        if self._transient:
+            cache = _block_cache_with(cache, params)
+        dx = self._block_backward(dy, cache, self._grads(l + 1))
+        self._release(l + 1)
+        self._grads_ready(l + 1)
+        return dx
 
     def embed_backward(self, dx, cache):
         """Adds the gradients of wpe (this rank's positions) and wte (its vocabulary rows)."""
@@ -314,13 +382,14 @@ class ParallelGPT:
         if self.sequence_parallel:
             dx = tpl.gather_sequence(dx, self.tp_group)
         p0 = self.sp_rank * Ts
-        self.params[1].grad[p0:p0 + Ts] += dx.sum(axis=0)
-        tpl.vocab_embedding_backward(dx, emb_cache, self.params[0].grad)
+        dwte, dwpe = self._grads(0)
+        dwpe[p0:p0 + Ts] += dx.sum(axis=0)
+        tpl.vocab_embedding_backward(dx, emb_cache, dwte)
+        self._grads_ready(0)
 
-    def _block_backward(self, dy, cache, l):
+    def _block_backward(self, dy, cache, grads):
         ln1, c_qkv, c_att, c_aproj, ln2, c_fc, c_gelu, c_mproj = cache
         tp = self.tp_group
-        grads = self._block_params(l, grads=True)
         d, scratch = self._partial(grads, _SP_PARTIAL)
         df, _, _ = tpl.row_linear_backward(dy, c_mproj, tp, d[10], d[11])
         df = layers.gelu_backward(df, c_gelu)
@@ -334,6 +403,35 @@ class ParallelGPT:
         dx += dx1
         self._sum_partial(grads, _SP_PARTIAL, scratch, d)
         return dx
+
+
+# Which arrays of a ParallelGPT cache are parameters: with a transient provider (ZeRO-3) the
+# caches hold None there after forward, and backward puts freshly fetched arrays back.
+def _block_cache_with(cache, params):
+    """A block cache (ParallelGPT._block_forward) holding `params` (12 arrays, or None)."""
+    g1, _, w_qkv, _, w_aproj, _, g2, _, w_fc, _, w_mproj, _ = params or (None,) * 12
+    ln1, c_qkv, c_att, c_aproj, ln2, c_fc, c_gelu, c_mproj = cache
+    return (_layernorm_cache_with(ln1, g1), _column_cache_with(c_qkv, w_qkv), c_att,
+            _row_cache_with(c_aproj, w_aproj), _layernorm_cache_with(ln2, g2),
+            _column_cache_with(c_fc, w_fc), c_gelu, _row_cache_with(c_mproj, w_mproj))
+
+
+def _head_caches_with(ln_f_cache, head_cache, g, w_t):
+    return _layernorm_cache_with(ln_f_cache, g), _column_cache_with(head_cache, w_t)
+
+
+def _layernorm_cache_with(cache, g):  # layers.layernorm_forward: (xhat, rstd, g)
+    return (cache[0], cache[1], g)
+
+
+def _column_cache_with(cache, w):  # tensor.column_linear_forward: ((x, w, has_b), sp)
+    (x, _, has_b), sequence_parallel = cache
+    return ((x, w, has_b), sequence_parallel)
+
+
+def _row_cache_with(cache, w):  # tensor.row_linear_forward: ((x, w, has_b), sp, has_bias)
+    (x, _, has_b), sequence_parallel, has_bias = cache
+    return ((x, w, has_b), sequence_parallel, has_bias)
 
 
 class HybridParallel:
@@ -417,30 +515,20 @@ class HybridParallel:
         self.ddp.zero_grad()
 
 
-def check_zero(zero_stage, mesh):
-    """ZeRO with tensor or sequence parallelism is not supported yet: ConfigError."""
-    _check_zero(zero_stage, mesh.tp, mesh.sp)
-
-
-def _check_zero(zero_stage, tp, sp):
-    if zero_stage and (tp > 1 or sp > 1):
-        raise ConfigError(f"ZeRO stage {zero_stage} with tp({tp}) or sp({sp}) > 1 is not "
-                          "supported yet; use --zero-stage 0 with tensor/sequence parallelism")
-
-
 def check_layout(world_size, *, dp=None, tp=1, pp=1, sp=1, seq_len, zero_stage=0,
                  sequence_parallel=False):
     """Validate a training job's layout before anything is built (pure, local, the same verdict
     on every rank). Returns dp. Raises ConfigError: dp * tp * pp * sp != world_size (naming every
     factor), seq_len not divisible by sp (or by tp * sp under Megatron sequence parallelism,
-    checked by the model), sequence_parallel with tp = 1, ZeRO with tp or sp > 1 (not supported
-    yet). (After an elastic shrink the layout is re-planned for the survivors:
-    rtxmpi.elastic.replan.)"""
+    checked by the model), sequence_parallel with tp = 1. (After an
+    elastic shrink the layout is re-planned for the survivors: rtxmpi.elastic.replan.) ZeRO composes with tp and sp (zero_hybrid.py);
+    under pp the pipeline engine's check_pipeline decides."""
     dp, tp, pp, sp = resolve_degrees(world_size, dp=dp, tp=tp, pp=pp, sp=sp)
     if seq_len % sp:
         raise ConfigError(f"sequence length {seq_len} is not divisible by sp({sp}); use a multiple "
                           f"of {sp}")
-    _check_zero(zero_stage, tp, sp)
+    if zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if sequence_parallel and tp == 1:
         raise ConfigError("Megatron sequence parallelism splits the sequence over tp: it needs "
                           "tp > 1 (for sequence parallelism without tp use sp, Ulysses)")
@@ -449,15 +537,20 @@ def check_layout(world_size, *, dp=None, tp=1, pp=1, sp=1, seq_len, zero_stage=0
 
 def build_hybrid(cfg, group, *, dp=None, tp=1, sp=1, seed=0, dtype=np.float32,
                  sequence_parallel=False, bucket_bytes=DEFAULT_BUCKET_BYTES, optimizer=None,
-                 xp=np):
+                 xp=np, zero_stage=0, offload=None, offload_dir=None):
     """The mesh (pp = 1), ParallelGPT and HybridParallel engine for a training job: returns the
-    engine (engine.model, engine.mesh). xp: numpy or cupy, where the model computes. Collective
-    on `group`. Raises ConfigError (layout, or a model that does not divide by tp / sp) on every
-    rank."""
+    engine (engine.model, engine.mesh). xp: numpy or cupy, where the model computes.
+    zero_stage 1-3: a ZeroHybridParallel instead (ZeRO over mesh.loss_group, with offload None,
+    "cpu" or "nvme" + offload_dir; rtxmpi.parallel.zero_hybrid). Collective on `group`. Raises
+    ConfigError (layout, or a model that does not divide by tp / sp) on every rank."""
     mesh = DeviceMesh(dp=dp, tp=tp, pp=1, sp=sp, group=group)
     model = ParallelGPT(cfg, mesh, seed=seed, xp=xp, dtype=dtype,
                         sequence_parallel=sequence_parallel)
+    if zero_stage:
+        return ZeroHybridParallel(model, stage=zero_stage, bucket_bytes=bucket_bytes,
+                                  optimizer=optimizer, offload=offload,
+                                  offload_dir=offload_dir)
     return HybridParallel(model, bucket_bytes=bucket_bytes, optimizer=optimizer)
 
 
-__all__ = ["ParallelGPT", "HybridParallel", "check_zero", "check_layout", "build_hybrid"]
+__all__ = ["ParallelGPT", "HybridParallel", "check_layout", "build_hybrid"]
