@@ -666,6 +666,7 @@ def train(args):
         engine = build_pipeline(cfg, world, dp=args.dp, pp=args.pp, tp=args.tp, sp=args.sp,
                                 seed=args.seed, xp=xp, sequence_parallel=args.sequence_parallel,
                                 bucket_bytes=int(args.bucket_mb * 2**20),
+                                zero_stage=args.zero_stage,  # 1, 2: each stage over its replicas
                                 micro_batches=args.micro_batches, schedule=args.schedule,
                                 optimizer=lambda params, mask: AdamW(
                                     params, lr=args.lr, weight_decay=args.weight_decay,

@@ -44,6 +44,8 @@ from ..observe import trace
 from . import tensor as tpl
 from .data import DEFAULT_BUCKET_BYTES, build_buckets
 from .hybrid import ParallelGPT
+from .pipeline_zero import STAGES as ZERO_STAGES
+from .pipeline_zero import StageZero
 from .schedule import build_schedule, partition
 
 _ACT, _GRAD = 0, 1  # message kinds; tag = 2 * micro_batch + kind
@@ -410,7 +412,8 @@ class PipelineParallel:
     """
 
     def __init__(self, model, pp_group, dp_group=None, *, micro_batches, schedule="1f1b",
-                 split=None, optimizer=None, bucket_bytes=DEFAULT_BUCKET_BYTES, overlap_dp=True):
+                 split=None, optimizer=None, bucket_bytes=DEFAULT_BUCKET_BYTES, overlap_dp=True,
+                 zero_stage=0):
         if not isinstance(model, (GPT, ParallelGPT)):
             raise ConfigError(f"PipelineParallel needs an rtxmpi.nn.GPT or a ParallelGPT, got "
                               f"{type(model).__name__}")
@@ -443,7 +446,13 @@ class PipelineParallel:
         if self.embed_group is not None:
             self.embed_group.broadcast(st.wte.data, src=0)
         make = optimizer or (lambda params, mask: AdamW(params, lr=3e-4, decay_mask=mask))
-        self.optimizer = make(st.flat_data, decay_mask(st.params, xp=st.xp, dtype=st.dtype))
+        self.zero_stage = zero_stage
+        if zero_stage:  # ZeRO 1/2 over the stage's replica group (rtxmpi.parallel.pipeline_zero)
+            self.zero = StageZero(st, dp_group, zero_stage, make)
+            self.optimizer = self.zero.optimizer
+        else:
+            self.zero = None
+            self.optimizer = make(st.flat_data, decay_mask(st.params, xp=st.xp, dtype=st.dtype))
         if not bucket_bytes > 0:
             raise ConfigError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         self.overlap_dp = bool(overlap_dp)
@@ -505,10 +514,16 @@ class PipelineParallel:
         self._run(x, y, b, T, backward=True)
         st = self.stage
         t0 = time.perf_counter()
-        with trace.span("pp.dp_wait", "pipeline", stage=st.stage):
-            self._finish_dp()
-        if self.embed_group is not None:  # a sum: commutes with the dp average
-            self.embed_group.all_reduce(st.wte.grad, op="sum")
+        if self.zero_stage == 2:  # the wte sum on whole gradients, then each rank's shard
+            if self.embed_group is not None:
+                self.embed_group.all_reduce(st.wte.grad, op="sum")
+            with trace.span("pp.dp_wait", "pipeline", stage=st.stage):
+                self.zero.reduce_scatter()
+        else:
+            with trace.span("pp.dp_wait", "pipeline", stage=st.stage):
+                self._finish_dp()
+            if self.embed_group is not None:  # a sum: commutes with the dp average
+                self.embed_group.all_reduce(st.wte.grad, op="sum")
         self.timeline.append(("dp_wait", -1, t0, time.perf_counter()))
         return self._global_loss()
 
@@ -600,7 +615,7 @@ class PipelineParallel:
                         caches[i] = cache
                 elif kind == "B":
                     ready = (self._start_buckets() if i == self._last_b and self.overlap_dp
-                             and self._dp_active() else None)
+                             and self._dp_active() and self.zero_stage != 2 else None)
                     dinp = st.backward(caches.pop(i), dout=grads.pop(i, None), scale=scale,
                                        unit_ready=ready)
                     if dinp is not None:
@@ -623,7 +638,8 @@ class PipelineParallel:
         """Global L2 norm of the gradient (every stage's own parameters, the wte copy counted
         once). Collective over pp_group; the same on every rank."""
         st = self.stage
-        total = np.array([st.grad_norm_sq()], np.float64)
+        total = np.array([self.zero.grad_norm_sq() if self.zero else st.grad_norm_sq()],
+                         np.float64)
         if self.pp_group.world_size > 1:
             self.pp_group.all_reduce(total, op="sum")
         return math.sqrt(float(total[0]))
@@ -634,8 +650,12 @@ class PipelineParallel:
         st = self.stage
         if max_grad_norm is not None:
             norm = self.grad_norm() if total_norm is None else total_norm
-            clip_grad_norm(st.flat_grad, max_grad_norm, total_norm=norm)
-        self.optimizer.step(st.flat_grad, lr=lr)
+            grad = self.zero.grad_shard() if self.zero else st.flat_grad
+            clip_grad_norm(grad, max_grad_norm, total_norm=norm)
+        if self.zero:  # this rank's shard, then the parameters all-gathered over the replicas
+            self.zero.step(lr=lr)
+        else:
+            self.optimizer.step(st.flat_grad, lr=lr)
         st.zero_grad()
 
     def zero_grad(self):
@@ -660,7 +680,8 @@ class PipelineParallel:
         the stage's dp x tp ranks (the wte copy is not written: stage 0 holds the same values);
         "adam.step": one int64 held by stage 0's first rank. Together the world's pieces cover
         each tensor once, so the checkpoint loads at any layout. Collective on tp (gathers)."""
-        st, n, state = self.stage, self.num_params, self.optimizer.state_dict()
+        st, n = self.stage, self.num_params
+        state = self.zero.full_state() if self.zero else self.optimizer.state_dict()
         dp_rank, dp = ((0, 1) if self.dp_group is None
                        else (self.dp_group.rank, self.dp_group.world_size))
         w, writers = st.tp_rank * dp + dp_rank, st.tp * dp
@@ -685,7 +706,10 @@ class PipelineParallel:
         state = {"step": int(_read(read, "adam.step", 0, 1)[0]),
                  "m": st.load_from(read, "adam.m"), "v": st.load_from(read, "adam.v")}
         st.flat_data[...] = st.load_from(read, "params")
-        self.optimizer.load_state_dict(state)
+        if self.zero:
+            self.zero.load_full_state(state)
+        else:
+            self.optimizer.load_state_dict(state)
         st.zero_grad()
 
 
@@ -693,8 +717,8 @@ def check_pipeline(*, pp, micro_batches, schedule, n_layer, zero_stage=0, offloa
     """Validate a training job's pipeline settings before anything is built (pure, local, the
     same verdict on every rank). Raises ConfigError: pp > n_layer, an impossible schedule
     (unknown, micro_batches < 1, 1F1B with micro_batches < pp; the schedule is built and
-    simulated), ZeRO (stages shard what dp replicates; with pipeline stages the dp group holds
-    only the stage's parameters: not supported), offload."""
+    simulated), ZeRO stage 3 (every micro-batch needs the stage's parameters; stages 1 and 2
+    shard each stage over its replicas: rtxmpi.parallel.pipeline_zero), offload."""
     if pp < 1:
         raise ConfigError(f"--pp must be >= 1, got {pp}")
     if pp == 1:
@@ -702,18 +726,19 @@ def check_pipeline(*, pp, micro_batches, schedule, n_layer, zero_stage=0, offloa
     if pp > n_layer:
         raise ConfigError(f"--pp {pp} > n_layer {n_layer}: every pipeline stage needs at least one "
                           f"transformer block; use --pp <= {n_layer} or a deeper --model")
-    if zero_stage:
-        raise ConfigError(f"--zero-stage {zero_stage} with --pp {pp} is not supported: ZeRO shards "
-                          "the whole model over dp, a pipeline stage holds only its layers; use "
-                          "--zero-stage 0 with pipeline parallelism")
+    if zero_stage not in (0, *ZERO_STAGES):
+        raise ConfigError(f"--zero-stage {zero_stage} with --pp {pp} is not supported: a stage's "
+                          "parameters serve every micro-batch of the schedule, so stage 3 would "
+                          "gather them per micro-batch; use --zero-stage 1 or 2 with --pp")
     if offload != "none":
-        raise ConfigError(f"--offload {offload} needs ZeRO, which does not compose with --pp")
+        raise ConfigError(f"--offload {offload} with --pp {pp} is not supported; use --offload "
+                          "none (ZeRO stages 1 and 2 shard each stage's optimizer state)")
     build_schedule(schedule, micro_batches, pp)
 
 
 def build_pipeline(cfg, group, *, dp=None, pp, tp=1, sp=1, micro_batches, schedule="1f1b", split=None,
                    seed=0, dtype=np.float32, sequence_parallel=False, optimizer=None,
-                   bucket_bytes=DEFAULT_BUCKET_BYTES, xp=np):
+                   bucket_bytes=DEFAULT_BUCKET_BYTES, xp=np, zero_stage=0):
     """The mesh (dp x pp x tp x sp) and PipelineParallel engine for a training job: builds the
     GPT (a ParallelGPT when tp or sp > 1, optionally with Megatron sequence_parallel) from (cfg, seed),
     keeps this rank's stage and drops the rest. Returns the engine (engine.mesh, engine.model =
@@ -725,4 +750,4 @@ def build_pipeline(cfg, group, *, dp=None, pp, tp=1, sp=1, micro_batches, schedu
              if tp > 1 or sp > 1 else GPT(cfg, seed=seed, xp=xp, dtype=dtype))  # xp: numpy or cupy
     return PipelineParallel.from_mesh(model, mesh, micro_batches=micro_batches, schedule=schedule,
                                       split=split, optimizer=optimizer,
-                                      bucket_bytes=bucket_bytes)
+                                      bucket_bytes=bucket_bytes, zero_stage=zero_stage)

@@ -21,13 +21,13 @@ def train(n, args, tmp_path, name):
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
-def test_pp2_tp2_then_resumed_at_pp2_sp2_follow_the_one_process_loss_curve(tmp_path):
+def test_pp2_tp2_zero2_then_resumed_at_pp2_sp2_zero1_follow_the_one_process_loss_curve(tmp_path):
     straight = train(1, [], tmp_path, "one")
     ckpt = tmp_path / "ckpt"
-    first = train(4, ["--pp", "2", "--tp", "2", "--schedule", "gpipe", "--ckpt-dir", ckpt,
-                      "--stop-after-step", "3"], tmp_path, "pp")
-    resumed = train(4, ["--pp", "2", "--sp", "2", "--ckpt-dir", ckpt, "--resume"], tmp_path,
-                    "pp")  # Ulysses stages; appends steps 4..6 to the same file
+    first = train(4, ["--pp", "2", "--tp", "2", "--zero-stage", "2", "--schedule", "gpipe",
+                      "--ckpt-dir", ckpt, "--stop-after-step", "3"], tmp_path, "pp")
+    resumed = train(4, ["--pp", "2", "--sp", "2", "--zero-stage", "1", "--ckpt-dir", ckpt,
+                        "--resume"], tmp_path, "pp")  # Ulysses stages; appends steps 4..6
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert first == resumed[:3]
     for ref, got in zip(straight, resumed):
@@ -38,8 +38,8 @@ def test_pp2_tp2_then_resumed_at_pp2_sp2_follow_the_one_process_loss_curve(tmp_p
 
 def test_pipeline_with_zero_or_too_few_micro_batches_exits_with_one_line_error(tmp_path):
     env = launch_env(RTXMPI_CACHE_DIR=tmp_path / "cache")
-    for args, message in ((["--zero-stage", "1", "--micro-batches", "2"],
-                           "--zero-stage 1 with --pp 2 is not supported"),
+    for args, message in ((["--zero-stage", "3", "--micro-batches", "2"],
+                           "--zero-stage 3 with --pp 2 is not supported"),
                           (["--micro-batches", "1"], "1F1B needs micro_batches >= pipeline stages")):
         proc = run_command(mpiexec_argv(2) + [sys.executable, TRAIN, "--pp", "2", "--steps", "2",
                                               "--no-progress", *args],
