@@ -125,6 +125,46 @@ def optimizer_bytes(optimizer):
                if hasattr(v, "nbytes") and v is not params and k != "params")
 
 
+def zero_state_bytes(numel, group_size, stage, itemsize=4, offload=None, unit_numel=0):
+    """Model-state bytes per rank as ZeroDataParallel.memory_bytes() reports them, for a flat
+    vector of `numel` elements replicated over `group_size` ranks, trained with AdamW (m, v,
+    decay mask, scratch) in a model dtype of `itemsize` bytes. Pure: for planners.
+
+    Returns {"params", "grads", "optimizer", "total", "transient"}: each of params, grads and
+    optimizer is its largest value over the ranks, total their sum (an upper bound of every
+    rank's total, exact when numel divides by group_size). stage 0: plain data parallelism
+    (everything whole on every rank); 1, 2: the optimizer state is S = ceil(numel / group_size)
+    elements (a rank with a short shard also keeps an S-element all_gather send buffer); 3:
+    parameters, gradients and optimizer state are all S elements. offload "cpu": + a host master
+    and a host gradient shard, and the optimizer state, in float32 or wider. "transient" (not in
+    total): stage 3's two gathered units of `unit_numel` elements (in use and prefetched).
+    With tensor / sequence parallelism (rtxmpi.parallel.zero_hybrid) pass numel = this tp
+    rank's local parameter count (ParallelGPT.num_params) and group_size = dp * sp.
+    Raises ConfigError: unknown stage, offload not None / "cpu" ("nvme" depends on the chunking:
+    ask memory_bytes()), offload at stage 0, negative sizes.
+    """
+    if stage not in (0,) + STAGES:
+        raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    if offload not in (None, "cpu") or (offload and not stage):
+        raise ConfigError(f"zero_state_bytes models offload None or 'cpu' at stages 1-3, got "
+                          f"{offload!r} at stage {stage}")
+    W, N, it = int(group_size), int(numel), int(itemsize)
+    S = shard_size(N, W) if stage else N
+    master = max(it, 4) if offload else it
+    if stage == 3:
+        params = grads = S * it
+    else:
+        params = grads = N * it
+        if stage and W > 1 and W * S > N:
+            params += S * it  # the padded send buffer on a rank whose shard is short
+    if offload:
+        params, grads = params + S * master, grads + S * master
+    optimizer = 4 * S * master
+    transient = 2 * int(unit_numel) * it if stage == 3 else 0
+    return {"params": params, "grads": grads, "optimizer": optimizer,
+            "total": params + grads + optimizer, "transient": transient}
+
+
 def shard_decay_mask(params, start, stop, xp=np, dtype=np.float32):
     """rtxmpi.nn.decay_mask(params)[start:stop], built for the shard alone (no N-element array):
     1 where weight decay applies, 0 elsewhere."""

@@ -30,6 +30,7 @@ What differs from plain ZeRO:
 """
 import bisect
 import math
+import os
 
 import numpy as np
 
@@ -50,7 +51,8 @@ class ZeroHybridParallel:
     model: rtxmpi.parallel.hybrid.ParallelGPT. stage, bucket_bytes, optimizer (callable
     (params_shard, decay_mask_shard) -> optimizer, default AdamW), offload (None, "cpu", "nvme"),
     offload_dir, offload_chunk_bytes, offload_max_chunks, prefetch: as for
-    rtxmpi.parallel.zero.ZeroDataParallel, which runs on this rank's tp slice over loss_group.
+    rtxmpi.parallel.zero.ZeroDataParallel, which runs on this rank's tp slice over loss_group
+    ("nvme" files: offload_dir/tp_TTTTT/rank_RRRRR/ with tp > 1, RRRRR the loss_group rank).
     Offers the engine calls of examples/train.py (HybridParallel's): forward, backward, no_sync,
     grad_norm, step(lr, max_grad_norm, total_norm), zero_grad, full_params, shards,
     load_shards, memory_bytes, close.
@@ -71,6 +73,8 @@ class ZeroHybridParallel:
             raise ConfigError(f"ZeroHybridParallel runs pp=1; got pp({mesh.pp}): ZeRO under "
                               "pipeline parallelism is the pipeline engine's")
         self.model, self.mesh, self.group = model, mesh, mesh.world
+        if offload_dir is not None and mesh.tp > 1:  # loss_group ranks repeat across tp slices
+            offload_dir = os.path.join(offload_dir, f"tp_{mesh.tp_rank:05d}")
         self.zero = ZeroDataParallel(model, mesh.loss_group, stage=stage,
                                      bucket_bytes=bucket_bytes,
                                      optimizer=optimizer or _default_optimizer,

@@ -59,3 +59,31 @@ def test_zero1_and_2_optimizer_state_is_a_world_share(world, stage):
     mine = max_over_ranks(world, report(engine).optimizer_bytes)
     share = -(-model.num_params // world.world_size) * 4 * 4  # m, v, decay mask, scratch: float32
     assert mine <= share, f"stage {stage}: optimizer holds {mine} B on its largest rank, share {share} B"
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.skipif(3 not in STAGES, reason="ZeRO stage 3 is not available")
+def test_zero3_with_tensor_parallelism_is_a_world_share_plus_one_unit(world):
+    """ZeRO-3 over dp of each tp slice (rtxmpi.parallel.zero_hybrid, tp = 2): the same bound as
+    plain ZeRO-3, the share being 1/world of the one-process model (tp splits it, dp shards
+    each slice); the replicated LayerNorms, wpe and biases are the only excess."""
+    from rtxmpi.mesh import DeviceMesh
+    from rtxmpi.parallel.hybrid import ParallelGPT
+    from rtxmpi.parallel.zero_hybrid import ZeroHybridParallel
+
+    if world.world_size % 2:
+        pytest.skip("needs an even world size (tp = 2)")
+    cfg = GPTConfig.named("tiny", seq_len=8)
+    dp = dp_model_state_bytes(world, cfg)
+    model = ParallelGPT(cfg, DeviceMesh(dp=world.world_size // 2, tp=2, group=world), seed=0)
+    unit_bytes = max(sum(p.size for p in model.params[a:b]) for a, b in model.units) * model.dtype.itemsize
+    engine = ZeroHybridParallel(model, stage=3)
+    x = np.arange(16, dtype=np.int64).reshape(2, 8) % 256
+    _, cache = engine.forward(x, x)
+    engine.backward(cache)
+    engine.step()
+    zero3 = max_over_ranks(world, report(engine).model_state_bytes)
+    bound = (dp / world.world_size + unit_bytes) * 1.05
+    assert zero3 <= bound, (f"ZeRO-3 x tp 2 holds {zero3} B of model state on its largest rank; the "
+                            f"bound at {world.world_size} ranks is (DP {dp} B / {world.world_size} "
+                            f"+ unit {unit_bytes} B) x 1.05 = {bound:.0f} B")

@@ -3,6 +3,8 @@ against the one-process GPT on the same global batch.
 
 Layouts (dp, tp, sp) whose product is the world size run: at -n 4 (2,2,1) and (2,1,2), at -n 2
 (1,2,1) and (1,1,2); the others are skipped. The ZeRO group is mesh.loss_group (dp x sp)."""
+import os
+
 import numpy as np
 import pytest
 from conftest import GLOBAL_BATCH, global_batch
@@ -10,8 +12,8 @@ from conftest import GLOBAL_BATCH, global_batch
 from rtxmpi.errors import ConfigError
 from rtxmpi.mesh import DeviceMesh
 from rtxmpi.nn import GPT, AdamW, GPTConfig, clip_grad_norm, decay_mask
-from rtxmpi.observe.memory import report
 from rtxmpi.parallel.hybrid import HybridParallel, ParallelGPT, check_layout
+from rtxmpi.parallel.zero import zero_state_bytes
 from rtxmpi.parallel.zero_hybrid import ZeroHybridParallel
 
 LAYOUTS = [(2, 2, 1), (2, 1, 2), (1, 2, 1), (1, 1, 2)]
@@ -146,26 +148,29 @@ def test_zero3_dp2_tp2_state_resumes_at_other_layouts_on_the_same_curve(world):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_model_state_per_rank_shrinks_with_the_zero_group(world):
-    """ZeRO-3 on (dp x sp) replicas of each tp slice holds 1/(dp*sp) of HybridParallel's model
-    state per rank (plus padding), i.e. 1/world of the one-process model's; stages 1-2 shard the
-    optimizer state."""
+@pytest.mark.parametrize("stage,offload", [(1, None), (2, "cpu"), (3, None), (3, "cpu")])
+def test_model_state_per_rank_is_the_planners_estimate_and_shrinks_with_the_zero_group(
+        world, stage, offload):
+    """Each rank's accounted bytes (largest over the ranks) equal zero_state_bytes for its tp
+    slice over dp x sp ranks; at stage 3 that is 1/(dp*sp) of HybridParallel's model state."""
     n = world.world_size
     mesh = DeviceMesh(dp=n // 2, tp=2, group=world) if n % 2 == 0 else pytest.skip("even n")
     cfg = config()
-    plain = HybridParallel(ParallelGPT(cfg, mesh), optimizer=optimizer)
-    local = plain.model.num_params
-    whole = report(plain, model=plain.model, optimizer=plain.optimizer).model_state_bytes
-    assert whole == local * 4 * 6  # params, grads, AdamW m, v, decay mask, scratch
-    group = mesh.loss_group.world_size
-    share = -(-local // group) * 4
-    for stage in (1, 2, 3):
-        zero = ZeroHybridParallel(ParallelGPT(cfg, mesh), stage=stage, optimizer=optimizer)
-        held = zero.memory_bytes()
-        assert held["optimizer"] <= 4 * share
-        if stage == 3:
-            assert held["total"] <= 6 * share
-            assert held["total"] * group >= whole  # nothing lost: the shards add up
+    local, group = ParallelGPT(cfg, mesh).num_params, mesh.loss_group.world_size
+    zero = ZeroHybridParallel(ParallelGPT(cfg, mesh), stage=stage, optimizer=optimizer,
+                              offload=offload)
+    train_step(zero, mesh, 0)
+    held = zero.memory_bytes()
+    largest = {k: held[k] for k in ("params", "grads", "optimizer")}
+    for k in largest:
+        buf = np.array([largest[k]], np.int64)
+        world.all_reduce(buf, op="max")
+        largest[k] = int(buf[0])
+    expected = zero_state_bytes(local, group, stage, itemsize=4, offload=offload)
+    assert largest == {k: expected[k] for k in largest}
+    whole = zero_state_bytes(local, 1, 0)["total"]  # HybridParallel: the tp slice, whole
+    if stage == 3 and offload is None:
+        assert held["total"] <= whole / group + 6 * 4 * group  # + padding: < 1 element each
 
 
 def test_zero_with_tp_and_sp_passes_the_layout_check_and_bad_stage_raises():
@@ -173,3 +178,31 @@ def test_zero_with_tp_and_sp_passes_the_layout_check_and_bad_stage_raises():
     assert check_layout(4, sp=2, seq_len=16, zero_stage=2) == 2
     with pytest.raises(ConfigError, match="ZeRO stage must be"):
         check_layout(4, tp=2, seq_len=16, zero_stage=4)
+
+
+def shared_dir(world, path):
+    """Rank 0's `path` on every rank (the ranks share one file system here). Collective."""
+    buf = np.zeros(1024, np.uint8)
+    raw = str(path).encode()
+    buf[:len(raw)] = np.frombuffer(raw, np.uint8)
+    world.broadcast(buf, src=0)
+    return bytes(buf[buf != 0]).decode()
+
+
+@pytest.mark.mpi(min_size=4)
+def test_nvme_offload_under_tp_keeps_each_tp_slice_in_its_own_files(world, tmp_path):
+    if world.world_size != 4:
+        pytest.skip("needs exactly 4 ranks")
+    cfg = config()
+    ref_losses, _ = reference_curve(cfg, 3)
+    mesh = DeviceMesh(dp=2, tp=2, group=world)
+    offload_dir = shared_dir(world, tmp_path / "offload")
+    engine = ZeroHybridParallel(ParallelGPT(cfg, mesh, seed=0), stage=2, optimizer=optimizer,
+                                offload="nvme", offload_dir=offload_dir)
+    files = (f"{offload_dir}/tp_{mesh.tp_rank:05d}/rank_{mesh.loss_group.rank:05d}/adam.m.bin")
+    assert os.path.exists(files)
+    losses = [train_step(engine, mesh, step) for step in range(3)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    world.barrier()
+    engine.close()
+    assert not os.path.exists(files)
