@@ -271,7 +271,9 @@ def build_parser():
         cmd.set_defaults(func=func)
     run = sub.add_parser("run", help="supervise an MPI job: forward signals, relaunch after a failure",
                          description="Exit status: 0 done, 75 pre-empted, 2 bad flags, else the "
-                                     "last attempt's status after --max-restarts relaunches.")
+                                     "last attempt's status after --max-restarts relaunches or "
+                                     "--max-early-failures launches in a row that failed before "
+                                     "any training step (docs/elastic.md).")
     run.add_argument("-n", type=int, required=True, help="ranks of the first launch")
     run.add_argument("--min-ranks", type=int, default=1, help="give up below this many ranks")
     run.add_argument("--max-ranks", type=int, default=None,
