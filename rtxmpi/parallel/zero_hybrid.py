@@ -73,8 +73,9 @@ class ZeroHybridParallel:
             raise ConfigError(f"ZeroHybridParallel runs pp=1; got pp({mesh.pp}): ZeRO under "
                               "pipeline parallelism is the pipeline engine's")
         self.model, self.mesh, self.group = model, mesh, mesh.world
+        self._tp_dir = None
         if offload_dir is not None and mesh.tp > 1:  # loss_group ranks repeat across tp slices
-            offload_dir = os.path.join(offload_dir, f"tp_{mesh.tp_rank:05d}")
+            offload_dir = self._tp_dir = os.path.join(offload_dir, f"tp_{mesh.tp_rank:05d}")
         self.zero = ZeroDataParallel(model, mesh.loss_group, stage=stage,
                                      bucket_bytes=bucket_bytes,
                                      optimizer=optimizer or _default_optimizer,
@@ -137,8 +138,14 @@ class ZeroHybridParallel:
         return self.zero.step(lr=lr, max_grad_norm=max_grad_norm, total_norm=total_norm)
 
     def close(self):
-        """Remove this rank's offload files (offload="nvme"). Local."""
+        """Remove this rank's offload files (offload="nvme"; and the tp_TTTTT directory once
+        the last rank of the slice has left it). Local."""
         self.zero.close()
+        if self._tp_dir is not None:
+            try:
+                os.rmdir(self._tp_dir)
+            except OSError:  # another rank of this tp slice still has its files there
+                pass
 
     def memory_bytes(self):
         """Bytes this rank holds (ZeroDataParallel.memory_bytes of its tp slice). Local."""
