@@ -92,11 +92,13 @@ def test_gradients_match_single_process(world, dp, tp, sp, stage):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("dp,tp,sp,stage", [(2, 2, 1, 1), (2, 2, 1, 2), (2, 2, 1, 3),
-                                            (2, 1, 2, 2), (2, 1, 2, 3), (1, 1, 2, 3)])
-def test_loss_curve_and_parameters_match_single_process_over_10_steps(world, dp, tp, sp, stage):
+@pytest.mark.parametrize("dp,tp,sp,stage,tied", [
+    (2, 2, 1, 1, True), (2, 2, 1, 2, False), (2, 2, 1, 3, True), (2, 1, 2, 2, True),
+    (2, 1, 2, 3, False), (1, 1, 2, 3, True)])
+def test_loss_curve_and_parameters_match_single_process_over_10_steps(world, dp, tp, sp, stage,
+                                                                      tied):
     mesh = mesh_or_skip(world, dp, tp, sp)
-    cfg = config(tie_embeddings=stage != 2)  # the untied head too
+    cfg = config(tie_embeddings=tied)
     ref_losses, ref_params = reference_curve(cfg, 10)
     engine = ZeroHybridParallel(ParallelGPT(cfg, mesh, seed=0), stage=stage,
                                 optimizer=optimizer, bucket_bytes=8192)
@@ -105,6 +107,29 @@ def test_loss_curve_and_parameters_match_single_process_over_10_steps(world, dp,
     # AdamW divides by sqrt(v): float32 rounding in near-zero gradients moves a few parameters
     # by ~lr * 1e-3 over 10 steps (float64 HybridParallel runs: test_tensor_parallel.py)
     np.testing.assert_allclose(engine.full_params(), ref_params, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dp,tp,sp", LAYOUTS)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_micro_batches_under_no_sync_accumulate_the_whole_batch_gradient(world, dp, tp, sp,
+                                                                         stage):
+    mesh = mesh_or_skip(world, dp, tp, sp)
+    cfg = config()
+    ref = GPT(cfg, seed=0)
+    x, y = global_batch(0)
+    _, cache = ref.forward(x, y)
+    ref.backward(cache)
+    engine = ZeroHybridParallel(ParallelGPT(cfg, mesh, seed=0, sequence_parallel=tp > 1),
+                                stage=stage, bucket_bytes=4096)
+    rows = mesh.batch_slice(GLOBAL_BATCH)
+    xs, ys = np.split(x[rows], 2), np.split(y[rows], 2)
+    _, cache = engine.forward(xs[0], ys[0])
+    with engine.no_sync():
+        engine.backward(cache, scale=0.5)
+    _, cache = engine.forward(xs[1], ys[1])
+    engine.backward(cache, scale=0.5)
+    np.testing.assert_allclose(full_grad(engine), ref.flat_grad, rtol=1e-5, atol=2e-7)
 
 
 def gathered_reader(world, shards):
