@@ -2,6 +2,7 @@
 
     python bench/memory.py                          # launches mpiexec at 1, 2 and 4 ranks
     python bench/memory.py --ranks 1,2,4 --model small --local-batch 16 --json memory.json
+    python bench/memory.py --ranks 2,4 --tp 2                # ZeRO on each tp slice (zero_hybrid)
 
 One mpiexec job per (world size, stage), so each job's peak RSS is that configuration's own. Each
 job builds the model, the engine (stage 0: DataParallel + AdamW with the decay mask, as train.py;
@@ -60,6 +61,8 @@ def worker(args):
     world = rtxmpi.init(check=False)
     corpus = load_corpus(progress=False)
     cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
+    if args.tp * args.sp > 1:
+        return mesh_worker(args, world, corpus, cfg)
     sampler = BatchSampler(corpus.train, args.seq_len, args.local_batch * world.world_size, seed=0,
                            dp_rank=world.rank, dp_size=world.world_size)
     model = GPT(cfg, seed=0)
@@ -89,6 +92,39 @@ def worker(args):
             "per_rank": [r.as_dict() for r in reports]}), flush=True)
 
 
+def mesh_worker(args, world, corpus, cfg):
+    """--tp / --sp: stage 0 is HybridParallel (each rank's tp slice whole), stage k
+    ZeroHybridParallel(stage=k) (the tp slice sharded over the dp x sp ranks)."""
+    from rtxmpi.data import BatchSampler
+    from rtxmpi.mesh import DeviceMesh
+    from rtxmpi.observe.memory import gather_reports, report
+    from rtxmpi.parallel.hybrid import HybridParallel, ParallelGPT
+    from rtxmpi.parallel.zero_hybrid import ZeroHybridParallel
+
+    mesh = DeviceMesh(tp=args.tp, sp=args.sp, group=world)
+    sampler = BatchSampler(corpus.train, args.seq_len, args.local_batch * mesh.dp, seed=0,
+                           dp_rank=mesh.dp_rank, dp_size=mesh.dp)
+    model = ParallelGPT(cfg, mesh, seed=0)
+    engine = (ZeroHybridParallel(model, stage=args.stage) if args.stage else
+              HybridParallel(model))
+    for _ in range(args.steps):
+        x, y = sampler.next_batch()
+        _, cache = engine.forward(x, y)
+        engine.backward(cache)
+        engine.step()
+        del cache
+    x, y = sampler.next_batch()
+    _, cache = engine.forward(x, y)
+    reports = gather_reports(world, report(engine, model=model, optimizer=engine.optimizer,
+                                           cache=cache))
+    if world.rank == 0:
+        print("RESULT " + json.dumps({
+            "ranks": world.world_size, "stage": args.stage, "params": model.full_num_params,
+            "layer_bytes": largest_layer_bytes(model),
+            "gathered_peak_bytes": getattr(getattr(engine, "provider", None), "peak_bytes", None),
+            "per_rank": [r.as_dict() for r in reports]}), flush=True)
+
+
 def available_stages():
     from rtxmpi.parallel.zero import STAGES
 
@@ -97,7 +133,8 @@ def available_stages():
 
 def launch(args, ranks, stage):
     cmd, env = worker_job(ranks, __file__, ["--stage", str(stage), "--model", args.model, "--local-batch", str(args.local_batch),
-           "--seq-len", str(args.seq_len), "--steps", str(args.steps)])
+           "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--tp", str(args.tp),
+           "--sp", str(args.sp)])
     print(f"[memory] {shlex.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
@@ -124,6 +161,9 @@ def main():
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=2, help="training steps before measuring")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: stage 0 is "
+                   "HybridParallel, stage k ZeRO-k on each tp slice over the dp x sp ranks")
+    p.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree (as --tp)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -147,9 +187,14 @@ def main():
     info = machine_info()
     print(f"Per-rank memory (MiB, largest over ranks), model {args.model} "
           f"({first['params'] / 1e6:.2f} M params, float32), activations of one micro-batch of "
-          f"{args.local_batch} x {args.seq_len} tokens; stage 0 = DataParallel + AdamW\n")
+          f"{args.local_batch} x {args.seq_len} tokens; stage 0 = "
+          + ("DataParallel + AdamW\n" if args.tp * args.sp == 1 else
+             f"HybridParallel (tp {args.tp}, sp {args.sp}: each rank's tp slice whole), stage k = "
+             f"ZeroHybridParallel (the slice sharded over dp x sp ranks)\n"))
     print(markdown_table(["stage", "ranks", "params", "grads", "optimizer", "activations",
-                          "transient", "model state", "ratio to DP", "peak RSS"], rows))
+                          "transient", "model state",
+                          "ratio to DP" if args.tp * args.sp == 1 else "ratio to stage 0",
+                          "peak RSS"], rows))
     print("\nModel state per rank (MiB) and ratio to DP at the same world size, side by side:\n")
     side = [[s] + [f"{mib(results[(n, s)]['model_state_bytes'])} ({results[(n, s)]['ratio_to_dp']:.3f})"
                    if results[(n, s)]["ratio_to_dp"] is not None else mib(results[(n, s)]["model_state_bytes"])
@@ -157,7 +202,7 @@ def main():
     print(markdown_table(["stage"] + [f"{n} rank{'s' if n > 1 else ''}" for n in ranks], side))
     print()
     layer = first["layer_bytes"]
-    if 4 in dp:
+    if 4 in dp and args.tp * args.sp == 1:  # the issue's target is against plain DP
         bound = (dp[4] / 4 + layer) * 1.05
         target = {"bound_bytes": bound, "layer_bytes": layer, "dp_bytes": dp[4]}
         if (4, 3) in results:
