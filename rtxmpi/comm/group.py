@@ -12,6 +12,7 @@ with the same shape and dtype. Nothing here decides whether to enter a collectiv
 import contextlib
 import functools
 import operator
+import weakref
 import zlib
 
 import numpy as np
@@ -479,11 +480,22 @@ class ProcessGroup:
         return self._child(comm, f"{self.name}/group{self._children}")
 
     def _child(self, comm, name):
+        _subgroup_comms.setdefault(self.backend.monitor, []).append(comm)
         members = [self.members[r] for r in _parent_ranks(comm, self.backend.comm)]
         backend = type(self.backend)(comm, self.backend.monitor, name, members)
         return ProcessGroup(backend, name=name, rank=comm.Get_rank(), world_size=comm.Get_size(),
                             members=members, local_rank=self.local_rank, device=self.device,
                             timeout_s=self.timeout_s, check=self.check)
+
+
+_subgroup_comms = weakref.WeakKeyDictionary()  # Monitor -> communicators of its world's sub-groups
+
+
+def subgroup_comms(monitor):
+    """The MPI communicators of every group split or made (at any depth) from the world that
+    `monitor` serves. An elastic shrink revokes them with the world (ULFM): a rank blocked in a
+    sub-group's transfer whose peer left for the shrink is then released with an error. Local."""
+    return list(_subgroup_comms.get(monitor, ()))
 
 
 def _parent_ranks(comm, parent):

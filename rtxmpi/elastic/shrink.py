@@ -18,23 +18,27 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm import replace_world
+from ..comm.group import subgroup_comms
 from ..errors import RankFailure
 
 
 def shrink_world(world, min_ranks=1):
-    """Revoke `world`'s communicator, shrink it to the survivors and make that the world group.
+    """Revoke `world`'s communicator (and those of every group split from it), shrink it to the
+    survivors and make that the world group.
 
     Returns (new world ProcessGroup, old world size). Collective over the survivors (each calls it
     after catching RankFailure). Raises RankFailure when fewer than `min_ranks` survive (on every
     survivor).
     """
-    comm = world.backend.comm
+    comm, monitor = world.backend.comm, world.backend.monitor
     old_size = comm.Get_size()
-    for c in (comm, world.backend.monitor.ctl):
+    # the sub-groups too: a survivor may be blocked in a transfer of a group without failed
+    # members (a tp group) whose peer has already left for this shrink
+    for c in (comm, monitor.ctl, *subgroup_comms(monitor)):
         try:
             c.Revoke()
         except MPI.Exception:
-            pass  # already revoked by a peer
+            pass  # already revoked by a peer, or freed
     survivors = comm.Shrink()
     size = survivors.Get_size()
     if size < min_ranks:
