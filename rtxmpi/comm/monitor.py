@@ -22,6 +22,7 @@ Uncaught errors: with more than one rank, an uncaught exception would leave mpi4
 MPI_Finalize waiting for peers forever. `install_excepthook()` prints the traceback, flushes, waits
 briefly so that peers that received the NOTICE can print theirs, then aborts the job (non-zero exit).
 """
+import functools
 import os
 import signal
 import sys
@@ -68,10 +69,14 @@ class Monitor:
     def wait(self, requests, *, op, seq, group, members, timeout_s):
         """Wait until every MPI request in `requests` completes, or raise.
 
-        requests: list of mpi4py Request. members: world ranks of the group (for the diagnosis).
+        requests: list of mpi4py Request, or a callable poll() -> bool (True once done) for a
+        wait that is not on MPI requests (the shared-memory flags of comm/shm.py). members: world
+        ranks of the group (for the diagnosis).
         Raises CollectiveTimeout (on this and, through the NOTICE, on every waiting member).
         """
-        if MPI.Request.Testall(requests):
+        done = requests if callable(requests) else functools.partial(MPI.Request.Testall,
+                                                                     requests)
+        if done():
             return
         self.state = (group, seq, op)
         try:
@@ -79,7 +84,7 @@ class Monitor:
             deadline = start + timeout_s
             next_service = start + SERVICE_INTERVAL_S
             while True:
-                if MPI.Request.Testall(requests):
+                if done():
                     return
                 now = time.monotonic()
                 if now >= next_service:
@@ -92,7 +97,7 @@ class Monitor:
                                               f"handled as a failed rank [rank {self.rank}]",
                                               ranks=[stuck[0]])
                 if now >= deadline:
-                    if self._diagnose_and_raise(requests, op=op, seq=seq, group=group,
+                    if self._diagnose_and_raise(done, op=op, seq=seq, group=group,
                                                 members=members, timeout_s=timeout_s):
                         return  # completed during the probe window: a late arrival, not an error
                 if now - start > SPIN_BEFORE_SLEEP_S:
@@ -121,14 +126,14 @@ class Monitor:
         if self._pending_sends:
             self._pending_sends = [r for r in self._pending_sends if not r.Test()]
 
-    def _diagnose_and_raise(self, requests, *, op, seq, group, members, timeout_s):
+    def _diagnose_and_raise(self, done, *, op, seq, group, members, timeout_s):
         others = [m for m in members if m != self.rank]
         self._replies = {}
         for m in others:
             self._pending_sends.append(self.ctl.isend((group, seq, op), dest=m, tag=TAG_QUERY))
         probe_end = time.monotonic() + min(max(timeout_s, 0.1), MAX_PROBE_S)
         while time.monotonic() < probe_end and len(self._replies) < len(others):
-            if MPI.Request.Testall(requests):
+            if done():
                 return True
             self.service()
             time.sleep(0.0005)

@@ -5,7 +5,7 @@
 blocking MPI algorithms after an arrival check with a deadline; asynchronous calls use the
 nonblocking (I-prefixed) variants, completed by `Monitor.wait` with a deadline.
 """
-import time
+import contextlib
 
 import numpy as np
 from mpi4py import MPI
@@ -20,6 +20,10 @@ ARRIVE_SPIN_TESTS = 16  # Test() polls of the arrival barrier before Monitor.wai
 # blocking all_reduce up to this size runs as Iallreduce + deadline-aware wait (one
 # synchronization); above it Open MPI's nonblocking algorithms fall behind its blocking ones
 NONBLOCKING_MAX_BYTES = 64 << 10
+
+
+def _nothing():
+    pass
 
 
 def as_bytes(buf):
@@ -88,12 +92,18 @@ class MPIBackend:
         return self.monitor.blocking(op, seq, self.group_name, timeout_s)
 
     def _wait_fast(self, requests, op, seq, timeout_s):
-        """wait() with a few direct Test() calls first (peers usually answer within microseconds,
-        and the deadline-aware wait costs more per poll than that)."""
+        """wait() with a few direct polls first (peers usually answer within microseconds, and
+        the deadline-aware wait costs more per poll than that). requests: MPI requests, or a
+        callable poll() -> bool (the shared-memory mailbox flags)."""
         try:
-            for _ in range(ARRIVE_SPIN_TESTS):
-                if MPI.Request.Testall(requests):
-                    return
+            if callable(requests):
+                for _ in range(ARRIVE_SPIN_TESTS * 4):
+                    if requests():
+                        return
+            else:
+                for _ in range(ARRIVE_SPIN_TESTS):
+                    if MPI.Request.Testall(requests):
+                        return
         except MPI.Exception as exc:
             raise self._translate(exc, f"{op} #{seq}") from None
         self.wait(requests, op=op, seq=seq, timeout_s=timeout_s)
@@ -101,54 +111,53 @@ class MPIBackend:
     def all_reduce_now(self, buf, mpi_op, seq, timeout_s):
         """Blocking in-place all_reduce of a contiguous 1-D `buf` with its own arrival check (the
         fast path of ProcessGroup.all_reduce; after a large transfer has flushed the caches, each
-        Python call costs several times its warm time). One synchronization where the path allows
-        it, so that no size pays for the deadline:
-        - below NONBLOCKING_MAX_BYTES: MPI's nonblocking Iallreduce, completed by the
-          deadline-aware wait (the transfer is the arrival check);
-        - from the shared-memory threshold: comm/shm.py, whose address exchange is the arrival
-          check and whose final node barrier is a deadline-aware wait too;
-        - between the two: an arrival barrier (Ibarrier, deadline-aware), then MPI's blocking
-          Allreduce under the watchdog (Open MPI's nonblocking algorithms are slower there).
-        Raises CollectiveTimeout (a rank did not arrive in time), RankFailure (a peer died)."""
+        Python call costs several times its warm time). Every wait is deadline-aware; the
+        algorithm is chosen by `_all_reduce_blocking`. Raises CollectiveTimeout (a rank did not
+        arrive in time), RankFailure (a peer died)."""
         if self.size == 1:
             return
-        nbytes = buf.nbytes
         try:
-            if nbytes >= self.shm_min_bytes:
-                engine = self._shm
-                if engine is None:  # first use: build it (collective) once every rank is here
-                    self.arrive("all_reduce", seq, timeout_s)
-                    with self.blocking("all_reduce", seq, timeout_s):
-                        engine = self._shm_engine()
-                if engine and engine.supports(buf, mpi_op):
-                    engine.all_reduce(
-                        buf, mpi_op,
-                        lambda requests: self._wait_fast(requests, "all_reduce", seq, timeout_s),
-                        lambda: self.blocking("all_reduce", seq, timeout_s))
-                    return
-            if nbytes <= NONBLOCKING_MAX_BYTES:
-                request = self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op)
-                self._wait_fast([request], "all_reduce", seq, timeout_s)
-                return
-            self.arrive("all_reduce", seq, timeout_s)
-            monitor = self.monitor
-            monitor.blocking_entry = (self.group_name, seq, "all_reduce",
-                                      time.monotonic() + timeout_s)
-            try:
-                self.comm.Allreduce(MPI.IN_PLACE, buf, mpi_op)
-            finally:
-                monitor.blocking_entry = None
+            if self._shm is None and self._shm_wanted(buf.nbytes):
+                self.arrive("all_reduce", seq, timeout_s)  # the engine's creation is collective
+                with self.blocking("all_reduce", seq, timeout_s):
+                    self._shm_engine()
+            self._all_reduce_blocking(
+                buf, mpi_op,
+                lambda requests: self._wait_fast(requests, "all_reduce", seq, timeout_s),
+                lambda: self.blocking("all_reduce", seq, timeout_s),
+                lambda: self.arrive("all_reduce", seq, timeout_s))
         except MPI.Exception as exc:
             raise self._translate(exc, f"all_reduce #{seq}") from None
 
-    def _shm_all_reduce(self, buf, mpi_op):
-        """The shared-memory / hierarchical all_reduce (comm/shm.py) when the group's layout
-        allows it; False when not (the caller then runs MPI's). Collective: every rank selects
-        it from the same message size and the same (collectively built) engine. Runs after the
-        arrival check, inside the caller's watchdog entry."""
-        engine = self._shm_engine()
-        return engine is not False and engine.supports(buf, mpi_op) and engine.all_reduce(
-            buf, mpi_op)
+    def _all_reduce_blocking(self, buf, mpi_op, wait, guard, arrive):
+        """The blocking all_reduce algorithm for `buf.nbytes`, the same on every rank whichever
+        path (fast or general) each rank came by, with one synchronization where possible:
+        - up to the mailbox size (comm/shm.py, one node): the mailbox;
+        - up to NONBLOCKING_MAX_BYTES: MPI's Iallreduce (the transfer is the arrival check);
+        - from the shared-memory threshold: comm/shm.py's cross-memory path, whose address
+          exchange is the arrival check;
+        - otherwise `arrive()`, then MPI's blocking Allreduce inside `guard()` (Open MPI's
+          nonblocking algorithms are slower there).
+        wait(requests or poll): completes requests (deadline-aware on the fast path)."""
+        nbytes, engine = buf.nbytes, self._shm
+        if engine and engine.supports(buf, mpi_op):
+            if nbytes <= engine.small_bytes:
+                engine.small_all_reduce(buf, mpi_op, wait)
+                return
+            if nbytes >= self.shm_min_bytes:
+                engine.all_reduce(buf, mpi_op, wait, guard)
+                return
+        if nbytes <= NONBLOCKING_MAX_BYTES:
+            wait([self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op)])
+            return
+        arrive()
+        with guard():
+            self.comm.Allreduce(MPI.IN_PLACE, buf, mpi_op)
+
+    def _shm_wanted(self, nbytes):
+        """Whether a message of `nbytes` may take a shared-memory path (the engine is then
+        built); the same answer on every rank."""
+        return nbytes >= self.shm_min_bytes or nbytes <= self.shm_config.small_threshold
 
     def _shm_engine(self):
         """The group's NodeAllReduce, built on first use (collective: every rank gets here at the
@@ -165,8 +174,11 @@ class MPIBackend:
     def all_reduce(self, buf, mpi_op, nonblocking):
         if nonblocking:
             return [self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op)]
-        if buf.nbytes < self.shm_min_bytes or not self._shm_all_reduce(buf, mpi_op):
-            self.comm.Allreduce(MPI.IN_PLACE, buf, mpi_op)
+        if self.size == 1:
+            return None
+        if self._shm is None and self._shm_wanted(buf.nbytes):
+            self._shm_engine()  # every rank has arrived (the caller's arrival check)
+        self._all_reduce_blocking(buf, mpi_op, shm._wait_all, contextlib.nullcontext, _nothing)
 
     def reduce_scatter(self, buf, out, mpi_op, nonblocking):
         if nonblocking:

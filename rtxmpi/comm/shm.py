@@ -64,48 +64,62 @@ import mmap
 import os
 import sys
 import tempfile
+import time
 
 import numpy as np
 from mpi4py import MPI
 
 from ..errors import CollectiveError, ConfigError, RankFailure
 
-# Below this, MPI wins here: Open MPI's small/medium-message algorithms (single-copy, one
-# synchronization) reach 5-7 GB/s up to 16 MiB on the CI machine and only fall to about 2 GB/s
-# above that, while this path pays three synchronizations per call (bench/RESULTS.md).
-DEFAULT_MIN_BYTES = 32 << 20
-DEFAULT_CHUNK_BYTES = 512 << 10
+# Messages from DEFAULT_MIN_BYTES take the cross-memory reduce-scatter + all-gather (its two
+# synchronizations and its system calls cost more than MPI's single-copy algorithms below that);
+# messages up to DEFAULT_SMALL_BYTES take the one-synchronization mailbox (one node only); sizes
+# in between use MPI. Crossovers measured with bench/collectives.py (bench/RESULTS.md).
+DEFAULT_MIN_BYTES = 4 << 20
+DEFAULT_SMALL_BYTES = 64 << 10
+DEFAULT_CHUNK_BYTES = 256 << 10
 MIN_CHUNK_BYTES = 4 << 10
 BUFFERS = 3  # triple buffering: one barrier per chunk (see the module docstring)
 NEVER = sys.maxsize  # min_bytes when the path is off
+FLAG_BYTES = 64  # one cache line per local rank for its mailbox flag
+SPIN_POLLS = 2000  # polls of a mailbox flag before yielding the core (waits without a deadline)
 
 
 class ShmConfig:
     """Shared-memory path settings of one group (see the module docstring).
 
-    enabled (bool), min_bytes (int, smallest message that takes the path), chunk_bytes (int,
+    enabled (bool), min_bytes (int, smallest message that takes the cross-memory path),
+    small_bytes (int, largest message that takes the mailbox; 0: never), chunk_bytes (int,
     pipeline chunk; a multiple of 8), node_size (int or None: pretend nodes of this many local
-    ranks).
+    ranks), cma (bool: cross-memory access allowed).
     """
 
-    __slots__ = ("enabled", "min_bytes", "chunk_bytes", "node_size", "cma")
+    __slots__ = ("enabled", "min_bytes", "chunk_bytes", "node_size", "cma", "small_bytes")
 
     def __init__(self, enabled=True, min_bytes=DEFAULT_MIN_BYTES, chunk_bytes=DEFAULT_CHUNK_BYTES,
-                 node_size=None, cma=True):
+                 node_size=None, cma=True, small_bytes=DEFAULT_SMALL_BYTES):
         self.enabled, self.min_bytes = bool(enabled), int(min_bytes)
         self.chunk_bytes, self.node_size, self.cma = int(chunk_bytes), node_size, bool(cma)
+        self.small_bytes = int(small_bytes)
 
     @property
     def threshold(self):
         """Smallest message (bytes) that takes the shared-memory path; NEVER when off."""
         return self.min_bytes if self.enabled else NEVER
 
+    @property
+    def small_threshold(self):
+        """Largest message (bytes) that takes the mailbox; -1 when off."""
+        return self.small_bytes if self.enabled and self.small_bytes > 0 else -1
+
     def copy(self):
-        return ShmConfig(self.enabled, self.min_bytes, self.chunk_bytes, self.node_size, self.cma)
+        return ShmConfig(self.enabled, self.min_bytes, self.chunk_bytes, self.node_size, self.cma,
+                         self.small_bytes)
 
     def __repr__(self):
         return (f"ShmConfig(enabled={self.enabled}, min_bytes={self.min_bytes}, "
-                f"chunk_bytes={self.chunk_bytes}, node_size={self.node_size}, cma={self.cma})")
+                f"small_bytes={self.small_bytes}, chunk_bytes={self.chunk_bytes}, "
+                f"node_size={self.node_size}, cma={self.cma})")
 
     @classmethod
     def from_env(cls, environ=os.environ):
@@ -131,6 +145,7 @@ class ShmConfig:
         chunk = integer("RTXMPI_SHM_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES)
         return cls(enabled=flag("RTXMPI_SHM"), cma=flag("RTXMPI_SHM_CMA"),
                    min_bytes=integer("RTXMPI_SHM_MIN_BYTES", DEFAULT_MIN_BYTES, 0),
+                   small_bytes=integer("RTXMPI_SHM_SMALL_BYTES", DEFAULT_SMALL_BYTES, 0),
                    chunk_bytes=chunk - chunk % 8,
                    node_size=integer("RTXMPI_SHM_NODE_SIZE", None, 1))
 
@@ -323,7 +338,16 @@ def _map_arena(node, comm, total):
 
 
 def _wait_all(requests):
-    MPI.Request.Waitall(requests)
+    """Complete MPI requests, or poll a callable until it returns True (no deadline: callers run
+    under the backend's watchdog entry)."""
+    if not callable(requests):
+        MPI.Request.Waitall(requests)
+        return
+    polls = 0
+    while not requests():
+        polls += 1
+        if polls > SPIN_POLLS:
+            time.sleep(0)  # yield the core: ranks may outnumber cores
 
 
 class NodeAllReduce:
@@ -340,8 +364,9 @@ class NodeAllReduce:
     a blocking MPI call (the backend's watchdog entry; default: none).
     """
 
-    def __init__(self, comm, node, cross, chunk_bytes, *, members=None, mm=None, peers=None):
-        self.comm, self.node, self.cross, self._mm = comm, node, cross, mm
+    def __init__(self, comm, node, cross, chunk_bytes, *, members=None, mm=None, peers=None,
+                 box=None, small_bytes=0):
+        self.comm, self.node, self.cross, self._mm, self._box_mm = comm, node, cross, mm, box
         self.local_size, self.local_rank = node.Get_size(), node.Get_rank()
         self.nodes = 1 if cross is None else cross.Get_size()
         self.chunk_bytes = chunk_bytes
@@ -356,6 +381,16 @@ class NodeAllReduce:
         self._arena = None if mm is None else np.frombuffer(mm, np.uint8)
         self._views = {}  # dtype -> [1-D view of each local rank's buffers]
         self._stage = np.zeros(0, np.uint8)  # hierarchical reduce_scatter: grown, reused
+        # the mailbox (one node): per local rank a flag line and two slots of small_bytes
+        self.small_bytes = small_bytes if box is not None else -1
+        if box is not None:
+            region = FLAG_BYTES + 2 * small_bytes
+            raw = np.frombuffer(box, np.uint8)
+            self._flags = raw.view(np.int64)[::region // 8][:self.local_size]
+            self._boxes = [[raw[j * region + FLAG_BYTES + k * small_bytes:
+                                j * region + FLAG_BYTES + (k + 1) * small_bytes] for k in (0, 1)]
+                           for j in range(self.local_size)]
+            self._box_calls = 0
         if peers is not None:
             self._reader, self._pids = peers
             self._tmp = np.zeros(chunk_bytes, np.uint8)  # touched once, reused
@@ -379,16 +414,25 @@ class NodeAllReduce:
             node.Free()
             return None
         cross = comm.Split(local_rank, key=rank) if local_size < size else None
+        small = config.small_bytes - config.small_bytes % 8 if cross is None else 0
+        box = _map_arena(node, comm, local_size * (FLAG_BYTES + 2 * small)) if small > 0 else None
+        if box is not None:
+            np.frombuffer(box, np.uint8).fill(0)  # every rank touches it all: flags start at 0
+            node.Barrier()
         peers = _probe_peers(node, comm, config.cma)
         if peers is not None:
-            return cls(comm, node, cross, config.chunk_bytes, members=members, peers=peers)
+            return cls(comm, node, cross, config.chunk_bytes, members=members, peers=peers,
+                       box=box, small_bytes=small)
         mm = _map_arena(node, comm, local_size * BUFFERS * config.chunk_bytes)
         if mm is None:
             node.Free()
             if cross is not None:
                 cross.Free()
+            if box is not None:
+                box.close()
             return None
-        engine = cls(comm, node, cross, config.chunk_bytes, members=members, mm=mm)
+        engine = cls(comm, node, cross, config.chunk_bytes, members=members, mm=mm, box=box,
+                     small_bytes=small)
         mine = engine._arena[local_rank * engine.slot_bytes:(local_rank + 1) * engine.slot_bytes]
         mine.fill(0)  # first touch here, by the rank that writes it, not inside a timed call
         node.Barrier()
@@ -418,6 +462,31 @@ class NodeAllReduce:
                             self._members[self.comm.Get_rank()])
 
     # -- all_reduce -------------------------------------------------------------------------
+    def small_all_reduce(self, x, mpi_op, wait=_wait_all):
+        """The mailbox all_reduce: one synchronization. Every local rank copies `x` into its slot
+        of the shared mailbox and raises its flag to the call number; once every flag has reached
+        it (`wait(poll)`: the arrival check), every rank reduces all slots in local-rank order
+        into `x`, so every rank computes bitwise the same result. Slots alternate between calls
+        (a rank can be at most one call ahead of a peer, whose slot of the previous call it then
+        no longer reads). Same contract as all_reduce; the caller checks
+        `x.nbytes <= small_bytes` and supports() (both the same on every rank)."""
+        self._box_calls += 1
+        call, flags, me, nbytes = self._box_calls, self._flags, self.local_rank, x.nbytes
+        slots = [boxes[call & 1] for boxes in self._boxes]
+        slots[me][:nbytes] = x.view(np.uint8)
+        flags[me] = call
+        if self.local_size == 2:
+            peer = 1 - me
+            wait(lambda: flags[peer] >= call)
+        else:
+            wait(lambda: bool((flags >= call).all()))
+        dtype, ufunc = x.dtype, ufunc_of(mpi_op)
+        views = [slot[:nbytes].view(dtype) for slot in slots]
+        ufunc(views[0], views[1], out=x)
+        for view in views[2:]:
+            ufunc(x, view, out=x)
+        return True
+
     def supports(self, x, mpi_op):
         """Whether all_reduce(x, mpi_op) runs here: a contiguous 1-D numpy array and an MPI op
         with a numpy ufunc (sum, max, min, prod). Local; the same answer on every rank for the
@@ -599,6 +668,13 @@ class NodeAllReduce:
         """Release the arena and the communicators (local; the group must not use it after)."""
         self._views.clear()
         self._arena = None
+        self._boxes = self._flags = None
+        for mm in (self._box_mm,):
+            try:
+                if mm is not None:
+                    mm.close()
+            except BufferError:
+                pass
         try:
             if self._mm is not None:
                 self._mm.close()

@@ -11,7 +11,9 @@ import re
 import pytest
 
 TIMEOUT_S = 2.0
-SHM_ENV = {"RTXMPI_SHM_MIN_BYTES": 0, "RTXMPI_SHM_CHUNK_BYTES": 4096}
+SHM_ENV = {"RTXMPI_SHM_MIN_BYTES": 0, "RTXMPI_SHM_CHUNK_BYTES": 4096, "RTXMPI_SHM_SMALL_BYTES": 0}
+# the one-synchronization mailbox for the 200 KB all_reduce instead (its wait is a flag poll)
+MAILBOX_ENV = {**SHM_ENV, "RTXMPI_SHM_SMALL_BYTES": 1 << 20}
 REPORT = re.compile(r"^TIMEOUT rank=(\d+) elapsed_s=([\d.]+) op=(\S+) seq=(\d+) "
                     r"missing=(\[[\d, ]*\])")
 
@@ -50,9 +52,10 @@ def engines(launch):
     return sorted(launch.lines("ENGINE "))
 
 
-@pytest.mark.parametrize("check", [True, False], ids=["checking", "unchecked"])
-def test_missing_rank_times_out_on_the_other_rank(run_mpi, check):
-    launch = run_mpi(job(check=check, late=[1], sleep_s=60), n=2, **SHM_ENV)
+@pytest.mark.parametrize("check,env", [(True, SHM_ENV), (False, SHM_ENV), (False, MAILBOX_ENV)],
+                         ids=["checking", "unchecked", "mailbox"])
+def test_missing_rank_times_out_on_the_other_rank(run_mpi, check, env):
+    launch = run_mpi(job(check=check, late=[1], sleep_s=60), n=2, **env)
     assert not launch.outer_timeout and launch.returncode != 0, launch
     assert engines(launch) == [f"ENGINE rank={r} local_size=2 nodes=1" for r in (0, 1)], launch
     assert not launch.lines("COMPLETED"), launch
@@ -75,9 +78,10 @@ def test_hierarchical_missing_ranks_time_out_on_the_others(run_mpi):
         assert float(elapsed_s) < 3 * TIMEOUT_S, launch
 
 
-def test_late_rank_within_the_probe_window_completes(run_mpi):
+@pytest.mark.parametrize("env", [SHM_ENV, MAILBOX_ENV], ids=["cma", "mailbox"])
+def test_late_rank_within_the_probe_window_completes(run_mpi, env):
     # the deadline passes at 2 s, the diagnosis listens until 4 s, rank 1 arrives at 3 s
-    launch = run_mpi(job(check=False, late=[1], sleep_s=1.5 * TIMEOUT_S), n=2, **SHM_ENV)
+    launch = run_mpi(job(check=False, late=[1], sleep_s=1.5 * TIMEOUT_S), n=2, **env)
     assert launch.returncode == 0 and not launch.outer_timeout, launch
     assert sorted(launch.lines("COMPLETED")) == ["COMPLETED rank=0", "COMPLETED rank=1"], launch
 

@@ -25,9 +25,11 @@ CASES = [(op, dtype, i % 2 == 0) for i, (op, dtype) in enumerate(REDUCE_CASES)]
 
 
 def forced_group(world, check, **config):
-    """A copy of `world` whose all_reduce takes the shared-memory path at every size."""
+    """A copy of `world` whose all_reduce takes the cross-memory (or arena) path at every size
+    (and the mailbox never, unless `small_bytes` is given)."""
     saved = shm.CONFIG
-    shm.CONFIG = shm.ShmConfig(min_bytes=0, chunk_bytes=CHUNK, **config)
+    config = {"min_bytes": 0, "small_bytes": 0, **config}
+    shm.CONFIG = shm.ShmConfig(chunk_bytes=CHUNK, **config)
     try:
         group = world.split(0)
     finally:
@@ -37,7 +39,7 @@ def forced_group(world, check, **config):
 
 
 @pytest.fixture(scope="module", params=["node-cma", "node-copy", "hierarchical-cma",
-                                        "hierarchical-copy"])
+                                        "hierarchical-copy", "node-mailbox"])
 def layout(request):
     return request.param
 
@@ -45,7 +47,11 @@ def layout(request):
 @pytest.fixture(scope="module")
 def groups(world, layout):
     """{check: group}; layout 'hierarchical-*' pretends nodes of 2 ranks; '*-copy' turns
-    cross-memory reads off (the shared arena)."""
+    cross-memory access off (the shared arena); 'node-mailbox' sends every all_reduce up to 1 MiB
+    through the one-synchronization mailbox."""
+    if layout == "node-mailbox":
+        return {check: forced_group(world, check, min_bytes=shm.NEVER, small_bytes=1 << 20)
+                for check in (True, False)}
     node_size = 2 if layout.startswith("hierarchical") else None
     cma = layout.endswith("cma")
     return {check: forced_group(world, check, node_size=node_size, cma=cma)
@@ -53,12 +59,14 @@ def groups(world, layout):
 
 
 def expected_engine(group, layout):
-    """(local_size, nodes, mode) the engine must have, or None where MPI's path is used."""
+    """(local_size, nodes, mode, mailbox bytes) the engine must have, or None where MPI's path
+    is used."""
     n = group.world_size
-    mode = "cma" if layout.endswith("cma") and sys.platform.startswith("linux") else "copy"
+    linux = sys.platform.startswith("linux")
+    mode = "cma" if not layout.endswith("copy") and linux else "copy"
     if layout.startswith("node"):
-        return None if n == 1 else (n, 1, mode)
-    return None if n == 1 or n % 2 else (2, n // 2, mode)
+        return None if n == 1 else (n, 1, mode, (1 << 20) if layout == "node-mailbox" else -1)
+    return None if n == 1 or n % 2 else (2, n // 2, mode, -1)
 
 
 def assert_path(group, layout):
@@ -68,7 +76,7 @@ def assert_path(group, layout):
         assert engine is None or engine is False
     else:
         assert isinstance(engine, shm.NodeAllReduce), engine
-        assert (engine.local_size, engine.nodes, engine.mode) == want
+        assert (engine.local_size, engine.nodes, engine.mode, engine.small_bytes) == want
 
 
 def inputs(group, length, dtype, op, salt=0):
@@ -217,7 +225,8 @@ def test_all_gather_takes_the_cross_memory_path_on_one_node(groups, layout):
     x = np.full(3000, group.rank, np.int32)
     group.all_gather(x)  # builds the engine if no call has yet
     engine = group.backend._shm
-    if not (engine and engine.mode == "cma" and engine.nodes == 1):
+    if not (engine and engine.mode == "cma" and engine.nodes == 1
+            and group.backend.shm_min_bytes == 0):
         pytest.skip(f"{layout} at world size {group.world_size}: MPI's Allgather")
     taken, real = [], engine.all_gather
     engine.all_gather = lambda *args, **kwargs: taken.append(real(*args, **kwargs)) or taken[-1]
@@ -270,7 +279,7 @@ def test_disabled_path_is_never_selected(world):
 
 def test_messages_below_the_threshold_use_mpi(world):
     saved = shm.CONFIG
-    shm.CONFIG = shm.ShmConfig(min_bytes=1 << 20, chunk_bytes=CHUNK)
+    shm.CONFIG = shm.ShmConfig(min_bytes=1 << 20, chunk_bytes=CHUNK, small_bytes=0)
     try:
         group = world.split(0)
     finally:
@@ -278,6 +287,37 @@ def test_messages_below_the_threshold_use_mpi(world):
     x, expected = inputs(group, 1000, "float32", "sum")
     assert_exact(group.all_reduce(x), expected)
     assert group.backend._shm is None  # never built: no call reached the threshold
+
+
+def test_default_sizes_choose_mailbox_mpi_and_cross_memory_paths(world):
+    """Default settings: up to small_bytes the mailbox, from min_bytes the cross-memory path,
+    MPI in between (each path spied on; the results exact on every path)."""
+    saved = shm.CONFIG
+    shm.CONFIG = shm.ShmConfig()
+    try:
+        group = world.split(0)
+    finally:
+        shm.CONFIG = saved
+    group.check = False
+    small, large = shm.DEFAULT_SMALL_BYTES // 4, shm.DEFAULT_MIN_BYTES // 4
+    x, expected = inputs(group, small, "float32", "sum")
+    assert_exact(group.all_reduce(x), expected)
+    engine = group.backend._shm
+    if group.world_size == 1:
+        assert engine is None
+        return
+    assert (engine.small_bytes, engine.mode) == (shm.DEFAULT_SMALL_BYTES, "cma")
+    taken = []
+    for name in ("small_all_reduce", "all_reduce"):
+        real = getattr(engine, name)
+        setattr(engine, name, lambda *a, real=real, name=name, **k: taken.append(name) or real(*a, **k))
+    try:
+        for length, salt in ((small, 1), (small + 1, 2), (large - 1, 3), (large, 4)):
+            x, expected = inputs(group, length, "float32", "sum", salt=salt)
+            assert_exact(group.all_reduce(x), expected)
+    finally:
+        del engine.small_all_reduce, engine.all_reduce
+    assert taken == ["small_all_reduce", "all_reduce"]
 
 
 @pytest.mark.parametrize("env,message", [
@@ -298,9 +338,10 @@ def test_bad_settings_raise_config_error(env, message):
 def test_settings_from_environment():
     config = shm.ShmConfig.from_env({"RTXMPI_SHM": "0", "RTXMPI_SHM_MIN_BYTES": "4096",
                                      "RTXMPI_SHM_CHUNK_BYTES": "65539", "RTXMPI_SHM_NODE_SIZE": "2",
-                                     "RTXMPI_SHM_CMA": "off"})
-    assert (config.enabled, config.min_bytes, config.chunk_bytes, config.node_size, config.cma) == (
-        False, 4096, 65536, 2, False)
+                                     "RTXMPI_SHM_CMA": "off", "RTXMPI_SHM_SMALL_BYTES": "0"})
+    assert (config.enabled, config.min_bytes, config.chunk_bytes, config.node_size, config.cma,
+            config.small_bytes) == (False, 4096, 65536, 2, False, 0)
     assert config.threshold == shm.NEVER
     default = shm.ShmConfig.from_env({})
     assert default.enabled and default.cma and default.threshold == shm.DEFAULT_MIN_BYTES
+    assert default.small_threshold == shm.DEFAULT_SMALL_BYTES
