@@ -869,7 +869,8 @@ def plan_for_job(group, cfg, global_batch, profile_path=None, mem_per_device=Non
 
     from .calibrate import calibrate
 
-    comm = MPI.COMM_WORLD
+    # the group's communicator: after an elastic shrink COMM_WORLD still holds the failed ranks
+    comm = group.backend.comm if hasattr(getattr(group, "backend", None), "comm") else MPI.COMM_WORLD
     if profile_path and os.path.exists(profile_path):
         error, profile = None, None
         if group.rank == 0:
