@@ -78,6 +78,7 @@ def worker_bubble(args):
     from rtxmpi.data import BatchSampler, load_corpus
     from rtxmpi.nn import GPT
     from rtxmpi.parallel.pipeline import PipelineParallel
+    from rtxmpi.parallel.schedule import Op
 
     world = rtxmpi.init(check=False)
     p, m = world.world_size, args.micro_batches
@@ -85,16 +86,22 @@ def worker_bubble(args):
     cfg = model_config(args)
     global_batch = args.micro_batch_size * m
     out = {}
-    for schedule in ("1f1b", "gpipe"):
-        engine = PipelineParallel(GPT(cfg, seed=0), world, micro_batches=m, schedule=schedule)
+    variants = [("1f1b", "1f1b", True), ("1f1b, W not deferred", "1f1b", False),
+                ("gpipe", "gpipe", True)]
+    for name, schedule, defer in variants:
+        if args.no_defer and defer:
+            continue
+        engine = PipelineParallel(GPT(cfg, seed=0), world, micro_batches=m, schedule=schedule,
+                                  defer_weight_grads=defer)
         sampler = BatchSampler(corpus.train, args.seq_len, global_batch, seed=0)
         rows = []
         for step in range(args.warmup + args.steps):
             x, y = sampler.next_batch()
             world.barrier()
             # thread CPU time per op: wrap the stage's compute
-            cpu = {"F": [], "B": []}
+            cpu = {"F": [], "B": [], "W": []}
             fwd, bwd = engine.stage.forward, engine.stage.backward
+            flush = engine.stage.flush_weight_grads
 
             def timed(fn, kind):
                 def run(*a, **k):
@@ -105,29 +112,34 @@ def worker_bubble(args):
                 return run
 
             engine.stage.forward, engine.stage.backward = timed(fwd, "F"), timed(bwd, "B")
+            engine.stage.flush_weight_grads = timed(flush, "W")
             t0 = time.perf_counter()
             engine.train_step(x, y)
             del engine.stage.forward, engine.stage.backward  # back to the class methods
+            del engine.stage.flush_weight_grads
             engine.zero_grad()
             tl = engine.timeline
             total = tl[-1][3] - t0
-            compute = sum(b - a for k, _, a, b in tl if k in ("F", "B"))
+            compute = sum(b - a for k, _, a, b in tl if k in ("F", "B", "W"))
             wait = sum(b - a for k, _, a, b in tl if k.startswith("recv"))
             if step >= args.warmup:
                 rows.append((total, compute, wait, float(np.median(cpu["F"])),
-                             float(np.median(cpu["B"]))))
+                             float(np.median(cpu["B"])), sum(cpu["W"])))
         arr = np.array(rows)
         mine = {"step_s": float(np.median(arr[:, 0])),
                 "wall_bubble": float(np.mean(1 - arr[:, 1] / arr[:, 0])),
                 "recv_wait": float(np.mean(arr[:, 2] / arr[:, 0])),
-                "cpu_F_s": float(np.median(arr[:, 3])), "cpu_B_s": float(np.median(arr[:, 4]))}
+                "cpu_F_s": float(np.median(arr[:, 3])), "cpu_B_s": float(np.median(arr[:, 4])),
+                "cpu_W_s": float(np.median(arr[:, 5]))}
         everyone = world.backend.comm.gather(mine, root=0)
         if world.rank == 0:
-            cost = [{"F": r["cpu_F_s"], "B": r["cpu_B_s"]} for r in everyone]
-            makespan, busy = replay(engine.schedules, cost)
-            equal = [{"F": np.mean([c["F"] for c in cost]), "B": np.mean([c["B"] for c in cost])}] * p
-            ms_eq, busy_eq = replay(engine.schedules, equal)
-            out[schedule] = {
+            cost = [{"F": r["cpu_F_s"], "B": r["cpu_B_s"], "W": r["cpu_W_s"]} for r in everyone]
+            lists = [ops + [Op("W", -1, None)] for ops in engine.schedules]  # deferred W last
+            makespan, busy = replay(lists, cost)
+            equal = [{"F": np.mean([c["F"] for c in cost]), "B": np.mean([c["B"] for c in cost]),
+                      "W": 0.0}] * p
+            ms_eq, busy_eq = replay(lists, equal)
+            out[name] = {
                 "ranks": everyone,
                 "wall_bubble": float(np.mean([r["wall_bubble"] for r in everyone])),
                 "recv_wait": float(np.mean([r["recv_wait"] for r in everyone])),
@@ -238,7 +250,7 @@ def launch(args, ranks, part):
            "--warmup", str(args.warmup), "--micro-batches", str(args.micro_batches),
            "--micro-batch-size", str(args.micro_batch_size), "--global-batch",
            str(args.global_batch), "--compare-micro-batches", str(args.compare_micro_batches),
-           "--bucket-mb", str(args.bucket_mb)])
+           "--bucket-mb", str(args.bucket_mb), *(["--no-defer"] if args.no_defer else [])])
     print(f"[pipeline] {shlex.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -260,11 +272,13 @@ def print_bubble(args, bubble):
                           "replay (measured stage CPU costs)", "replay (equal stages)",
                           "wall bubble", "recv wait", "step ms"], rows))
     print()
-    print("per stage (1F1B): CPU ms per F / B, wall bubble, recv wait")
-    print(markdown_table(["stage", "F ms", "B ms", "wall bubble", "recv wait"],
+    print("per stage (1F1B): CPU ms per F / B, deferred W per step, wall bubble, recv wait")
+    print(markdown_table(["stage", "F ms", "B ms", "W ms / step", "wall bubble", "recv wait"],
                          [[s, f"{r['cpu_F_s'] * 1e3:.1f}", f"{r['cpu_B_s'] * 1e3:.1f}",
-                           f"{r['wall_bubble']:.3f}", f"{r['recv_wait']:.3f}"]
-                          for s, r in enumerate(bubble["schedules"]["1f1b"]["ranks"])]))
+                           f"{r['cpu_W_s'] * 1e3:.1f}", f"{r['wall_bubble']:.3f}",
+                           f"{r['recv_wait']:.3f}"]
+                          for s, r in enumerate(bubble["schedules"][
+                              "1f1b, W not deferred" if args.no_defer else "1f1b"]["ranks"])]))
 
 
 def main():
@@ -282,6 +296,8 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-compare", action="store_true", help="only the bubble (no PP=2 vs DP=2)")
     p.add_argument("--no-bubble", action="store_true", help="skip the bubble part")
+    p.add_argument("--no-defer", action="store_true",
+                   help="bubble only without the last stage's deferred weight gradients")
     p.add_argument("--overlap", action="store_true",
                    help="also PP=2 x DP=2 (4 ranks): dp all_reduce overlapped with the last "
                         "backward vs after the schedule, exposed wait per stage")

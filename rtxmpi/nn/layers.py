@@ -48,17 +48,29 @@ def linear_forward(x, w, b=None):
     return y.reshape(x.shape[:-1] + (c_out,)), (x, w, b is not None)
 
 
-def linear_backward(dy, cache, dw_out=None, db_out=None):
+def linear_backward(dy, cache, dw_out=None, db_out=None, defer=None):
     """Gradients of `linear_forward`.
 
     dy: (..., C_out). Returns dx: (..., C_in), dw: (C_in, C_out), db: (C_out,) or None (no bias).
     dw_out / db_out: arrays to add the gradients into (returned as dw / db).
+    defer: None, or a list: only dx is computed now, and a callable that later adds the weight
+    and bias gradients into dw_out / db_out (both needed then) is appended to it — the B/W split
+    of zero-bubble pipeline schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024):
+    dx is on the pipeline's critical path, the weight gradient is not. The same arithmetic as
+    without defer, so the result is bitwise the same once the callable ran.
     """
     x, w, has_bias = cache
     c_in, c_out = w.shape
     x2 = x.reshape(-1, c_in)
     dy2 = dy.reshape(-1, c_out)
     dx = (dy2 @ w.T).reshape(x.shape)
+    if defer is not None:
+        def weight_grads():
+            _accumulate(x2.T @ dy2, dw_out)
+            if has_bias:
+                _accumulate(dy2.sum(axis=0), db_out)
+        defer.append(weight_grads)
+        return dx, dw_out, db_out if has_bias else None
     dw = _accumulate(x2.T @ dy2, dw_out)
     db = _accumulate(dy2.sum(axis=0), db_out) if has_bias else None
     return dx, dw, db
@@ -275,22 +287,24 @@ def mlp_forward(x, w_fc, b_fc, w_proj, b_proj):
     return y, (fc_cache, gelu_cache, proj_cache)
 
 
-def mlp_backward(dy, cache, dparams=None):
+def mlp_backward(dy, cache, dparams=None, defer=None):
     """Gradients of `mlp_forward`.
 
     dy: (B, T, C). dparams: None or (dw_fc, db_fc, dw_proj, db_proj) to add into.
+    defer: None or a list: the two linears' weight (and bias) gradients are deferred into it
+    (see linear_backward; dparams needed then).
     Returns dx: (B, T, C), (dw_fc, db_fc, dw_proj, db_proj).
     """
     fc_cache, gelu_cache, proj_cache = cache
     dw_fc, db_fc, dw_proj, db_proj = dparams if dparams is not None else (None,) * 4
-    da, dw_proj, db_proj = linear_backward(dy, proj_cache, dw_proj, db_proj)
+    da, dw_proj, db_proj = linear_backward(dy, proj_cache, dw_proj, db_proj, defer=defer)
     if gelu_cache[1] is None:  # fused forward: one kernel gives dh, then the bias gradient
         dh, db = bias_gelu_backward(da, gelu_cache[0])
-        dx, dw_fc, _ = linear_backward(dh, fc_cache[:2] + (False,), dw_fc)
+        dx, dw_fc, _ = linear_backward(dh, fc_cache[:2] + (False,), dw_fc, defer=defer)
         db_fc = _accumulate(db, db_fc)
     else:
         dh = gelu_backward(da, gelu_cache)
-        dx, dw_fc, db_fc = linear_backward(dh, fc_cache, dw_fc, db_fc)
+        dx, dw_fc, db_fc = linear_backward(dh, fc_cache, dw_fc, db_fc, defer=defer)
     return dx, (dw_fc, db_fc, dw_proj, db_proj)
 
 
@@ -334,20 +348,23 @@ def block_forward(x, params, n_head):
     return y, (ln1_cache, attn_cache, ln2_cache, mlp_cache)
 
 
-def block_backward(dy, cache, dparams=None, ready=None):
+def block_backward(dy, cache, dparams=None, ready=None, defer=None):
     """Gradients of `block_forward`.
 
     dy: (B, T, C). dparams: None or 12 arrays (BLOCK_PARAM_NAMES order) to add into.
     ready: optional callable ready(j), called once per local parameter index j (0..11) as soon as
     that gradient is final, in the order 11, 10, ..., 0.
+    defer: None or a list: the MLP's weight and bias gradients (j = 8..11, two thirds of the
+    block's weight-gradient FLOPs) are deferred into it (see linear_backward; dparams needed
+    then) and ready is not called for them.
     Returns dx: (B, T, C), tuple of the 12 gradients.
     """
     ln1_cache, attn_cache, ln2_cache, mlp_cache = cache
     d = list(dparams) if dparams is not None else [None] * 12
     notify = ready if ready is not None else (lambda j: None)
 
-    dh2, d[8:12] = mlp_backward(dy, mlp_cache, d[8:12])
-    for j in (11, 10, 9, 8):
+    dh2, d[8:12] = mlp_backward(dy, mlp_cache, d[8:12], defer=defer)
+    for j in (11, 10, 9, 8) if defer is None else ():
         notify(j)
     dx1, d[6], d[7] = layernorm_backward(dh2, ln2_cache, d[6], d[7])
     notify(7)

@@ -51,24 +51,31 @@ from .schedule import build_schedule, partition
 _ACT, _GRAD = 0, 1  # message kinds; tag = 2 * micro_batch + kind
 
 
+def stage_costs(cfg):
+    """Estimated compute of each block, per token of a forward pass (FLOPs; backward is about
+    twice that for every piece alike), with the embeddings' added to the first block and the
+    head's to the last: block = 24 C^2 (qkv, projection, MLP matmuls) + 4 T C (attention scores
+    and their product with V, over the full T x T), embeddings = 2 C (a gather and an add), head =
+    2 V C (the output matmul) + 10 V (cross-entropy) + 10 C (ln_f). Measured on this code: the
+    small model's head costs 0.14-0.17 of a block, the formula gives 0.15. Local (pure)."""
+    C, L, V, T = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.seq_len
+    block = 24 * C * C + 4 * T * C
+    costs = [float(block)] * L
+    costs[0] += 2 * C
+    costs[-1] += 2 * V * C + 10 * V + 10 * C
+    return costs
+
+
 def stage_layout(cfg, stages, split=None):
     """Blocks per stage of a GPT with config `cfg` split into `stages` pipeline stages.
 
-    split: None (balanced by parameter count: embeddings counted with the first block, the head,
-    and a tied wte copy, with the last) or a sequence of `stages` positive ints (blocks per stage)
-    summing to cfg.n_layer. Returns a list of (first_block, stop_block) per stage.
-    Raises ConfigError when stages > n_layer (every stage needs a block) or split does not fit.
-    Local (pure).
+    split: None (balanced by estimated compute, `stage_costs`: the embeddings counted with the
+    first block, the head and loss with the last; the exact min-max split, `partition`) or a
+    sequence of `stages` positive ints (blocks per stage) summing to cfg.n_layer. Returns a list
+    of (first_block, stop_block) per stage. Raises ConfigError when stages > n_layer (every stage
+    needs a block) or split does not fit. Local (pure).
     """
-    specs = param_layout(cfg)
-    C, L = cfg.n_embd, cfg.n_layer
-    block = sum(s.size for s in specs[2:14])
-    emb = specs[0].size + specs[1].size
-    head = 2 * C + cfg.vocab_size * C  # ln_f and the output matrix (lm_head or the wte copy)
-    costs = [block] * L
-    costs[0] += emb
-    costs[-1] += head
-    return partition(costs, stages, split)
+    return partition(stage_costs(cfg), stages, split)
 
 
 class PipelineStage:
@@ -133,12 +140,40 @@ class PipelineStage:
         starts = [0] + bounds[:-1]
         self.units = [(self.params[a].offset, self.params[b - 1].offset + self.params[b - 1].size)
                       for a, b in zip(starts, bounds)]
+        self.defer_w, self.held_units, self._deferred = False, (), []
         self.full_specs = param_layout(cfg)
         self.full_start, self.full_stop = self.flat_start, self.flat_stop  # the same layout here
         self.tp, self.tp_rank = 1, 0
 
     def zero_grad(self):
         self.flat_grad.fill(0)
+
+    def defer_weight_grads(self):
+        """On the last stage of a pipeline: from now on its backward computes the head's weight
+        gradient and its last block's MLP weight gradients later, in `flush_weight_grads`, which
+        the engine runs after the stage's last op (the stage then idles while the others drain
+        the pipeline). Balances the last stage, whose head and loss cost about 15% of a block
+        on top of its blocks, against the others (the B/W split of Qi et al., "Zero Bubble
+        Pipeline Parallelism", ICLR 2024, used only to fill the last stage's drain). Costs memory:
+        the inputs of the deferred products of every micro-batch are kept until the flush.
+        Returns True when enabled (the last stage of a pipeline of 2 or more stages)."""
+        if not self.is_last or self.is_first:
+            return False
+        n = len(self.units)
+        # the wte copy (if any), the head and the last block: final only after the flush
+        self.defer_w, self.held_units = True, tuple(range(n - 1, n - 3 - self.tied_copy, -1))
+        return True
+
+    def flush_weight_grads(self, unit_ready=None):
+        """Run the deferred weight-gradient products in micro-batch order (the same sums, in
+        the same order, as without deferral: bitwise the same gradients), then report the held
+        units to unit_ready (last unit first). Local."""
+        for weight_grads in self._deferred:
+            weight_grads()
+        self._deferred.clear()
+        if unit_ready is not None:
+            for u in self.held_units:
+                unit_ready(u)
 
     # hooks the engine uses, so that a tensor-parallel stage can differ -------------------------
     def activation_shape(self, b, T):
@@ -191,17 +226,20 @@ class PipelineStage:
         return float(loss), caches
 
     def backward(self, cache, dout=None, scale=1.0, unit_ready=None):
-        ready = _Countdown(len(self.units), unit_ready)
+        ready = _Countdown(len(self.units), unit_ready, hold=self.held_units)
+        defer = self._deferred if self.defer_w else None
         if self.is_last:
             dlogits = layers.crossentropy_backward(scale, cache["ce"])
-            dh, _, _ = layers.linear_backward(dlogits, cache["head"], dw_out=self._head.grad.T)
+            dh, _, _ = layers.linear_backward(dlogits, cache["head"], dw_out=self._head.grad.T,
+                                              defer=defer)
             g, b = self._ln_f
             dx, _, _ = layers.layernorm_backward(dh, cache["ln_f"], g.grad, b.grad)
             ready.head(self)
         else:
             dx = dout
-        for ps, c in zip(reversed(self._blocks), reversed(cache["blocks"])):
-            dx, _ = layers.block_backward(dx, c, [p.grad for p in ps])
+        for k, (ps, c) in enumerate(zip(reversed(self._blocks), reversed(cache["blocks"]))):
+            dx, _ = layers.block_backward(dx, c, [p.grad for p in ps],
+                                          defer=defer if k == 0 else None)
             ready()
         if self.is_first:
             layers.embedding_backward(dx, cache["emb"], self.params[0].grad, self.params[1].grad)
@@ -227,13 +265,14 @@ class _Span:
 
 
 class _Countdown:
-    """Reports a stage's units as final, last unit first (the order backward finishes them)."""
+    """Reports a stage's units as final, last unit first (the order backward finishes them),
+    except the units in `hold` (deferred weight gradients: reported by flush_weight_grads)."""
 
-    def __init__(self, n_units, unit_ready):
-        self.next, self.unit_ready = n_units - 1, unit_ready
+    def __init__(self, n_units, unit_ready, hold=()):
+        self.next, self.unit_ready, self.hold = n_units - 1, unit_ready, hold
 
     def __call__(self):
-        if self.unit_ready is not None:
+        if self.unit_ready is not None and self.next not in self.hold:
             self.unit_ready(self.next)
         self.next -= 1
 
@@ -413,7 +452,7 @@ class PipelineParallel:
 
     def __init__(self, model, pp_group, dp_group=None, *, micro_batches, schedule="1f1b",
                  split=None, optimizer=None, bucket_bytes=DEFAULT_BUCKET_BYTES, overlap_dp=True,
-                 zero_stage=0):
+                 zero_stage=0, defer_weight_grads=True):
         if not isinstance(model, (GPT, ParallelGPT)):
             raise ConfigError(f"PipelineParallel needs an rtxmpi.nn.GPT or a ParallelGPT, got "
                               f"{type(model).__name__}")
@@ -461,6 +500,9 @@ class PipelineParallel:
         # unit by unit during it, and the dp all_reduce of each bucket starts as soon as it is
         self._last_b = [op.micro_batch for op in self.schedule if op.kind == "B"][-1]
         self.dp_launched_in_backward = 0  # buckets whose all_reduce the last step started in B
+        # the last stage's head and last-block MLP weight gradients run in its drain idle time
+        self.deferred_w = (defer_weight_grads and type(st) is PipelineStage
+                           and st.defer_weight_grads())
 
     @classmethod
     def from_mesh(cls, model, mesh, **kwargs):
@@ -597,6 +639,7 @@ class PipelineParallel:
         ops = self.schedule if backward else [op for op in self.schedule
                                               if op.kind in ("F", "send_act", "recv_act")]
         inputs, outputs, caches, grads = {}, {}, {}, {}
+        last_ready = None  # the unit_ready of the stage's last backward (deferred units)
         sends, timeline, now = [], [], time.perf_counter
         self._loss_sum, scale = 0.0, 1.0 / m
         span = trace.span
@@ -616,6 +659,7 @@ class PipelineParallel:
                 elif kind == "B":
                     ready = (self._start_buckets() if i == self._last_b and self.overlap_dp
                              and self._dp_active() and self.zero_stage != 2 else None)
+                    last_ready = ready if i == self._last_b else None
                     dinp = st.backward(caches.pop(i), dout=grads.pop(i, None), scale=scale,
                                        unit_ready=ready)
                     if dinp is not None:
@@ -629,6 +673,11 @@ class PipelineParallel:
                     into[i] = pp.recv(buf, op.peer, 2 * i + (_ACT if kind == "recv_act" else _GRAD))
             timeline.append((kind, i, t0, now()))
             sends = [w for w in sends if not w.test()]  # let sends in flight progress
+        if backward and self.deferred_w:  # after the last send: the stage idles from here on
+            t0 = now()
+            with span("pp.W", "pipeline", stage=st.stage):
+                st.flush_weight_grads(last_ready)
+            timeline.append(("W", -1, t0, now()))
         for w in sends:
             w.wait()
         self.timeline = timeline

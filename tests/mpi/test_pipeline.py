@@ -94,6 +94,20 @@ def test_pipeline_with_a_given_split_matches_single_process(world):
     check_stage_grads(engine, reference)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_deferred_weight_gradients_of_the_last_stage_are_bitwise_the_same(world):
+    """The last stage's head and last-block MLP weight gradients computed after its last op
+    (defer_weight_grads, the default) equal those computed inside each backward, bit for bit."""
+    x, y = global_batch(5)
+    grads = []
+    for defer in (True, False):
+        _, engine = build(world, 1, world.world_size, micro_batches=4, defer_weight_grads=defer)
+        engine.train_step(x, y)
+        assert engine.deferred_w == (defer and engine.stage.is_last)
+        grads.append(engine.stage.flat_grad.copy())
+    np.testing.assert_array_equal(grads[0], grads[1])
+
+
 def test_pipeline_loss_curve_matches_single_process_over_10_steps(world):
     # float64 (as the DP test): Adam amplifies float32 round-off in near-zero gradients
     def optimizer(params, mask):

@@ -3,7 +3,7 @@ import pytest
 
 from rtxmpi.errors import ConfigError
 from rtxmpi.nn import GPTConfig
-from rtxmpi.parallel.pipeline import stage_layout
+from rtxmpi.parallel.pipeline import stage_costs, stage_layout
 from rtxmpi.parallel.schedule import (Op, build_schedule, check_schedule, gpipe, one_f_one_b,
                                       partition)
 
@@ -126,5 +126,11 @@ def test_stage_layout_of_a_gpt_counts_embeddings_and_head():
     cfg = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16)
     assert stage_layout(cfg, 2) == [(0, 2), (2, 4)]
     assert stage_layout(cfg, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    # balanced by compute, not parameters: a large vocabulary makes the head (2 V C per token)
+    # cost more than three blocks, while the embeddings' V x C parameters cost almost nothing
+    big_vocab = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=4096)
+    costs = stage_costs(big_vocab)
+    assert costs[0] < 1.01 * costs[1] and costs[-1] > 3 * costs[1]
+    assert stage_layout(big_vocab, 2) == [(0, 3), (3, 4)]
     with pytest.raises(ConfigError, match="every stage needs"):
         stage_layout(cfg, 5)
