@@ -301,7 +301,8 @@ class Supervisor:
             early = (failed and not progressed and seconds < self.early_failure_s)
             early_in_a_row = early_in_a_row + 1 if early else 0
             what = ("done" if status == 0 else "pre-empted (checkpoint committed)"
-                    if status == EXIT_PREEMPTED else "configuration error" if status == EXIT_CONFIG
+                    if status == EXIT_PREEMPTED else "bad flags or arguments: not relaunched"
+                    if status == EXIT_CONFIG
                     else "stopped by a signal" if self.stop_signal is not None
                     else f"failed early (exit status {status}, no training step done)" if early
                     else f"failed (exit status {status})")
