@@ -33,35 +33,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from rtxmpi.parallel.schedule import replay  # noqa: E402  (critical-path replay of op lists)
 from _common import worker_job, time_interleaved, machine_info, machine_line, markdown_table, write_json  # noqa: E402
-
-
-def replay(lists, cost):
-    """Makespan and per-stage busy time of op lists when F/B of stage s take cost[s][kind] seconds
-    and messages are free: each op starts when its stage is free and (receives) its message was
-    sent. Returns (makespan_s, [busy_s per stage])."""
-    p = len(lists)
-    clock, pc, sent, busy = [0.0] * p, [0] * p, {}, [0.0] * p
-    while any(pc[s] < len(lists[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            while pc[s] < len(lists[s]):
-                op = lists[s][pc[s]]
-                if op.kind.startswith("recv_"):
-                    key = (op.peer, s, op.kind[5:], op.micro_batch)
-                    if key not in sent:
-                        break
-                    clock[s] = max(clock[s], sent[key])
-                elif op.kind.startswith("send_"):
-                    sent[(s, op.peer, op.kind[5:], op.micro_batch)] = clock[s]
-                else:
-                    clock[s] += cost[s][op.kind]
-                    busy[s] += cost[s][op.kind]
-                pc[s] += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("schedule deadlocks")
-    return max(clock), busy
 
 
 def model_config(args):

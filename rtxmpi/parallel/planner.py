@@ -231,12 +231,14 @@ def factorizations(world_size):
 def enumerate_layouts(world_size, global_batch, max_micro_batches=32, zero_stages=ZERO_STAGES,
                       schedules=SCHEDULES, offloads=("none",)):
     """Every candidate Layout: all factorizations, micro-batch counts dividing the per-rank batch
-    (global_batch // dp; up to max_micro_batches; 1 when dp does not divide the batch, so that
-    check_layout can say why), the given ZeRO stages, for pp > 1 each schedule, and for ZeRO
-    stages >= 1 each of `offloads` (a subset of OFFLOADS; stage 0 has no offload)."""
+    (global_batch // dp, the smaller one when dp does not divide the batch: it is split unevenly
+    and weighted by samples, rtxmpi.data.batch_split; up to max_micro_batches; 1 when no split
+    is possible, dp > global_batch or an uneven one with pp > 1, so that check_layout can say
+    why), the given ZeRO stages, for pp > 1 each schedule, and for ZeRO stages >= 1 each of
+    `offloads` (a subset of OFFLOADS; stage 0 has no offload)."""
     out = []
     for dp, tp, pp, sp in factorizations(world_size):
-        local = global_batch // dp if global_batch % dp == 0 else 0
+        local = global_batch // dp if global_batch % dp == 0 or pp == 1 else 0
         micro = [m for m in _divisors(local) if m <= max_micro_batches] if local else [1]
         for m in micro:
             for z in zero_stages:
@@ -285,10 +287,15 @@ def check_layout(cfg, layout, global_batch, world_size, supported=default_suppor
         return f"sequence: seq_len {cfg.seq_len} not divisible by sp {sp}"
     if cfg.n_layer < pp:
         return f"layers: n_layer {cfg.n_layer} < pp {pp} (every stage needs a block)"
-    if global_batch % dp:
-        return f"batch: global batch {global_batch} not divisible by dp {dp}"
-    if (global_batch // dp) % m:
+    if global_batch < dp:
+        return f"batch: global batch {global_batch} < dp {dp} (a rank would get no sample)"
+    if global_batch % dp and pp > 1:
+        return (f"batch: global batch {global_batch} not divisible by dp {dp} (a pipeline needs "
+                f"equal per-rank batches)")
+    if global_batch % dp == 0 and (global_batch // dp) % m:
         return f"micro-batches: per-rank batch {global_batch // dp} not divisible by {m}"
+    if global_batch // dp < m:
+        return f"micro-batches: smallest per-rank batch {global_batch // dp} < {m}"
     if pp > 1 and L.schedule not in SCHEDULES:
         return f"schedule: unknown pipeline schedule {L.schedule!r}"
     if L.schedule == "1f1b" and m < pp:
@@ -325,13 +332,19 @@ def _stage_params(cfg, pp):
     return params, [b - a for a, b in bounds]
 
 
+def _micro_batch(global_batch, L):
+    """Samples in the largest micro-batch of the busiest rank, which paces the step:
+    ceil(ceil(global_batch / dp) / micro_batches) (global_batch / dp / micro_batches when even)."""
+    return -(-(-(-global_batch // L.dp)) // L.micro_batches)
+
+
 class _Costs:
     """Per-micro-batch costs of one layout: compute work (alone-seconds) and communication
     (wall seconds) per stage for forward and backward."""
 
     def __init__(self, cfg, L, global_batch, profile, ranks_per_node, factor=1.0):
         p, C, H, V, T = profile, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.seq_len
-        b = global_batch // L.dp // L.micro_batches
+        b = _micro_batch(global_batch, L)
         n = b * T / L.sp
         h = H / (L.tp * L.sp)
         hs = C / H
@@ -489,7 +502,7 @@ def activation_bytes(cfg, layout, global_batch):
     """Bytes of activations one micro-batch keeps per block and for the head (see the module
     docstring): (per block, head) on one rank."""
     L = layout
-    b = global_batch // L.dp // L.micro_batches
+    b = _micro_batch(global_batch, L)
     n = b * cfg.seq_len / L.sp
     S = b * cfg.n_head / (L.tp * L.sp) * cfg.seq_len * cfg.seq_len
     C = cfg.n_embd

@@ -5,13 +5,17 @@ op list per stage; every rank builds the whole schedule (all p lists, a pure fun
 arguments) and checks it with `check_schedule` before anything is sent, so an impossible or broken
 schedule raises ConfigError (a ValueError) on every rank, never a hang.
 
-Ops (`Op(kind, micro_batch, peer)`, peer = the other stage of a send/recv, else None):
+Ops (`Op(kind, micro_batch, peer, chunk=0)`, peer = the other stage of a send/recv, else None):
     "F" forward of micro_batch, "B" backward of micro_batch,
     "send_act"/"recv_act"   activations, stage s -> s + 1 (after F on s, before F on s + 1),
     "send_grad"/"recv_grad" activation gradients, stage s + 1 -> s (after B on s + 1, before B on s).
+With virtual stages (interleaved, V chunks per rank) `chunk` is the model chunk v the op runs on:
+rank s's chunk v is virtual stage c = v * p + s, and "s + 1" above reads "the rank of virtual
+stage c + 1", i.e. (c + 1) % p (rank p - 1's chunk v feeds rank 0's chunk v + 1).
 Execution semantics (what the executor does and the checker simulates): sends are non-blocking
 (isend; completed at the end of the step), receives block until the matching send was posted,
-messages on one (src, dst, kind) channel are received in the order they were sent.
+messages on one (src, dst, kind, receiving chunk) channel are received in the order they were
+sent (the executor's tags name micro-batch and chunk).
 
 Schedules:
     gpipe(m, p)       GPipe (Huang et al. 2019): all m forwards, then all m backwards; keeps m
@@ -21,6 +25,12 @@ Schedules:
                       and one backward, then drains the remaining backwards; at most p - s
                       micro-batches of activations in flight. Needs m >= p.
 Both have the bubble fraction (p - 1) / (m + p - 1) when every stage costs the same.
+    interleaved(m, p, V) interleaved 1F1B (Narayanan et al. 2021, sec. 2.2): each rank holds V
+                      model chunks (virtual stages v * p + s); forwards go in groups of p
+                      micro-batches chunk by chunk, (p - s - 1) * 2 + (V - 1) * p warm-up
+                      forwards, then one forward one backward; needs m divisible by p. Bubble
+                      (p - 1) / (V m + p - 1) with equal chunks: the ramps are V times shorter, for
+                      V times more point-to-point messages.
 
 `partition(costs, stages, split=None)` splits a sequence of layer costs into contiguous stages.
 Pure Python: no communication, no arrays.
@@ -29,9 +39,10 @@ from collections import deque, namedtuple
 
 from ..errors import ConfigError
 
-Op = namedtuple("Op", ["kind", "micro_batch", "peer"])
+Op = namedtuple("Op", ["kind", "micro_batch", "peer", "chunk"], defaults=[0])
 Op.__doc__ = """One step of a stage's schedule: kind in F, B, send_act, recv_act, send_grad,
-recv_grad; micro_batch: 0-based index; peer: the other stage of a send/recv (None for F, B)."""
+recv_grad; micro_batch: 0-based index; peer: the other stage of a send/recv (None for F, B);
+chunk: the model chunk (virtual stage chunk * stages + stage) it runs on, 0 unless interleaved."""
 
 KINDS = ("F", "B", "send_act", "recv_act", "send_grad", "recv_grad")
 
@@ -143,36 +154,134 @@ def one_f_one_b(micro_batches, stages):
     return lists
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def _chunk_comm(compute, stage, stages, chunks):
+    """`_with_comm` for virtual stages: compute is a list of (kind, micro_batch, chunk)."""
+    ops, last = [], stages * chunks - 1
+    for kind, i, v in compute:
+        c = v * stages + stage  # this op's virtual stage
+        if kind == "F":
+            if c > 0:
+                ops.append(Op("recv_act", i, (c - 1) % stages, v))
+            ops.append(Op("F", i, None, v))
+            if c < last:
+                ops.append(Op("send_act", i, (c + 1) % stages, v))
+        else:
+            if c < last:
+                ops.append(Op("recv_grad", i, (c + 1) % stages, v))
+            ops.append(Op("B", i, None, v))
+            if c > 0:
+                ops.append(Op("send_grad", i, (c - 1) % stages, v))
+    return ops
 
 
-def build_schedule(name, micro_batches, stages):
-    """The named schedule ("gpipe" or "1f1b"), checked: one op list per stage.
-    Raises ConfigError (unknown name, impossible sizes, a schedule that fails check_schedule)."""
-    if name not in SCHEDULES:
-        raise ConfigError(f"unknown pipeline schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    lists = SCHEDULES[name](micro_batches, stages)
-    check_schedule(lists, micro_batches)
+def interleaved(micro_batches, stages, chunks):
+    """Interleaved 1F1B with `chunks` (V) model chunks per stage (Megatron-LM's virtual pipeline,
+    Narayanan et al. 2021, sec. 2.2). Rank s's k-th forward runs chunk (k // p) % V on micro-batch
+    (k // (p V)) p + k % p, its k-th backward chunk V - 1 - (k // p) % V on the same micro-batch
+    formula; min((p - s - 1) * 2 + (V - 1) * p, m V) warm-up forwards, then one forward and one
+    backward alternately, then the remaining backwards. Returns one op list per stage.
+    Raises ConfigError for sizes < 1, micro_batches not divisible by stages (the micro-batch groups
+    of p would be ragged), or chunks < 2 (that is 1f1b)."""
+    _check_sizes(micro_batches, stages)
+    _check_sizes(chunks, 1)
+    m, p, V = micro_batches, stages, chunks
+    if V < 2:
+        raise ConfigError(f"interleaved 1F1B needs at least 2 virtual stages per rank, got {V}; "
+                          "with 1 use the 1f1b schedule")
+    if m % p:
+        raise ConfigError(f"interleaved 1F1B runs micro-batches in groups of the {p} stages: "
+                          f"micro_batches {m} must be a multiple of {p}")
+    total = m * V
+
+    def forward(k):
+        return "F", (k // (p * V)) * p + k % p, (k // p) % V
+
+    def backward(k):
+        return "B", (k // (p * V)) * p + k % p, V - 1 - (k // p) % V
+
+    lists = []
+    for s in range(p):
+        warmup = min((p - s - 1) * 2 + (V - 1) * p, total)
+        compute = [forward(k) for k in range(warmup)]
+        for j in range(total - warmup):
+            compute += [forward(warmup + j), backward(j)]
+        compute += [backward(j) for j in range(total - warmup, total)]
+        lists.append(_chunk_comm(compute, s, p, V))
     return lists
 
 
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
+
+
+def build_schedule(name, micro_batches, stages, chunks=1):
+    """The named schedule ("gpipe", "1f1b", or "interleaved" with `chunks` >= 2 virtual stages per
+    rank), checked: one op list per stage. Raises ConfigError (unknown name, impossible sizes,
+    chunks != 1 for a non-interleaved schedule, a schedule that fails check_schedule)."""
+    if name not in SCHEDULES:
+        raise ConfigError(f"unknown pipeline schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    if name == "interleaved":
+        lists = interleaved(micro_batches, stages, chunks)
+    elif chunks != 1:
+        raise ConfigError(f"virtual stages ({chunks}) need the interleaved schedule, not {name!r}")
+    else:
+        lists = SCHEDULES[name](micro_batches, stages)
+    check_schedule(lists, micro_batches, chunks)
+    return lists
+
+
+# ------------------------------------------------------------------------------------- timing
+def replay(lists, cost):
+    """Makespan and per-stage busy time of op lists when each compute op of stage s takes
+    cost[s][op.kind] seconds (F, B, and any other compute kind, e.g. a deferred "W") and messages
+    are free: each op starts when its stage is free and (receives) its message was sent; the same
+    execution semantics as check_schedule (run that first: a broken schedule raises here only as
+    ConfigError "deadlocks"). Returns (makespan, [busy per stage]); the bubble fraction of stage s
+    is 1 - busy[s] / makespan. Pure."""
+    p = len(lists)
+    clock, pc, sent, busy = [0.0] * p, [0] * p, {}, [0.0] * p
+    while any(pc[s] < len(lists[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while pc[s] < len(lists[s]):
+                op = lists[s][pc[s]]
+                if op.kind.startswith("recv_"):
+                    key = (op.peer, s, op.kind[5:], op.micro_batch, op.chunk)
+                    if key not in sent:
+                        break
+                    clock[s] = max(clock[s], sent[key])
+                elif op.kind.startswith("send_"):
+                    c = op.chunk * p + s + (1 if op.kind == "send_act" else -1)
+                    sent[(s, op.peer, op.kind[5:], op.micro_batch, c // p)] = clock[s]
+                else:
+                    clock[s] += cost[s][op.kind]
+                    busy[s] += cost[s][op.kind]
+                pc[s] += 1
+                progressed = True
+        if not progressed:
+            raise ConfigError("pipeline schedule deadlocks (replay)")
+    return max(clock), busy
+
+
 # ------------------------------------------------------------------------------------- checking
-def check_schedule(lists, micro_batches):
+def check_schedule(lists, micro_batches, chunks=1):
     """Simulate the whole pipeline and raise ConfigError unless it runs to the end correctly.
 
-    lists: one op list per stage (stage s's list is what rank s of the pp group executes).
-    Checked: every op is known, with a valid peer (s - 1 for recv_act/send_grad, s + 1 for
-    send_act/recv_grad); every stage runs F and B of every micro-batch exactly once, B(i) after
-    F(i); F(i) on a stage > 0 only after its activation arrived, B(i) on a stage < last only after
-    its gradient arrived, a send only after the F/B that produced it; every receive matches the
-    next message sent on its channel (same micro-batch, in order); no deadlock (a state where
-    unfinished stages all wait on receives nobody will send: the error names each stage's wait);
-    every send is received. Collective in spirit, pure in fact: every rank runs it on the same
-    lists and reaches the same verdict. Returns the number of simulated rounds.
+    lists: one op list per stage (stage s's list is what rank s of the pp group executes);
+    chunks: model chunks per stage (V; virtual stage of chunk v on stage s: c = v * p + s).
+    Checked: every op is known, with a valid chunk and peer (the stage of virtual stage c - 1 for
+    recv_act/send_grad, of c + 1 for send_act/recv_grad, which must exist); every stage runs F and
+    B of every micro-batch exactly once per chunk, B(i) after F(i); F(i) on a virtual stage > 0
+    only after its activation arrived, B(i) on one < last only after its gradient arrived, a send
+    only after the F/B that produced it; every receive matches the next message sent on its
+    channel (same micro-batch, in order); no deadlock (a state where unfinished stages all wait on
+    receives nobody will send: the error names each stage's wait); every send is received.
+    Collective in spirit, pure in fact: every rank runs it on the same lists and reaches the same
+    verdict. Returns the number of simulated rounds.
     """
-    p, m = len(lists), micro_batches
+    p, m, V = len(lists), micro_batches, chunks
     if p < 1:
         raise ConfigError("a pipeline schedule needs at least one stage")
+    last = p * V - 1
     peer_of = {"send_act": 1, "recv_act": -1, "send_grad": -1, "recv_grad": 1}
     for s, ops in enumerate(lists):
         for op in ops:
@@ -181,9 +290,14 @@ def check_schedule(lists, micro_batches):
             if not 0 <= op.micro_batch < m:
                 raise ConfigError(f"stage {s}: {op} names micro-batch {op.micro_batch}, not in "
                                   f"[0, {m})")
-            if op.kind in peer_of and op.peer != s + peer_of[op.kind]:
-                raise ConfigError(f"stage {s}: {op} must have peer {s + peer_of[op.kind]}")
-    channels = {}  # (src, dst, what) -> deque of micro-batches sent, not yet received
+            if not 0 <= op.chunk < V:
+                raise ConfigError(f"stage {s}: {op} names chunk {op.chunk}, not in [0, {V})")
+            if op.kind in peer_of:
+                c = op.chunk * p + s + peer_of[op.kind]  # the other end's virtual stage
+                if not 0 <= c <= last or op.peer != c % p:
+                    want = c % p if 0 <= c <= last else "none (no such virtual stage)"
+                    raise ConfigError(f"stage {s}: {op} must have peer {want}")
+    channels = {}  # (src, dst, what, receiving chunk) -> deque of micro-batches sent, not received
     pc = [0] * p
     done = [{"F": set(), "B": set(), "act": set(), "grad": set()} for _ in range(p)]
     rounds = 0
@@ -193,39 +307,44 @@ def check_schedule(lists, micro_batches):
             ops, state = lists[s], done[s]
             while pc[s] < len(ops):
                 op = ops[pc[s]]
-                i, kind = op.micro_batch, op.kind
+                kind, v = op.kind, op.chunk
+                i, c = (op.micro_batch, v), v * p + s  # (micro-batch, chunk); virtual stage
+                name = f"micro-batch {op.micro_batch}" + (f" chunk {v}" if V > 1 else "")
                 if kind.startswith("recv_"):
                     what = kind[5:]
-                    queue = channels.get((op.peer, s, what))
+                    queue = channels.get((op.peer, s, what, v))
                     if not queue:
                         break  # blocked: nothing sent yet
-                    if queue[0] != i:
+                    if queue[0] != op.micro_batch:
                         raise ConfigError(f"stage {s}: {op} but the next {what} message from "
                                           f"stage {op.peer} is for micro-batch {queue[0]} "
                                           f"(receives must follow the send order)")
                     queue.popleft()
                     if i in state[what]:
-                        raise ConfigError(f"stage {s}: {what} of micro-batch {i} received twice")
+                        raise ConfigError(f"stage {s}: {what} of {name} received twice")
                     state[what].add(i)
                 elif kind.startswith("send_"):
                     what = kind[5:]
                     producer = "F" if what == "act" else "B"
                     if i not in state[producer]:
-                        raise ConfigError(f"stage {s}: {op} before {producer}({i}) produced it")
-                    channels.setdefault((s, op.peer, what), deque()).append(i)
+                        raise ConfigError(f"stage {s}: {op} before {producer}({name}) produced it")
+                    to_chunk = (c + (1 if what == "act" else -1)) // p
+                    channels.setdefault((s, op.peer, what, to_chunk), deque()).append(
+                        op.micro_batch)
                 elif kind == "F":
                     if i in state["F"]:
-                        raise ConfigError(f"stage {s}: F({i}) runs twice")
-                    if s > 0 and i not in state["act"]:
-                        raise ConfigError(f"stage {s}: F({i}) before its activation was received")
+                        raise ConfigError(f"stage {s}: F({name}) runs twice")
+                    if c > 0 and i not in state["act"]:
+                        raise ConfigError(f"stage {s}: F({name}) before its activation was "
+                                          "received")
                     state["F"].add(i)
                 else:  # B
                     if i in state["B"]:
-                        raise ConfigError(f"stage {s}: B({i}) runs twice")
+                        raise ConfigError(f"stage {s}: B({name}) runs twice")
                     if i not in state["F"]:
-                        raise ConfigError(f"stage {s}: B({i}) before F({i})")
-                    if s < p - 1 and i not in state["grad"]:
-                        raise ConfigError(f"stage {s}: B({i}) before its gradient was received")
+                        raise ConfigError(f"stage {s}: B({name}) before F({name})")
+                    if c < last and i not in state["grad"]:
+                        raise ConfigError(f"stage {s}: B({name}) before its gradient was received")
                     state["B"].add(i)
                 pc[s] += 1
                 progressed = True
@@ -238,12 +357,14 @@ def check_schedule(lists, micro_batches):
             raise ConfigError(f"pipeline schedule deadlocks: {waits}")
     for s in range(p):
         for what in ("F", "B"):
-            missing = sorted(set(range(m)) - done[s][what])
+            missing = sorted(set((i, v) for i in range(m) for v in range(V)) - done[s][what])
             if missing:
-                raise ConfigError(f"stage {s} never runs {what} of micro-batches {missing}")
+                where = [i for i, _ in missing] if V == 1 else missing
+                raise ConfigError(f"stage {s} never runs {what} of micro-batches {where}"
+                                  + (" (micro-batch, chunk)" if V > 1 else ""))
     left = {key: list(q) for key, q in channels.items() if q}
     if left:
-        (src, dst, what), mbs = next(iter(left.items()))
+        (src, dst, what, _), mbs = next(iter(left.items()))
         raise ConfigError(f"pipeline schedule sends {what} of micro-batches {mbs} from stage {src} "
                           f"to stage {dst} that are never received")
     return rounds

@@ -5,7 +5,7 @@ from rtxmpi.errors import ConfigError
 from rtxmpi.nn import GPTConfig
 from rtxmpi.parallel.pipeline import stage_costs, stage_layout
 from rtxmpi.parallel.schedule import (Op, build_schedule, check_schedule, gpipe, one_f_one_b,
-                                      partition)
+                                      partition, replay)
 
 SIZES = [(1, 1), (4, 1), (1, 2), (4, 2), (8, 4), (3, 3), (16, 4), (5, 3)]
 
@@ -134,3 +134,37 @@ def test_stage_layout_of_a_gpt_counts_embeddings_and_head():
     assert stage_layout(big_vocab, 2) == [(0, 3), (3, 4)]
     with pytest.raises(ConfigError, match="every stage needs"):
         stage_layout(cfg, 5)
+
+
+@pytest.mark.parametrize("stages,chunks", [(2, 2), (3, 2), (4, 2), (2, 3), (4, 3)])
+def test_interleaved_1f1b_is_checked_and_has_the_virtual_stage_bubble(stages, chunks):
+    """Narayanan et al. 2021 sec. 2.2: with equal chunks the bubble is (p-1) / (V m + p-1)."""
+    for m in (stages, 2 * stages):
+        lists = build_schedule("interleaved", m, stages, chunks)  # simulated by check_schedule
+        for s, ops in enumerate(lists):  # every (micro-batch, chunk) forward and backward once
+            for kind in ("F", "B"):
+                runs = sorted((op.micro_batch, op.chunk) for op in ops if op.kind == kind)
+                assert runs == [(i, v) for i in range(m) for v in range(chunks)], (s, kind)
+        cost = [{"F": 1.0, "B": 2.0}] * stages
+        makespan, busy = replay(lists, cost)
+        bubble = 1 - sum(busy) / (stages * makespan)
+        assert bubble == pytest.approx((stages - 1) / (chunks * m + stages - 1))
+        one = replay(build_schedule("1f1b", m, stages), [{"F": chunks, "B": 2.0 * chunks}] * stages)
+        assert makespan < one[0]  # the same work, shorter ramps
+
+
+def test_interleaved_1f1b_refuses_what_it_cannot_run():
+    with pytest.raises(ConfigError, match="must be a multiple of 4"):
+        build_schedule("interleaved", 6, 4, 2)
+    with pytest.raises(ConfigError, match="at least 2 virtual stages"):
+        build_schedule("interleaved", 4, 2, 1)
+    with pytest.raises(ConfigError, match="need the interleaved schedule"):
+        build_schedule("1f1b", 4, 2, 2)
+
+
+def test_check_schedule_catches_a_wrong_virtual_stage_peer():
+    lists = build_schedule("interleaved", 2, 2, 2)
+    k = next(j for j, op in enumerate(lists[1]) if op.kind == "send_act" and op.chunk == 0)
+    lists[1][k] = lists[1][k]._replace(peer=1)  # chunk 0 of stage 1 feeds stage 0's chunk 1
+    with pytest.raises(ConfigError, match="must have peer 0"):
+        check_schedule(lists, 2, 2)

@@ -79,7 +79,11 @@ def test_batch_vocab_and_sequence_rules():
     assert check_layout(cfg, Layout(1, 1, 1, 8), 8, 8, None).startswith("heads")
     cfg = GPTConfig(vocab_size=256, seq_len=100, n_layer=4, n_head=8, n_embd=64)
     assert check_layout(cfg, Layout(1, 1, 1, 8), 8, 8, None).startswith("sequence")
-    assert check_layout(CFG, Layout(3, 1, 1, 1), 32, 3, None).startswith("batch")
+    assert check_layout(CFG, Layout(3, 1, 1, 1), 2, 3, None).startswith("batch")  # 2 < dp 3
+    # 32 over dp 3 splits unevenly (11, 11, 10; weighted by samples), except for a pipeline
+    assert check_layout(CFG, Layout(3, 1, 1, 1, micro_batches=2), 32, 3, None) is None
+    assert check_layout(CFG, Layout(3, 1, 2, 1, 2, 0, "gpipe"), 32, 6, None).startswith("batch")
+    assert check_layout(CFG, Layout(3, 1, 1, 1, 11), 32, 3, None).startswith("micro-batches")
 
 
 def test_valid_target_layouts_pass_without_runtime_limits():
