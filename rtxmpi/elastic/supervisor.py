@@ -12,7 +12,8 @@ set to the attempt's restart count (0 first). What the exit status means:
   anything else     a failure (a rank died, a collective timed out): relaunched, from the latest
                     committed checkpoint (the resume flag, default --resume, is added to COMMAND
                     when missing), on the ranks available then, until --max-restarts relaunches
-                    have failed; then the supervisor exits with the last status.
+                    have failed (or --max-early-failures early ones in a row, below); then the
+                    supervisor exits with the last status.
 
 mpiexec's 0 counts as done only when a rank process reported exit code 0 (elastic.exitreport:
 prterun also exits 0 after losing a node's daemon mid-run); without reports, as mpiexec says.
@@ -29,7 +30,7 @@ missing module, root without Open MPI's root variables, too few slots. The super
 next launch, and after --max-early-failures of them in a row gives up with a summary naming the
 cause (a known launcher message, or the last Python exception line) and the last lines the job
 wrote to stderr; it exits with the last status. The job's stderr is copied through as it comes
-(and its tail kept for that summary); stdout is the supervisor's own.
+(and its tail kept for that summary); stdout is inherited unchanged.
 
 Signals: SIGTERM, SIGUSR1 or SIGINT to the supervisor reach the ranks as SIGUSR1 through mpiexec
 (prterun forwards USR1/USR2 but turns TERM into SIGKILL of the ranks, so no handler would run); the
