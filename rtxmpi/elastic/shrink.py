@@ -17,6 +17,7 @@ import json
 import numpy as np
 from mpi4py import MPI
 
+from ..backend import to_host
 from ..comm import replace_world
 from ..comm.group import subgroup_comms
 from ..errors import RankFailure
@@ -100,7 +101,8 @@ def exchange_replica(group, applied, tensors_fn, meta_fn, old_size):
     own = tensors_fn() if group.rank == src else None
     tensors = {}
     for name, (dtype, size) in layout.items():
-        buf = np.ascontiguousarray(own[name]).reshape(-1).copy() if own else np.empty(size, dtype)
+        buf = (np.array(to_host(own[name])).reshape(-1) if own  # cupy: a host copy
+               else np.empty(size, dtype))
         group.broadcast(buf, src=src)
         tensors[name] = buf
     return ReplicaState(int(step[0]), tensors, meta, old_size, src)

@@ -13,6 +13,7 @@ import shutil
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
@@ -85,7 +86,8 @@ def test_dp_checkpoint_and_resume_on_device_match_cpu(world, train_example, work
     if world.world_size > 1:
         assert launches.get("grad_epilogue_f32x4", 0) + launches.get("grad_epilogue_f32", 0) == 3
     assert checksums(os.path.join(workdir, "cuda")) == checksums(os.path.join(workdir, "cpu"))
-    same_run(train_example, workdir, ["--ckpt-dir", "{dir}", "--resume", "--steps", "4"])
+    same_run(train_example, workdir, ["--ckpt-dir", "{dir}", "--resume", "--steps", "4",
+                                      "--sample-tokens", "8"])  # generation from device params
 
 
 @pytest.mark.parametrize("flags", [
@@ -99,9 +101,24 @@ def test_zero_on_device_matches_cpu(world, train_example, workdir, flags):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("flags", [
-    ["--tp", "2", "--sequence-parallel"],
+    ["--tp", "2", "--sequence-parallel", "--zero-stage", "3"],
     ["--pp", "2", "--micro-batches", "2"],
-    ["--sp", "2"],
-], ids=["tp2-megatron-sp", "pp2-1f1b", "sp2-ulysses"])
+    ["--sp", "2", "--zero-stage", "2", "--offload", "cpu"],
+], ids=["tp2-megatron-sp-zero3", "pp2-1f1b", "sp2-ulysses-zero2-offload"])
 def test_model_parallel_on_device_matches_cpu(world, train_example, workdir, flags):
     same_run(train_example, workdir, flags + ["--dp", str(world.world_size // 2)])
+
+
+def test_elastic_replica_handover_takes_device_tensors(world, monkeypatch):
+    """After a shrink the newest replica's full tensors (cupy under --device cuda) are broadcast
+    from the host; the receiving engine's load_shards moves them back to its device."""
+    from rtxmpi.elastic.shrink import exchange_replica
+
+    sim = devicesim.install(monkeypatch)
+    last = world.world_size - 1
+    values = np.arange(10, dtype=np.float32)
+    state = exchange_replica(world, 7 if world.rank == last else 6,
+                             lambda: {"params": sim.asarray(values + world.rank)},
+                             lambda: {"step": 7}, world.world_size)
+    assert (state.step, state.source_rank, state.meta) == (7, last, {"step": 7})
+    np.testing.assert_array_equal(state.read("params", 0, 10), values + last)
