@@ -96,10 +96,8 @@ class MPIBackend:
         the deadline-aware wait costs more per poll than that). requests: MPI requests, or a
         callable poll() -> bool (the shared-memory mailbox flags)."""
         try:
-            if callable(requests):
-                for _ in range(ARRIVE_SPIN_TESTS * 4):
-                    if requests():
-                        return
+            if callable(requests):  # a shared-memory flag, already spun on: yield while waiting
+                requests = shm.yielding(requests)
             else:
                 for _ in range(ARRIVE_SPIN_TESTS):
                     if MPI.Request.Testall(requests):
@@ -116,8 +114,13 @@ class MPIBackend:
         arrive in time), RankFailure (a peer died)."""
         if self.size == 1:
             return
+        engine = self._shm
+        if engine and buf.nbytes <= engine.small_bytes:  # the mailbox, with the fewest calls
+            engine.small_all_reduce(
+                buf, mpi_op, lambda poll: self._wait_fast(poll, "all_reduce", seq, timeout_s))
+            return
         try:
-            if self._shm is None and self._shm_wanted(buf.nbytes):
+            if engine is None and self._shm_wanted(buf.nbytes):
                 self.arrive("all_reduce", seq, timeout_s)  # the engine's creation is collective
                 with self.blocking("all_reduce", seq, timeout_s):
                     self._shm_engine()

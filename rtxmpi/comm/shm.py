@@ -64,7 +64,6 @@ import mmap
 import os
 import sys
 import tempfile
-import time
 
 import numpy as np
 from mpi4py import MPI
@@ -82,7 +81,7 @@ MIN_CHUNK_BYTES = 4 << 10
 BUFFERS = 3  # triple buffering: one barrier per chunk (see the module docstring)
 NEVER = sys.maxsize  # min_bytes when the path is off
 FLAG_BYTES = 64  # one cache line per local rank for its mailbox flag
-SPIN_POLLS = 2000  # polls of a mailbox flag before yielding the core (waits without a deadline)
+SPIN_POLLS = 64  # polls of a mailbox flag (a few microseconds) before yielding the core
 
 
 class ShmConfig:
@@ -337,17 +336,26 @@ def _map_arena(node, comm, total):
     return mm
 
 
+def yielding(poll):
+    """`poll` that gives the core away (sched_yield) each time it finds nothing yet."""
+    return lambda: poll() or _yield()
+
+
+def _yield():
+    """Give the core away once (like Open MPI's progress loop with mpi_yield_when_idle): ranks
+    may outnumber cores, and the peer a poll waits for may need this one. Returns False."""
+    os.sched_yield()
+    return False
+
+
 def _wait_all(requests):
     """Complete MPI requests, or poll a callable until it returns True (no deadline: callers run
     under the backend's watchdog entry)."""
     if not callable(requests):
         MPI.Request.Waitall(requests)
         return
-    polls = 0
-    while not requests():
-        polls += 1
-        if polls > SPIN_POLLS:
-            time.sleep(0)  # yield the core: ranks may outnumber cores
+    while not (requests() or _yield()):
+        pass
 
 
 class NodeAllReduce:
@@ -390,6 +398,7 @@ class NodeAllReduce:
             self._boxes = [[raw[j * region + FLAG_BYTES + k * small_bytes:
                                 j * region + FLAG_BYTES + (k + 1) * small_bytes] for k in (0, 1)]
                            for j in range(self.local_size)]
+            self._box_slots = [[boxes[k] for boxes in self._boxes] for k in (0, 1)]
             self._box_calls = 0
         if peers is not None:
             self._reader, self._pids = peers
@@ -472,14 +481,22 @@ class NodeAllReduce:
         `x.nbytes <= small_bytes` and supports() (both the same on every rank)."""
         self._box_calls += 1
         call, flags, me, nbytes = self._box_calls, self._flags, self.local_rank, x.nbytes
-        slots = [boxes[call & 1] for boxes in self._boxes]
+        slots = self._box_slots[call & 1]
         slots[me][:nbytes] = x.view(np.uint8)
         flags[me] = call
         if self.local_size == 2:
             peer = 1 - me
-            wait(lambda: flags[peer] >= call)
+
+            def poll():
+                return flags[peer] >= call
         else:
-            wait(lambda: bool((flags >= call).all()))
+            def poll():
+                return bool((flags >= call).all())
+        for _ in range(SPIN_POLLS):  # the peers are usually a few microseconds away
+            if poll():
+                break
+        else:
+            wait(poll)
         dtype, ufunc = x.dtype, ufunc_of(mpi_op)
         views = [slot[:nbytes].view(dtype) for slot in slots]
         ufunc(views[0], views[1], out=x)
