@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from conftest import GLOBAL_BATCH, global_batch
 
+from rtxmpi.checkpoint import Shard, load_checkpoint, save_checkpoint
 from rtxmpi.errors import ConfigError
 from rtxmpi.mesh import DeviceMesh
 from rtxmpi.nn import GPT, AdamW, GPTConfig, clip_grad_norm, decay_mask
@@ -132,26 +133,11 @@ def test_micro_batches_under_no_sync_accumulate_the_whole_batch_gradient(world, 
     np.testing.assert_allclose(full_grad(engine), ref.flat_grad, rtol=1e-5, atol=2e-7)
 
 
-def gathered_reader(world, shards):
-    """read(name, offset, length) over what every rank's shards() returned (simulated
-    checkpoint: the pieces all_gathered into whole vectors). Collective to build."""
-    full = {}
-    for name, (data, offset, size) in shards.items():
-        whole = np.zeros(size, np.asarray(data).dtype)
-        mask = np.zeros(size, np.int64)
-        whole[offset:offset + len(data)] = data
-        mask[offset:offset + len(data)] = 1
-        world.all_reduce(whole, op="sum")
-        world.all_reduce(mask, op="sum")
-        assert (mask == 1).all(), f"{name}: every element written exactly once"
-        full[name] = whole
-    return lambda name, offset, length: full[name][offset:offset + length].copy()
-
-
 @pytest.mark.mpi(min_size=4)
-def test_zero3_dp2_tp2_state_resumes_at_other_layouts_on_the_same_curve(world):
-    """Save (dp 2, tp 2, ZeRO-3) after 5 steps; load at (dp 4) and (tp 4) plain, and at
-    (dp 2, sp 2, ZeRO-1): all continue the one-process curve to step 10."""
+def test_zero3_dp2_tp2_checkpoint_resumes_at_other_layouts_on_the_same_curve(world, tmp_path):
+    """Save a checkpoint (rtxmpi.checkpoint) of (dp 2, tp 2, ZeRO-3) after 5 steps; load it at
+    (dp 4) and (tp 4) plain, at (dp 2, sp 2, ZeRO-1) and at (dp 2, tp 2, ZeRO-2): all continue
+    the one-process curve to step 10."""
     if world.world_size != 4:
         pytest.skip("needs exactly 4 ranks")
     cfg = config()
@@ -160,8 +146,11 @@ def test_zero3_dp2_tp2_state_resumes_at_other_layouts_on_the_same_curve(world):
     engine = ZeroHybridParallel(ParallelGPT(cfg, mesh, seed=0), stage=3, optimizer=optimizer)
     for step in range(5):
         train_step(engine, mesh, step)
-    read = gathered_reader(world, engine.shards())
-    for dp, tp, sp, stage in [(4, 1, 1, 0), (1, 4, 1, 0), (2, 1, 2, 1)]:
+    ckpt_dir = shared_dir(world, tmp_path / "ckpt")
+    save_checkpoint(world, ckpt_dir, 5, {name: Shard(*piece)
+                                         for name, piece in engine.shards().items()})
+    read = load_checkpoint(world, ckpt_dir).read  # collective: the same reads on every rank
+    for dp, tp, sp, stage in [(4, 1, 1, 0), (1, 4, 1, 0), (2, 1, 2, 1), (2, 2, 1, 2)]:
         mesh = DeviceMesh(dp=dp, tp=tp, sp=sp, group=world)
         model = ParallelGPT(cfg, mesh, seed=2)  # other initial values: the load must replace them
         resumed = (ZeroHybridParallel(model, stage=stage, optimizer=optimizer) if stage else
