@@ -3,6 +3,7 @@
 import os
 import signal
 import sys
+import time
 
 import pytest
 
@@ -253,3 +254,18 @@ def test_progress_report_is_written_once(tmp_path, monkeypatch):
     assert not exitreport.progressed(tmp_path)
     (tmp_path / "progress.1").write_text("")
     assert exitreport.progressed(tmp_path)
+
+
+def test_a_signal_during_the_backoff_stops_without_relaunching(tmp_path):
+    """The fake job fails at once and leaves a helper that SIGTERMs the supervisor (this process)
+    while it waits out the backoff: it stops there, 128 + SIGTERM, no second launch."""
+    fake = launcher(tmp_path, "import subprocess\n"
+                              "subprocess.Popen([sys.executable, '-c', 'import os, signal, time; "
+                              "time.sleep(0.3); os.kill(%d, signal.SIGTERM)' % os.getppid()])\n"
+                              "sys.exit(1)\n")
+    out = open(tmp_path / "out", "w")
+    start = time.monotonic()
+    status = Supervisor(["job"], n=1, mpiexec=fake, out=out, backoff_s=20).run()
+    out.close()
+    assert status == 128 + signal.SIGTERM and time.monotonic() - start < 15
+    assert (tmp_path / "out").read_text().count("rtxmpi run: attempt") == 1
