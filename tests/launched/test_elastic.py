@@ -214,8 +214,8 @@ def test_shrink_with_zero_reloads_the_last_committed_checkpoint_at_3_ranks(tmp_p
     assert not proc.outer_timeout and proc.returncode == 0, str(proc)
     assert "continuing from the last committed checkpoint" in proc.stderr, str(proc)
     assert "resumed from" in proc.stdout and "step_00000005" in proc.stdout, str(proc)
-    steps = [r["step"] for r in records(tmp_path)]
-    assert steps[-1] == SHRINK_STEPS and set(steps) == set(range(1, SHRINK_STEPS + 1))
+    steps = [r["step"] for r in records(tmp_path)]  # the re-run steps 6, 7 replace their lines
+    assert steps == list(range(1, SHRINK_STEPS + 1))
     assert load_checkpoint(None, tmp_path / "ckpt", SHRINK_STEPS).world_size_saved == 3
 
 
