@@ -216,10 +216,12 @@ def worker(args):
     # the profile refitted to the reference runs interleaved with the measured steps: the same
     # machine load as the measurements (the start profile saw only the first seconds)
     during = profile.with_reference(ReferenceRun.median_ms(ref_samples),
-                                    note="reference run re-sampled during the benchmark rounds")
+                                    note="reference run re-sampled during the benchmark rounds",
+                                    work_ms=ReferenceRun.median_ms(ref.cpu)[1])
     during.sync_s = {n: float(np.median([s[n] for s in sync_samples])) for n in sync_samples[0]}
     fastest_ref = {k: float(np.min(v)) * 1e3 for k, v in ref_samples.items()}
-    during_min = profile.with_reference(fastest_ref, note="fastest reference runs during the rounds")
+    during_min = profile.with_reference(fastest_ref, note="fastest reference runs during the rounds",
+                                        work_ms=float(np.min(ref.cpu[1])) * 1e3)
     during_min.sync_s = {n: float(np.min([s[n] for s in sync_samples])) for n in sync_samples[0]}
     plan_during = make_plan(cfg, args.global_batch, world.world_size, during,
                             layouts=[e.layout for e in chosen])  # ranks the layouts run

@@ -26,6 +26,14 @@ A `HardwareProfile` holds the numbers the planner's cost model (rtxmpi/parallel/
                      reference's}, both alone and interleaved: the planner interpolates the model
                      factor between the two working-set sizes (log-linear, clamped), since small
                      micro-batches stay in cache and run closer to the kernels' rates
+    ref_block        {"n_layer": 1, "ms_ratio": the same model with one block, its CPU time / the
+                     reference's}: the planner interpolates the factor in the blocks a process
+                     holds (log-linear between 1 and n_layer): a pipeline stage of one block runs
+                     its block faster than the whole model does (measured 1.2-1.5x: its
+                     activations and weights stay in cache between forward and backward)
+  all compute times (kernels, ref_ms, ref_small, ref_block) are CPU time (time.thread_time,
+  clock = "cpu"): the work, unaffected by time slices other processes take; the wall times of
+  the sharing runs below then measure the sharing alone, absolutely (fit_sharing work_ms)
   sharing (the crux when ranks outnumber cores): the reference run is also timed with k = half
   and k = all of a node's ranks computing at once (ref_busy_ms: {k: ms}), and a processor-sharing
   model is fitted to the three times:
@@ -115,7 +123,9 @@ class HardwareProfile:
     ref_ms: float
     sync_s: dict = field(default_factory=dict)
     ref_small: dict = field(default_factory=dict)
+    ref_block: dict = field(default_factory=dict)
     copy_ns: float = 1.0  # profiles saved before it was measured: the CI machine kind's
+    clock: str = "wall"  # "cpu": rates and ref_ms are CPU time, sharing fitted absolutely
     machine: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     version: int = PROFILE_VERSION
@@ -147,15 +157,22 @@ class HardwareProfile:
         sizes = sorted(int(k) for k in self.sync_s)
         return float(self.sync_s[str(min(sizes, key=lambda s: (abs(s - n), -s)))])
 
-    def with_reference(self, busy_ms, note=None):
-        """A copy whose reference run and sharing model come from `busy_ms` ({k: ms}, e.g. from
-        ReferenceRun.sample pooled over a benchmark): ref_ms, ref_busy_ms, contention,
-        effective_cores and wait_weight are refitted; the kernel rates and links stay."""
+    def with_reference(self, busy_ms, note=None, work_ms=None):
+        """A copy whose sharing model comes from `busy_ms` ({k: wall ms}, e.g. from
+        ReferenceRun.sample pooled over a benchmark): ref_busy_ms, contention, effective_cores
+        and wait_weight are refitted; the kernel rates and links stay. On a "cpu"-clock profile
+        the work stays ref_ms unless `work_ms` (the same runs' CPU time at k = 1) is given; on
+        a "wall"-clock one ref_ms becomes busy_ms[1]."""
         data = json.loads(json.dumps(asdict(self)))
         busy = {int(k): float(v) for k, v in busy_ms.items()}
-        C, w = fit_sharing(busy, self.ranks_per_node, self.cores_per_node)
-        data.update(ref_ms=busy[1], ref_busy_ms={str(k): v for k, v in busy.items()},
-                    contention=max(1.0, busy[max(busy)] / busy[1]), effective_cores=C,
+        if self.clock == "cpu":
+            work = float(work_ms) if work_ms else self.ref_ms
+            C, w = fit_sharing(busy, self.ranks_per_node, self.cores_per_node, work_ms=work)
+        else:
+            work = busy[1]
+            C, w = fit_sharing(busy, self.ranks_per_node, self.cores_per_node)
+        data.update(ref_ms=work, ref_busy_ms={str(k): v for k, v in busy.items()},
+                    contention=max(1.0, busy[max(busy)] / work), effective_cores=C,
                     wait_weight=w, notes=self.notes + ([note] if note else []))
         return HardwareProfile.from_dict(data)
 
@@ -196,6 +213,8 @@ class HardwareProfile:
         for name in ("dense_flops", "attn_flops", "effective_cores"):
             if not float(getattr(profile, name)) > 0:
                 raise ConfigError(f"{what}: {name} must be > 0, got {getattr(profile, name)}")
+        if profile.clock not in ("cpu", "wall"):
+            raise ConfigError(f"{what}: clock must be 'cpu' or 'wall', got {profile.clock!r}")
         for scope in ("intra", "inter"):
             if scope not in profile.links:
                 raise ConfigError(f"{what}: links has no {scope!r} table")
@@ -273,29 +292,30 @@ def _machine_facts(group, nodes):
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
-def _time_min(fn, comm, reps, active=True):
+def _time_min(fn, comm, reps, active=True, clock=time.perf_counter):
     """Min over reps of the time of fn() between barriers; ranks with active=False only wait.
     Returns this rank's min (inf when inactive)."""
     best = float("inf")
     for _ in range(reps):
         comm.Barrier()
         if active:
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, clock() - t0)
     comm.Barrier()
     return best
 
 
-def _time_median(fn, comm, reps, active=True):
-    """Like _time_min, the median instead of the min."""
+def _time_median(fn, comm, reps, active=True, clock=time.perf_counter):
+    """Like _time_min, the median instead of the min. clock=time.thread_time measures the CPU
+    time this thread spent (immune to time slices other processes took)."""
     times = []
     for _ in range(reps):
         comm.Barrier()
         if active:
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
     comm.Barrier()
     return float(np.median(times)) if times else float("inf")
 
@@ -393,29 +413,46 @@ def _measure_compute(comm, local_rank, ranks_per_node, cfg, micro_batch, reps):
     for name, spec in kernels.items():
         fn, units, kind = spec[:3]
         fn()  # warm-up (page faults, BLAS init)
-        t = _time_median(fn, comm, reps, active=local_rank == 0)
+        t = _time_median(fn, comm, reps, active=local_rank == 0, clock=time.thread_time)
         if len(spec) > 3:  # subtract the re-fill copy that keeps the input the same every rep
-            t -= _time_median(spec[3], comm, reps, active=local_rank == 0)
+            t -= _time_median(spec[3], comm, reps, active=local_rank == 0, clock=time.thread_time)
         rates[name] = _rate(kind, units, max(t, 1e-9))
     ref = ReferenceRun(comm, cfg, micro_batch)
     busy_ms = ref.median_ms(ref.sample(max(5, reps)))  # interleaved rounds, medians
+    rates["ref_cpu_ms"] = ref.median_ms(ref.cpu)[1]
     # the same run at a quarter of the micro-batch, alone, interleaved with the full one: how the
     # model factor changes when the working set shrinks (smaller micro-batches stay in cache)
+    # and the same model with one block (what a pipeline stage of one block runs), at the full
+    # micro-batch: how the factor changes with the blocks a process holds (a block's activations
+    # and weights stay in cache between its forward and backward when fewer blocks run between)
     small_batch = max(1, micro_batch // 4)
     small = ReferenceRun(comm, cfg, small_batch)
-    ratios = []
+    one = ReferenceRun(comm, _one_block(cfg), micro_batch) if cfg.n_layer > 1 else None
+    ratios, ratios_one = [], []
     for _ in range(5):
-        t_big = _time_min(ref._step, comm, 1, active=local_rank == 0)
-        t_small = _time_min(small._step, comm, 1, active=local_rank == 0)
+        t_big = _time_min(ref._step, comm, 1, active=local_rank == 0, clock=time.thread_time)
+        t_small = _time_min(small._step, comm, 1, active=local_rank == 0, clock=time.thread_time)
+        if one is not None:
+            t_one = _time_min(one._step, comm, 1, active=local_rank == 0, clock=time.thread_time)
         if local_rank == 0:
             ratios.append(t_small / t_big)
+            if one is not None:
+                ratios_one.append(t_one / t_big)
     ref_small = {"micro_batch": small_batch, "ms_ratio": float(np.median(ratios))} \
         if ratios else None
+    ref_block = {"n_layer": 1, "ms_ratio": float(np.median(ratios_one))} if ratios_one else {}
     # rates measured on local rank 0: take the node-0 values everywhere (broadcast)
-    rates = comm.bcast(rates, root=0)
+    rates = comm.bcast(rates, root=0)  # (ref_cpu_ms: ranks with local rank 0, node 0's)
     busy_ms = comm.bcast(busy_ms, root=0)
     rates["ref_small"] = comm.bcast(ref_small, root=0)
+    rates["ref_block"] = comm.bcast(ref_block, root=0)
     return rates, busy_ms
+
+
+def _one_block(cfg):
+    from dataclasses import replace
+
+    return replace(cfg, n_layer=1)
 
 
 class ReferenceRun:
@@ -438,6 +475,7 @@ class ReferenceRun:
         self.idx = np.random.default_rng(1).integers(0, cfg.vocab_size, (micro_batch, cfg.seq_len))
         R = self.ranks_per_node
         self.ks = sorted({1, (R + 1) // 2, R})
+        self.cpu = {k: [] for k in self.ks}
         self._step()  # warm-up
 
     def _step(self):
@@ -446,12 +484,22 @@ class ReferenceRun:
 
     def sample(self, reps=1):
         """{k: [seconds, ...]}: reps interleaved rounds over k (rotating), every computing rank's
-        time. Collective."""
+        wall time. The same runs' CPU times (time.thread_time: the work, without the time slices
+        other processes took) accumulate in self.cpu ({k: [seconds, ...]}). Collective."""
         samples = {k: [] for k in self.ks}
         for rep in range(reps):  # interleaved, so a change of machine load hits every k alike
             for k in self.ks[rep % len(self.ks):] + self.ks[:rep % len(self.ks)]:
-                t = _time_min(self._step, self.comm, 1, active=self.local_rank < k)
-                samples[k] += [x for x in self.comm.allgather(t) if x != float("inf")]
+                self.comm.Barrier()
+                t, c = float("inf"), float("inf")
+                if self.local_rank < k:
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    self._step()
+                    t, c = time.perf_counter() - t0, time.thread_time() - c0
+                self.comm.Barrier()
+                for wall, cpu in self.comm.allgather((t, c)):
+                    if wall != float("inf"):
+                        samples[k].append(wall)
+                        self.cpu[k].append(cpu)
         return samples
 
     @staticmethod
@@ -459,29 +507,34 @@ class ReferenceRun:
         return {k: float(np.median(v)) * 1e3 for k, v in samples.items()}
 
 
-def fit_sharing(busy_ms, ranks_per_node, cores):
+def fit_sharing(busy_ms, ranks_per_node, cores, work_ms=None):
     """Fit (effective_cores, wait_weight) of speed(k) = min(1, C / (k + w (R - k))) to reference
     times {k: ms} with k ranks of a node computing (the others waiting): least squares on log
-    time ratios over a grid, C in [0.25, max(cores, R)], w in [0, 1]. With only k = 1 and R
-    measured (R <= 2), w is fixed at 0.5; with one rank per node (R = 1) C = cores.
-    Returns (C, w)."""
+    times over a grid, C in [0.05, max(cores, R)], w in [0, 1]. With work_ms (the run's CPU
+    time: its work at full speed) the fit is absolute, busy_ms[k] / work_ms = 1 / speed(k), so
+    a machine whose other jobs take cores shows as a smaller C even at k = 1; without, relative
+    to k = 1 (busy_ms[k] / busy_ms[1] = speed(1) / speed(k)). With only k = 1 and R measured
+    (R <= 2), w is fixed at 0.5; with one rank per node (R = 1) C = cores, or with work_ms
+    the C that gives speed(1). Returns (C, w)."""
     R = ranks_per_node
     ks = sorted(int(k) for k in busy_ms)
     t1 = busy_ms[ks[0]] if ks[0] in busy_ms else busy_ms[str(ks[0])]
-    obs = {k: (busy_ms[k] if k in busy_ms else busy_ms[str(k)]) / t1 for k in ks}
-    if R <= 1:  # nothing shares: assume every core is available, waiting ranks half-busy
-        return float(max(1, cores)), 0.5
+    ref = float(work_ms) if work_ms else t1
+    obs = {k: (busy_ms[k] if k in busy_ms else busy_ms[str(k)]) / ref for k in ks}
+    if R <= 1:  # nothing shares: every core available (or the measured slowdown), waiters half-busy
+        return (float(max(1, cores)) if not work_ms else min(1.0, 1.0 / max(obs[1], 1e-9))), 0.5
     best = (float("inf"), 1.0, 0.5)
     c_hi = max(float(cores), float(R))
     weights = [0.5] if len(ks) < 3 else [i / 50 for i in range(51)]
     # descending C, strict improvement only: when no rank ever gets a whole core the ratios do
     # not depend on C, and the largest such C (one computing rank exactly fills a core) is kept
-    for ci in range(int(c_hi * 20), 4, -1):
+    for ci in range(int(c_hi * 20), 0, -1):
         C = ci / 20
         for w in weights:
             def speed(k):
                 return min(1.0, C / (k + w * (R - k)))
-            err = sum((np.log(speed(ks[0]) / speed(k)) - np.log(obs[k])) ** 2 for k in ks)
+            base = 1.0 if work_ms else speed(ks[0])
+            err = sum((np.log(base / speed(k)) - np.log(obs[k])) ** 2 for k in ks)
             if err < best[0] - 1e-12:
                 best = (err, C, w)
     return best[1], best[2]
@@ -635,13 +688,13 @@ def _calibrate(comm, cfg, micro_batch, sizes, reps):
     ranks_per_node = max(len(r) for r in ranks_of_node)
     cores = min(comm.allgather(_cores()))
     rates, busy_ms = _measure_compute(comm, local_rank, ranks_per_node, cfg, micro_batch, reps)
-    effective, wait_weight = fit_sharing(busy_ms, ranks_per_node, cores)
+    ref_ms = rates.pop("ref_cpu_ms")  # the work of the reference run (CPU time, k = 1)
+    effective, wait_weight = fit_sharing(busy_ms, ranks_per_node, cores, work_ms=ref_ms)
     notes = []
     if ranks_per_node == 1:
         notes.append(f"CPU sharing not measured (one rank per node): effective_cores = the "
                      f"{cores} cores, wait_weight 0.5; calibrate with the ranks per node you "
                      f"will train with")
-    ref_ms = busy_ms[1]
     contention = max(1.0, busy_ms[ranks_per_node] / ref_ms)
     links = {"intra": {}, "inter": {}}
     for n in sorted({2, 4, ranks_per_node}):
@@ -688,6 +741,6 @@ def _calibrate(comm, cfg, micro_batch, sizes, reps):
         ref_model={"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
                    "vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len,
                    "tie_embeddings": cfg.tie_embeddings, "micro_batch": micro_batch},
-        ref_ms=float(ref_ms),
-        **{k: (v if k == "ref_small" else float(v)) for k, v in rates.items()})
+        ref_ms=float(ref_ms), clock="cpu",
+        **{k: (v if k in ("ref_small", "ref_block") else float(v)) for k, v in rates.items()})
     return comm.bcast(profile if rank == 0 else None, root=0)

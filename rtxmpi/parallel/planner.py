@@ -178,7 +178,7 @@ class Plan:
         if R > p.effective_cores * 1.05:
             parts.append(f"{R} ranks per node share {p.effective_cores:.1f} effective cores "
                          f"(a waiting rank takes {p.wait_weight:.2f} of a busy one's share), so a "
-                         f"rank computes {1 / _sharing(p, R, 1)(R):.1f}x slower while all compute "
+                         f"rank computes {_sharing(p, R, 1)(1) / _sharing(p, R, 1)(R):.1f}x slower while all compute "
                          f"than while it alone does: idle pipeline stages lend only part of their "
                          f"core.")
         if self.rejected:
@@ -387,20 +387,29 @@ def _kernel_seconds(cfg, b, profile):
     return cfg.n_layer * (c.block_f + c.block_b) + c.head_f + c.head_b + c.emb_f + c.emb_b
 
 
-def model_factor(profile, working_set=None):
+def model_factor(profile, working_set=None, blocks=None):
     """How much slower the real model runs than its kernels on warm buffers (fresh allocations,
     cache misses, Python between calls): profile.ref_ms / the kernel-sum prediction of the same
     reference run. With profile.ref_small (the run at a quarter of the micro-batch) and a
     `working_set` (activation bytes per block and micro-batch, activation_bytes), the factor is
     interpolated log-linearly between the two runs' working sets and held constant beyond them.
-    Clamped to [0.5, 10]."""
+    With profile.ref_block (the model with one block) and `blocks` (the most blocks a rank's
+    stage holds), it is scaled log-linearly in blocks between the one-block run's factor (at 1)
+    and the whole model's (at the reference's n_layer). Clamped to [0.5, 10]."""
     ref = dict(profile.ref_model)
     b = int(ref.pop("micro_batch"))
     cfg = GPTConfig(**ref)
     big = profile.ref_ms * 1e-3 / _kernel_seconds(cfg, b, profile)
+    scale = 1.0
+    one_info = profile.ref_block or {}
+    if blocks is not None and one_info.get("ms_ratio") and cfg.n_layer > 1:
+        one_cfg = GPTConfig(**{**ref, "n_layer": 1})
+        one = profile.ref_ms * 1e-3 * float(one_info["ms_ratio"]) / _kernel_seconds(one_cfg, b, profile)
+        t = min(1.0, max(0.0, math.log(max(blocks, 1)) / math.log(cfg.n_layer)))
+        scale = math.exp(math.log(max(one / big, 1e-9)) * (1 - t))
     small_info = profile.ref_small or {}
     if working_set is None or not small_info.get("micro_batch"):
-        return min(10.0, max(0.5, big))
+        return min(10.0, max(0.5, big * scale))
     bs = int(small_info["micro_batch"])
     small = (profile.ref_ms * 1e-3 * float(small_info["ms_ratio"])
              / _kernel_seconds(cfg, bs, profile))
@@ -411,7 +420,7 @@ def model_factor(profile, working_set=None):
     t = (math.log(max(working_set, 1.0)) - math.log(x_small)) / (math.log(x_big) - math.log(x_small))
     t = min(1.0, max(0.0, t))
     factor = math.exp(math.log(max(small, 1e-9)) * (1 - t) + math.log(max(big, 1e-9)) * t)
-    return min(10.0, max(0.5, factor))
+    return min(10.0, max(0.5, factor * scale))
 
 
 def _stage_tasks(costs, blocks, stage, stages):
@@ -510,16 +519,18 @@ def activation_bytes(cfg, layout, global_batch):
 
 
 def _sharing(profile, R, ranks_per_stage):
-    """speed(k): relative speed of each rank while k stages (k * ranks_per_stage ranks of a node
-    of R) compute and the rest wait: min(1, C / (n + w (R - n))) / the same at n = 1, the
-    profile's fitted processor-sharing model (calibrate.fit_sharing)."""
+    """speed(k): speed of each rank while k stages (k * ranks_per_stage ranks of a node of R)
+    compute and the rest wait: min(1, C / (n + w (R - n))), the profile's fitted
+    processor-sharing model (calibrate.fit_sharing). On a "cpu"-clock profile (the rates are CPU
+    time, the work at a whole core's speed) that is the speed itself; on a "wall"-clock one
+    (older profiles, the default) relative to n = 1, the condition its rates were timed in."""
     C, w = profile.effective_cores, profile.wait_weight
     R_prof = profile.ranks_per_node
 
     def raw(n, total):
         return min(1.0, C / max(1e-9, n + w * (total - n)))
 
-    base = raw(1, R_prof)  # the condition the profile's rates were measured in
+    base = 1.0 if profile.clock == "cpu" else raw(1, R_prof)
 
     def speed(k):
         return raw(k * ranks_per_stage, R) / base
@@ -652,9 +663,9 @@ def estimate(cfg, layout, global_batch, profile, ranks_per_node=None, device="cp
     L, p = layout, profile
     world = L.dp * L.tp * L.pp * L.sp
     R = min(world, ranks_per_node or p.ranks_per_node)
-    costs = _Costs(cfg, L, global_batch, p, R,
-                   model_factor(p, activation_bytes(cfg, L, global_batch)[0]))
     stage_params, stage_blocks = _stage_params(cfg, L.pp)
+    costs = _Costs(cfg, L, global_batch, p, R,
+                   model_factor(p, activation_bytes(cfg, L, global_batch)[0], max(stage_blocks)))
     tasks = [_stage_tasks(costs, stage_blocks[s], s, L.pp) for s in range(L.pp)]
     ranks_per_stage_on_node = R / L.pp  # the stages' ranks spread evenly over the nodes
     speed = _sharing(p, R, ranks_per_stage_on_node)

@@ -80,6 +80,8 @@ def test_calibrate_under_mpiexec_saves_a_profile_the_cli_reuses(tmp_path):
     assert profile.source.startswith("calibrated") and profile.ranks_per_node == 2
     assert profile.dense_flops > 1e8 and profile.ref_ms > 0
     assert 0 < profile.copy_ns < 1e3 and 0 <= profile.sync_s["2"] <= 0.02
+    assert profile.clock == "cpu" and profile.ref_block["n_layer"] == 1  # CPU-time work model
+    assert 0 < profile.ref_block["ms_ratio"] < 1 and 0 < profile.ref_small["ms_ratio"] < 1
     assert set(profile.links["intra"]) >= {"all_reduce", "all_gather", "send_recv"}
     again = run_command([sys.executable, "-m", "rtxmpi.cli", "plan", "--profile", saved,
                          "--world-size", "2", "--model", "tiny", "--seq-len", "64",

@@ -415,3 +415,51 @@ def test_memory_constrained_plan_picks_zero_when_data_parallel_does_not_fit():
     # without a limit, ZeRO's extra traffic is not worth it on these links
     free = make_plan(big, 4, 4, synthetic(adam_ns=0.0), supported=_pure_dp, max_micro_batches=1)
     assert free.best.layout.zero_stage in (0, 2)
+
+
+# ---------------------------------------------------------------------- CPU-time profiles
+def test_fit_sharing_on_cpu_time_sees_other_jobs_even_with_one_rank_computing():
+    """With the run's CPU time (its work) the fit is absolute: a machine whose other jobs leave
+    this node 0.8 cores shows as C = 0.8, which ratios to k = 1 cannot tell from 2 free cores."""
+    from rtxmpi.parallel.calibrate import fit_sharing
+
+    R, work = 4, 100.0
+    for C, w in ((0.8, 0.3), (2.0, 0.1), (0.3, 0.6)):
+        def t(k):
+            return work / min(1.0, C / (k + w * (R - k)))
+        got_c, got_w = fit_sharing({1: t(1), 2: t(2), 4: t(4)}, R, 2, work_ms=work)
+        assert got_c == pytest.approx(C, abs=0.06) and got_w == pytest.approx(w, abs=0.05), (C, w)
+
+
+def test_cpu_clock_profile_uses_absolute_speeds_and_loaded_machines_predict_slower():
+    quiet = synthetic(clock="cpu", effective_cores=2.0, wait_weight=0.3, cores_per_node=2)
+    loaded = synthetic(clock="cpu", effective_cores=0.5, wait_weight=0.3, cores_per_node=2)
+    L = Layout(4, 1, 1, 1, 1)
+    q, ld = estimate(CFG, L, 32, quiet, 4), estimate(CFG, L, 32, loaded, 4)
+    assert q.detail["speed_all_busy"] == pytest.approx(0.5)  # 2 cores, 4 ranks computing
+    assert ld.detail["speed_all_busy"] == pytest.approx(0.125)
+    assert ld.compute_ms == pytest.approx(4 * q.compute_ms, rel=1e-6)
+    # the same profile with a wall clock is relative to one rank computing
+    wall = synthetic(clock="wall", effective_cores=0.5, wait_weight=0.3, cores_per_node=2)
+    assert estimate(CFG, L, 32, wall, 4).detail["speed_all_busy"] == pytest.approx(
+        (1 + 0.3 * 3) / 4)
+    with pytest.raises(ConfigError, match="clock"):
+        synthetic(clock="sundial")
+
+
+def test_model_factor_follows_the_blocks_a_stage_holds():
+    from rtxmpi.parallel.planner import _kernel_seconds
+
+    p = synthetic()
+    ref = dict(p.ref_model)
+    b = ref.pop("micro_batch")
+    one = GPTConfig(**{**ref, "n_layer": 1})
+    # the one-block model runs at 0.7 of the whole model's factor
+    p.ref_block = {"n_layer": 1, "ms_ratio": 0.7 * _kernel_seconds(one, b, p)
+                   / _kernel_seconds(GPTConfig(**ref), b, p)}
+    assert model_factor(p, blocks=ref["n_layer"]) == pytest.approx(1.0)
+    assert model_factor(p, blocks=1) == pytest.approx(0.7)
+    assert 0.7 < model_factor(p, blocks=2) < 1.0
+    pp4 = estimate(CFG, Layout(1, 1, 4, 1, 16, 0, "1f1b"), 32, p, 4)
+    p.ref_block = {}
+    assert pp4.compute_ms < estimate(CFG, Layout(1, 1, 4, 1, 16, 0, "1f1b"), 32, p, 4).compute_ms
