@@ -321,13 +321,22 @@ def ratio_target(verdicts, lines, key, peer, ratios, target, from_bytes):
                    f"{format_bytes(worst_size)})")
 
 
-def side_by_side(cells, g):
-    """size | rtxmpi, raw, gloo busbw | rtxmpi/raw | rtxmpi/gloo | path (shm or MPI)."""
+def all_reduce_path(g, size_bytes):
+    """Which algorithm rtxmpi's blocking all_reduce ran for `size_bytes` (rtxmpi/comm/mpi.py)."""
     engine, threshold = g.backend._shm, g.backend.shm_config.threshold
+    if engine and size_bytes <= engine.small_bytes:
+        return "shm mailbox"
+    if engine and size_bytes >= threshold:
+        return f"shm ({engine.mode})"
+    return "MPI"
+
+
+def side_by_side(cells, g):
+    """size | rtxmpi, raw, gloo busbw | rtxmpi/raw | rtxmpi/gloo | path (mailbox, shm or MPI)."""
     rows = []
     for c in cells:
         r, w, gl = c["impls"]["rtxmpi"], c["impls"]["raw"], c["impls"].get("gloo")
-        path = (f"shm ({engine.mode})" if engine and c["size_bytes"] >= threshold else "MPI")
+        path = all_reduce_path(g, c["size_bytes"])
         rows.append([format_bytes(c["size_bytes"]), fmt(r["busbw_gbps"], 3), fmt(w["busbw_gbps"], 3),
                      fmt(gl["busbw_gbps"], 3) if gl else "n/a",
                      fmt(c["busbw_ratio_rtxmpi_raw"], 2),
@@ -344,9 +353,68 @@ def shm_line(g):
     if not engine:
         return (f"not used (from {format_bytes(config.min_bytes)}; "
                 + ("no message reached it)" if engine is None else "one rank per node)"))
-    return (f"mode {engine.mode}, messages >= {format_bytes(config.min_bytes)} (smaller: MPI), "
+    mailbox = (f"mailbox up to {format_bytes(engine.small_bytes)}, " if engine.small_bytes >= 0
+               else "no mailbox, ")
+    return (f"{mailbox}mode {engine.mode} from {format_bytes(config.min_bytes)} (between: MPI), "
             f"chunk {format_bytes(config.chunk_bytes)}, {engine.local_size} local ranks x "
             f"{engine.nodes} node(s); RTXMPI_SHM=0 turns it off")
+
+
+# -- --paths: every all_reduce algorithm of rtxmpi forced at every size (the thresholds) -------------
+MAILBOX_MAX_BYTES = 64 << 20
+
+
+def path_groups(world, max_bytes):
+    """{name: group} with one rtxmpi all_reduce algorithm forced at every size (collective)."""
+    from rtxmpi.comm import shm
+
+    mailbox = min(max_bytes, MAILBOX_MAX_BYTES)
+    configs = {"mailbox": dict(min_bytes=shm.NEVER, small_bytes=mailbox),
+               "cross-memory": dict(min_bytes=0, small_bytes=0),
+               "MPI": dict(enabled=False)}
+    groups = {}
+    saved = shm.CONFIG
+    try:
+        for name, config in configs.items():
+            shm.CONFIG = shm.ShmConfig(**config)
+            groups[name] = world.split(0)
+    finally:
+        shm.CONFIG = saved
+    return groups
+
+
+def measure_paths(world, comm, sizes, iters, dtype):
+    """Interleaved: raw Allreduce and rtxmpi's all_reduce with each algorithm forced. The mailbox
+    runs only up to 64 MiB (its shared buffers are twice the message per rank)."""
+    groups = path_groups(world, max(sizes))
+    cells = []
+    for size in sizes:
+        x = np.zeros(element_count("all_reduce", size, dtype.itemsize, comm.Get_size()), dtype)
+        names = ["raw"] + [name for name in groups if name != "mailbox" or size <= MAILBOX_MAX_BYTES]
+        calls = [(lambda: comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM))] + [
+            (lambda g=groups[name]: g.all_reduce(x)) for name in names[1:]]
+        n_iters, times = measure_cell(calls, iters, comm)
+        cells.append({"size_bytes": x.nbytes, "iters": n_iters, "impls": {
+            name: summarize_s(list(t)) for name, t in zip(names, times)}})
+    return cells
+
+
+def paths_table(cells):
+    names = ["mailbox", "cross-memory", "MPI"]
+    rows = []
+    for c in cells:
+        raw = c["impls"]["raw"]["median_us"]
+        row = [format_bytes(c["size_bytes"]), c["iters"], fmt(raw, 1)]
+        for name in names:
+            t = c["impls"].get(name)
+            row += [fmt(t["median_us"], 1), fmt(raw / t["median_us"], 2)] if t else ["n/a"] * 2
+        best = max((n for n in names if n in c["impls"]),
+                   key=lambda n: raw / c["impls"][n]["median_us"])
+        rows.append(row + [best])
+    header = ["size", "iters", "raw us"]
+    for name in names:
+        header += [f"{name} us", f"raw/{name}"]
+    return markdown_table(header + ["fastest"], rows)
 
 
 # -- main ----------------------------------------------------------------------------------------------
@@ -364,6 +432,9 @@ def parse_args(argv):
     p.add_argument("--json", metavar="FILE", help="write all numbers and the machine facts here")
     p.add_argument("--check", action="store_true", help="rtxmpi checking mode (fingerprints)")
     p.add_argument("--no-gloo", action="store_true", help="skip torch gloo even if importable")
+    p.add_argument("--paths", action="store_true",
+                   help="all_reduce only: time each rtxmpi algorithm (mailbox, cross-memory, MPI) "
+                        "forced at every size against raw, to place the thresholds")
     args = p.parse_args(argv)
     args.sizes = parse_sizes(args.sizes)
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
@@ -391,6 +462,8 @@ def main(argv=None):
     started = time.perf_counter()
     say = progress if rank == 0 else (lambda message: None)
 
+    if args.paths:
+        return main_paths(args, g, comm, dtype, started)
     torch, dist, gloo_note = start_gloo(comm, not args.no_gloo)
     info = machine_info({"torch": torch.__version__} if torch is not None else None)
     impls = {"rtxmpi": rtxmpi_calls(g), "raw": raw_calls(comm)}
@@ -463,6 +536,26 @@ def main(argv=None):
             "results": cells, "overhead_us": overhead, "targets": verdicts,
             "wall_s": time.perf_counter() - started})
         progress(f"[collectives] wrote {args.json}")
+    return 0
+
+
+def main_paths(args, g, comm, dtype, started):
+    """--paths: the threshold table (rank 0 prints it; --json writes it)."""
+    cells = measure_paths(g, comm, args.sizes, args.iters, dtype)
+    g.all_reduce(np.zeros(1, dtype))  # builds the world group's engine (the defaults' line)
+    if comm.Get_rank() != 0:
+        return 0
+    command = launch_command(comm.Get_size())
+    info = machine_info(None)
+    print("\n".join([
+        f"### all_reduce algorithms of rtxmpi, each forced at every size, n={comm.Get_size()}, "
+        f"{dtype}", "", f"Command: `{command}`", "", f"Machine: {machine_line(info)}", "",
+        "Median us per call, interleaved with raw `Allreduce`; raw/x > 1: x is faster than raw. "
+        f"Current defaults: {shm_line(g)}.", "", paths_table(cells), "",
+        f"Total run time {time.perf_counter() - started:.1f} s."]), flush=True)
+    if args.json:
+        write_json(args.json, {"benchmark": "collectives-paths", "command": command,
+                               "machine": info, "results": cells})
     return 0
 
 
