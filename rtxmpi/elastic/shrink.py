@@ -149,7 +149,7 @@ def exchange_pieces(group, applied, pieces_fn, meta_fn, old_size):
     for key in sorted(sources, reverse=True):
         src = sources[key]
         own = pieces.tensors if group.rank == src else None
-        head = json.dumps([[name, where if isinstance(where, int) else None, int(values.size),
+        head = json.dumps([[name, int(where) if np.ndim(where) == 0 else None, int(values.size),
                             str(values.dtype), int(size)]
                            for name, (where, values, size) in own.items()] if own else None)
         for name, offset, n, dtype, size in json.loads(_broadcast_bytes(group, head.encode(), src)):

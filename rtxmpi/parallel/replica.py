@@ -75,7 +75,7 @@ def replica_pieces(engine):
         if isinstance(st, TensorParallelStage):
             where = full_index(st.model)[st.flat_start:st.flat_stop]
         else:
-            where = st.full_start
+            where = int(st.full_start)
         return ReplicaPieces(st.stage * st.tp + st.tp_rank, st.stages * st.tp,
                              _pieces(where, st.flat_data, state, engine.num_params, own))
     raise ConfigError(f"replica_pieces: {type(engine).__name__} is not a hybrid or pipeline engine")
