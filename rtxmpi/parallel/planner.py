@@ -617,7 +617,7 @@ def memory_breakdown(cfg, layout, global_batch, device="cpu"):
     return out
 
 
-def _data_parallel_seconds(cfg, L, P, profile, inter):
+def _data_parallel_seconds(cfg, L, P, profile, inter, units_per_stage=None):
     """Exposed seconds per step of the gradient reduction and ZeRO traffic over the ranks with
     the same parameters (W = dp * sp), P parameters per rank (busiest stage / tp), and of the
     optimizer's offload copies (docs/zero.md, "Communication per step"):
@@ -631,6 +631,7 @@ def _data_parallel_seconds(cfg, L, P, profile, inter):
     gradient shard to the host and the master back (2 copies of the shard), "nvme" also reads
     and writes master, m and v through the files (8 copies), at profile.copy_ns per element."""
     p, W, z = profile, L.dp * L.sp, L.zero_stage
+    units_per_stage = units_per_stage or len(_units(cfg, 0, 1, cfg.n_layer))
     if W <= 1:
         return 0.0, 0.0
     sync = p.sync_time_s(W)
@@ -644,7 +645,7 @@ def _data_parallel_seconds(cfg, L, P, profile, inter):
         dp_s = (p.comm_time_s("reduce_scatter", grad, W, inter)
                 + p.comm_time_s("all_gather", grad, W, inter) + 2 * sync)
     else:
-        units = len(_units(cfg, 0, 1, cfg.n_layer))
+        units = units_per_stage
         alpha = p.comm_time_s("all_gather", 1, W, inter)
         gather = p.comm_time_s("all_gather", grad, W, inter) + (units - 1) * alpha + units * sync
         reduce = p.comm_time_s("reduce_scatter", grad, W, inter) + (units - 1) * alpha
@@ -678,7 +679,8 @@ def estimate(cfg, layout, global_batch, profile, ranks_per_node=None, device="cp
     # data-parallel gradient reduction and ZeRO traffic over dp * sp, optimizer, small collectives
     P = max(stage_params) / L.tp
     dp_inter = world > R and L.dp * L.sp * L.tp > R
-    dp_s, offload_s = _data_parallel_seconds(cfg, L, P, p, dp_inter)
+    units = max(len(_units(cfg, s, L.pp, stage_blocks[s])) for s in range(L.pp))
+    dp_s, offload_s = _data_parallel_seconds(cfg, L, P, p, dp_inter, units)
     shard = P / (L.dp * L.sp) if L.zero_stage else P
     opt_s = (shard * p.adam_ns * 1e-9 + offload_s) / all_speed
     small_s = STEP_OVERHEAD_ALL_REDUCES * p.comm_time_s("all_reduce", 8, world, world > R)
@@ -785,6 +787,13 @@ def add_arguments(parser):
                         help="list every rejected candidate with its reason")
     parser.add_argument("--max-micro-batches", type=int, default=32,
                         help="largest micro-batch count considered")
+    parser.add_argument("--offload", default="none", metavar="MODES",
+                        help="ZeRO offload modes to consider, comma-separated from none, cpu, "
+                             "nvme (default none; train.py's --plan auto adds nvme with "
+                             "--offload-dir, cpu with --device cuda)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the model computes: with cuda, offloaded state leaves the "
+                             "device's memory")
     parser.add_argument("--json", default=None, metavar="FILE",
                         help="also write the ranked estimates and rejections as JSON")
 
@@ -841,9 +850,14 @@ def main(args):
         cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
         memory = parse_bytes(args.mem_per_device) if args.mem_per_device else None
         profile = load_or_calibrate(args, cfg=cfg)
+        offloads = tuple(dict.fromkeys(m.strip() for m in args.offload.split(",") if m.strip()))
+        if not offloads or set(offloads) - set(OFFLOADS):
+            raise ConfigError(f"--offload {args.offload!r}: comma-separated modes from "
+                              f"{', '.join(OFFLOADS)}")
         plan = make_plan(cfg, args.global_batch, world_size, profile,
                          ranks_per_node=args.ranks_per_node, mem_per_device=memory,
-                         max_micro_batches=args.max_micro_batches)
+                         max_micro_batches=args.max_micro_batches, offloads=offloads,
+                         device=args.device)
     except ConfigError as exc:
         if rank == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)

@@ -275,12 +275,14 @@ def test_cli_prints_table_and_reason(tmp_path):
     synthetic().save(str(prof))
     out = tmp_path / "plan.json"
     r = _cli("--world-size", "4", "--profile", str(prof), "--top", "5", "--show-rejected",
-             "--mem-per-device", "1G", "--json", str(out))
+             "--mem-per-device", "1G", "--json", str(out), "--offload", "none,nvme")
     assert r.returncode == 0, r.stderr
     assert "| # | dp | tp | pp | sp | micro-batches | zero |" in r.stdout
     assert "Chosen: " in r.stdout and "rejected (" in r.stdout
     data = json.loads(out.read_text())
     assert data["ranked"][0]["total_ms"] <= data["ranked"][1]["total_ms"]
+    assert {row["layout"]["offload"] for row in data["ranked"]} == {"none", "nvme"}
+    assert data["ranked"][0]["detail"]["memory"]["total"] == data["ranked"][0]["peak_bytes"]
 
 
 def test_cli_bad_flags_exit_2_and_nothing_fits_exits_1():
@@ -290,6 +292,8 @@ def test_cli_bad_flags_exit_2_and_nothing_fits_exits_1():
     assert r.returncode == 1 and "No layout fits" in r.stdout
     r = _cli("--world-size", "4", "--save-profile", "x.json")
     assert r.returncode == 2 and "--save-profile needs --calibrate" in r.stderr
+    r = _cli("--world-size", "4", "--offload", "none,disk")
+    assert r.returncode == 2 and "--offload 'none,disk'" in r.stderr
 
 
 def test_model_factor_follows_the_working_set_between_the_two_reference_runs():
