@@ -21,10 +21,10 @@ What differs from plain ZeRO:
   only, summed over the mesh's world in one all_reduce (float64);
 - checkpoints hold the one-process GPT's flat vectors (HybridParallel's format), so a run saved
   at (dp=2, tp=2, ZeRO-3) resumes at plain dp=4, at tp=4, at another stage, and back.
-  `shards()` rebuilds each tensor (params, adam.m, adam.v) one at a time — an all_gather of the
-  shards over loss_group, then of the tp slices (ParallelGPT.gather_full) — and each world rank
-  keeps an even 1/world piece: transiently one whole tensor per rank (see docs/zero.md, "ZeRO
-  with tensor and sequence parallelism"). `load_shards` reads, for this rank's shard only, the
+  `shards()` streams each tensor (params, adam.m, adam.v) unit by unit — the unit's tp slice
+  from its owners over loss_group, then the tp slices all_gathered — and each world rank keeps
+  what falls in its even 1/world piece: beyond its pieces, one whole unit at a time (see
+  docs/parallel.md, "ZeRO with tensor and sequence parallelism"). `load_shards` reads, for this rank's shard only, the
   whole-model range of the parameters the shard overlaps (one read per tensor and call, the same
   count on every rank) and slices its tp part out of it.
 """
@@ -152,16 +152,6 @@ class ZeroHybridParallel:
         return self.zero.memory_bytes()
 
     # -- whole-model views and checkpoints --------------------------------------------------------
-    def _local_full(self, shard):
-        """This tp rank's whole local vector from the loss_group's shards (padded all_gather)."""
-        group, n = self.zero.group, self.zero.numel
-        shard = self.model.xp.asarray(shard)
-        if group.world_size == 1:
-            return shard[:n].copy()
-        send = self.model.xp.zeros(shard_size(n, group.world_size), shard.dtype)
-        send[:len(shard)] = shard
-        return group.all_gather(send)[:n]
-
     def full_params(self):
         """The one-process GPT's flat parameter vector (rtxmpi.nn.GPT layout), a new array, on
         every rank. Collective (stage 3: a gather over loss_group; then one over tp)."""
@@ -170,19 +160,57 @@ class ZeroHybridParallel:
     def shards(self):
         """{name: (data, global_offset, global_size)} of the one-process model's flat params,
         adam.m and adam.v, each world rank an even 1/world piece (HybridParallel's format), and
-        adam.step on world rank 0. Builds one whole tensor at a time. Collective."""
+        adam.step on world rank 0. Streams unit by unit (embeddings, each block, head): the
+        unit's tp slice is assembled over loss_group (a broadcast from each owner), its
+        tp slices all_gathered into the whole unit, and each rank keeps what falls in its
+        piece, so beyond its own pieces a rank holds one whole unit at a time. Collective."""
         r, n = self.group.rank, self.group.world_size
-        own = self.zero.shards()
+        size = self.model.full_num_params
+        lo, hi = r * size // n, (r + 1) * size // n
         out = {}
-        for name in STATE_TENSORS:
-            full = self.model.gather_full(self._local_full(own[name][0]))
-            size = int(full.shape[0])
-            lo, hi = r * size // n, (r + 1) * size // n
-            out[name] = (full[lo:hi].copy(), lo, size)
-            del full
+        for name, (shard, _, _) in self.zero.shards().items():
+            if name not in STATE_TENSORS:
+                continue
+            piece = self.model.xp.empty(hi - lo, shard.dtype)
+            for unit in range(len(self.model.units)):
+                f0, whole = self._whole_unit(unit, shard)
+                a, b = max(lo, f0), min(hi, f0 + len(whole))
+                if b > a:
+                    piece[a - lo:b - lo] = whole[a - f0:b - f0]
+            out[name] = (piece, lo, size)
         lo, hi = shard_range(1, n, r)
         out["adam.step"] = (np.full(hi - lo, self.optimizer.step_count, np.int64), lo, 1)
         return out
+
+    def _whole_unit(self, unit, shard):
+        """(offset in the one-process layout, values) of unit `unit` of the whole model, from
+        every rank's shard of the local vectors. Collective (loss_group, then tp)."""
+        model, xp = self.model, self.model.xp
+        first, stop = model.units[unit]
+        a = model.params[first].offset
+        b = model.params[stop - 1].offset + model.params[stop - 1].size
+        local = xp.empty(b - a, shard.dtype)
+        group = self.zero.group
+        S = shard_size(self.zero.numel, group.world_size)
+        for q in range(group.world_size):  # one broadcast per owner of a part of [a, b)
+            lo, hi = max(a, q * S), min(b, (q + 1) * S)
+            if hi <= lo:
+                continue
+            if q == group.rank:
+                local[lo - a:hi - a] = xp.asarray(shard[lo - self.start:hi - self.start])
+            if group.world_size > 1:
+                group.broadcast(local[lo - a:hi - a], src=q)
+        tp = self.mesh.tp
+        pieces = (model.tp_group.all_gather(local).reshape(tp, -1) if tp > 1
+                  else local.reshape(1, -1))
+        specs = model.full_specs[first:stop]
+        f0 = specs[0].offset
+        whole = xp.empty(specs[-1].stop - f0, shard.dtype)
+        for p, spec in zip(model.params[first:stop], specs):
+            parts = [pieces[t, p.offset - a:p.offset - a + p.size].reshape(p.shape)
+                     for t in range(tp)]
+            whole[spec.offset - f0:spec.stop - f0] = tpl.unshard_param(p.name, parts).reshape(-1)
+        return f0, whole
 
     def load_shards(self, read):
         """Load a checkpoint of the one-process model's flat vectors (any layout, stage, world

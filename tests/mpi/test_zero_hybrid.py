@@ -38,7 +38,11 @@ def optimizer(params, mask):
 
 def full_grad(engine):
     """The one-process model's gradient from the engine's shards (collective)."""
-    return engine.model.gather_full(engine._local_full(engine.zero.grad_shard()))
+    grad, group, n = engine.zero.grad_shard(), engine.zero.group, engine.zero.numel
+    send = np.zeros(-(-n // group.world_size), grad.dtype)
+    send[:len(grad)] = grad
+    local = group.all_gather(send)[:n] if group.world_size > 1 else grad
+    return engine.model.gather_full(local)
 
 
 def train_step(engine, mesh, step):
@@ -147,8 +151,11 @@ def test_zero3_dp2_tp2_checkpoint_resumes_at_other_layouts_on_the_same_curve(wor
     for step in range(5):
         train_step(engine, mesh, step)
     ckpt_dir = shared_dir(world, tmp_path / "ckpt")
-    save_checkpoint(world, ckpt_dir, 5, {name: Shard(*piece)
-                                         for name, piece in engine.shards().items()})
+    shards = engine.shards()  # streamed unit by unit: exactly the whole model's even pieces
+    data, lo, size = shards["params"]
+    assert size == engine.model.full_num_params
+    np.testing.assert_array_equal(data, engine.full_params()[lo:lo + len(data)])
+    save_checkpoint(world, ckpt_dir, 5, {name: Shard(*piece) for name, piece in shards.items()})
     read = load_checkpoint(world, ckpt_dir).read  # collective: the same reads on every rank
     for dp, tp, sp, stage in [(4, 1, 1, 0), (1, 4, 1, 0), (2, 1, 2, 1), (2, 2, 1, 2)]:
         mesh = DeviceMesh(dp=dp, tp=tp, sp=sp, group=world)
