@@ -520,9 +520,10 @@ def check_layout(world_size, *, dp=None, tp=1, pp=1, sp=1, seq_len, zero_stage=0
     """Validate a training job's layout before anything is built (pure, local, the same verdict
     on every rank). Returns dp. Raises ConfigError: dp * tp * pp * sp != world_size (naming every
     factor), seq_len not divisible by sp (or by tp * sp under Megatron sequence parallelism,
-    checked by the model), sequence_parallel with tp = 1. (After an
-    elastic shrink the layout is re-planned for the survivors: rtxmpi.elastic.replan.) ZeRO composes with tp and sp (zero_hybrid.py);
-    under pp the pipeline engine's check_pipeline decides."""
+    checked by the model), sequence_parallel with tp = 1, a ZeRO stage outside 0-3. ZeRO
+    composes with tp and sp (zero_hybrid.py); under pp the pipeline engine's check_pipeline
+    decides. (After an elastic shrink the layout is re-planned for the survivors:
+    rtxmpi.elastic.replan.)"""
     dp, tp, pp, sp = resolve_degrees(world_size, dp=dp, tp=tp, pp=pp, sp=sp)
     if seq_len % sp:
         raise ConfigError(f"sequence length {seq_len} is not divisible by sp({sp}); use a multiple "
