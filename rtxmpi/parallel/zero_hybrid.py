@@ -24,9 +24,9 @@ What differs from plain ZeRO:
   `shards()` streams each tensor (params, adam.m, adam.v) unit by unit — the unit's tp slice
   from its owners over loss_group, then the tp slices all_gathered — and each world rank keeps
   what falls in its even 1/world piece: beyond its pieces, one whole unit at a time (see
-  docs/parallel.md, "ZeRO with tensor and sequence parallelism"). `load_shards` reads, for this rank's shard only, the
-  whole-model range of the parameters the shard overlaps (one read per tensor and call, the same
-  count on every rank) and slices its tp part out of it.
+  docs/parallel.md, "ZeRO with tensor and sequence parallelism"). `load_shards` reads, for this
+  rank's shard only, the whole-model range of the parameters the shard overlaps (one read per
+  tensor and call, the same count on every rank) and slices its tp part out of it.
 """
 import bisect
 import math
