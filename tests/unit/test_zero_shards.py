@@ -8,7 +8,7 @@ from rtxmpi.errors import ConfigError
 from rtxmpi.nn import AdamW, decay_mask
 from rtxmpi.nn.params import layout
 from rtxmpi.parallel.zero import (build_column_buckets, optimizer_bytes, shard_decay_mask,
-                                  shard_range, shard_size)
+                                  shard_range, shard_size, zero_state_bytes)
 
 
 def ranges(numel, world_size):
@@ -105,3 +105,24 @@ def test_optimizer_bytes_count_the_state_not_the_parameters():
     params64 = np.zeros(10)
     opt = AdamW(params64, decay_mask=np.ones(10))
     assert optimizer_bytes(opt) == 4 * params64.nbytes  # m, v, decay mask, scratch
+
+
+def test_zero_state_bytes_is_the_per_rank_memory_model():
+    # 7 float32 elements over 4 ranks: shards of S = 2 (the last rank's short: + send buffer)
+    assert zero_state_bytes(7, 4, 0) == {"params": 28, "grads": 28, "optimizer": 112,
+                                         "total": 168, "transient": 0}
+    assert zero_state_bytes(7, 4, 1)["params"] == 28 + 8
+    assert zero_state_bytes(8, 4, 2) == {"params": 32, "grads": 32, "optimizer": 32,
+                                         "total": 96, "transient": 0}
+    assert zero_state_bytes(8, 4, 3, unit_numel=3) == {"params": 8, "grads": 8, "optimizer": 32,
+                                                       "total": 48, "transient": 24}
+    # float16 model, CPU offload: float32 master and host gradient shards, float32 AdamW state
+    assert zero_state_bytes(8, 4, 3, itemsize=2, offload="cpu") == {
+        "params": 4 + 8, "grads": 4 + 8, "optimizer": 32, "total": 56, "transient": 0}
+
+
+@pytest.mark.parametrize("kwargs", [{"stage": 4}, {"stage": 0, "offload": "cpu"},
+                                    {"stage": 2, "offload": "nvme"}])
+def test_zero_state_bytes_refuses_what_it_does_not_model(kwargs):
+    with pytest.raises(ConfigError):
+        zero_state_bytes(8, 4, **kwargs)
