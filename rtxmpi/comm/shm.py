@@ -1,67 +1,87 @@
-"""Shared-memory all_reduce on a node, and the hierarchical all_reduce across nodes.
+"""Shared-memory collectives on a node, and the hierarchical all_reduce / reduce_scatter across
+nodes.
 
 Open MPI's `Allreduce` between processes of one node runs far below the memory bandwidth for
-large messages (about 1.5-2 GB/s busbw at 64-256 MiB on the 2-core CI machine, where one core
-copies at about 20 GB/s). `NodeAllReduce` gives the MPI backend a faster path for large blocking
-all_reduce calls: the reduce-scatter + all-gather all_reduce (Rabenseifner, "Optimization of
-collective reduction operations", ICCS 2004; Thakur, Rabenseifner and Gropp, "Optimization of
-collective communication operations in MPICH", IJHPCA 2005) with the local ranks reading each
-other's memory instead of exchanging messages. The elements are split into `local_size`
-contiguous segments; local rank i owns segment i.
+large messages (about 0.5-2 GB/s busbw from 32 MiB on the 2-core CI machine, where one core
+copies at about 20 GB/s), and every rtxmpi call pays a deadline-aware arrival check on top of it.
+`NodeAllReduce` gives the MPI backend three faster paths, each with one deadline-aware wait as
+its arrival check:
 
-Mode "cma" (default where the kernel allows it): cross-memory attach (Linux `process_vm_readv`,
-the single-copy mechanism of Open MPI's smsc/cma), called through ctypes.
-  1. the local ranks exchange the addresses of their arrays (one small all_gather);
-  2. reduce-scatter: rank i reads segment i of every peer's array, in pieces of `chunk_bytes`
-     through a scratch buffer that stays in cache, and folds each piece into its own array in
-     place (its own value first, then the peers in ascending local-rank order);
-  3. across nodes (hierarchical path), segment i is then all_reduced by MPI among the ranks that
-     hold local index i on every node (one per node), so each rank sends 1/local_size of the
-     message over the network and all local ranks use it at once (the hierarchical / 2D
-     all_reduce of Horovod and of Jia et al., "Highly scalable deep learning training system with
-     mixed-precision", 2018);
-  4. node barrier; all-gather: every rank reads the peers' reduced segments straight into its
-     array; node barrier (no rank returns and reuses its array while a peer still reads it).
-  Two barriers per call whatever the size; each byte is copied once per direction by the kernel.
-  Availability is probed once per group (every local rank reads a peer's probe word); it needs
-  ptrace-read permission on the peers (same user; not forbidden by Yama or seccomp).
+Mailbox (small all_reduce, one node; `small_bytes`): one synchronization. A shared mapping
+(`/dev/shm`) holds per local rank a flag (its own cache line) and two slots. Every rank copies its
+array into its slot of the call's parity and raises its flag to the call number; once every flag
+has reached it (polled: a few microseconds of spinning, then sched_yield between polls, so
+oversubscribed ranks give the core to the peer they wait for), every rank reduces all slots in
+local-rank order into its array: every rank computes bitwise the same result with no second
+synchronization. Slots alternate between calls, so a rank one call ahead never overwrites a slot
+a peer still reads. Stores before the flag store are visible to a reader that sees the flag
+(x86 total store order; numpy writes are plain stores); elsewhere the mailbox is off.
 
-Mode "copy" (fallback, or `RTXMPI_SHM_CMA=0`): a shared arena, one POSIX shared-memory file per
-group and node (`/dev/shm`, unlinked as soon as every local rank has mapped it, so nothing is
-left behind even if a process dies), holding per local rank `BUFFERS` chunk buffers. Allocated
-once, first touched at creation and reused; its size does not depend on the message (large
-messages are pipelined through it), so it never grows. Per chunk k: every rank copies the
-segments other ranks own into its buffer; rank i folds the copies of segment i into its own data
-in place (then step 3 above) and publishes the result in its buffer; every rank copies the
-reduced segments out. One node barrier per chunk separates "chunk k reduced and chunk k+1 copied
-in" from "chunk k copied out"; with three buffers per rank no rank overwrites a buffer another
-still reads.
+Cross-memory (mode "cma", large messages; `min_bytes`): the reduce-scatter + all-gather all_reduce
+(Rabenseifner, "Optimization of collective reduction operations", ICCS 2004; Thakur, Rabenseifner
+and Gropp, IJHPCA 2005) with the local ranks reading and writing each other's arrays through Linux
+cross-memory attach (`process_vm_readv` / `process_vm_writev`, the single-copy mechanism of Open
+MPI's smsc/cma, called through ctypes). The elements are split into `local_size` contiguous
+segments; local rank i owns segment i.
+  1. every rank of the group sends the address of its array (one all_gather of one int64 over
+     the group: also the arrival check, with the deadline);
+  2. for each piece of `chunk_bytes` of segment i: rank i reads that piece of every peer's array
+     into a scratch buffer that stays in cache, folds it into its own array in place (its own
+     value first, then the peers in ascending local-rank order) and, while the piece is still in
+     cache, writes the reduced piece straight into every peer's array;
+  3. across nodes (hierarchical path), segment i is instead all_reduced by MPI among the ranks
+     that hold local index i on every node (one per node) before it is written to the peers, so
+     each rank sends 1/local_size of the message over the network and all local ranks use it at
+     once (the hierarchical / 2D all_reduce of Horovod and of Jia et al., "Highly scalable deep
+     learning training system with mixed-precision", 2018);
+  4. one node barrier (deadline-aware): no rank returns and reuses its array while a peer still
+     reads or writes it.
+  Two synchronizations per call; per rank, memory traffic of twice the message (read own and
+  peer half, write own and peer half). Availability is probed once per group (every local rank
+  reads and writes a peer's probe word); it needs ptrace-read permission on the peers (same user;
+  not forbidden by Yama or seccomp). reduce_scatter (one node, or hierarchical: local rank i first
+  reduces on its node the rows of every rank with local index i, then those ranks reduce-scatter
+  them by MPI) and all_gather (one node: every rank reads the peers' inputs straight into its
+  output) use the same reads. A peer that exits during a transfer (ESRCH / EFAULT from a dead
+  process) raises RankFailure naming it; any other failed transfer CollectiveError.
 
-reduce_scatter (mode "cma", one node): rank r copies its rows of its own input into the output
-and folds in the same rows read from every peer's input (step 2 without the in-place twist), then
-one node barrier. Open MPI's Reduce_scatter_block moves about 1 GB/s here at every size.
+Mode "copy" (fallback, or `RTXMPI_SHM_CMA=0`; all_reduce only): a shared arena, one POSIX
+shared-memory file per group and node (`/dev/shm`, unlinked as soon as every local rank has
+mapped it, so nothing is left behind even if a process dies), holding per local rank `BUFFERS`
+chunk buffers. Allocated once, first touched at creation and reused; its size does not depend on
+the message (large messages are pipelined through it), so it never grows. Per chunk k: every
+rank copies the segments other ranks own into its buffer; rank i folds the copies of segment i
+into its own data in place (then step 3 above) and publishes the result in its buffer; every rank
+copies the reduced segments out. One node barrier per chunk separates "chunk k reduced and chunk
+k+1 copied in" from "chunk k copied out"; with three buffers per rank no rank overwrites a buffer
+another still reads.
 
-Both modes start only after every rank of the group has arrived (the group's arrival check), so
-consecutive calls cannot overlap. Memory ordering: stores made before a node barrier are visible
-to the other ranks after it (Open MPI's shared-memory barrier uses atomics with full fences).
-Every element is reduced by exactly one rank and copied to the others, so every rank gets bitwise
-the same result. The order of the terms is fixed by the element's position and the group layout
-(deterministic from run to run); for more than two local ranks it is not the rank order.
+Memory ordering: stores made before a node barrier are visible to the other ranks after it (Open
+MPI's shared-memory barrier uses atomics with full fences). Every element is reduced by exactly
+one rank and copied to the others (or, in the mailbox, by every rank in the same order), so every
+rank gets bitwise the same result. The order of the terms is fixed by the element's position and
+the group layout (deterministic from run to run); for more than two local ranks it is not the
+rank order.
 
-Selection (MPIBackend): blocking all_reduce (and reduce_scatter, see above) of at least
-`min_bytes` on a group whose ranks share nodes takes this path; smaller messages, nonblocking calls and groups with one rank per node (or
-nodes with different numbers of ranks) keep MPI's algorithms. Configuration, read on rank 0 by
-`configure()` at `rtxmpi.init()` and used on every rank: `RTXMPI_SHM=0` turns the path off;
-`RTXMPI_SHM_CMA=0` forces the arena mode; `RTXMPI_SHM_MIN_BYTES` (default `DEFAULT_MIN_BYTES`);
-`RTXMPI_SHM_CHUNK_BYTES` (default `DEFAULT_CHUNK_BYTES`); `RTXMPI_SHM_NODE_SIZE=k` splits every
-node into pretend nodes of k consecutive local ranks, to exercise the hierarchical path on one
-machine (tests). Groups take the settings current when they are created.
+Selection (MPIBackend, blocking calls; the same on every rank whichever of its paths a rank took):
+all_reduce up to `small_bytes` on a group whose ranks all share one node takes the mailbox; from
+`min_bytes` on a group whose ranks share nodes (the same number on each) the cross-memory path
+(or the arena); in between, and for nonblocking calls and groups with one rank per node, MPI's
+algorithms. reduce_scatter and all_gather take the cross-memory path from `min_bytes`.
+Configuration, read on rank 0 by `configure()` at `rtxmpi.init()` and used on every rank:
+`RTXMPI_SHM=0` turns every path off; `RTXMPI_SHM_CMA=0` forces the arena mode;
+`RTXMPI_SHM_MIN_BYTES` (default `DEFAULT_MIN_BYTES`); `RTXMPI_SHM_SMALL_BYTES` (default
+`DEFAULT_SMALL_BYTES`, 0 turns the mailbox off); `RTXMPI_SHM_CHUNK_BYTES` (default
+`DEFAULT_CHUNK_BYTES`); `RTXMPI_SHM_NODE_SIZE=k` splits every node into pretend nodes of k
+consecutive local ranks, to exercise the hierarchical path on one machine (tests). Groups take
+the settings current when they are created.
 """
 import contextlib
 import ctypes
 import errno
 import mmap
 import os
+import platform
 import sys
 import tempfile
 
@@ -81,6 +101,7 @@ MIN_CHUNK_BYTES = 4 << 10
 BUFFERS = 3  # triple buffering: one barrier per chunk (see the module docstring)
 NEVER = sys.maxsize  # min_bytes when the path is off
 FLAG_BYTES = 64  # one cache line per local rank for its mailbox flag
+TSO_MACHINES = ("x86_64", "amd64", "i386", "i686")  # the mailbox relies on their store order
 SPIN_POLLS = 64  # polls of a mailbox flag (a few microseconds) before yielding the core
 
 
@@ -423,7 +444,8 @@ class NodeAllReduce:
             node.Free()
             return None
         cross = comm.Split(local_rank, key=rank) if local_size < size else None
-        small = config.small_bytes - config.small_bytes % 8 if cross is None else 0
+        small = (config.small_bytes - config.small_bytes % 8
+                 if cross is None and platform.machine().lower() in TSO_MACHINES else 0)
         box = _map_arena(node, comm, local_size * (FLAG_BYTES + 2 * small)) if small > 0 else None
         if box is not None:
             np.frombuffer(box, np.uint8).fill(0)  # every rank touches it all: flags start at 0
