@@ -15,17 +15,29 @@ Steps, each reported PASS/FAIL with its numbers:
    memory-bound kernels on an H200).
 3. nccl: single-rank NCCL collectives through rtxmpi.init(backend="nccl") (all_reduce sum/avg,
    float16, reduce_scatter, all_gather, broadcast, grouped send/recv to self, async Work).
-4. pytest: the GPU-marked tests (`pytest -m gpu`).
-5. train: examples/train.py for a few steps on cupy (--device cuda) and on the CPU, tokens/s ratio
-   (target >= 20x for --model small on an H200).
+   Without cupy's NCCL binding: a SKIP line (not a failure).
+4. model: the GPT on cupy (fused bias+GELU and residual+LayerNorm, one launch per block and
+   pass) against the numpy model: loss and gradients within float32 rounding.
+5. pytest: the GPU-marked tests (`pytest -m gpu`).
+6. train: examples/train.py for a few steps on cupy (--device cuda) and on the CPU, tokens/s
+   table and ratio (target >= 20x for --model small on an H200).
+7. train_zero: examples/train.py --device cuda with --zero-stage 2 (checkpoint, then --resume),
+   --zero-stage 3, and --offload cpu / nvme, each against the same run on the CPU: final loss
+   within 1e-3 relative.
 
-Without cupy or a CUDA device it prints why and exits 0 (2 with --require-gpu).
+Never hangs: every subprocess has a timeout, and each in-process step a watchdog
+(faulthandler) that ends the process with its stack after --step-timeout-s. The JSON (--json) is
+rewritten after every step, so a check cut short still leaves what it measured. Exit status: 0
+when every step passed (or was skipped), 1 on any failure, 2 without a GPU under --require-gpu
+(0 otherwise, after a SKIP line).
 """
 import argparse
+import faulthandler
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -35,6 +47,7 @@ sys.path.insert(0, ROOT)
 
 from rtxmpi import kernels  # noqa: E402
 from rtxmpi.backend import cupy_module  # noqa: E402
+from rtxmpi.comm.nccl import nccl_module  # noqa: E402
 
 MEMORY_BOUND = ("grad_epilogue", "adamw", "residual_layernorm", "bias_gelu_forward",
                 "bias_gelu_backward")
@@ -58,17 +71,33 @@ def _close(got, want, rtol, atol):
     return bool(np.isfinite(got).all()) and bool(np.allclose(got, want, rtol=rtol, atol=atol))
 
 
-def check_all_kernels(cp, seed=0):
-    """Run every kernel against its reference; returns a list of failure messages (empty: pass)."""
+# array sizes of the correctness checks: "full" on a GPU; "small" (--small) for a smoke run
+SIZES = {
+    "full": {"epilogue": ((1 << 20, 0, None), (1000003, 0, "float16"), (4099, 1, "bfloat16"),
+                          (0, 0, None)),
+             "adamw": ((1 << 20, False), (1000003, True)),
+             "bias_gelu": ((4096, 3072), (37, 129)),
+             "layernorm": ((8192, 768), (33, 4099), (5, 7))},
+    "small": {"epilogue": ((1 << 12, 0, None), (4003, 0, "float16"), (4099, 1, "bfloat16"),
+                           (0, 0, None)),
+              "adamw": ((1 << 12, False), (4003, True)),
+              "bias_gelu": ((64, 256), (37, 129)),
+              "layernorm": ((64, 768), (33, 4099), (5, 7))},
+}
+
+
+def check_all_kernels(cp, seed=0, sizes="full"):
+    """Run every kernel against its reference; returns a list of failure messages (empty: pass).
+    sizes: a key of SIZES."""
     rng = np.random.default_rng(seed)
     failures = []
+    size = SIZES[sizes]
 
     def fail(name, what):
         failures.append(f"{name}: {what}")
 
     # (a) epilogue: sizes hitting the vector body + tail, a misaligned view (scalar kernel)
-    for n, offset, cast in ((1 << 20, 0, None), (1000003, 0, "float16"), (4099, 1, "bfloat16"),
-                            (0, 0, None)):
+    for n, offset, cast in size["epilogue"]:
         host = rng.standard_normal(n + offset).astype(np.float32)
         dev = cp.asarray(host)[offset:]
         _poison_pool(cp, 2 * n + 64)
@@ -91,7 +120,7 @@ def check_all_kernels(cp, seed=0):
         fail("grad_epilogue", "float16 overflow was not flagged")
 
     # (b) AdamW: bit for bit over three steps, with and without the decay mask, odd length
-    for n, masked in ((1 << 20, False), (1000003, True)):
+    for n, masked in size["adamw"]:
         p = rng.standard_normal(n).astype(np.float32)
         mask = (rng.random(n) > 0.5).astype(np.float32) if masked else None
         state = [p.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)]
@@ -108,7 +137,7 @@ def check_all_kernels(cp, seed=0):
                 fail("adamw", f"n={n} masked={masked}: {name} not bit-identical (max |diff| {worst:g})")
 
     # (c) bias + GELU forward and backward
-    for rows, C in ((4096, 3072), (37, 129)):
+    for rows, C in size["bias_gelu"]:
         h = rng.standard_normal((rows, C)).astype(np.float32)
         b = rng.standard_normal(C).astype(np.float32)
         dy = rng.standard_normal((rows, C)).astype(np.float32)
@@ -126,7 +155,7 @@ def check_all_kernels(cp, seed=0):
             fail("bias_gelu_backward", f"{rows}x{C}: differs from the reference")
 
     # (d) residual + LayerNorm forward
-    for rows, C in ((8192, 768), (33, 4099), (5, 7)):
+    for rows, C in size["layernorm"]:
         x, r = (rng.standard_normal((rows, C)).astype(np.float32) for _ in range(2))
         g, b = (rng.standard_normal(C).astype(np.float32) for _ in range(2))
         _poison_pool(cp, x.nbytes)
@@ -233,6 +262,46 @@ def check_nccl(cp):
     return failures
 
 
+# ------------------------------------------------------------------------------------ model
+def check_model(cp, seed=0):
+    """GPT "tiny" forward + backward on cupy and on numpy from the same weights and batch.
+    Returns (failures, launches): the fused kernels must run once per block and pass (counted
+    by wrapping rtxmpi.kernels._kernel), loss and gradients agree within float32 rounding."""
+    from rtxmpi.nn import GPT, GPTConfig
+
+    cfg = GPTConfig.named("tiny", seq_len=64)
+    rng = np.random.default_rng(seed)
+    x, y = rng.integers(0, 256, (4, 64)), rng.integers(0, 256, (4, 64))
+    host, device = GPT(cfg, seed=seed), GPT(cfg, seed=seed, xp=cp)
+    launches, original = {}, kernels._kernel
+
+    def counting(name, function):
+        launches[function] = launches.get(function, 0) + 1
+        return original(name, function)
+
+    kernels._kernel = counting
+    try:
+        loss_d, cache = device.forward(x, y)
+        device.backward(cache)
+    finally:
+        kernels._kernel = original
+    loss_h, cache = host.forward(x, y)
+    host.backward(cache)
+    failures = []
+    for function in ("bias_gelu_forward_f32", "bias_gelu_backward_f32",
+                     "residual_layernorm_forward_f32"):
+        if launches.get(function) != cfg.n_layer:
+            failures.append(f"{function} launched {launches.get(function, 0)} times, expected "
+                            f"{cfg.n_layer} (one per block)")
+    if not abs(loss_d - loss_h) <= 1e-5 * abs(loss_h):
+        failures.append(f"loss {loss_d!r} on cupy vs {loss_h!r} on numpy")
+    grad = cp.asnumpy(device.flat_grad)
+    rel = float(np.max(np.abs(grad - host.flat_grad)) / np.max(np.abs(host.flat_grad)))
+    if not np.isfinite(grad).all() or rel > 1e-4:
+        failures.append(f"gradients differ from numpy's: max |diff| / max |grad| = {rel:.2e}")
+    return failures, {"launches": launches, "grad_rel_diff": rel}
+
+
 # ------------------------------------------------------------------------------- the rest
 def run_gpu_pytests(timeout_s):
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/unit"]
@@ -241,27 +310,70 @@ def run_gpu_pytests(timeout_s):
     return result.returncode == 0, " ".join(tail)
 
 
-def train_tokens_per_s(device, model, steps, timeout_s):
-    """Median tokens/s of `examples/train.py --device DEVICE` over its steps after the first
-    (which pays cupy's kernel compilation and the corpus cache), from --metrics-jsonl."""
-    import tempfile
-
+def train_rows(device, flags, timeout_s):
+    """Run `examples/train.py --device DEVICE FLAGS` (one process); returns its --metrics-jsonl
+    rows. Raises RuntimeError (exit status, output tail) on failure, TimeoutExpired past
+    timeout_s (the process is killed)."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
-        cmd = [sys.executable, "examples/train.py", "--device", device, "--model", model,
-               "--steps", str(steps), "--eval-every", "0", "--eval-batches", "1",
-               "--sample-tokens", "0", "--no-progress", "--global-batch", "32", "--seq-len",
-               "128", "--metrics-jsonl", metrics]
+        cmd = [sys.executable, "examples/train.py", "--device", device, "--eval-every", "0",
+               "--eval-batches", "1", "--sample-tokens", "0", "--no-progress",
+               "--metrics-jsonl", metrics] + [f.replace("{tmp}", tmp) for f in flags]
         result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
         rows = []
         if os.path.exists(metrics):
             with open(metrics) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
-    steady = [r["tokens_per_s"] for r in rows if r.get("step", 0) > 1 and "tokens_per_s" in r]
-    if result.returncode != 0 or not steady:
+    if result.returncode != 0 or not rows:
         raise RuntimeError(f"{' '.join(cmd)} failed (rc {result.returncode}, {len(rows)} metric "
                            f"rows): {(result.stdout + result.stderr)[-2000:]}")
+    return rows
+
+
+def train_tokens_per_s(device, model, steps, timeout_s):
+    """Median tokens/s of `examples/train.py --device DEVICE` over its steps after the first
+    (which pays cupy's kernel compilation and the corpus cache), from --metrics-jsonl."""
+    rows = train_rows(device, ["--model", model, "--steps", str(steps), "--global-batch", "32",
+                               "--seq-len", "128"], timeout_s)
+    steady = [r["tokens_per_s"] for r in rows if r.get("step", 0) > 1 and "tokens_per_s" in r]
+    if not steady:
+        raise RuntimeError(f"train.py --device {device}: no step after the first in {len(rows)} rows")
     return float(np.median(steady))
+
+
+# --zero-stage / --offload runs on cupy against the CPU: (name, flags); "{tmp}" is a fresh
+# directory per run, "{ckpt}" one checkpoint directory shared by the zero2 run and its resume
+ZERO_RUNS = (
+    ("zero2+checkpoint", ["--zero-stage", "2", "--steps", "3", "--ckpt-dir", "{ckpt}",
+                          "--ckpt-every", "2"]),
+    ("zero2 --resume", ["--zero-stage", "2", "--steps", "5", "--ckpt-dir", "{ckpt}", "--resume"]),
+    ("zero3", ["--zero-stage", "3", "--steps", "4", "--micro-batches", "2"]),
+    ("zero2 offload cpu", ["--zero-stage", "2", "--steps", "4", "--offload", "cpu"]),
+    ("zero3 offload nvme", ["--zero-stage", "3", "--steps", "4", "--offload", "nvme",
+                            "--offload-dir", "{tmp}/nvme"]),
+)
+ZERO_BASE = ["--model", "tiny", "--seq-len", "64", "--global-batch", "8"]
+
+
+def check_zero_runs(timeout_s, runs=ZERO_RUNS):
+    """Each run of ZERO_RUNS on cupy and on the CPU; returns (failures, {name: losses})."""
+    failures, table = [], {}
+    with tempfile.TemporaryDirectory() as ckpt_root:
+        for name, flags in runs:
+            losses = {}
+            for device in ("cuda", "cpu"):
+                ckpt = os.path.join(ckpt_root, device)
+                rows = train_rows(device, ZERO_BASE + [f.replace("{ckpt}", ckpt) for f in flags],
+                                  timeout_s)
+                losses[device] = rows[-1]["loss"]
+            table[name] = losses
+            gpu, cpu = losses["cuda"], losses["cpu"]
+            if not (np.isfinite(gpu) and abs(gpu - cpu) <= 1e-3 * abs(cpu)):
+                failures.append(f"{name}: final loss {gpu!r} on cupy vs {cpu!r} on the CPU")
+    return failures, table
+
+
+STEPS = ("kernels", "bandwidth", "nccl", "model", "pytest", "train", "train_zero")
 
 
 def main(argv=None):
@@ -270,44 +382,72 @@ def main(argv=None):
     parser.add_argument("--require-gpu", action="store_true", help="exit 2 when no GPU is found")
     parser.add_argument("--train-model", default="small")
     parser.add_argument("--train-steps", type=int, default=8)
+    parser.add_argument("--bandwidth-mb", type=int, default=1024,
+                        help="bytes of the copy measured (MiB); kernels run on a quarter each")
+    parser.add_argument("--small", action="store_true",
+                        help="small arrays in the kernel checks (a smoke run, not the device check)")
+    parser.add_argument("--step-timeout-s", type=float, default=150,
+                        help="in-process steps: the watchdog ends the process past this")
     parser.add_argument("--skip", default="", help="comma-separated steps to skip: "
-                        "kernels,bandwidth,nccl,pytest,train")
+                        + ",".join(STEPS))
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
+    unknown = skip - set(STEPS)
+    if unknown:
+        parser.error(f"--skip: unknown step(s) {sorted(unknown)}; steps: {','.join(STEPS)}")
+    report = {"device": None, "steps": {}}
+
+    def write_json():
+        if args.json:
+            with open(args.json + ".tmp", "w") as f:
+                json.dump(report, f, indent=2)
+            os.replace(args.json + ".tmp", args.json)
+
     cp = cupy_module()
     if cp is None or not kernels.gpu_available():
         why = "cupy is not installed" if cp is None else "cupy sees no CUDA device"
         print(f"gpu_check: SKIP: {why}; nothing to check on this machine "
               "(install with pip install -e '.[cuda12]' on a GPU host)")
+        report["skipped"] = why
+        write_json()
         return 2 if args.require_gpu else 0
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-    report = {"device": props["name"].decode(), "steps": {}}
+    report["device"] = props["name"].decode()
     print(f"gpu_check on {report['device']} (cupy {cp.__version__})", flush=True)
     ok = True
     started = time.monotonic()
 
-    def step(name, fn):
+    def step(name, fn, in_process=True):
         nonlocal ok
         if name in skip:
-            print(f"[SKIP] {name}")
+            print(f"[SKIP] {name}: --skip", flush=True)
+            report["steps"][name] = {"pass": None, "detail": "--skip"}
             return
         t0 = time.monotonic()
+        if in_process:  # a hung CUDA/NCCL call ends the process with its stack, never a hang
+            faulthandler.dump_traceback_later(args.step_timeout_s, exit=True)
         try:
             passed, detail = fn()
         except Exception as exc:  # a check that crashes is a failed check, reported with its cause
             passed, detail = False, f"{type(exc).__name__}: {exc}"
-        ok = ok and passed
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        if passed is not None:
+            ok = ok and passed
+        verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[passed]
         report["steps"][name] = {"pass": passed, "detail": detail, "s": time.monotonic() - t0}
-        print(f"[{'PASS' if passed else 'FAIL'}] {name} ({time.monotonic() - t0:.1f} s): {detail}",
-              flush=True)
+        print(f"[{verdict}] {name} ({time.monotonic() - t0:.1f} s): {detail}", flush=True)
+        write_json()
 
     def do_kernels():
-        failures = check_all_kernels(cp, seed=int(time.time()))
+        failures = check_all_kernels(cp, seed=int(time.time()),
+                                     sizes="small" if args.small else "full")
         return not failures, "all match their references" if not failures else "; ".join(failures)
 
     def do_bandwidth():
-        copy = copy_bandwidth(cp)
-        rows = kernel_bandwidths(cp)
+        nbytes = args.bandwidth_mb * 2**20
+        copy = copy_bandwidth(cp, nbytes)
+        rows = kernel_bandwidths(cp, n=max(1024, nbytes // 16))
         report["copy_gbps"] = copy
         report["kernels"] = {k: {"ms": s * 1e3, "gbps": bw, "of_copy": bw / copy}
                              for k, (s, bw) in rows.items()}
@@ -321,8 +461,18 @@ def main(argv=None):
                           f"below {TARGET_COPY_FRACTION:.2f} of copy: {', '.join(slow)}")
 
     def do_nccl():
+        if nccl_module() is None:
+            return None, ("cupy's NCCL binding is missing (pip install nvidia-nccl-cu12); "
+                          "NCCL collectives not checked")
         failures = check_nccl(cp)
         return not failures, "single-rank collectives correct" if not failures else "; ".join(failures)
+
+    def do_model():
+        failures, detail = check_model(cp)
+        report["model"] = detail
+        return not failures, ("fused kernels once per block; loss and gradients match numpy "
+                              f"(grad rel diff {detail['grad_rel_diff']:.1e})"
+                              if not failures else "; ".join(failures))
 
     def do_pytest():
         return run_gpu_pytests(timeout_s=120)
@@ -330,17 +480,30 @@ def main(argv=None):
     def do_train():
         gpu = train_tokens_per_s("cuda", args.train_model, args.train_steps, 150)
         cpu = train_tokens_per_s("cpu", args.train_model, 3, 120)
-        report["train"] = {"gpu_tokens_per_s": gpu, "cpu_tokens_per_s": cpu, "ratio": gpu / cpu}
+        report["train"] = {"model": args.train_model, "gpu_tokens_per_s": gpu,
+                           "cpu_tokens_per_s": cpu, "ratio": gpu / cpu}
+        print(f"  | train.py --model {args.train_model} | tokens/s |\n  |---|---|\n"
+              f"  | --device cuda | {gpu:.0f} |\n  | --device cpu (this host) | {cpu:.0f} |\n"
+              f"  | ratio | {gpu / cpu:.1f}x (target 20x) |")
         return gpu / cpu >= 20, f"{gpu:.0f} vs {cpu:.0f} tokens/s on the CPU: {gpu / cpu:.1f}x (target 20x)"
 
-    for name, fn in (("kernels", do_kernels), ("bandwidth", do_bandwidth), ("nccl", do_nccl),
-                     ("pytest", do_pytest), ("train", do_train)):
-        step(name, fn)
+    def do_train_zero():
+        failures, table = check_zero_runs(timeout_s=90)
+        report["train_zero"] = table
+        for name, losses in table.items():
+            print(f"  {name}: loss {losses['cuda']:.6f} on cupy, {losses['cpu']:.6f} on the CPU")
+        return not failures, ("ZeRO 2/3, checkpoint + resume, offload cpu/nvme on cupy match the "
+                              "CPU" if not failures else "; ".join(failures))
+
+    for name, fn, in_process in (("kernels", do_kernels, True), ("bandwidth", do_bandwidth, True),
+                                 ("nccl", do_nccl, True), ("model", do_model, True),
+                                 ("pytest", do_pytest, False), ("train", do_train, False),
+                                 ("train_zero", do_train_zero, False)):
+        step(name, fn, in_process)
     report["total_s"] = time.monotonic() - started
+    report["pass"] = ok
     print(f"gpu_check: {'PASS' if ok else 'FAIL'} in {report['total_s']:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json()
     return 0 if ok else 1
 
 

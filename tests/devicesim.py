@@ -21,10 +21,13 @@ The arrays keep their values in host memory (a private numpy array), and behave 
   `float` arguments must be numpy int64, int32, float32) and counts (n, C) against the arrays.
   `launches` counts launches by kernel name.
 
-What it does not model: streams and events are no-ops (everything is synchronous), memory is
-host memory, and kernels are their references (so a sim run is bit for bit the numpy run).
+What it does not model: streams are no-ops (everything is synchronous; events time the host
+clock), memory is host memory, and kernels are their references (so a sim run is bit for bit the
+numpy run). NCCL is absent (`rtxmpi.comm.nccl.nccl_module()` stays None).
 """
+import ctypes
 import re
+import time
 import types
 
 import numpy as np
@@ -347,13 +350,24 @@ class Stream:
 
 class Event:
     def __init__(self, block=False, disable_timing=False, interprocess=False):
-        self.done = False
+        self.done, self.time_s = False, None
 
     def record(self, stream=None):
-        self.done = True
+        self.done, self.time_s = True, time.perf_counter()
 
     def synchronize(self):
         pass
+
+
+def _elapsed_ms(start, stop):
+    """cupy.cuda.get_elapsed_time: milliseconds between two recorded events (host clock here)."""
+    if start.time_s is None or stop.time_s is None:
+        raise RuntimeError("get_elapsed_time: both events must be recorded")
+    return (stop.time_s - start.time_s) * 1e3
+
+
+def _memcpy(dst, src, nbytes, kind, stream=0):
+    ctypes.memmove(dst, src, nbytes)
 
 
 class Device:
@@ -381,9 +395,26 @@ class _PinnedMemory(bytearray):
 _CURRENT_STREAM = Stream()
 cuda = types.SimpleNamespace(
     Stream=Stream, Event=Event, Device=Device, get_current_stream=lambda: _CURRENT_STREAM,
-    alloc_pinned_memory=lambda nbytes: _PinnedMemory(int(nbytes)),
-    runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, deviceSynchronize=lambda: None),
-    pinned_allocations=0)
+    alloc_pinned_memory=lambda nbytes: _PinnedMemory(int(nbytes)), get_elapsed_time=_elapsed_ms,
+    runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, deviceSynchronize=lambda: None,
+                                  memcpyAsync=_memcpy, memcpyDeviceToDevice=3,
+                                  getDeviceProperties=lambda i: {"name": b"device stand-in"}))
+
+
+class _Generator:
+    """cupy.random.default_rng(seed): float32/float64 draws as device arrays."""
+
+    def __init__(self, seed=None):
+        self._rng = np.random.default_rng(seed)
+
+    def standard_normal(self, size=None, dtype=np.float64):
+        return SimArray(np.asarray(self._rng.standard_normal(size, dtype=dtype)))
+
+    def random(self, size=None, dtype=np.float64):
+        return SimArray(np.asarray(self._rng.random(size, dtype=dtype)))
+
+
+random = types.SimpleNamespace(default_rng=_Generator)
 
 
 # ---- kernels: rtxmpi's CUDA sources, emulated by their numpy references
@@ -486,7 +517,8 @@ def _emulate_adamw(p, g, m, v, mask, n, b1, b2, decay, lr_wd, eps_term, step_siz
     elif mode == 2:
         _check_count("adamw (mask)", n, mask)
         p -= (mask * p) * lr_wd
-    t = np.sqrt(v)
+    with np.errstate(invalid="ignore"):  # sqrtf of a negative v is NaN, silently
+        t = np.sqrt(v)
     t += eps_term
     t = m / t
     t *= step_size
@@ -534,7 +566,8 @@ class _Module(types.ModuleType):
 
 SimModule = _Module("cupy_sim", __doc__)
 for _name, _value in {"ndarray": ndarray, "asarray": asarray, "array": array, "asnumpy": asnumpy,
-                      "get_array_module": get_array_module, "cuda": cuda,
+                      "get_array_module": get_array_module, "cuda": cuda, "random": random,
+                      "__version__": "stand-in",
                       "RawModule": RawModule, "launches": launches, "SimArray": SimArray,
                       "HostDeviceMix": HostDeviceMix}.items():
     setattr(SimModule, _name, _value)
