@@ -382,7 +382,8 @@ def finish_save(world, model, pending):
     handle, t0 = pending
     path = handle if isinstance(handle, str) else handle.finish()
     if world.rank == 0:
-        mb = 3 * model.num_params * np.dtype(model.dtype).itemsize / 1e6
+        numel = getattr(model, "full_num_params", model.num_params)  # tp: the whole model's
+        mb = 3 * numel * np.dtype(model.dtype).itemsize / 1e6
         print(f"checkpoint: saved step {step_of(path)} to {path} ({mb:.1f} MB over "
               f"{world.world_size} rank files, {time.perf_counter() - t0:.2f} s"
               f"{'' if isinstance(handle, str) else ' to commit, written in the background'})",
