@@ -61,7 +61,9 @@ class ParallelGPT:
     Attributes (as rtxmpi.nn.GPT, for this rank's slices): cfg, xp, dtype, params (the GPT's names,
     local shapes), flat_data, flat_grad, num_params (local), units, full_specs (the GPT's layout),
     full_num_params (the whole model's),
-    mesh, tp_group, sp_group, tp, sp, tp_rank, sp_rank, vocab_start, sequence_parallel.
+    mesh, tp_group, sp_group, tp, sp, tp_rank, sp_rank, vocab_start, sequence_parallel, provider
+    (None, or ZeRO-3's unit provider after use_provider: the passes then fetch each unit's
+    parameters from it and report each unit's gradient, as rtxmpi.nn.GPT's).
     """
 
     def __init__(self, cfg, mesh, seed=0, xp=np, dtype=np.float32, sequence_parallel=False):
