@@ -64,7 +64,8 @@ def _host_staged(method):
     """Run a collective on a host copy of a cupy array when the backend cannot read device memory.
 
     The copy to the host synchronizes `stream`; the call itself is synchronous, and an async_op
-    call returns an already-completed Work.
+    call returns an already-completed Work, except `send`, which stays in flight on the host copy
+    (its Work keeps it) so that two ranks sending to each other before receiving cannot deadlock.
     """
 
     @functools.wraps(method)
