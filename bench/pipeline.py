@@ -1,4 +1,6 @@
 """Pipeline parallelism: the 1F1B bubble measured against (p-1)/(m+p-1), and PP=2 next to DP=2.
+(Interleaved 1F1B with V = 2 virtual stages too, against (p-1)/(V m+p-1), when the model has
+2 blocks a stage: --model base --n-layer 8.)
 
     python bench/pipeline.py                     # launches mpiexec -n 4 (bubble) and -n 2 (PP vs DP)
     python bench/pipeline.py --stages 4 --micro-batches 8 --model small --steps 6 --json pp.json
@@ -59,13 +61,15 @@ def worker_bubble(args):
     cfg = model_config(args)
     global_batch = args.micro_batch_size * m
     out = {}
-    variants = [("1f1b", "1f1b", True), ("1f1b, W not deferred", "1f1b", False),
-                ("gpipe", "gpipe", True)]
-    for name, schedule, defer in variants:
+    variants = [("1f1b", "1f1b", True, 1), ("1f1b, W not deferred", "1f1b", False, 1),
+                ("gpipe", "gpipe", True, 1)]
+    if cfg.n_layer >= 2 * p and m % p == 0:  # a block per virtual stage at least
+        variants.append(("interleaved, V=2", "interleaved", True, 2))
+    for name, schedule, defer, V in variants:
         if args.no_defer and defer:
             continue
         engine = PipelineParallel(GPT(cfg, seed=0), world, micro_batches=m, schedule=schedule,
-                                  defer_weight_grads=defer)
+                                  defer_weight_grads=defer, virtual_stages=V)
         sampler = BatchSampler(corpus.train, args.seq_len, global_batch, seed=0)
         rows = []
         for step in range(args.warmup + args.steps):
@@ -74,7 +78,7 @@ def worker_bubble(args):
             # thread CPU time per op: wrap the stage's compute
             cpu = {"F": [], "B": [], "W": []}
             fwd, bwd = engine.stage.forward, engine.stage.backward
-            flush = engine.stage.flush_weight_grads
+            flush = getattr(engine.stage, "flush_weight_grads", None)  # not on a ChunkedStage
 
             def timed(fn, kind):
                 def run(*a, **k):
@@ -85,11 +89,13 @@ def worker_bubble(args):
                 return run
 
             engine.stage.forward, engine.stage.backward = timed(fwd, "F"), timed(bwd, "B")
-            engine.stage.flush_weight_grads = timed(flush, "W")
+            if flush is not None:
+                engine.stage.flush_weight_grads = timed(flush, "W")
             t0 = time.perf_counter()
             engine.train_step(x, y)
             del engine.stage.forward, engine.stage.backward  # back to the class methods
-            del engine.stage.flush_weight_grads
+            if flush is not None:
+                del engine.stage.flush_weight_grads
             engine.zero_grad()
             tl = engine.timeline
             total = tl[-1][3] - t0
@@ -119,7 +125,7 @@ def worker_bubble(args):
                 "replay_bubble": float(np.mean([1 - b / makespan for b in busy])),
                 "replay_equal_bubble": float(np.mean([1 - b / ms_eq for b in busy_eq])),
                 "step_ms": 1e3 * float(np.median([r["step_s"] for r in everyone])),
-                "theory": (p - 1) / (m + p - 1)}
+                "theory": (p - 1) / (V * m + p - 1)}
     if world.rank == 0:
         print("RESULT " + json.dumps({"stages": p, "micro_batches": m, "params": GPT(cfg).num_params,
                                       "schedules": out}), flush=True)
@@ -241,7 +247,7 @@ def print_bubble(args, bubble):
     name = args.model + (f", n_layer {args.n_layer}" if args.n_layer else "")
     print(f"Pipeline bubble, model {name} ({bubble['params'] / 1e6:.2f} M params), "
           f"micro-batch {args.micro_batch_size} x {args.seq_len} tokens, {args.steps} steps")
-    print(markdown_table(["schedule", "stages", "micro-batches", "theory (p-1)/(m+p-1)",
+    print(markdown_table(["schedule", "stages", "micro-batches", "theory (p-1)/(V m+p-1)",
                           "replay (measured stage CPU costs)", "replay (equal stages)",
                           "wall bubble", "recv wait", "step ms"], rows))
     print()

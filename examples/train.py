@@ -103,8 +103,12 @@ def parse_args(argv=None):
                         "--pp the pipeline's micro-batches")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline-parallel stages (layers split over --pp ranks; docs/parallel.md)")
-    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"),
-                   help="pipeline schedule with --pp > 1 (1f1b needs --micro-batches >= --pp)")
+    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved"),
+                   help="pipeline schedule with --pp > 1 (1f1b needs --micro-batches >= --pp; "
+                        "interleaved: --virtual-stages chunks a rank, micro-batches a multiple "
+                        "of --pp; docs/pipeline.md)")
+    p.add_argument("--virtual-stages", type=int, default=1,
+                   help="model chunks per pipeline rank for --schedule interleaved (V >= 2)")
     p.add_argument("--plan", default=None, choices=("auto",),
                    help="auto: the planner picks --dp/--tp/--pp/--sp/--micro-batches/--zero-stage/"
                         "--schedule/--offload from a hardware profile (docs/planner.md; with "
@@ -237,7 +241,7 @@ def check_args(args, world_size):
     check_batch_split(args, dp)
     check_pipeline(pp=args.pp, micro_batches=args.micro_batches, schedule=args.schedule,
                    n_layer=MODEL_SIZES[args.model]["n_layer"], zero_stage=args.zero_stage,
-                   offload=args.offload)  # docs/parallel.md
+                   offload=args.offload, virtual_stages=args.virtual_stages)  # docs/parallel.md
     if args.data is not None and not os.path.exists(os.path.expanduser(args.data)):
         raise ConfigError(f"--data {args.data}: no such file or directory")
     return dp
@@ -668,6 +672,7 @@ def train(args):
                                 seed=args.seed, xp=xp, sequence_parallel=args.sequence_parallel,
                                 bucket_bytes=int(args.bucket_mb * 2**20),
                                 zero_stage=args.zero_stage,  # 1, 2: each stage over its replicas
+                                virtual_stages=args.virtual_stages,  # --schedule interleaved
                                 micro_batches=args.micro_batches, schedule=args.schedule,
                                 optimizer=lambda params, mask: AdamW(
                                     params, lr=args.lr, weight_decay=args.weight_decay,

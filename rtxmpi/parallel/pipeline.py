@@ -187,6 +187,19 @@ class PipelineStage:
         """This rank's positions of a (B, T) id array (all of them here)."""
         return a
 
+    def chunk_is_first(self, chunk):
+        """Whether model chunk `chunk` of this rank is the pipeline's first (reads token ids)."""
+        return self.is_first
+
+    def chunk_is_last(self, chunk):
+        """Whether model chunk `chunk` of this rank is the pipeline's last (computes the loss)."""
+        return self.is_last
+
+    def own_pieces(self, local_own):
+        """[(full_start, values)]: this rank's own-range vector (own_size) as pieces of the
+        one-process flat layout (one piece here; a ChunkedStage has one per chunk)."""
+        return [self.own_full(local_own)]
+
     def grad_norm_sq(self):
         """Squared L2 norm of the stage's own gradient (the wte copy not counted). Local."""
         return grad_norm_sq(self.flat_grad[:self.own_size])
@@ -207,7 +220,7 @@ class PipelineStage:
         out[self.own_size:] = self.xp.asarray(_read(read, name, 0, copy), dtype=self.dtype)
         return out
 
-    def forward(self, inp, targets=None):
+    def forward(self, inp, targets=None, chunk=0):
         caches = {}
         if self.is_first:
             x, caches["emb"] = layers.embedding_forward(inp, self.params[0].data, self.params[1].data)
@@ -225,7 +238,7 @@ class PipelineStage:
         loss, caches["ce"] = layers.crossentropy_forward(logits, targets)
         return float(loss), caches
 
-    def backward(self, cache, dout=None, scale=1.0, unit_ready=None):
+    def backward(self, cache, dout=None, scale=1.0, unit_ready=None, chunk=0):
         ready = _Countdown(len(self.units), unit_ready, hold=self.held_units)
         defer = self._deferred if self.defer_w else None
         if self.is_last:
@@ -347,7 +360,7 @@ class TensorParallelStage(PipelineStage):
         return a[:, self.model.sp_rank * Ts:(self.model.sp_rank + 1) * Ts]
 
     # the model's passes in pieces (ParallelGPT.embed_forward, block_forward, head_forward, ...)
-    def forward(self, inp, targets=None):
+    def forward(self, inp, targets=None, chunk=0):
         m = self.model
         caches = {}
         if self.is_first:
@@ -363,7 +376,7 @@ class TensorParallelStage(PipelineStage):
         loss, caches["head"] = m.head_forward(x, targets)
         return loss, caches
 
-    def backward(self, cache, dout=None, scale=1.0, unit_ready=None):
+    def backward(self, cache, dout=None, scale=1.0, unit_ready=None, chunk=0):
         m, ready = self.model, _Countdown(len(self.units), unit_ready)
         if self.is_last:
             dx = m.head_backward(cache["head"], scale)
@@ -416,6 +429,101 @@ class TensorParallelStage(PipelineStage):
         return out
 
 
+class ChunkedStage:
+    """The V model chunks one rank runs under the interleaved schedule, on one flat buffer.
+
+    model: a GPT (rtxmpi.nn.GPT; tensor- or sequence-parallel chunks are not supported);
+    stage, stages: this rank and the pipeline depth p; chunk_blocks: V (first, stop) block ranges,
+    chunk v being virtual stage v * p + stage of the p * V (stage_layout over p * V). Each chunk is
+    a PipelineStage of the p * V virtual stages (chunk 0 of rank 0 holds the embeddings, chunk
+    V - 1 of rank p - 1 the head and, tied, the wte copy); their parameters live in one flat
+    buffer, chunk after chunk (the copy last), so the optimizer, gradient buckets, ZeRO and the
+    gradient norm see one vector as for a PipelineStage. Attributes as PipelineStage (params,
+    flat_data, flat_grad, num_params, own_size, units, wte, tied_copy, is_first / is_last: this
+    rank holds the first / last virtual stage) plus chunks. Local: no communication.
+    """
+
+    def __init__(self, model, stage, stages, chunk_blocks):
+        V = len(chunk_blocks)
+        self.chunks = [PipelineStage(model, v * stages + stage, stages * V, blocks)
+                       for v, blocks in enumerate(chunk_blocks)]
+        first, last = self.chunks[0], self.chunks[-1]
+        self.cfg, self.stage, self.stages, self.xp, self.dtype = (model.cfg, stage, stages,
+                                                                  model.xp, model.dtype)
+        self.is_first, self.is_last, self.tied_copy = first.is_first, last.is_last, last.tied_copy
+        self.tp, self.tp_rank = 1, 0
+        self.full_specs = first.full_specs
+        entries, self.segments, at = [], [], 0
+        for ch in self.chunks:
+            entries += [(p.name, p.shape, p.decay) for p in ch.params]
+            self.segments.append(at)
+            at += ch.num_params
+        specs = layout(entries)
+        self.num_params = specs[-1].stop
+        self.flat_data = self.xp.empty(self.num_params, dtype=self.dtype)
+        self.flat_grad = self.xp.zeros(self.num_params, dtype=self.dtype)
+        self.params = bind(specs, self.flat_data, self.flat_grad)
+        self.units, k = [], 0
+        for ch, base in zip(self.chunks, self.segments):  # re-point each chunk at its segment
+            self.flat_data[base:base + ch.num_params] = ch.flat_data
+            for p in ch.params:
+                p.data, p.grad = self.params[k].data, self.params[k].grad
+                k += 1
+            ch.flat_data = self.flat_data[base:base + ch.num_params]
+            ch.flat_grad = self.flat_grad[base:base + ch.num_params]
+            self.units += [(a + base, b + base) for a, b in ch.units]
+        self.own_size = self.num_params - (last.num_params - last.own_size)
+        self.wte = first.wte if self.is_first else (last.wte if self.tied_copy else None)
+        self.defer_w, self.held_units = False, ()
+        self._unit_base = [sum(len(c.units) for c in self.chunks[:v]) for v in range(V)]
+
+    def zero_grad(self):
+        self.flat_grad.fill(0)
+
+    def activation_shape(self, b, T):
+        return (b, T, self.cfg.n_embd)
+
+    def check_positions(self, T):
+        """Nothing to check (no sequence split)."""
+
+    def local_tokens(self, a):
+        return a
+
+    def chunk_is_first(self, chunk):
+        return self.chunks[chunk].is_first
+
+    def chunk_is_last(self, chunk):
+        return self.chunks[chunk].is_last
+
+    def grad_norm_sq(self):
+        """Squared L2 norm of the rank's own gradient (every chunk; the wte copy not counted)."""
+        return grad_norm_sq(self.flat_grad[:self.own_size])
+
+    def own_pieces(self, local_own):
+        """[(full_start, values)] per chunk: its range of the one-process flat layout."""
+        return [(ch.flat_start, local_own[base:base + ch.own_size])
+                for ch, base in zip(self.chunks, self.segments)]
+
+    def load_from(self, read, name):
+        """The rank's whole vector (every chunk's range, then the wte copy) from the one-process
+        flat vector `name`: V + 1 read calls on every rank (the last of length 0 without a copy)."""
+        out = self.xp.empty(self.num_params, dtype=self.dtype)
+        for ch, base in zip(self.chunks, self.segments):
+            out[base:base + ch.own_size] = self.xp.asarray(
+                _read(read, name, ch.flat_start, ch.own_size), dtype=self.dtype)
+        copy = self.num_params - self.own_size
+        out[self.own_size:] = self.xp.asarray(_read(read, name, 0, copy), dtype=self.dtype)
+        return out
+
+    def forward(self, inp, targets=None, chunk=0):
+        return self.chunks[chunk].forward(inp, targets)
+
+    def backward(self, cache, dout=None, scale=1.0, unit_ready=None, chunk=0):
+        base = self._unit_base[chunk]
+        ready = None if unit_ready is None else (lambda u: unit_ready(base + u))
+        return self.chunks[chunk].backward(cache, dout=dout, scale=scale, unit_ready=ready)
+
+
 class PipelineParallel:
     """Train a GPT split into pipeline stages over `pp_group`, replicated over `dp_group`.
 
@@ -452,7 +560,7 @@ class PipelineParallel:
 
     def __init__(self, model, pp_group, dp_group=None, *, micro_batches, schedule="1f1b",
                  split=None, optimizer=None, bucket_bytes=DEFAULT_BUCKET_BYTES, overlap_dp=True,
-                 zero_stage=0, defer_weight_grads=True):
+                 zero_stage=0, defer_weight_grads=True, virtual_stages=1):
         if not isinstance(model, (GPT, ParallelGPT)):
             raise ConfigError(f"PipelineParallel needs an rtxmpi.nn.GPT or a ParallelGPT, got "
                               f"{type(model).__name__}")
@@ -464,11 +572,19 @@ class PipelineParallel:
         p = pp_group.world_size
         self.pp_group, self.dp_group = pp_group, dp_group
         self.micro_batches, self.schedule_name = micro_batches, schedule
-        self.layouts = stage_layout(model.cfg, p, split)
-        self.schedules = build_schedule(schedule, micro_batches, p)  # every stage's, checked
+        V = self.virtual_stages = virtual_stages
+        if V != 1 and isinstance(model, ParallelGPT):
+            raise ConfigError(f"virtual stages ({V}, the interleaved schedule) run plain GPT "
+                              "chunks only; use tp = sp = 1 or the 1f1b/gpipe schedule")
+        self.layouts = stage_layout(model.cfg, p * V, split)  # blocks per virtual stage
+        self.schedules = build_schedule(schedule, micro_batches, p, V)  # every stage's, checked
         self.schedule = self.schedules[pp_group.rank]
-        stage_type = TensorParallelStage if isinstance(model, ParallelGPT) else PipelineStage
-        self.stage = stage_type(model, pp_group.rank, p, self.layouts[pp_group.rank])
+        s = pp_group.rank
+        if V > 1:  # chunk v = virtual stage v * p + s
+            self.stage = ChunkedStage(model, s, p, [self.layouts[v * p + s] for v in range(V)])
+        else:
+            stage_type = TensorParallelStage if isinstance(model, ParallelGPT) else PipelineStage
+            self.stage = stage_type(model, s, p, self.layouts[s])
         self.cfg = model.cfg
         self.num_params = self.stage.full_specs[-1].stop  # the one-process model's
         self.full_specs = param_layout(model.cfg)  # the GPT's flat layout (checkpoint metadata)
@@ -498,7 +614,7 @@ class PipelineParallel:
         self.buckets = stage_buckets(st.units, int(bucket_bytes), st.flat_grad.itemsize)
         # the stage's last backward (micro-batch of the schedule's last B): its gradients are final
         # unit by unit during it, and the dp all_reduce of each bucket starts as soon as it is
-        self._last_b = [op.micro_batch for op in self.schedule if op.kind == "B"][-1]
+        self._last_b = {op.chunk: op.micro_batch for op in self.schedule if op.kind == "B"}
         self.dp_launched_in_backward = 0  # buckets whose all_reduce the last step started in B
         # the last stage's head and last-block MLP weight gradients run in its drain idle time
         self.deferred_w = (defer_weight_grads and type(st) is PipelineStage
@@ -638,45 +754,50 @@ class PipelineParallel:
         x, y = xp.asarray(x), xp.asarray(y)  # host batch -> the model's device (cupy)
         ops = self.schedule if backward else [op for op in self.schedule
                                               if op.kind in ("F", "send_act", "recv_act")]
-        inputs, outputs, caches, grads = {}, {}, {}, {}
-        last_ready = None  # the unit_ready of the stage's last backward (deferred units)
+        inputs, outputs, caches, grads = {}, {}, {}, {}  # keyed by (micro-batch, chunk)
+        # the dp buckets' callback, passed to each chunk's last backward (and the deferred units)
+        ready = (self._start_buckets() if backward and self.overlap_dp and self._dp_active()
+                 and self.zero_stage != 2 else None)
         sends, timeline, now = [], [], time.perf_counter
         self._loss_sum, scale = 0.0, 1.0 / m
         span = trace.span
+        p, V = pp.world_size, self.virtual_stages
         for op in ops:
-            i, kind = op.micro_batch, op.kind
+            i, kind, v = op.micro_batch, op.kind, op.chunk
+            key = (i, v)
             t0 = now()
-            with span(f"pp.{kind}", "pipeline", micro_batch=i, stage=st.stage):
+            with span(f"pp.{kind}", "pipeline", micro_batch=i, stage=st.stage, chunk=v):
                 if kind == "F":
-                    inp = x[i * b:(i + 1) * b] if st.is_first else inputs.pop(i)
-                    out, cache = st.forward(inp, y[i * b:(i + 1) * b] if st.is_last else None)
-                    if st.is_last:
+                    inp = x[i * b:(i + 1) * b] if st.chunk_is_first(v) else inputs.pop(key)
+                    last = st.chunk_is_last(v)
+                    out, cache = st.forward(inp, y[i * b:(i + 1) * b] if last else None, chunk=v)
+                    if last:
                         self._loss_sum += out
                     else:
-                        outputs[i] = out
+                        outputs[key] = out
                     if backward:
-                        caches[i] = cache
+                        caches[key] = cache
                 elif kind == "B":
-                    ready = (self._start_buckets() if i == self._last_b and self.overlap_dp
-                             and self._dp_active() and self.zero_stage != 2 else None)
-                    last_ready = ready if i == self._last_b else None
-                    dinp = st.backward(caches.pop(i), dout=grads.pop(i, None), scale=scale,
-                                       unit_ready=ready)
+                    dinp = st.backward(caches.pop(key), dout=grads.pop(key, None), scale=scale,
+                                       unit_ready=ready if i == self._last_b[v] else None,
+                                       chunk=v)
                     if dinp is not None:
-                        outputs[i] = dinp
-                elif kind.startswith("send_"):
-                    tag = 2 * i + (_ACT if kind == "send_act" else _GRAD)
-                    sends.append(pp.send(outputs.pop(i), op.peer, tag, async_op=True))
+                        outputs[key] = dinp
+                elif kind.startswith("send_"):  # tag: micro-batch and the receiving chunk
+                    to = (v * p + st.stage + (1 if kind == "send_act" else -1)) // p
+                    tag = 2 * (i * V + to) + (_ACT if kind == "send_act" else _GRAD)
+                    sends.append(pp.send(outputs.pop(key), op.peer, tag, async_op=True))
                 else:  # a receive: blocks until the peer's send arrived (CollectiveTimeout)
                     buf = xp.empty(shape, dtype=st.dtype)
                     into = inputs if kind == "recv_act" else grads
-                    into[i] = pp.recv(buf, op.peer, 2 * i + (_ACT if kind == "recv_act" else _GRAD))
+                    tag = 2 * (i * V + v) + (_ACT if kind == "recv_act" else _GRAD)
+                    into[key] = pp.recv(buf, op.peer, tag)
             timeline.append((kind, i, t0, now()))
             sends = [w for w in sends if not w.test()]  # let sends in flight progress
         if backward and self.deferred_w:  # after the last send: the stage idles from here on
             t0 = now()
             with span("pp.W", "pipeline", stage=st.stage):
-                st.flush_weight_grads(last_ready)
+                st.flush_weight_grads(ready)
             timeline.append(("W", -1, t0, now()))
         for w in sends:
             w.wait()
@@ -715,10 +836,15 @@ class PipelineParallel:
     def full_params(self):
         """The whole model's flat parameter vector (one-process GPT layout, num_params) on every
         rank. Collective over pp_group (one all_reduce of num_params elements) and tp."""
+        return self._full_of(self.stage.flat_data)
+
+    def _full_of(self, local):
+        """The one-process flat vector from every stage's `local` (a stage vector: params or an
+        optimizer state). Collective over pp_group (an all_reduce of num_params) and tp."""
         st = self.stage
-        full = st.xp.zeros(self.num_params, dtype=st.dtype)
-        start, values = st.own_full(st.flat_data[:st.own_size])
-        full[start:start + values.shape[0]] = values
+        full = st.xp.zeros(self.num_params, dtype=local.dtype)
+        for start, values in st.own_pieces(local[:st.own_size]):
+            full[start:start + values.shape[0]] = values
         if self.pp_group.world_size > 1:
             self.pp_group.all_reduce(full, op="sum")
         return full
@@ -737,6 +863,12 @@ class PipelineParallel:
         out = {}
         for name, local in (("params", st.flat_data), ("adam.m", state["m"]),
                             ("adam.v", state["v"])):
+            if self.virtual_stages > 1:  # V ranges a rank: whole vectors, 1/world of each a rank
+                full, p = self._full_of(local), self.pp_group.world_size
+                r = self.pp_group.rank * writers + w
+                lo, hi = r * n // (p * writers), (r + 1) * n // (p * writers)
+                out[name] = (full[lo:hi].copy(), lo, n)
+                continue
             start, values = st.own_full(local[:st.own_size])
             k = values.shape[0]
             lo, hi = w * k // writers, (w + 1) * k // writers
@@ -762,7 +894,8 @@ class PipelineParallel:
         st.zero_grad()
 
 
-def check_pipeline(*, pp, micro_batches, schedule, n_layer, zero_stage=0, offload="none"):
+def check_pipeline(*, pp, micro_batches, schedule, n_layer, zero_stage=0, offload="none",
+                   virtual_stages=1):
     """Validate a training job's pipeline settings before anything is built (pure, local, the
     same verdict on every rank). Raises ConfigError: pp > n_layer, an impossible schedule
     (unknown, micro_batches < 1, 1F1B with micro_batches < pp; the schedule is built and
@@ -771,10 +904,16 @@ def check_pipeline(*, pp, micro_batches, schedule, n_layer, zero_stage=0, offloa
     if pp < 1:
         raise ConfigError(f"--pp must be >= 1, got {pp}")
     if pp == 1:
+        if virtual_stages != 1:
+            raise ConfigError(f"--virtual-stages {virtual_stages} splits each pipeline rank's "
+                              "layers into chunks: it needs --pp > 1 and --schedule interleaved")
         return
     if pp > n_layer:
         raise ConfigError(f"--pp {pp} > n_layer {n_layer}: every pipeline stage needs at least one "
                           f"transformer block; use --pp <= {n_layer} or a deeper --model")
+    if pp * virtual_stages > n_layer:
+        raise ConfigError(f"--pp {pp} x --virtual-stages {virtual_stages} > n_layer {n_layer}: "
+                          "every virtual stage needs at least one transformer block")
     if zero_stage not in (0, *ZERO_STAGES):
         raise ConfigError(f"--zero-stage {zero_stage} with --pp {pp} is not supported: a stage's "
                           "parameters serve every micro-batch of the schedule, so stage 3 would "
@@ -782,12 +921,12 @@ def check_pipeline(*, pp, micro_batches, schedule, n_layer, zero_stage=0, offloa
     if offload != "none":
         raise ConfigError(f"--offload {offload} with --pp {pp} is not supported; use --offload "
                           "none (ZeRO stages 1 and 2 shard each stage's optimizer state)")
-    build_schedule(schedule, micro_batches, pp)
+    build_schedule(schedule, micro_batches, pp, virtual_stages)
 
 
 def build_pipeline(cfg, group, *, dp=None, pp, tp=1, sp=1, micro_batches, schedule="1f1b", split=None,
                    seed=0, dtype=np.float32, sequence_parallel=False, optimizer=None,
-                   bucket_bytes=DEFAULT_BUCKET_BYTES, xp=np, zero_stage=0):
+                   bucket_bytes=DEFAULT_BUCKET_BYTES, xp=np, zero_stage=0, virtual_stages=1):
     """The mesh (dp x pp x tp x sp) and PipelineParallel engine for a training job: builds the
     GPT (a ParallelGPT when tp or sp > 1, optionally with Megatron sequence_parallel) from (cfg, seed),
     keeps this rank's stage and drops the rest. Returns the engine (engine.mesh, engine.model =
@@ -799,4 +938,5 @@ def build_pipeline(cfg, group, *, dp=None, pp, tp=1, sp=1, micro_batches, schedu
              if tp > 1 or sp > 1 else GPT(cfg, seed=seed, xp=xp, dtype=dtype))  # xp: numpy or cupy
     return PipelineParallel.from_mesh(model, mesh, micro_batches=micro_batches, schedule=schedule,
                                       split=split, optimizer=optimizer,
-                                      bucket_bytes=bucket_bytes, zero_stage=zero_stage)
+                                      bucket_bytes=bucket_bytes, zero_stage=zero_stage,
+                                      virtual_stages=virtual_stages)

@@ -40,7 +40,9 @@ def test_pipeline_with_zero_or_too_few_micro_batches_exits_with_one_line_error(t
     env = launch_env(RTXMPI_CACHE_DIR=tmp_path / "cache")
     for args, message in ((["--zero-stage", "3", "--micro-batches", "2"],
                            "--zero-stage 3 with --pp 2 is not supported"),
-                          (["--micro-batches", "1"], "1F1B needs micro_batches >= pipeline stages")):
+                          (["--micro-batches", "1"], "1F1B needs micro_batches >= pipeline stages"),
+                          (["--virtual-stages", "2", "--micro-batches", "2"],
+                           "virtual stages (2) need the interleaved schedule")):
         proc = run_command(mpiexec_argv(2) + [sys.executable, TRAIN, "--pp", "2", "--steps", "2",
                                               "--no-progress", *args],
                            outer_timeout_s=60, env=env)
