@@ -19,9 +19,9 @@ Inputs are not validated here (this is the inner loop); models validate once, at
 """
 import math
 
+from rtxmpi import kernels
 from rtxmpi.backend import is_device_array, xp_of
-from rtxmpi.kernels import (LN_EPS, bias_gelu_backward, bias_gelu_forward, layernorm_reference,
-                            residual_layernorm_forward)
+from rtxmpi.kernels import LN_EPS, bias_gelu_backward, bias_gelu_forward, layernorm_reference
 
 _GELU_K = math.sqrt(2.0 / math.pi)  # tanh-approximation constant (Hendrycks & Gimpel 2016)
 _GELU_C = 0.044715
@@ -121,6 +121,25 @@ def layernorm_forward(x, g, b, eps=LN_EPS):
     """
     y, xhat, _, rstd = layernorm_reference(x, g, b, eps)
     return y, (xhat, rstd, g)
+
+
+def residual_layernorm_forward(a, x, g, b, eps=LN_EPS):
+    """The residual add of a pre-LN block and the next LayerNorm: x1 = a + x, h = LayerNorm(x1).
+
+    a, x: (..., C) (a, the branch output, is updated in place to x1 on numpy); g, b: (C,).
+    Returns x1, h: (..., C), cache (layernorm_forward's: `layernorm_backward` takes it). On cupy
+    one fused kernel (rtxmpi.kernels.residual_layernorm_forward), and the cache's xhat is built
+    from its mean and rstd; numpy adds in place then calls layernorm_forward (unfused, as before).
+    """
+    if is_device_array(x):
+        x1, h, mean, rstd = kernels.residual_layernorm_forward(a, x, g, b, eps)
+        rstd = rstd[..., None]
+        xhat = x1 - mean[..., None]
+        xhat *= rstd
+        return x1, h, (xhat, rstd, g)
+    a += x
+    h, cache = layernorm_forward(a, g, b, eps)
+    return a, h, cache
 
 
 def layernorm_backward(dy, cache, dg_out=None, db_out=None):
@@ -333,16 +352,7 @@ def block_forward(x, params, n_head):
     g1, b1, w_qkv, b_qkv, w_aproj, b_aproj, g2, b2, w_fc, b_fc, w_mproj, b_mproj = params
     h1, ln1_cache = layernorm_forward(x, g1, b1)
     a, attn_cache = attention_forward(h1, w_qkv, b_qkv, w_aproj, b_aproj, n_head)
-    if is_device_array(x):  # x1 = attn(ln1(x)) + x and h2 = ln2(x1) in one pass
-        x1, h2, mean, rstd = residual_layernorm_forward(a, x, g2, b2)
-        rstd = rstd[..., None]
-        xhat = x1 - mean[..., None]
-        xhat *= rstd
-        ln2_cache = (xhat, rstd, g2)  # layernorm_forward's cache
-    else:
-        a += x  # x1 = x + attn(ln1(x))
-        x1 = a
-        h2, ln2_cache = layernorm_forward(x1, g2, b2)
+    x1, h2, ln2_cache = residual_layernorm_forward(a, x, g2, b2)  # x1 = x + attn(ln1(x))
     y, mlp_cache = mlp_forward(h2, w_fc, b_fc, w_mproj, b_mproj)
     y += x1
     return y, (ln1_cache, attn_cache, ln2_cache, mlp_cache)

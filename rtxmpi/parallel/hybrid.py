@@ -292,8 +292,7 @@ class ParallelGPT:
         qkv, c_qkv = tpl.column_linear_forward(h1, w_qkv, b_qkv, tp, sp_on)  # (B, Ts, 3Cl)
         a, c_att = ulysses_attention_forward(qkv, self.n_head_local, self.sp_group)
         x1, c_aproj = tpl.row_linear_forward(a, w_aproj, b_aproj, tp, sp_on)
-        x1 += x
-        h2, ln2 = layers.layernorm_forward(x1, g2, b2)
+        x1, h2, ln2 = layers.residual_layernorm_forward(x1, x, g2, b2)  # cupy: one fused kernel
         f, c_fc = tpl.column_linear_forward(h2, w_fc, b_fc, tp, sp_on)  # (B, Ts, Fl)
         f, c_gelu = layers.gelu_forward(f)
         y, c_mproj = tpl.row_linear_forward(f, w_mproj, b_mproj, tp, sp_on)
