@@ -410,12 +410,17 @@ class NodeAllReduce:
         self._arena = None if mm is None else np.frombuffer(mm, np.uint8)
         self._views = {}  # dtype -> [1-D view of each local rank's buffers]
         self._stage = np.zeros(0, np.uint8)  # hierarchical reduce_scatter: grown, reused
-        # the mailbox (one node): per local rank a flag line and two slots of small_bytes
-        self.small_bytes = small_bytes if box is not None else -1
+        # the mailbox (one node): per local rank a flag line and two slots of small_bytes (maybe
+        # 0). Flag line (int64): [0] mailbox call, [1] cross-memory arrival call, [2] this call's
+        # array address, [3] cross-memory done call.
+        self.small_bytes = small_bytes if box is not None and small_bytes > 0 else -1
+        self._lines = None
         if box is not None:
             region = FLAG_BYTES + 2 * small_bytes
             raw = np.frombuffer(box, np.uint8)
-            self._flags = raw.view(np.int64)[::region // 8][:self.local_size]
+            self._lines = raw.view(np.int64).reshape(self.local_size, region // 8)
+            self._flags = self._lines[:, 0]
+            self._cma_calls = 0
             self._boxes = [[raw[j * region + FLAG_BYTES + k * small_bytes:
                                 j * region + FLAG_BYTES + (k + 1) * small_bytes] for k in (0, 1)]
                            for j in range(self.local_size)]
@@ -444,9 +449,9 @@ class NodeAllReduce:
             node.Free()
             return None
         cross = comm.Split(local_rank, key=rank) if local_size < size else None
-        small = (config.small_bytes - config.small_bytes % 8
-                 if cross is None and platform.machine().lower() in TSO_MACHINES else 0)
-        box = _map_arena(node, comm, local_size * (FLAG_BYTES + 2 * small)) if small > 0 else None
+        ordered = cross is None and platform.machine().lower() in TSO_MACHINES
+        small = max(0, config.small_bytes - config.small_bytes % 8) if ordered else 0
+        box = _map_arena(node, comm, local_size * (FLAG_BYTES + 2 * small)) if ordered else None
         if box is not None:
             np.frombuffer(box, np.uint8).fill(0)  # every rank touches it all: flags start at 0
             node.Barrier()
@@ -480,13 +485,53 @@ class NodeAllReduce:
 
     # -- cross-memory helpers ---------------------------------------------------------------
     def _exchange(self, x, wait):
-        """Arrival of every rank of the group and the local peers' array addresses: one
-        all_gather of one int64 over the group. Returns [(pid, address)] of the other local
-        ranks, in local-rank order."""
-        self._my_addr[0] = x.ctypes.data
-        wait([self.comm.Iallgather(self._my_addr, self._addrs)])
-        addrs, pids, me = self._addrs, self._pids, self.local_rank
-        return [(pids[j], int(addrs[g])) for j, g in enumerate(self._local_group) if j != me]
+        """Arrival of every rank of the group and the local peers' array addresses. Returns
+        [(pid, address)] of the other local ranks, in local-rank order. On one node with the
+        flag lines (see __init__): this rank publishes its address, then raises its arrival flag,
+        and polls the peers' flags (the deadline-aware `wait` after a short spin); a peer cannot
+        start its next call, and overwrite its address, before this rank has finished (`_done`).
+        Otherwise one all_gather of one int64 over the group."""
+        me, pids = self.local_rank, self._pids
+        lines = self._lines
+        if lines is None:
+            self._my_addr[0] = x.ctypes.data
+            wait([self.comm.Iallgather(self._my_addr, self._addrs)])
+            addrs = self._addrs
+            return [(pids[j], int(addrs[g])) for j, g in enumerate(self._local_group) if j != me]
+        self._cma_calls += 1
+        lines[me, 2] = x.ctypes.data
+        lines[me, 1] = self._cma_calls
+        self._await(1, wait)
+        return [(pids[j], int(lines[j, 2])) for j in range(self.local_size) if j != me]
+
+    def _done(self, wait):
+        """The closing node barrier of a cross-memory call: no rank returns while a peer still
+        reads or writes its array. Flag [3] on one node with the flag lines, else MPI Ibarrier."""
+        lines = self._lines
+        if lines is None:
+            wait([self.node.Ibarrier()])
+            return
+        lines[self.local_rank, 3] = self._cma_calls
+        self._await(3, wait)
+
+    def _await(self, column, wait):
+        """Until every local rank's flag `column` has reached this call: spin briefly, then
+        `wait(poll)`."""
+        lines, call = self._lines, self._cma_calls
+        if self.local_size == 2:
+            flag = lines[1 - self.local_rank, column:column + 1]
+
+            def poll():
+                return flag[0] >= call
+        else:
+            flags = lines[:, column]
+
+            def poll():
+                return bool((flags >= call).all())
+        for _ in range(SPIN_POLLS):
+            if poll():
+                return
+        wait(poll)
 
     def _peer_error(self, op, exc):
         return peer_failure(op, exc, self._pids, [self._members[g] for g in self._local_group],
@@ -580,7 +625,7 @@ class NodeAllReduce:
                     write(pid, addr + lo * itemsize, base + lo * itemsize, (hi - lo) * itemsize)
         except PeerAccessError as exc:
             raise self._peer_error("all_reduce", exc) from exc
-        wait([self.node.Ibarrier()])
+        self._done(wait)
 
     # -- reduce_scatter ---------------------------------------------------------------------
     def reduce_scatter(self, x, out, counts, mpi_op, wait=_wait_all, guard=contextlib.nullcontext):
@@ -632,7 +677,7 @@ class NodeAllReduce:
         if self.cross is not None:
             with guard():
                 self.cross.Reduce_scatter(dest, out, col_counts, mpi_op)
-        wait([self.node.Ibarrier()])
+        self._done(wait)
         return True
 
     # -- all_gather -------------------------------------------------------------------------
@@ -659,7 +704,7 @@ class NodeAllReduce:
                     read(pid, base + g * nbytes, addr, nbytes)
         except PeerAccessError as exc:
             raise self._peer_error("all_gather", exc) from exc
-        wait([self.node.Ibarrier()])
+        self._done(wait)
         return True
 
     def _all_reduce_copy(self, x, ufunc, mpi_op):
