@@ -28,9 +28,9 @@ A `HardwareProfile` holds the numbers the planner's cost model (rtxmpi/parallel/
                      micro-batches stay in cache and run closer to the kernels' rates
     ref_block        {"n_layer": 1, "ms_ratio": the same model with one block, its CPU time / the
                      reference's}: the planner interpolates the factor in the blocks a process
-                     holds (log-linear between 1 and n_layer): a pipeline stage of one block runs
-                     its block faster than the whole model does (measured 1.2-1.5x: its
-                     activations and weights stay in cache between forward and backward)
+                     holds (log-linear between 1 and n_layer): a pipeline stage of one block may
+                     run its block faster than the whole model does (its activations and weights
+                     stay in cache between forward and backward; 2-11% on the CI machine kind)
   all compute times (kernels, ref_ms, ref_small, ref_block) are CPU time (time.thread_time,
   clock = "cpu"): the work, unaffected by time slices other processes take; the wall times of
   the sharing runs below then measure the sharing alone, absolutely (fit_sharing work_ms)
