@@ -2,14 +2,18 @@
 that numpy refuses, kernels emulated by their numpy references, host-staged collectives) against
 the same run with --device cpu: DP buckets, ZeRO 1-3, CPU and NVMe offload, checkpoints
 (device-to-host streaming) and resume, tensor / Megatron-sequence / Ulysses / pipeline
-parallelism. The stand-in computes with numpy underneath, so every run must equal the CPU run bit
-for bit (loss, validation loss, checkpoint checksums); the CPU runs are held to the one-process
-reference by the other parity tests. Holds at any world size (the tp/pp/sp layouts need 2 ranks).
+parallelism. The stand-in computes with numpy underneath (the model is bit for bit the numpy
+model, tests/unit/test_device_stand_in.py), so a run must equal the CPU run: bit for bit for data
+parallelism (loss, validation loss, checkpoint checksums), and within 1e-6 relative elsewhere,
+since host staging runs an async reduce_scatter synchronously, which may sum in another order
+(seen at 4 ranks with ZeRO-3). The CPU runs are held to the one-process reference by the other
+parity tests. Holds at any world size (the tp/pp/sp layouts need 2 ranks).
 """
 import importlib.util
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 
@@ -19,6 +23,8 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import devicesim  # noqa: E402
+
+from rtxmpi.elastic import loop as elastic_loop  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,17 +62,27 @@ def run(train_example, workdir, device, flags, monkeypatch=None):
             "--global-batch", "8", "--steps", "3", "--no-progress", "--sample-tokens", "0",
             "--eval-batches", "1", "--device", device]
     flags = [f.replace("{dir}", os.path.join(workdir, device)) for f in flags]
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(elastic_loop._config, "stop", None)  # train() installs SIGTERM handlers...
         if device == "cuda":
             devicesim.install(mp)
-        record = train_example.train(train_example.parse_args(base + flags))
+        try:
+            record = train_example.train(train_example.parse_args(base + flags))
+        finally:
+            for signum, handler in handlers.items():  # ...which this test process gives back
+                signal.signal(signum, handler)
         return record, dict(devicesim.launches) if device == "cuda" else {}
 
 
-def same_run(train_example, workdir, flags):
+def same_run(train_example, workdir, flags, exact=False):
     cpu, _ = run(train_example, workdir, "cpu", flags)
     dev, launches = run(train_example, workdir, "cuda", flags)
-    assert (dev["loss"], dev["val_loss"]) == (cpu["loss"], cpu["val_loss"])
+    if exact:
+        assert (dev["loss"], dev["val_loss"]) == (cpu["loss"], cpu["val_loss"])
+    else:
+        np.testing.assert_allclose([dev["loss"], dev["val_loss"]],
+                                   [cpu["loss"], cpu["val_loss"]], rtol=1e-6)
     return launches
 
 
@@ -79,7 +95,8 @@ def checksums(directory):
 
 
 def test_dp_checkpoint_and_resume_on_device_match_cpu(world, train_example, workdir):
-    launches = same_run(train_example, workdir, ["--ckpt-dir", "{dir}", "--ckpt-every", "2"])
+    launches = same_run(train_example, workdir, ["--ckpt-dir", "{dir}", "--ckpt-every", "2"],
+                        exact=True)
     # every block: residual+LayerNorm and bias+GELU fused; AdamW fused; the epilogue when dp > 1
     assert launches["residual_layernorm_forward_f32"] and launches["bias_gelu_backward_f32"]
     assert launches.get("adamw_f32x4", 0) + launches.get("adamw_f32", 0) == 3
@@ -87,7 +104,7 @@ def test_dp_checkpoint_and_resume_on_device_match_cpu(world, train_example, work
         assert launches.get("grad_epilogue_f32x4", 0) + launches.get("grad_epilogue_f32", 0) == 3
     assert checksums(os.path.join(workdir, "cuda")) == checksums(os.path.join(workdir, "cpu"))
     same_run(train_example, workdir, ["--ckpt-dir", "{dir}", "--resume", "--steps", "4",
-                                      "--sample-tokens", "8"])  # generation from device params
+                                      "--sample-tokens", "8"], exact=True)  # + generation
 
 
 @pytest.mark.parametrize("flags", [
