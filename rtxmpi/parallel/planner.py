@@ -569,7 +569,8 @@ def memory_breakdown(cfg, layout, global_batch, device="cpu"):
                  and grads
       offload "nvme": master parameters, m and v in files; in memory the host gradient copy
                  (4P / W) and the store's bound, min(chunks, 3) chunks of the three tensors plus
-                 the chunk-sized AdamW scratch and mask (rtxmpi.parallel.offload defaults)
+                 the chunk-sized AdamW scratch and mask (rtxmpi.parallel.offload defaults), all
+                 host memory (none of it on a "cuda" device)
     activations: per block and micro-batch (activation_bytes), times the micro-batches in flight
     (1 without a pipeline: accumulation frees each cache; GPipe m; 1F1B min(m, pp - stage)).
     total = params + grads + optimizer + max(activations + transient during backward, the
@@ -602,7 +603,7 @@ def memory_breakdown(cfg, layout, global_batch, device="cpu"):
             chunk = DEFAULT_CHUNK_BYTES / 4
             chunks = max(1, math.ceil(shard / chunk))
             elems = min(chunk, shard)
-            optimizer = 4 * elems * (3 * min(DEFAULT_MAX_CHUNKS, chunks) + 2)
+            optimizer = 4 * elems * (3 * min(DEFAULT_MAX_CHUNKS, chunks) + 2) if host else 0.0
             if host:
                 grads += 4 * chunks * chunk  # the host gradient copy, padded to whole chunks
         in_flight = (L.micro_batches if L.schedule == "gpipe"

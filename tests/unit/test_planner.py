@@ -376,6 +376,8 @@ def test_memory_model_matches_zero_memory_bytes_table():
     nv = memory_breakdown(big, Layout(2, 1, 1, 1, 1, 1, "none", "nvme"), 8)[0]
     plain = memory_breakdown(big, Layout(2, 1, 1, 1, 1, 1), 8)[0]
     assert nv["optimizer"] == 4 * (2**20) * (3 * 3 + 2) < plain["optimizer"]
+    nv_gpu = memory_breakdown(big, Layout(2, 1, 1, 1, 1, 1, "none", "nvme"), 8, device="cuda")[0]
+    assert nv_gpu["optimizer"] == 0 and nv_gpu["grads"] == plain["grads"]
     # with tp the shard is of the rank's 1/tp of the model; with pp of its stage
     tp2 = memory_breakdown(CFG, Layout(2, 2, 1, 1, 1, 3), 32)[0]
     assert tp2["params"] == pytest.approx(4 * 842496 / 2 / 2, rel=0.01)
