@@ -387,6 +387,8 @@ def measure_paths(world, comm, sizes, iters, dtype):
     """Interleaved: raw Allreduce and rtxmpi's all_reduce with each algorithm forced. The mailbox
     runs only up to 64 MiB (its shared buffers are twice the message per rank)."""
     groups = path_groups(world, max(sizes))
+    for group in groups.values():  # build each group's engine before timing
+        group.all_reduce(np.zeros(1, dtype))
     cells = []
     for size in sizes:
         x = np.zeros(element_count("all_reduce", size, dtype.itemsize, comm.Get_size()), dtype)

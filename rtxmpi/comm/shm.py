@@ -94,14 +94,15 @@ from ..errors import CollectiveError, ConfigError, RankFailure
 # synchronizations and its system calls cost more than MPI's single-copy algorithms below that);
 # messages up to DEFAULT_SMALL_BYTES take the one-synchronization mailbox (one node only); sizes
 # in between use MPI. Crossovers measured with bench/collectives.py (bench/RESULTS.md).
-DEFAULT_MIN_BYTES = 4 << 20
-DEFAULT_SMALL_BYTES = 64 << 10
+DEFAULT_MIN_BYTES = 2 << 20
+DEFAULT_SMALL_BYTES = 32 << 10
 DEFAULT_CHUNK_BYTES = 256 << 10
 MIN_CHUNK_BYTES = 4 << 10
 BUFFERS = 3  # triple buffering: one barrier per chunk (see the module docstring)
 NEVER = sys.maxsize  # min_bytes when the path is off
 FLAG_BYTES = 64  # one cache line per local rank for its mailbox flag
 TSO_MACHINES = ("x86_64", "amd64", "i386", "i686")  # the mailbox relies on their store order
+BOX_VIEWS = 256  # cached mailbox views (dtype, size, parity); cleared when full
 SPIN_POLLS = 64  # polls of a mailbox flag (a few microseconds) before yielding the core
 
 
@@ -426,6 +427,7 @@ class NodeAllReduce:
                            for j in range(self.local_size)]
             self._box_slots = [[boxes[k] for boxes in self._boxes] for k in (0, 1)]
             self._box_calls = 0
+            self._box_views = {}  # (dtype, count, parity) -> [typed view of each rank's slot]
         if peers is not None:
             self._reader, self._pids = peers
             self._tmp = np.zeros(chunk_bytes, np.uint8)  # touched once, reused
@@ -547,9 +549,15 @@ class NodeAllReduce:
         no longer reads). Same contract as all_reduce; the caller checks
         `x.nbytes <= small_bytes` and supports() (both the same on every rank)."""
         self._box_calls += 1
-        call, flags, me, nbytes = self._box_calls, self._flags, self.local_rank, x.nbytes
-        slots = self._box_slots[call & 1]
-        slots[me][:nbytes] = x.view(np.uint8)
+        call, flags, me = self._box_calls, self._flags, self.local_rank
+        key = (x.dtype, x.size, call & 1)
+        views = self._box_views.get(key)
+        if views is None:  # typed views of every slot, cached for repeated sizes (buckets)
+            if len(self._box_views) >= BOX_VIEWS:
+                self._box_views.clear()
+            views = self._box_views[key] = [slot[:x.nbytes].view(x.dtype)
+                                            for slot in self._box_slots[call & 1]]
+        np.copyto(views[me], x)
         flags[me] = call
         if self.local_size == 2:
             peer = 1 - me
@@ -564,8 +572,7 @@ class NodeAllReduce:
                 break
         else:
             wait(poll)
-        dtype, ufunc = x.dtype, ufunc_of(mpi_op)
-        views = [slot[:nbytes].view(dtype) for slot in slots]
+        ufunc = ufunc_of(mpi_op)
         ufunc(views[0], views[1], out=x)
         for view in views[2:]:
             ufunc(x, view, out=x)
