@@ -270,8 +270,8 @@ class DeviceBackend(MPIBackend):
                 if now >= next_error_check:
                     self._check_async_error(requests, op)
                     next_error_check = now + ASYNC_ERROR_INTERVAL_S
-                if now >= deadline:
-                    self._diagnose(op, seq, timeout_s)
+                if now >= deadline and self._diagnose(op, seq, timeout_s, lambda: event.done):
+                    return  # completed during the diagnosis: a late arrival, not an error
                 if now - start > SPIN_BEFORE_SLEEP_S:
                     time.sleep(0)
         except CollectiveTimeout as exc:
@@ -290,17 +290,14 @@ class DeviceBackend(MPIBackend):
             raise CollectiveError(f"{op} on group '{self.group_name}': NCCL reported "
                                   f"{exc}; the communicator was aborted") from None
 
-    def _diagnose(self, op, seq, timeout_s):
+    def _diagnose(self, op, seq, timeout_s, done):
         """Past the deadline: the monitor's diagnosis (who did not arrive), which raises
-        CollectiveTimeout here and, through its NOTICE, on every waiting member. The request
-        it polls is a generalized request nobody completes: the device op is not an MPI one."""
-        never = MPI.Grequest.Start()
-        try:
-            self.monitor._diagnose_and_raise([never], op=op, seq=seq, group=self.group_name,
-                                             members=self.members, timeout_s=timeout_s)
-        finally:
-            never.Complete()
-            never.Wait()
+        CollectiveTimeout here and, through its NOTICE, on every waiting member. done(): the
+        device op's completion (its event), polled during the diagnosis; True is returned when
+        it completed meanwhile."""
+        if self.monitor._diagnose_and_raise(done, op=op, seq=seq, group=self.group_name,
+                                            members=self.members, timeout_s=timeout_s):
+            return True
         raise CollectiveTimeout(f"{op} #{seq} on group '{self.group_name}' did not complete "
                                 f"within {timeout_s:g} s", op=op, seq=seq,
                                 group=self.group_name, missing=[], timeout_s=timeout_s)
