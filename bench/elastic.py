@@ -1,6 +1,6 @@
 """Recovery time after a rank dies: shrink-and-continue (ULFM) against supervised restart, in one run.
 
-    python bench/elastic.py [--model small] [--ranks 4] [--repeats 3] [--json FILE]
+    python bench/elastic.py [--model small] [--ranks 4] [--repeats 3] [--layout "--tp 2 --dp 2"] [--json FILE]
 
 (a driver: it launches the jobs itself). Each repetition, in a rotating order:
   shrink   mpiexec --with-ft ulfm -n 4 python examples/train.py --elastic shrink, a seeded random
@@ -11,6 +11,8 @@
            the job down, the supervisor relaunches it with --resume); recovery = from the kill to
            the first step of the relaunch appearing in the metrics file (polled every 5 ms);
            lost = steps redone from the last checkpoint.
+--layout: train.py layout flags for both (e.g. "--tp 2 --dp 2": the shrink then rebuilds the model
+from the survivors' tp shards and re-plans it for 3 ranks, docs/elastic.md "Hybrid layouts").
 Step time (the median before the kill) is shown for scale. Targets (reported, never asserted):
 shrink <= 2 s to the first step after recovery with <= 1 step lost; restart <= 30 s.
 """
@@ -42,7 +44,7 @@ ULFM = ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "--mca",
         "mpi_ft_detector_period", "1", "--mca", "mpi_ft_detector_timeout", "10"]
 KILLED = re.compile(r"\[rtxmpi fault\] kill launch rank (\d+) step (\d+) phase \w+ t=([\d.]+)")
 FIRST = re.compile(r"elastic: step (\d+) completed [\d.]+ s after the failure was seen \(t=([\d.]+)\)")
-REPLICA = re.compile(r"replica at step (\d+)")
+REPLICA = re.compile(r"(?:replica|shards of ranks \[[\d, ]+\]) at step (\d+)")
 
 
 def env(**extra):
@@ -59,7 +61,7 @@ def train_args(args, folder):
     return [sys.executable, TRAIN, "--model", args.model, "--steps", str(args.steps),
             "--global-batch", "12", "--seq-len", "64", "--eval-every", "0", "--eval-batches", "1",
             "--sample-tokens", "0", "--no-progress", "--ckpt-dir", os.path.join(folder, "ckpt"),
-            "--metrics-jsonl", os.path.join(folder, "m.jsonl")]
+            "--metrics-jsonl", os.path.join(folder, "m.jsonl")] + args.layout.split()
 
 
 def step_times(folder, before):
@@ -89,7 +91,8 @@ def restart(args, folder, victim, step):
         while not stop.is_set():
             if os.path.exists(metrics):
                 with open(metrics) as f:
-                    lines = f.read().splitlines()
+                    text = f.read()
+                lines = text[:text.rfind("\n") + 1].splitlines()  # complete lines only
                 for i in range(count, len(lines)):
                     seen[i] = (time.time(), json.loads(lines[i])["step"])
                 count = len(lines)
@@ -126,6 +129,7 @@ def main():
     p.add_argument("--ckpt-every", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layout", default="", help='train.py layout flags, e.g. "--tp 2 --dp 2"')
     p.add_argument("--json", default=None)
     args = p.parse_args()
     info = machine_info()
@@ -155,13 +159,15 @@ def main():
                      max(r["lost_steps"] for r in runs), fmt(statistics.median(r["step_ms"] for r in runs), 1),
                      f"<= {target:g} s", "yes" if statistics.median(rec) <= target else "NO"])
     print(f"\n{machine_line(info)}")
-    print(f"model {args.model}, {args.ranks} ranks, global batch 12 x 64, checkpoint every "
+    print(f"model {args.model}, {args.ranks} ranks{' ' + args.layout if args.layout else ''}, "
+          f"global batch 12 x 64, checkpoint every "
           f"{args.ckpt_every} steps; {args.repeats} repetitions, kill = SIGKILL of a random rank in "
           f"the backward of a random step\n")
     print(markdown_table(["recovery", "median s (kill -> first step)", "range s", "max steps lost",
                           "step ms", "target", "met"], rows))
+    layout = f' --layout "{args.layout}"' if args.layout else ""
     print(f"\ncommand: python bench/elastic.py --model {args.model} --ranks {args.ranks} "
-          f"--repeats {args.repeats} --seed {args.seed}")
+          f"--repeats {args.repeats} --seed {args.seed}{layout}")
     if args.json:
         write_json(args.json, {"machine": info, "args": vars(args), "results": results})
 

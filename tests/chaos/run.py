@@ -17,7 +17,11 @@ RTXMPI_FAULT (rtxmpi/elastic/fault.py) at a random step, phase, delay and victim
            resumes from the last committed checkpoint and finishes;
   crash    a rank is SIGKILLed with --elastic off: the job must end non-zero (no hang) with the
            last committed checkpoint intact (checksums verified);
-  shrink2  two ranks die at different steps (--min-ranks 2): 4 -> 3 -> 2 ranks, as for shrink.
+  shrink2  two ranks die at different steps (--min-ranks 2): 4 -> 3 -> 2 ranks, as for shrink;
+  hybrid   as shrink, with --tp 2 --dp 2, --pp 2 --dp 2 or --pp 2 --tp 2 (a random one): the
+           survivors re-plan the layout for 3 ranks and rebuild the model from the surviving
+           shards or the last checkpoint (docs/elastic.md, "Hybrid layouts"). Not in the CI set
+           (the first 5 kinds): --kinds hybrid.
 
 Prints one line per scenario and `chaos: N scenarios tried, M passed`; exits 1 if any failed.
 """
@@ -43,7 +47,9 @@ STEPS, CKPT_EVERY = 12, 4
 ARGS = ["--model", "tiny", "--global-batch", "12", "--seq-len", "32", "--eval-every", "0",
         "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--steps", str(STEPS),
         "--ckpt-every", str(CKPT_EVERY)]
-KINDS = ("shrink", "sigterm", "stuck", "restart", "crash", "shrink2")
+KINDS = ("shrink", "sigterm", "stuck", "restart", "crash", "shrink2", "hybrid")
+HYBRID = (["--tp", "2", "--dp", "2"], ["--pp", "2", "--dp", "2", "--micro-batches", "2"],
+          ["--pp", "2", "--tp", "2", "--micro-batches", "2"])
 OUTER_TIMEOUT_S = 120
 LOG = {"path": None}  # the current scenario's log file: every command with its output
 
@@ -112,7 +118,7 @@ def train_argv(folder, n, *extra, ulfm=False):
 
 def scenario(kind, rng, folder):
     """Run one scenario; returns (description, None when it passed else what went wrong)."""
-    victim = rng.randrange(4 if kind in ("shrink", "stuck") else 2)
+    victim = rng.randrange(4 if kind in ("shrink", "stuck", "hybrid") else 2)
     step = rng.randrange(2, STEPS - 1)
     phase = rng.choice(["forward", "backward", "save"]) if kind != "stuck" else rng.choice(
         ["forward", "backward"])
@@ -189,6 +195,19 @@ def scenario(kind, rng, folder):
         if "shrank the world 3 -> 2" not in done.stderr:
             return fault, "no second shrink reported"
         return fault, check_final(folder, 2)
+    if kind == "hybrid":
+        layout = rng.choice(HYBRID)
+        if "--pp" in layout and phase == "backward":
+            phase = "forward"  # a pipeline step runs inside the forward phase (train_step)
+        fault = f"kill:{victim}:{step}:{phase}:{delay}"
+        done, t = run(train_argv(folder, 4, "--elastic", "shrink", *layout, ulfm=True),
+                      RTXMPI_FAULT=fault)
+        what = f"{' '.join(layout[:4])} {fault}"
+        if done.returncode != 0:
+            return what, f"exit {done.returncode}: {done.stderr[-600:]}"
+        if "shrank the world 4 -> 3" not in done.stderr or "layout for 3 ranks" not in done.stdout:
+            return what, "no shrink or no re-planned layout reported"
+        return what, check_final(folder, 3)
     raise ValueError(kind)
 
 
