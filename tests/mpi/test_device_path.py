@@ -55,12 +55,16 @@ def workdir(world):
         shutil.rmtree(path, ignore_errors=True)
 
 
-def run(train_example, workdir, device, flags, monkeypatch=None):
-    """train.py's train() in this process; returns (final record, kernel launches)."""
-    base = ["--data", os.path.join(workdir, "corpus.txt"), "--cache-dir",
+def base_flags(workdir, device):
+    return ["--data", os.path.join(workdir, "corpus.txt"), "--cache-dir",
             os.path.join(workdir, "cache"), "--model", "tiny", "--seq-len", "32",
             "--global-batch", "8", "--steps", "3", "--no-progress", "--sample-tokens", "0",
             "--eval-batches", "1", "--device", device]
+
+
+def run(train_example, workdir, device, flags):
+    """train.py's train() in this process; returns (final record, kernel launches)."""
+    base = base_flags(workdir, device)
     flags = [f.replace("{dir}", os.path.join(workdir, device)) for f in flags]
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
     with pytest.MonkeyPatch.context() as mp:
@@ -140,3 +144,21 @@ def test_elastic_replica_handover_takes_device_tensors(world, monkeypatch):
                              lambda: {"step": 7}, world.world_size)
     assert (state.step, state.source_rank, state.meta) == (7, last, {"step": 7})
     np.testing.assert_array_equal(state.read("params", 0, 10), values + last)
+
+
+def test_device_cuda_without_cupy_is_a_config_error_on_every_rank(world, train_example, workdir,
+                                                                  monkeypatch, capsys):
+    from rtxmpi import backend
+
+    monkeypatch.setattr(backend, "_cupy", None)
+    monkeypatch.setattr(backend, "_cupy_checked", True)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        with pytest.raises(SystemExit) as exc:
+            train_example.main(base_flags(workdir, "cuda"))
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert exc.value.code == train_example.EXIT_CONFIG
+    if world.rank == 0:
+        assert "device 'cuda' needs cupy" in capsys.readouterr().err
