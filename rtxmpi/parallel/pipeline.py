@@ -7,8 +7,8 @@ Source: GPipe (Huang et al., NeurIPS 2019), PipeDream-Flush / 1F1B (Narayanan et
 embedding group for tied input/output embeddings.
 
 Layout. The GPT's units (embeddings, blocks 0..L-1, head; rtxmpi.nn.gpt) are split by blocks:
-`stage_layout` partitions the L blocks into pp contiguous non-empty groups (balanced by parameter
-count, the embeddings counted with the first block and the head with the last, or a given
+`stage_layout` partitions the L blocks into pp contiguous non-empty groups (balanced by estimated
+compute, `stage_costs`: the embeddings counted with the first block and the head with the last; or a given
 `split` of blocks per stage); stage 0 also holds the embeddings, the last stage the head. A stage's
 parameters are therefore one contiguous range [flat_start, flat_stop) of the GPT's flat layout,
 which the stage keeps in its own flat buffers (1/pp of the memory). With tied embeddings and
@@ -16,6 +16,10 @@ pp > 1 the last stage also keeps a copy of wte for the output head, appended aft
 each backward the two wte gradients are summed over the two ranks that hold them (the "embedding
 group", first and last stage of each pipeline), so both copies receive the same update and stay
 identical (they start identical: copied from the same model and broadcast from stage 0).
+
+Additions: dp gradient buckets reduced while the stage's last backward runs, ZeRO 1/2 per stage
+(pipeline_zero.py), Ulysses (sp) stages, the last stage's deferred weight gradients, and
+interleaved 1F1B over virtual stages (ChunkedStage); see docs/pipeline.md.
 
 Step. `train_step(x, y)` splits this rank's batch into micro_batches equal micro-batches and runs
 its stage's op list: F/B of a micro-batch, blocking receives, non-blocking sends (completed at the
@@ -537,10 +541,15 @@ class PipelineParallel:
     its own tokens, and gradients and loss are averaged over it.
     bucket_bytes: dp gradient bucket size (whole units: blocks, embeddings, head); each bucket's
     all_reduce starts during the stage's last backward (overlap_dp=True) or after the schedule.
-    micro_batches: m, micro-batches per step on each pipeline (>= 1; >= pp for 1F1B).
-    schedule: "1f1b" (default) or "gpipe". split: blocks per stage (see stage_layout), None:
-    balanced by parameter count. optimizer: callable(params_flat, decay_mask) -> AdamW-like
-    (default AdamW(lr=3e-4)); it updates this stage's flat_data (own range and the wte copy).
+    micro_batches: m, micro-batches per step on each pipeline (>= 1; >= pp for 1F1B; a multiple
+    of pp for interleaved). schedule: "1f1b" (default), "gpipe" or "interleaved" (with
+    virtual_stages = V >= 2 plain-GPT chunks a rank: ChunkedStage). split: blocks per (virtual)
+    stage (see stage_layout), None: balanced by estimated compute. optimizer: callable(params_flat,
+    decay_mask) -> AdamW-like (default AdamW(lr=3e-4)); it updates this stage's flat_data (own
+    range and the wte copy), or with zero_stage 1 or 2 only this rank's shard of it
+    (rtxmpi.parallel.pipeline_zero.StageZero over dp_group). defer_weight_grads: the last stage of
+    a plain-GPT pipeline (V = 1) computes its head's and last block's MLP weight gradients after
+    its last op (PipelineStage.defer_weight_grads; bitwise the same gradients).
     Construction broadcasts the stage's parameters from dp rank 0 and the tied wte from stage 0
     to the last stage, so every copy starts identical.
 
@@ -548,14 +557,15 @@ class PipelineParallel:
     grad_norm / eval_loss the same number of times in the same order, with same-shaped batches.
     Raises ConfigError on every rank (before any send) for an unknown schedule, pp > n_layer,
     micro_batches < 1 or < pp with 1F1B, a split that does not fit, a schedule that fails
-    check_schedule.
+    check_schedule, ZeRO stage 3, virtual stages with tp or sp.
 
-    Attributes: stage (PipelineStage or TensorParallelStage), model (the same stage: dtype,
+    Attributes: stage (PipelineStage, TensorParallelStage or ChunkedStage), model (the same stage: dtype,
     num_params, full_specs, as train.py reads a model), mesh (from_mesh), num_params (the whole
     one-process model's), embed_group, optimizer, schedule (this stage's op list), schedules (every stage's),
     layouts (blocks per stage), micro_batches, timeline (after train_step: list of (kind,
     micro_batch, start_s, stop_s) per op of this rank, perf_counter seconds; recv spans are the
-    time blocked waiting).
+    time blocked waiting; "dp_wait": the wait for the dp reduction after the schedule, "W": the
+    deferred weight gradients), buckets (dp gradient buckets), zero (StageZero or None).
     """
 
     def __init__(self, model, pp_group, dp_group=None, *, micro_batches, schedule="1f1b",
