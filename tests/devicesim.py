@@ -38,14 +38,14 @@ from rtxmpi import kernels as _kernels
 # ------------------------------------------------------------------------- what cupy has
 FUNCTIONS = frozenset("""
 abs absolute add all allclose amax amin any arange arccos arcsin arctan arctan2 argmax argmin
-argsort argwhere around array array_equal array_split asarray ascontiguousarray astype
+argsort argwhere around array array_equal array_split asarray ascontiguousarray
 atleast_1d atleast_2d average bincount broadcast_arrays broadcast_to ceil clip concatenate copy
 copyto cos cosh count_nonzero cumprod cumsum diag diagonal diff divide dot einsum empty
 empty_like equal exp expand_dims expm1 eye flatnonzero flip floor floor_divide full full_like
 greater greater_equal hstack identity isclose isfinite isinf isnan less less_equal linspace log
 log1p log2 logical_and logical_not logical_or matmul max maximum mean min minimum mod moveaxis
 multiply nan_to_num negative nonzero not_equal ones ones_like outer pad power prod ptp put
-ravel reciprocal remainder repeat reshape result_type rint round rsqrt searchsorted sign sin sinh
+ravel reciprocal remainder repeat reshape result_type rint round searchsorted sign sin sinh
 sort split sqrt square squeeze stack std subtract sum swapaxes take tanh tensordot tile
 transpose tri tril triu true_divide unique var vstack where zeros zeros_like
 """.split())
