@@ -20,6 +20,10 @@ ARRIVE_SPIN_TESTS = 16  # Test() polls of the arrival barrier before Monitor.wai
 # blocking all_reduce up to this size runs as Iallreduce + deadline-aware wait (one
 # synchronization); above it Open MPI's nonblocking algorithms fall behind its blocking ones
 NONBLOCKING_MAX_BYTES = 64 << 10
+# all_gather takes the cross-memory path only from this multiple of the shared-memory threshold:
+# its output is a fresh array, and filling fresh pages through process_vm_readv loses to MPI's
+# Allgather up to 16-32 MiB here (bench/collectives.py; reduce_scatter wins from 1 MiB)
+ALL_GATHER_FACTOR = 16
 
 
 def _nothing():
@@ -207,7 +211,8 @@ class MPIBackend:
         send, recv = [as_bytes(buf), MPI.BYTE], [as_bytes(out), MPI.BYTE]
         if nonblocking:
             return [self.comm.Iallgather(send, recv)]
-        if out.nbytes < self.shm_min_bytes or not self._shm_all_gather(buf, out):
+        if (out.nbytes < self.shm_min_bytes * ALL_GATHER_FACTOR
+                or not self._shm_all_gather(buf, out)):
             self.comm.Allgather(send, recv)
 
     def _shm_all_gather(self, buf, out):

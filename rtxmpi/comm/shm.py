@@ -67,7 +67,7 @@ Selection (MPIBackend, blocking calls; the same on every rank whichever of its p
 all_reduce up to `small_bytes` on a group whose ranks all share one node takes the mailbox; from
 `min_bytes` on a group whose ranks share nodes (the same number on each) the cross-memory path
 (or the arena); in between, and for nonblocking calls and groups with one rank per node, MPI's
-algorithms. reduce_scatter and all_gather take the cross-memory path from `min_bytes`.
+algorithms. reduce_scatter takes the cross-memory path from `min_bytes`, all_gather from 16 times it.
 Configuration, read on rank 0 by `configure()` at `rtxmpi.init()` and used on every rank:
 `RTXMPI_SHM=0` turns every path off; `RTXMPI_SHM_CMA=0` forces the arena mode;
 `RTXMPI_SHM_MIN_BYTES` (default `DEFAULT_MIN_BYTES`); `RTXMPI_SHM_SMALL_BYTES` (default
