@@ -26,7 +26,8 @@ Steps, each reported PASS/FAIL with its numbers:
    within 1e-3 relative.
 
 Never hangs: every subprocess has a timeout, and each in-process step a watchdog
-(faulthandler) that ends the process with its stack after --step-timeout-s. The JSON (--json) is
+(faulthandler) that ends the process with its stack after --step-timeout-s; all of them are cut
+to what is left of --budget-s (290 s), and a step not started in time FAILs. The JSON (--json) is
 rewritten after every step, so a check cut short still leaves what it measured. Exit status: 0
 when every step passed (or was skipped), 1 on any failure, 2 without a GPU under --require-gpu
 (0 otherwise, after a SKIP line).
@@ -356,7 +357,8 @@ ZERO_BASE = ["--model", "tiny", "--seq-len", "64", "--global-batch", "8"]
 
 
 def check_zero_runs(timeout_s, runs=ZERO_RUNS):
-    """Each run of ZERO_RUNS on cupy and on the CPU; returns (failures, {name: losses})."""
+    """Each run of ZERO_RUNS on cupy and on the CPU; returns (failures, {name: losses}).
+    timeout_s() -> seconds allowed for the next run."""
     failures, table = [], {}
     with tempfile.TemporaryDirectory() as ckpt_root:
         for name, flags in runs:
@@ -364,7 +366,7 @@ def check_zero_runs(timeout_s, runs=ZERO_RUNS):
             for device in ("cuda", "cpu"):
                 ckpt = os.path.join(ckpt_root, device)
                 rows = train_rows(device, ZERO_BASE + [f.replace("{ckpt}", ckpt) for f in flags],
-                                  timeout_s)
+                                  timeout_s())
                 losses[device] = rows[-1]["loss"]
             table[name] = losses
             gpu, cpu = losses["cuda"], losses["cpu"]
@@ -388,6 +390,9 @@ def main(argv=None):
                         help="small arrays in the kernel checks (a smoke run, not the device check)")
     parser.add_argument("--step-timeout-s", type=float, default=150,
                         help="in-process steps: the watchdog ends the process past this")
+    parser.add_argument("--budget-s", type=float, default=290,
+                        help="the whole check: steps not started in time FAIL as not run, and "
+                             "every timeout is cut to what is left")
     parser.add_argument("--skip", default="", help="comma-separated steps to skip: "
                         + ",".join(STEPS))
     args = parser.parse_args(argv)
@@ -416,6 +421,11 @@ def main(argv=None):
     print(f"gpu_check on {report['device']} (cupy {cp.__version__})", flush=True)
     ok = True
     started = time.monotonic()
+    deadline = started + args.budget_s
+
+    def left(limit_s):
+        """`limit_s`, cut to the time left in --budget-s (at least 1 s)."""
+        return max(1.0, min(limit_s, deadline - time.monotonic()))
 
     def step(name, fn, in_process=True):
         nonlocal ok
@@ -423,9 +433,16 @@ def main(argv=None):
             print(f"[SKIP] {name}: --skip", flush=True)
             report["steps"][name] = {"pass": None, "detail": "--skip"}
             return
+        if time.monotonic() >= deadline:
+            ok = False
+            detail = f"not run: the --budget-s {args.budget_s:g} s budget was spent"
+            report["steps"][name] = {"pass": False, "detail": detail}
+            print(f"[FAIL] {name}: {detail}", flush=True)
+            write_json()
+            return
         t0 = time.monotonic()
         if in_process:  # a hung CUDA/NCCL call ends the process with its stack, never a hang
-            faulthandler.dump_traceback_later(args.step_timeout_s, exit=True)
+            faulthandler.dump_traceback_later(left(args.step_timeout_s) + 5, exit=True)
         try:
             passed, detail = fn()
         except Exception as exc:  # a check that crashes is a failed check, reported with its cause
@@ -475,11 +492,11 @@ def main(argv=None):
                               if not failures else "; ".join(failures))
 
     def do_pytest():
-        return run_gpu_pytests(timeout_s=120)
+        return run_gpu_pytests(timeout_s=left(120))
 
     def do_train():
-        gpu = train_tokens_per_s("cuda", args.train_model, args.train_steps, 150)
-        cpu = train_tokens_per_s("cpu", args.train_model, 3, 120)
+        gpu = train_tokens_per_s("cuda", args.train_model, args.train_steps, left(150))
+        cpu = train_tokens_per_s("cpu", args.train_model, 3, left(120))
         report["train"] = {"model": args.train_model, "gpu_tokens_per_s": gpu,
                            "cpu_tokens_per_s": cpu, "ratio": gpu / cpu}
         print(f"  | train.py --model {args.train_model} | tokens/s |\n  |---|---|\n"
@@ -488,7 +505,7 @@ def main(argv=None):
         return gpu / cpu >= 20, f"{gpu:.0f} vs {cpu:.0f} tokens/s on the CPU: {gpu / cpu:.1f}x (target 20x)"
 
     def do_train_zero():
-        failures, table = check_zero_runs(timeout_s=90)
+        failures, table = check_zero_runs(timeout_s=lambda: left(90))
         report["train_zero"] = table
         for name, losses in table.items():
             print(f"  {name}: loss {losses['cuda']:.6f} on cupy, {losses['cpu']:.6f} on the CPU")

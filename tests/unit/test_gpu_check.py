@@ -59,3 +59,15 @@ def test_gpu_check_refuses_an_unknown_step_to_skip(capsys):
     with pytest.raises(SystemExit) as exc:
         _load_gpu_check().main(["--skip", "kernel"])
     assert exc.value.code == 2 and "unknown step" in capsys.readouterr().err
+
+
+def test_gpu_check_fails_steps_it_has_no_time_left_for(monkeypatch, tmp_path):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import devicesim
+
+    devicesim.install(monkeypatch)
+    out = tmp_path / "gpu_check.json"
+    code = _load_gpu_check().main(["--skip", "kernels,bandwidth,nccl,model,pytest,train",
+                                   "--budget-s", "0", "--json", str(out)])
+    step = json.loads(out.read_text())["steps"]["train_zero"]
+    assert code == 1 and step["pass"] is False and "budget" in step["detail"]
