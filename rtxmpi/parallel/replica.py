@@ -25,7 +25,7 @@ from ..backend import to_host
 from ..errors import ConfigError
 from . import tensor as tpl
 from .hybrid import HybridParallel
-from .pipeline import PipelineParallel, TensorParallelStage
+from .pipeline import ChunkedStage, PipelineParallel, TensorParallelStage
 
 ReplicaPieces = namedtuple("ReplicaPieces", "key keys tensors")
 ReplicaPieces.__doc__ = """key: this rank's shard key in range(keys) (pp_rank * tp + tp_rank);
@@ -74,6 +74,9 @@ def replica_pieces(engine):
         own = slice(0, st.own_size)  # the wte copy (last stage, tied) is stage 0's wte
         if isinstance(st, TensorParallelStage):
             where = full_index(st.model)[st.flat_start:st.flat_stop]
+        elif isinstance(st, ChunkedStage):  # interleaved: one range of the full layout a chunk
+            where = np.concatenate([np.arange(ch.flat_start, ch.flat_stop, dtype=np.int64)
+                                    for ch in st.chunks])
         else:
             where = int(st.full_start)
         return ReplicaPieces(st.stage * st.tp + st.tp_rank, st.stages * st.tp,
