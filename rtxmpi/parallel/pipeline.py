@@ -583,6 +583,8 @@ class PipelineParallel:
         self.pp_group, self.dp_group = pp_group, dp_group
         self.micro_batches, self.schedule_name = micro_batches, schedule
         V = self.virtual_stages = virtual_stages
+        if isinstance(V, bool) or not isinstance(V, int) or V < 1:
+            raise ConfigError(f"virtual_stages must be an int >= 1, got {V!r}")
         if V != 1 and isinstance(model, ParallelGPT):
             raise ConfigError(f"virtual stages ({V}, the interleaved schedule) run plain GPT "
                               "chunks only; use tp = sp = 1 or the 1f1b/gpipe schedule")

@@ -183,10 +183,9 @@ def interleaved(micro_batches, stages, chunks):
     Raises ConfigError for sizes < 1, micro_batches not divisible by stages (the micro-batch groups
     of p would be ragged), or chunks < 2 (that is 1f1b)."""
     _check_sizes(micro_batches, stages)
-    _check_sizes(chunks, 1)
     m, p, V = micro_batches, stages, chunks
-    if V < 2:
-        raise ConfigError(f"interleaved 1F1B needs at least 2 virtual stages per rank, got {V}; "
+    if isinstance(V, bool) or not isinstance(V, int) or V < 2:
+        raise ConfigError(f"interleaved 1F1B needs at least 2 virtual stages per rank, got {V!r}; "
                           "with 1 use the 1f1b schedule")
     if m % p:
         raise ConfigError(f"interleaved 1F1B runs micro-batches in groups of the {p} stages: "
