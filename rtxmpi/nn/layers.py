@@ -21,7 +21,7 @@ import math
 
 from rtxmpi import kernels
 from rtxmpi.backend import is_device_array, xp_of
-from rtxmpi.kernels import LN_EPS, bias_gelu_backward, bias_gelu_forward, layernorm_reference
+from rtxmpi.kernels import LN_EPS, layernorm_reference
 
 _GELU_K = math.sqrt(2.0 / math.pi)  # tanh-approximation constant (Hendrycks & Gimpel 2016)
 _GELU_C = 0.044715
@@ -200,6 +200,32 @@ def gelu_backward(dy, cache):
     return dx
 
 
+def bias_gelu_forward(h, b):
+    """y = GELU(h + b): the bias of the linear before it, then the activation.
+
+    h: (..., F) (updated in place to h + b on numpy); b: (F,). Returns y: (..., F), cache. On
+    cupy one fused kernel (rtxmpi.kernels.bias_gelu_forward; the cache keeps u = h + b and the
+    backward recomputes the gate); on numpy the in-place add then `gelu_forward`, the same
+    operations as `linear_forward(x, w, b)` then `gelu_forward` (bit for bit).
+    """
+    if is_device_array(h):
+        u, y = kernels.bias_gelu_forward(h, b)
+        return y, (u, None)
+    h += b
+    return gelu_forward(h)
+
+
+def bias_gelu_backward(dy, cache, db_out=None):
+    """Gradients of `bias_gelu_forward`. dy: (..., F). Returns dh: (..., F) (= d(h + b)) and
+    db: (F,), added into db_out when given. cupy: one fused kernel, then the bias-gradient sum."""
+    if cache[1] is None:
+        dh, db = kernels.bias_gelu_backward(dy, cache[0])
+    else:
+        dh = gelu_backward(dy, cache)
+        db = dh.reshape(-1, dh.shape[-1]).sum(axis=0)
+    return dh, _accumulate(db, db_out)
+
+
 # --------------------------------------------------------------------------------- softmax
 def softmax_forward(x):
     """Numerically stable softmax over the last dim (max subtracted first). Returns a new array."""
@@ -292,16 +318,11 @@ def mlp_forward(x, w_fc, b_fc, w_proj, b_proj):
     """Position-wise MLP: y = gelu(x @ w_fc + b_fc) @ w_proj + b_proj.
 
     x: (B, T, C); w_fc: (C, 4C), b_fc: (4C,); w_proj: (4C, C), b_proj: (C,).
-    Returns y: (B, T, C), cache. On cupy the bias add and GELU are one fused kernel
-    (rtxmpi.kernels.bias_gelu_forward; the cache keeps u = h + b instead of h and the gate).
+    Returns y: (B, T, C), cache. The fc bias goes with the GELU (`bias_gelu_forward`: one fused
+    kernel on cupy).
     """
-    if is_device_array(x):
-        h, fc_cache = linear_forward(x, w_fc)
-        u, a = bias_gelu_forward(h, b_fc)
-        fc_cache, gelu_cache = (x, w_fc, True), (u, None)  # None: fused, backward recomputes
-    else:
-        h, fc_cache = linear_forward(x, w_fc, b_fc)
-        a, gelu_cache = gelu_forward(h)
+    h, fc_cache = linear_forward(x, w_fc)
+    a, gelu_cache = bias_gelu_forward(h, b_fc)
     y, proj_cache = linear_forward(a, w_proj, b_proj)
     return y, (fc_cache, gelu_cache, proj_cache)
 
@@ -310,20 +331,15 @@ def mlp_backward(dy, cache, dparams=None, defer=None):
     """Gradients of `mlp_forward`.
 
     dy: (B, T, C). dparams: None or (dw_fc, db_fc, dw_proj, db_proj) to add into.
-    defer: None or a list: the two linears' weight (and bias) gradients are deferred into it
-    (see linear_backward; dparams needed then).
+    defer: None or a list: the two linears' weight gradients (and the proj bias's) are deferred
+    into it (see linear_backward; dparams needed then); the fc bias gradient comes with dh.
     Returns dx: (B, T, C), (dw_fc, db_fc, dw_proj, db_proj).
     """
     fc_cache, gelu_cache, proj_cache = cache
     dw_fc, db_fc, dw_proj, db_proj = dparams if dparams is not None else (None,) * 4
     da, dw_proj, db_proj = linear_backward(dy, proj_cache, dw_proj, db_proj, defer=defer)
-    if gelu_cache[1] is None:  # fused forward: one kernel gives dh, then the bias gradient
-        dh, db = bias_gelu_backward(da, gelu_cache[0])
-        dx, dw_fc, _ = linear_backward(dh, fc_cache[:2] + (False,), dw_fc, defer=defer)
-        db_fc = _accumulate(db, db_fc)
-    else:
-        dh = gelu_backward(da, gelu_cache)
-        dx, dw_fc, db_fc = linear_backward(dh, fc_cache, dw_fc, db_fc, defer=defer)
+    dh, db_fc = bias_gelu_backward(da, gelu_cache, db_fc)
+    dx, dw_fc, _ = linear_backward(dh, fc_cache, dw_fc, defer=defer)
     return dx, (dw_fc, db_fc, dw_proj, db_proj)
 
 

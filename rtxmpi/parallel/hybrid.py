@@ -293,8 +293,8 @@ class ParallelGPT:
         a, c_att = ulysses_attention_forward(qkv, self.n_head_local, self.sp_group)
         x1, c_aproj = tpl.row_linear_forward(a, w_aproj, b_aproj, tp, sp_on)
         x1, h2, ln2 = layers.residual_layernorm_forward(x1, x, g2, b2)  # cupy: one fused kernel
-        f, c_fc = tpl.column_linear_forward(h2, w_fc, b_fc, tp, sp_on)  # (B, Ts, Fl)
-        f, c_gelu = layers.gelu_forward(f)
+        f, c_fc = tpl.column_linear_forward(h2, w_fc, None, tp, sp_on)  # (B, Ts, Fl)
+        f, c_gelu = layers.bias_gelu_forward(f, b_fc)  # cupy: one fused kernel
         y, c_mproj = tpl.row_linear_forward(f, w_mproj, b_mproj, tp, sp_on)
         y += x1
         return y, (ln1, c_qkv, c_att, c_aproj, ln2, c_fc, c_gelu, c_mproj)
@@ -393,8 +393,8 @@ class ParallelGPT:
         tp = self.tp_group
         d, scratch = self._partial(grads, _SP_PARTIAL)
         df, _, _ = tpl.row_linear_backward(dy, c_mproj, tp, d[10], d[11])
-        df = layers.gelu_backward(df, c_gelu)
-        dh2, _, _ = tpl.column_linear_backward(df, c_fc, tp, d[8], d[9])
+        df, _ = layers.bias_gelu_backward(df, c_gelu, d[9])
+        dh2, _, _ = tpl.column_linear_backward(df, c_fc, tp, d[8])
         dx1, _, _ = layers.layernorm_backward(dh2, ln2, d[6], d[7])
         dx1 += dy
         da, _, _ = tpl.row_linear_backward(dx1, c_aproj, tp, d[4], d[5])

@@ -128,7 +128,8 @@ def test_zero_on_device_matches_cpu(world, train_example, workdir, flags):
 ], ids=["tp2-megatron-sp-zero3", "pp2-1f1b", "sp2-ulysses-zero2-offload"])
 def test_model_parallel_on_device_matches_cpu(world, train_example, workdir, flags):
     launches = same_run(train_example, workdir, flags + ["--dp", str(world.world_size // 2)])
-    assert launches["residual_layernorm_forward_f32"]  # tensor-parallel blocks fuse it too
+    # tensor-parallel blocks fuse residual+LayerNorm and bias+GELU too
+    assert launches["residual_layernorm_forward_f32"] and launches["bias_gelu_backward_f32"]
 
 
 def test_elastic_replica_handover_takes_device_tensors(world, monkeypatch):
