@@ -621,17 +621,27 @@ def apply_plan(world, args):
               f"{layout.flags()}", flush=True)
 
 
+def relaunched():
+    """True in a relaunch by `rtxmpi run` ($RTXMPI_RESTART > 0), perhaps on other ranks."""
+    return os.environ.get("RTXMPI_RESTART", "0") not in ("", "0")
+
+
 def replan_layout(world, args):
-    """After an elastic shrink: keep the user's --tp/--pp/--sp when they fit the survivors, else
-    take the first that fits in rtxmpi.elastic.replan's fixed order (dp fills the rest); rank 0
-    prints the old and the new layout. Pure data parallelism is left as it is (dp follows the
-    world size). Raises ConfigError (on every rank) when nothing fits."""
+    """After an elastic shrink, or in a relaunch by `rtxmpi run` on the ranks still available: keep
+    the user's --tp/--pp/--sp when they fit this world, else take the first that fits in
+    rtxmpi.elastic.replan's fixed order (dp fills the rest); rank 0 prints the old and the new
+    layout when they differ. Pure data parallelism is left as it is (dp follows the world size).
+    Raises ConfigError (on every rank) when nothing fits."""
     user = args.__dict__.setdefault("user_layout", [args.tp, args.pp, args.sp, args.micro_batches,
                                                     args.sequence_parallel])
     if user[:3] == [1, 1, 1]:
         return
-    old_size, size = elastic.shrinks()[-1]
-    old = describe(old_size // (args.tp * args.pp * args.sp), args.tp, args.pp, args.sp)
+    size, model = world.world_size, args.tp * args.pp * args.sp
+    shrinks = elastic.shrinks()
+    given = (args.dp, args.tp, args.pp, args.sp)
+    old = (describe(shrinks[-1][0] // model, args.tp, args.pp, args.sp) if shrinks else
+           " ".join(f"--{axis} {n}" for axis, n in zip(("dp", "tp", "pp", "sp"), given)
+                    if n is not None))
     tp, pp, sp, micro_batches, sequence_parallel = user
     layout, args.sequence_parallel, why = replan(
         size, GPTConfig.named(args.model, seq_len=args.seq_len), args.global_batch, tp=tp, pp=pp,
@@ -639,6 +649,8 @@ def replan_layout(world, args):
         sequence_parallel=sequence_parallel)
     args.dp, args.tp, args.pp, args.sp = layout.degrees
     args.micro_batches = layout.micro_batches
+    if not shrinks and (why == "" and given[0] in (None, layout.dp)):
+        return  # a relaunch that fits the flags as given: nothing to say
     if world.rank == 0:
         micro = (f", micro-batches {layout.micro_batches}" if layout.micro_batches != micro_batches
                  else "")
@@ -651,7 +663,7 @@ def train(args):
     rank, world_size = world.rank, world.world_size
     if args.plan:  # --plan auto: every rank runs the layout rank 0 planned (docs/planner.md)
         apply_plan(world, args)
-    elif elastic.shrinks():  # after a shrink: a layout for the survivors (docs/elastic.md)
+    elif elastic.shrinks() or relaunched():  # the layout for the survivors (docs/elastic.md)
         replan_layout(world, args)
     check_args(args, world_size)
     corpus = load_data(world, args)

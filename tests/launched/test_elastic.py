@@ -239,14 +239,17 @@ def test_shrink_of_tp2_dp2_replans_to_dp3_like_a_checkpoint_restart(tmp_path):
     assert [r["step"] for r in got] == list(range(1, SHRINK_STEPS + 1))  # none twice or skipped
     assert {r["world_size"] for r in got if r["step"] > resumed} == {3}
     assert load_checkpoint(None, run / "ckpt", SHRINK_STEPS).world_size_saved == 3
-    # reference: tp 2 x dp 2 up to the step the survivors continued from, checkpoint, then dp 3
+    # reference: tp 2 x dp 2 up to the step the survivors continued from, checkpoint, then dp 3,
+    # as `rtxmpi run` would relaunch it on the 3 ranks still available (the same flags re-planned)
     ref = tmp_path / "ref"
     ref.mkdir()
     proc = train(ref, ref / "ckpt", "--stop-after-step", str(resumed), *HYBRID, n=4,
                  steps=SHRINK_STEPS)
     assert proc.returncode == 0, str(proc)
-    proc = train(ref, ref / "ckpt", "--resume", "--global-batch", "12", n=3, steps=SHRINK_STEPS)
+    proc = train(ref, ref / "ckpt", "--resume", *HYBRID, n=3, steps=SHRINK_STEPS, RTXMPI_RESTART=1)
     assert proc.returncode == 0, str(proc)
+    assert ("elastic: layout for 3 ranks: --dp 2 --tp 2 --pp 1 --sp 1 -> dp 3 x tp 1 x pp 1 x "
+            "sp 1 (tp 2 x pp 1 x sp 1 = 2 does not divide 3 ranks)") in proc.stdout, str(proc)
     assert [r["loss"] for r in got] == [r["loss"] for r in records(ref)]
     assert_same_params(run / "ckpt", ref / "ckpt", SHRINK_STEPS)
 
