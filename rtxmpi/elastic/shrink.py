@@ -149,20 +149,27 @@ def exchange_pieces(group, applied, pieces_fn, meta_fn, old_size):
     for key in sorted(sources, reverse=True):
         src = sources[key]
         own = pieces.tensors if group.rank == src else None
-        head = json.dumps([[name, int(where) if np.ndim(where) == 0 else None, int(values.size),
-                            str(values.dtype), int(size)]
-                           for name, (where, values, size) in own.items()] if own else None)
-        for name, offset, n, dtype, size in json.loads(_broadcast_bytes(group, head.encode(), src)):
+        head = None
+        if own:  # [name, offset or the name whose positions it shares (None: its own), n, ...]
+            first = {}
+            head = [[name, int(where) if np.ndim(where) == 0 else first.setdefault(id(where), name),
+                     int(values.size), str(values.dtype), int(size)]
+                    for name, (where, values, size) in own.items()]
+            head = [[name, None if at == name else at, *rest] for name, at, *rest in head]
+        positions = {}  # name -> int64 positions received (params, m and v share one array)
+        for name, at, n, dtype, size in json.loads(_broadcast_bytes(group, json.dumps(head).encode(),
+                                                                    src)):
             values = np.ascontiguousarray(own[name][1]) if own else np.empty(n, dtype)
             group.broadcast(values, src=src)
-            if offset is None:
+            if at is None:
                 where = np.ascontiguousarray(own[name][0], np.int64) if own else np.empty(n, np.int64)
                 group.broadcast(where, src=src)
+                positions[name] = where
             full = tensors.setdefault(name, np.zeros(size, values.dtype))
-            if offset is None:
-                full[where] = values
+            if isinstance(at, int):
+                full[at:at + n] = values
             else:
-                full[offset:offset + n] = values
+                full[positions[name if at is None else at]] = values
     state = ReplicaState(step, tensors, meta, old_size, meta_src)
     state.sources = [sources[k] for k in sorted(sources)]
     state.path = f"<surviving shards on ranks {state.sources}>"
