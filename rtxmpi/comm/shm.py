@@ -15,7 +15,8 @@ oversubscribed ranks give the core to the peer they wait for), every rank reduce
 local-rank order into its array: every rank computes bitwise the same result with no second
 synchronization. Slots alternate between calls, so a rank one call ahead never overwrites a slot
 a peer still reads. Stores before the flag store are visible to a reader that sees the flag
-(x86 total store order; numpy writes are plain stores); elsewhere the mailbox is off.
+(x86 total store order; numpy writes are plain stores); elsewhere the mailbox is off, and so it
+is when a node has more local ranks than cores (polling ranks would wait for scheduler slices).
 
 Cross-memory (mode "cma", large messages; `min_bytes`): the reduce-scatter + all-gather all_reduce
 (Rabenseifner, "Optimization of collective reduction operations", ICCS 2004; Thakur, Rabenseifner
@@ -451,7 +452,10 @@ class NodeAllReduce:
             node.Free()
             return None
         cross = comm.Split(local_rank, key=rank) if local_size < size else None
-        ordered = cross is None and platform.machine().lower() in TSO_MACHINES
+        # flags need every local rank on a core of its own: polling ranks that outnumber the
+        # cores wait for scheduler slices (hundreds of us), where MPI's progress does better
+        ordered = (cross is None and platform.machine().lower() in TSO_MACHINES
+                   and local_size <= (os.cpu_count() or 1))
         small = max(0, config.small_bytes - config.small_bytes % 8) if ordered else 0
         box = _map_arena(node, comm, local_size * (FLAG_BYTES + 2 * small)) if ordered else None
         if box is not None:
