@@ -633,7 +633,7 @@ def replan_layout(world, args):
     layout when they differ. Pure data parallelism is left as it is (dp follows the world size).
     Raises ConfigError (on every rank) when nothing fits."""
     user = args.__dict__.setdefault("user_layout", [args.tp, args.pp, args.sp, args.micro_batches,
-                                                    args.sequence_parallel])
+                                                    args.sequence_parallel, args.virtual_stages])
     if user[:3] == [1, 1, 1]:
         return
     size, model = world.world_size, args.tp * args.pp * args.sp
@@ -642,13 +642,14 @@ def replan_layout(world, args):
     old = (describe(shrinks[-1][0] // model, args.tp, args.pp, args.sp) if shrinks else
            " ".join(f"--{axis} {n}" for axis, n in zip(("dp", "tp", "pp", "sp"), given)
                     if n is not None))
-    tp, pp, sp, micro_batches, sequence_parallel = user
+    tp, pp, sp, micro_batches, sequence_parallel, virtual_stages = user
     layout, args.sequence_parallel, why = replan(
         size, GPTConfig.named(args.model, seq_len=args.seq_len), args.global_batch, tp=tp, pp=pp,
         sp=sp, micro_batches=micro_batches, schedule=args.schedule, zero_stage=args.zero_stage,
-        sequence_parallel=sequence_parallel)
+        sequence_parallel=sequence_parallel, virtual_stages=virtual_stages)
     args.dp, args.tp, args.pp, args.sp = layout.degrees
     args.micro_batches = layout.micro_batches
+    args.virtual_stages = virtual_stages if layout.pp > 1 else 1
     if not shrinks and (why == "" and given[0] in (None, layout.dp)):
         return  # a relaunch that fits the flags as given: nothing to say
     if world.rank == 0:

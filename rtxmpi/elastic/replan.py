@@ -1,17 +1,18 @@
-"""Re-planning after a shrink: the parallel layout for the surviving world size.
+"""Re-planning after a shrink (or a relaunch on other ranks): the parallel layout for the new
+world size.
 
 A shrink from N to N - k ranks usually breaks dp * tp * pp * sp = world_size. Without `--plan auto`
 (which simply plans again for the new size) the layout is chosen by a fixed rule, so every
 survivor picks the same one without talking and a user can predict it:
 
     keep the user's tp, pp and sp if they fit; else drop sp, then pp, then both (keeping tp);
-    then halve tp's divisors down to 1 (pure data parallelism); dp fills the rest.
+    then the smaller divisors of tp, down to 1 (pure data parallelism); dp fills the rest.
 
 "Fits" means the runtime can run it: dp * tp * pp * sp = new world size; the model divides (heads
 by tp * sp, vocabulary by tp, at least one layer per stage); the sequence by sp (by tp * sp under
 Megatron sequence parallelism, which is turned off when tp becomes 1); the runtime's own checks
 (rtxmpi.parallel.hybrid.check_layout, rtxmpi.parallel.pipeline.check_pipeline: 1F1B needs
-micro-batches >= pp, ZeRO only without pp); and the batch: a pipeline needs the global batch
+micro-batches >= pp, what composes with ZeRO); and the batch: a pipeline needs the global batch
 divisible by dp and the per-rank batch by the micro-batches, while without one the global batch
 may split unevenly over dp (docs/elastic.md) and the micro-batches are capped at the smallest
 per-rank batch. Tensor parallelism is kept longest because a tp group is the most tightly coupled
@@ -61,11 +62,13 @@ def _batch_reason(global_batch, dp, pp, micro_batches):
 
 
 def replan(world_size, cfg, global_batch, *, tp=1, pp=1, sp=1, micro_batches=1, schedule="1f1b",
-           zero_stage=0, sequence_parallel=False):
+           zero_stage=0, sequence_parallel=False, virtual_stages=1):
     """The layout for `world_size` ranks by the module's rule, starting from the user's degrees.
 
     cfg: rtxmpi.nn.GPTConfig (seq_len is the training sequence length); global_batch: sequences
-    per step. Returns (Layout (rtxmpi.parallel.planner), sequence_parallel (bool), why: '' when
+    per step. virtual_stages: the interleaved schedule's chunks per pipeline rank (checked with
+    a kept pp; without pp there are none). Returns (Layout (rtxmpi.parallel.planner),
+    sequence_parallel (bool), why: '' when
     the user's tp/pp/sp were kept, else the reason they did not fit). Pure and local (the same
     answer on every rank). Raises ConfigError naming each candidate's reason when none fits.
     """
@@ -88,7 +91,7 @@ def replan(world_size, cfg, global_batch, *, tp=1, pp=1, sp=1, micro_batches=1, 
                 runtime_check(world_size, dp=dp, tp=t, pp=p, sp=s, seq_len=cfg.seq_len,
                               zero_stage=zero_stage, sequence_parallel=seq_par)
                 check_pipeline(pp=p, micro_batches=m, schedule=schedule, n_layer=cfg.n_layer,
-                               zero_stage=zero_stage)
+                               zero_stage=zero_stage, virtual_stages=virtual_stages if p > 1 else 1)
                 if seq_par and cfg.seq_len % (t * s):
                     raise ConfigError(f"sequence length {cfg.seq_len} is not divisible by "
                                       f"tp * sp = {t * s} (Megatron sequence parallelism)")
@@ -97,7 +100,7 @@ def replan(world_size, cfg, global_batch, *, tp=1, pp=1, sp=1, micro_batches=1, 
         if why is None:
             return layout, seq_par, "" if (t, p, s) == (tp, pp, sp) else reasons[0]
         reasons.append(f"{layout}: {why}")
-    raise ConfigError(f"no parallel layout fits {world_size} ranks after the shrink: "
+    raise ConfigError(f"no parallel layout fits {world_size} ranks (elastic re-plan): "
                       + "; ".join(reasons))
 
 

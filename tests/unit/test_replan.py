@@ -46,7 +46,7 @@ def test_without_a_pipeline_the_global_batch_may_split_unevenly():
 
 
 def test_nothing_fits_is_a_config_error_naming_every_candidate():
-    with pytest.raises(ConfigError, match="no parallel layout fits 3 ranks.*n_head 2 is not "
+    with pytest.raises(ConfigError, match="no parallel layout fits 3 ranks .elastic re-plan.*n_head 2 is not "
                                           "divisible by tp . sp = 3.*global batch 2 < dp 3"):
         replan(3, TINY, 2, tp=3)
 
@@ -57,3 +57,12 @@ def test_complete_step_is_the_newest_step_holding_every_shard_key():
     assert _complete_step([[5, 0, 2], [6, 0, 2], [6, 1, 2]], 2) == (6, {0: 1, 1: 2})
     assert _complete_step([[6, 0, 2], [5, 1, 2]], 2) == (None, None)  # no step has both keys
     assert _complete_step([[-1, 0, 2], [-1, 1, 2]], 2) == (None, None)  # nothing applied yet
+
+
+def test_interleaved_virtual_stages_are_checked_with_a_kept_pipeline():
+    layout, _, why = replan(6, SMALL, 12, pp=2, micro_batches=2, schedule="interleaved",
+                            virtual_stages=2)  # 2 stages x 2 chunks of SMALL's 4 blocks
+    assert layout.degrees == (3, 1, 2, 1) and layout.schedule == "interleaved" and why == ""
+    layout, _, why = replan(6, SMALL, 12, pp=2, micro_batches=2, schedule="interleaved",
+                            virtual_stages=4)  # 8 chunks > 4 blocks: the pipeline is dropped
+    assert layout.degrees == (6, 1, 1, 1) and "n_layer 4" in why
