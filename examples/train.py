@@ -654,7 +654,8 @@ def replan_layout(world, args):
         return  # a relaunch that fits the flags as given: nothing to say
     if world.rank == 0:
         micro = (f", micro-batches {layout.micro_batches}" if layout.micro_batches != micro_batches
-                 else "")
+                 else "") + (", --sequence-parallel off" if sequence_parallel and
+                             not args.sequence_parallel else "")
         print(f"elastic: layout for {size} ranks: {old} -> {describe(*layout.degrees)}{micro} "
               f"({why or '--tp/--pp/--sp as given'})", flush=True)
 
