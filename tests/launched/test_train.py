@@ -4,6 +4,7 @@ import sys
 
 import pytest
 from conftest import REPO, launch_env, mpiexec_argv, run_command
+from train_errors import assert_one_line_error, refused
 
 EXAMPLES = REPO / "examples"
 
@@ -35,7 +36,7 @@ def test_train_30_steps_at_2_ranks_lowers_the_loss(tmp_path):
     assert "---- sample ----" in proc.stdout
 
 
-@pytest.mark.parametrize("args, message", [
+BAD_FLAGS = [  # each refused on every one of 4 ranks, in one launch (tests/launched/train_errors.py)
     (["--global-batch", "3"], "--global-batch 3 is smaller than the data-parallel size 4"),
     (["--data", "/nonexistent/corpus"], "--data /nonexistent/corpus: no such file or directory"),
     (["--model", "huge"], "invalid choice: 'huge'"),
@@ -43,11 +44,28 @@ def test_train_30_steps_at_2_ranks_lowers_the_loss(tmp_path):
     (["--warmup-steps", "10"], "--warmup-steps 10 must be in [0, --steps 5]"),
     (["--timeout-s", "0"], "--timeout-s must be > 0 seconds"),
     (["--offload", "cpu"], "--offload cpu needs --zero-stage 1, 2 or 3"),
-])
-def test_bad_flags_exit_nonzero_fast_with_one_line_error(tmp_path, args, message):
-    proc = mpiexec(4, "train.py", ["--steps", "5", "--no-progress", *args], 120, tmp_path)
-    assert proc.returncode != 0 and not proc.outer_timeout, str(proc)
-    assert message in proc.stderr
+    (["--stop-after-step", "5"], "error: --stop-after-step needs --ckpt-dir DIR"),
+    (["--ckpt-every", "3"], "error: --ckpt-every needs --ckpt-dir DIR"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_flag_runs(tmp_path_factory):
+    return refused(4, [["--steps", "5", "--no-progress", *args] for args, _ in BAD_FLAGS],
+                   tmp_path_factory.mktemp("bad_flags"))
+
+
+@pytest.mark.parametrize("case", range(len(BAD_FLAGS)), ids=[m for _, m in BAD_FLAGS])
+def test_bad_flags_exit_2_on_every_rank_with_one_line_error(bad_flag_runs, case):
+    assert_one_line_error(bad_flag_runs[case], BAD_FLAGS[case][1])
+
+
+def test_a_bad_flag_ends_the_launched_job_fast_with_exit_2_and_one_line(tmp_path):
+    """The process exit the in-job cases above leave out: mpiexec itself ends with 2."""
+    proc = mpiexec(4, "train.py", ["--steps", "5", "--no-progress", "--global-batch", "3"], 120,
+                   tmp_path)
+    assert proc.returncode == 2 and not proc.outer_timeout, str(proc)
+    assert "--global-batch 3 is smaller than the data-parallel size 4" in proc.stderr
     assert proc.stderr.count("error: ") == 1, proc.stderr  # one line, from rank 0
     assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr
     assert proc.elapsed_s < 60
