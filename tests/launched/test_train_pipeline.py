@@ -4,6 +4,7 @@ import json
 import sys
 
 from conftest import REPO, launch_env, mpiexec_argv, run_command
+from train_errors import assert_one_line_error, refused
 
 TRAIN = REPO / "examples" / "train.py"
 COMMON = ["--model", "small", "--global-batch", "8", "--seq-len", "32", "--steps", "6",
@@ -37,14 +38,11 @@ def test_pp2_tp2_zero2_then_resumed_at_pp2_sp2_zero1_follow_the_one_process_loss
 
 
 def test_pipeline_with_zero_or_too_few_micro_batches_exits_with_one_line_error(tmp_path):
-    env = launch_env(RTXMPI_CACHE_DIR=tmp_path / "cache")
-    for args, message in ((["--zero-stage", "3", "--micro-batches", "2"],
-                           "--zero-stage 3 with --pp 2 is not supported"),
-                          (["--micro-batches", "1"], "1F1B needs micro_batches >= pipeline stages"),
-                          (["--virtual-stages", "2", "--micro-batches", "2"],
-                           "virtual stages (2) need the interleaved schedule")):
-        proc = run_command(mpiexec_argv(2) + [sys.executable, TRAIN, "--pp", "2", "--steps", "2",
-                                              "--no-progress", *args],
-                           outer_timeout_s=60, env=env)
-        assert proc.returncode == 2 and not proc.outer_timeout, str(proc)
-        assert message in proc.stderr and proc.stderr.count("error: ") == 1, proc.stderr
+    cases = [(["--zero-stage", "3", "--micro-batches", "2"], "--zero-stage 3 with --pp 2 is not supported"),
+             (["--micro-batches", "1"], "1F1B needs micro_batches >= pipeline stages"),
+             (["--virtual-stages", "2", "--micro-batches", "2"],
+              "virtual stages (2) need the interleaved schedule")]
+    runs = refused(2, [["--pp", "2", "--steps", "2", "--no-progress", *args] for args, _ in cases],
+                   tmp_path)  # one launch, every case on both ranks (tests/launched/train_errors.py)
+    for run, (_, message) in zip(runs, cases):
+        assert_one_line_error(run, message)
