@@ -146,14 +146,6 @@ def test_fresh_run_refuses_a_directory_with_checkpoints(reference, tmp_path):
     assert "already holds checkpoints (latest step 12); pass --resume" in proc.stderr
 
 
-def test_ckpt_every_without_ckpt_dir_is_a_one_line_error(tmp_path):
-    proc = run_command(mpiexec_argv(2) + [sys.executable, TRAIN, *ARGS, "--ckpt-every", "3"],
-                       outer_timeout_s=60, env=launch_env(RTXMPI_CACHE_DIR=tmp_path / "cache"))
-    assert proc.returncode == 2 and not proc.outer_timeout, str(proc)
-    assert "error: --ckpt-every needs --ckpt-dir DIR" in proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
 def test_six_steps_then_resume_to_twelve_continues_at_step_seven(tmp_path):
     """A run ended at --steps 6 extended with --resume --steps 12. Not bitwise equal to the
     12-step reference: the cosine schedule is a function of --steps (docs/checkpoint.md)."""

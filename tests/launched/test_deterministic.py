@@ -165,10 +165,3 @@ def test_resume_without_deterministic_reports_the_last_step_and_rewrites_the_log
            "check without --deterministic)" in proc.stdout
     got, want = read_wal(ckpt / "wal.h5"), read_wal(straight(0) / "ckpt" / "wal.h5")
     assert list(got["step"]) == list(range(1, 21)) and (got["wall_time"][10:] > want["wall_time"][-1]).all()
-
-
-def test_stop_after_step_needs_a_checkpoint_directory(tmp_path):
-    proc = run_command(mpiexec_argv(2) + [sys.executable, TRAIN, *ARGS, "--stop-after-step", "5"],
-                       outer_timeout_s=60, env=launch_env(RTXMPI_CACHE_DIR=tmp_path / "cache"))
-    assert proc.returncode == 2 and not proc.outer_timeout, str(proc)
-    assert "error: --stop-after-step needs --ckpt-dir DIR" in proc.stderr
