@@ -2,10 +2,10 @@
 with reasons, the cost model's monotonicity, the pipeline simulation, memory, the CLI."""
 import json
 import subprocess
-import sys
 
 import pytest
 
+from rtxmpi.cli import main as cli_main
 from rtxmpi.errors import ConfigError
 from rtxmpi.nn import GPTConfig
 from rtxmpi.parallel.calibrate import HardwareProfile, default_profile, ring_factor
@@ -265,16 +265,22 @@ def test_make_plan_rejects_bad_inputs():
         make_plan(CFG, 32, 4, synthetic(), mem_per_device=-1)
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "rtxmpi.cli", "plan", *args],
-                          capture_output=True, text=True, timeout=120)
+def _cli(capsys, *args):
+    """`rtxmpi plan ARGS` through rtxmpi.cli.main in this process (the command as its own process:
+    tests/launched/test_plan_auto.py). Returns (returncode, stdout, stderr) as subprocess.run would."""
+    try:
+        code = cli_main(["plan", *args])
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["rtxmpi", "plan", *args], code, out.out, out.err)
 
 
-def test_cli_prints_table_and_reason(tmp_path):
+def test_cli_prints_table_and_reason(tmp_path, capsys):
     prof = tmp_path / "p.json"
     synthetic().save(str(prof))
     out = tmp_path / "plan.json"
-    r = _cli("--world-size", "4", "--profile", str(prof), "--top", "5", "--show-rejected",
+    r = _cli(capsys, "--world-size", "4", "--profile", str(prof), "--top", "5", "--show-rejected",
              "--mem-per-device", "1G", "--json", str(out), "--offload", "none,nvme")
     assert r.returncode == 0, r.stderr
     assert "| # | dp | tp | pp | sp | micro-batches | zero |" in r.stdout
@@ -285,14 +291,14 @@ def test_cli_prints_table_and_reason(tmp_path):
     assert data["ranked"][0]["detail"]["memory"]["total"] == data["ranked"][0]["peak_bytes"]
 
 
-def test_cli_bad_flags_exit_2_and_nothing_fits_exits_1():
-    r = _cli("--world-size", "4", "--mem-per-device", "lots")
+def test_cli_bad_flags_exit_2_and_nothing_fits_exits_1(capsys):
+    r = _cli(capsys, "--world-size", "4", "--mem-per-device", "lots")
     assert r.returncode == 2 and "not a memory size" in r.stderr
-    r = _cli("--world-size", "4", "--mem-per-device", "1K")
+    r = _cli(capsys, "--world-size", "4", "--mem-per-device", "1K")
     assert r.returncode == 1 and "No layout fits" in r.stdout
-    r = _cli("--world-size", "4", "--save-profile", "x.json")
+    r = _cli(capsys, "--world-size", "4", "--save-profile", "x.json")
     assert r.returncode == 2 and "--save-profile needs --calibrate" in r.stderr
-    r = _cli("--world-size", "4", "--offload", "none,disk")
+    r = _cli(capsys, "--world-size", "4", "--offload", "none,disk")
     assert r.returncode == 2 and "--offload 'none,disk'" in r.stderr
 
 
