@@ -16,7 +16,8 @@ local-rank order into its array: every rank computes bitwise the same result wit
 synchronization. Slots alternate between calls, so a rank one call ahead never overwrites a slot
 a peer still reads. Stores before the flag store are visible to a reader that sees the flag
 (x86 total store order; numpy writes are plain stores); elsewhere the mailbox is off, and so it
-is when a node has more local ranks than cores (polling ranks would wait for scheduler slices).
+is when a node has more local ranks than cores (polling ranks would wait for scheduler slices) and
+under ULFM (a dead peer is reported through failing MPI requests, which a flag poll never sees).
 
 Cross-memory (mode "cma", large messages; `min_bytes`): the reduce-scatter + all-gather all_reduce
 (Rabenseifner, "Optimization of collective reduction operations", ICCS 2004; Thakur, Rabenseifner
@@ -90,6 +91,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import CollectiveError, ConfigError, RankFailure
+from .failure import ulfm_enabled
 
 # Messages from DEFAULT_MIN_BYTES take the cross-memory reduce-scatter + all-gather (its two
 # synchronizations and its system calls cost more than MPI's single-copy algorithms below that);
@@ -454,8 +456,10 @@ class NodeAllReduce:
         cross = comm.Split(local_rank, key=rank) if local_size < size else None
         # flags need every local rank on a core of its own: polling ranks that outnumber the
         # cores wait for scheduler slices (hundreds of us), where MPI's progress does better
+        # and MPI calls: under ULFM a dead peer is reported through a failing MPI request,
+        # which a flag poll would never see (RankFailure for shrink-and-continue)
         ordered = (cross is None and platform.machine().lower() in TSO_MACHINES
-                   and local_size <= (os.cpu_count() or 1))
+                   and local_size <= (os.cpu_count() or 1) and not ulfm_enabled())
         small = max(0, config.small_bytes - config.small_bytes % 8) if ordered else 0
         box = _map_arena(node, comm, local_size * (FLAG_BYTES + 2 * small)) if ordered else None
         if box is not None:
