@@ -106,6 +106,7 @@ NEVER = sys.maxsize  # min_bytes when the path is off
 FLAG_BYTES = 64  # one cache line per local rank for its mailbox flag
 TSO_MACHINES = ("x86_64", "amd64", "i386", "i686")  # the mailbox relies on their store order
 BOX_VIEWS = 256  # cached mailbox views (dtype, size, parity); cleared when full
+LIVENESS_POLLS = 1000  # flag polls between checks that the local peers are alive
 SPIN_POLLS = 64  # polls of a mailbox flag (a few microseconds) before yielding the core
 
 
@@ -294,6 +295,29 @@ def peer_failure(op, exc, pids, ranks, me):
                            f"[rank {me}]")
 
 
+def watch_peers(poll, pids, ranks, me, every=LIVENESS_POLLS):
+    """`poll` that also checks, every `every` calls, whether a local peer process has exited, and
+    then raises RankFailure naming it: a flag wait has no MPI request through which a dead peer
+    could be reported, and without it only the deadline would end the wait. pids / ranks: each
+    local rank's pid and world rank; me: this process's world rank."""
+    calls = 0
+
+    def watched():
+        nonlocal calls
+        if poll():
+            return True
+        calls += 1
+        if calls % every == 0:
+            for pid, rank in zip(pids, ranks):
+                if rank != me and process_gone(pid):
+                    raise RankFailure(f"rank {rank} (pid {pid}, on this node) exited while rank "
+                                      f"{me} waited for it in a shared-memory collective",
+                                      ranks=[rank])
+        return False
+
+    return watched
+
+
 def _probe_peers(node, comm, enabled):
     """Collective over `comm` (node: this rank's node communicator): a _PeerReader and every
     local rank's pid when every rank of `comm` can read and write its local peers' memory, else
@@ -409,6 +433,7 @@ class NodeAllReduce:
         self._members = list(members) if members is not None else list(range(size))
         # group ranks of the local ranks (by local rank), and of the cross ranks (by cross rank)
         self._local_group = [int(r) for r in node.allgather(comm.Get_rank())]
+        self._node_pids = [int(p) for p in node.allgather(os.getpid())]
         self._cross_group = ([comm.Get_rank()] if cross is None else
                              [int(r) for r in cross.allgather(comm.Get_rank())])
         self._arena = None if mm is None else np.frombuffer(mm, np.uint8)
@@ -541,7 +566,12 @@ class NodeAllReduce:
         for _ in range(SPIN_POLLS):
             if poll():
                 return
-        wait(poll)
+        wait(self._watched(poll))
+
+    def _watched(self, poll):
+        members = self._members
+        return watch_peers(poll, self._node_pids, [members[g] for g in self._local_group],
+                           members[self.comm.Get_rank()])
 
     def _peer_error(self, op, exc):
         return peer_failure(op, exc, self._pids, [self._members[g] for g in self._local_group],
@@ -579,7 +609,7 @@ class NodeAllReduce:
             if poll():
                 break
         else:
-            wait(poll)
+            wait(self._watched(poll))
         ufunc = ufunc_of(mpi_op)
         ufunc(views[0], views[1], out=x)
         for view in views[2:]:

@@ -75,3 +75,17 @@ def test_transfer_error_from_a_live_peer_is_a_collective_error(peer):
         transfer(reader, child.pid, 8)
     error = shm.peer_failure("reduce_scatter", info.value, [child.pid], [1], 0)
     assert type(error) is CollectiveError and "RTXMPI_SHM_CMA=0" in str(error)
+
+
+def test_flag_wait_on_a_dead_peer_is_a_rank_failure(peer):
+    child, _ = peer
+    watched = shm.watch_peers(lambda: False, [child.pid, 1], [3, 0], 0, every=10)
+    for _ in range(30):
+        assert watched() is False  # alive: keeps waiting
+    child.kill()
+    child.wait(timeout=10)
+    with pytest.raises(RankFailure) as info:
+        for _ in range(10):
+            watched()
+    assert info.value.ranks == [3] and "rank 3" in str(info.value)
+    assert shm.watch_peers(lambda: True, [child.pid], [3], 0, every=1)() is True
