@@ -150,7 +150,7 @@ def test_losing_the_whole_second_node_rtxmpi_run_restarts_on_the_first(tmp_path,
     recovery is a restart: `rtxmpi run` re-reads the hostfile and relaunches 1 rank on the first
     node from the last committed checkpoint (resharded from 2 ranks)."""
     nodes, agent, hostfile = two_nodes
-    metrics, ckpt, steps = tmp_path / "m.jsonl", tmp_path / "ckpt", 300
+    metrics, ckpt, steps = tmp_path / "m.jsonl", tmp_path / "ckpt", 100  # 2-node steps: >= 0.1 s (40 Mbit/s)
     launcher = supervisor_launcher(nodes, agent, hostfile)
     command = [sys.executable, "-m", "rtxmpi.cli", "run", "-n", 2, "--min-ranks", 1,
                "--max-restarts", 2, "--hostfile", hostfile, "--mpiexec", f"'{launcher}'", "--",
