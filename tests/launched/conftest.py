@@ -106,3 +106,24 @@ def run_python(tmp_path):
                            env=launch_env(**env), cwd=tmp_path)
 
     return run
+
+
+@pytest.fixture(scope="session", autouse=True)
+def slurm_started_early(request, tmp_path_factory):
+    """test_slurm.py's cluster and time-limit job, started at the first launched test of a session
+    that will run test_slurm.py (so that the job's minute and more overlaps the other tests instead
+    of idling at the end), else None. Stopped at the end of the session."""
+    if not any(item.path.name == "test_slurm.py" for item in request.session.items):
+        yield None
+        return
+    import test_slurm  # already imported by the collection
+
+    if test_slurm.WHY_NOT is not None:
+        yield None
+        return
+    running = test_slurm.start_cluster(tmp_path_factory)
+    try:
+        yield running
+    finally:
+        test_slurm.stop_cluster(running)
+

@@ -11,14 +11,17 @@ slurm_cluster.py), submitted with the scripts in examples/slurm/ as users submit
   `srun -n 2` (singletons) is refused with exit 2.
 
 Skipped with the reason when Slurm is not installed or not root (`python tests/launched/
-slurm_cluster.py install` installs it; .ci/run does). The time-limit job runs alongside the other
-tests (it needs Slurm's minute plus up to 30 s of time-limit polling). Slurm holds a requeued job
-for about two minutes before it may start again; the tests release it at once with
-`scontrol update StartTime=now` (a real cluster just waits).
+slurm_cluster.py install` installs it; .ci/run does). The cluster and the time-limit job start at
+the first launched test of the session (tests/launched/conftest.py), so that the job's wait
+(Slurm's minute plus up to 30 s of time-limit polling) overlaps the other launched tests. Slurm
+holds a requeued job for about two minutes before it may start again; the tests release it at
+once with `scontrol update StartTime=now` (a real cluster just waits; the time-limit job is held).
 """
 import json
 import os
+import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -40,14 +43,14 @@ DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMO
 class Job:
     """One submitted job: its dir (ckpt/, metrics.jsonl, out), id and cluster."""
 
-    def __init__(self, cluster, tmp, script, steps, *extra, ntasks=2, sbatch=()):
+    def __init__(self, cluster, tmp, script, steps, *extra, ntasks=2, sbatch=(), env=None):
         self.cluster, self.tmp = cluster, tmp
         self.ckpt, self.metrics, self.out = tmp / "ckpt", tmp / "metrics.jsonl", tmp / "out"
         env = launch_env(**cluster.env, CKPT_DIR=self.ckpt, PYTHON=sys.executable,
                          MPIEXEC=f"{MPIEXEC} --oversubscribe --mca mpi_yield_when_idle 1",
                          OPAL_PREFIX=BIN.parent, PMIX_MCA_psec="native",
                          RTXMPI_CACHE_DIR=tmp.parent / "cache", RTXMPI_TIMEOUT_S=60,
-                         PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+                         PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {}))
         argv = ["sbatch", "--parsable", f"--ntasks={ntasks}", "-o", self.out, "-D", REPO,
                 *sbatch, SCRIPTS / script, *ARGS, "--steps", str(steps),
                 "--metrics-jsonl", self.metrics, *extra]
@@ -91,17 +94,53 @@ class Job:
         return f"job {self.id} output:\n{self.output()[-4000:]}"
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """The cluster, and the time-limit job started first so its minute overlaps the others."""
-    with slurm_cluster.Cluster(kill_wait_s=20) as running:
+def start_cluster(tmp_path_factory):
+    """The cluster, and the time-limit job submitted first: its wait (Slurm's minute plus up to
+    30 s until slurmctld checks the limit) overlaps other tests. tests/launched/conftest.py calls
+    this at the first launched test of a session that will run this file. The job sleeps 300 ms a
+    step (RTXMPI_INJECT) so that it leaves the cores to those tests; once requeued it is held
+    (`scontrol hold`, still PENDING) so that it does not start again after Slurm's requeue delay.
+    End it with stop_cluster()."""
+    running = slurm_cluster.Cluster(kill_wait_s=20).start()
+    try:
         running.limited = Job(running, tmp_path_factory.mktemp("limited"), "train_mpiexec.sbatch",
                               100000, "--ckpt-every", "100000", ntasks=1,
-                              sbatch=["--time=1", "--signal=B:USR1@0"])
+                              sbatch=["--time=1", "--signal=B:USR1@0"],
+                              env={"RTXMPI_INJECT": "loader_sleep_ms=300"})
+    except BaseException:
+        running.stop()
+        raise
+    running.done = threading.Event()
+    running.holder = threading.Thread(target=hold_when_requeued, args=(running,), daemon=True)
+    running.holder.start()
+    return running
+
+
+def hold_when_requeued(cluster, poll_s=1.0):
+    """`scontrol hold` the time-limit job once it is PENDING after its requeue (Restarts >= 1)."""
+    while not cluster.done.wait(poll_s):
         try:
-            yield running
-        finally:
-            running.run(["scancel", "--user=root"], check=False)
+            info = cluster.limited.info()
+        except (RuntimeError, OSError, subprocess.SubprocessError):
+            continue
+        if info.get("JobState") == "PENDING" and int(info.get("Restarts", 0)) >= 1:
+            cluster.run(["scontrol", "hold", cluster.limited.id], check=False)
+            return
+
+
+def stop_cluster(cluster):
+    cluster.done.set()
+    try:
+        cluster.run(["scancel", "--user=root"], check=False)
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(slurm_started_early):
+    """The session's cluster (tests/launched/conftest.py: slurm_started_early)."""
+    assert slurm_started_early is not None, "conftest did not start the Slurm test cluster"
+    return slurm_started_early
 
 
 def test_mpiexec_batch_job_trains_and_commits_checkpoints(cluster, tmp_path):
