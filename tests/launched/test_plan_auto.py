@@ -61,13 +61,6 @@ def test_plan_auto_runs_the_layout_the_planner_chose(tmp_path, make_profile, lay
     assert [r["step"] for r in records] == [1, 2, 3]
 
 
-def test_plan_auto_with_a_layout_flag_exits_2(tmp_path):
-    proc = run_command([sys.executable, REPO / "examples" / "train.py", "--plan", "auto",
-                        "--micro-batches", "2"], outer_timeout_s=60, env=launch_env())
-    assert proc.returncode == 2, str(proc)
-    assert "--plan auto chooses the layout; drop --micro-batches" in proc.stderr
-
-
 def test_calibrate_under_mpiexec_saves_a_profile_the_cli_reuses(tmp_path):
     saved = tmp_path / "measured.json"
     proc = run_command(mpiexec_argv(2) + [

@@ -46,6 +46,7 @@ BAD_FLAGS = [  # each refused on every one of 4 ranks, in one launch (tests/laun
     (["--offload", "cpu"], "--offload cpu needs --zero-stage 1, 2 or 3"),
     (["--stop-after-step", "5"], "error: --stop-after-step needs --ckpt-dir DIR"),
     (["--ckpt-every", "3"], "error: --ckpt-every needs --ckpt-dir DIR"),
+    (["--plan", "auto", "--micro-batches", "2"], "--plan auto chooses the layout; drop --micro-batches"),
 ]
 
 
