@@ -112,7 +112,8 @@ def run_python(tmp_path):
 def slurm_started_early(request, tmp_path_factory):
     """test_slurm.py's cluster and time-limit job, started at the first launched test of a session
     that will run test_slurm.py (so that the job's minute and more overlaps the other tests instead
-    of idling at the end), else None. Stopped at the end of the session."""
+    of idling at the end), else None; the exception when it could not start. Stopped at the end of
+    the session."""
     if not any(item.path.name == "test_slurm.py" for item in request.session.items):
         yield None
         return
@@ -121,7 +122,11 @@ def slurm_started_early(request, tmp_path_factory):
     if test_slurm.WHY_NOT is not None:
         yield None
         return
-    running = test_slurm.start_cluster(tmp_path_factory)
+    try:
+        running = test_slurm.start_cluster(tmp_path_factory)
+    except Exception as exc:  # noqa: BLE001 - raised by test_slurm.py's tests, not by whichever ran first
+        yield exc
+        return
     try:
         yield running
     finally:

@@ -139,6 +139,8 @@ def stop_cluster(cluster):
 @pytest.fixture(scope="module")
 def cluster(slurm_started_early):
     """The session's cluster (tests/launched/conftest.py: slurm_started_early)."""
+    if isinstance(slurm_started_early, Exception):
+        raise slurm_started_early  # the cluster did not start
     assert slurm_started_early is not None, "conftest did not start the Slurm test cluster"
     return slurm_started_early
 
