@@ -72,6 +72,7 @@ SCHEDULES = ("1f1b", "gpipe")
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "nvme")  # examples/train.py --offload
 BUCKET_BYTES = 25 * 2**20
+TIE_BAND = 0.02  # predictions this close are one estimate: among them, the least peak memory first
 STEP_OVERHEAD_ALL_REDUCES = 3  # loss average, overflow agree, grad-norm reduction: small messages
 
 
@@ -172,8 +173,13 @@ class Plan:
         other = next((e for e in self.ranked if e.layout.degrees != L.degrees), None)
         if other is not None:
             gap = 100 * (other.total_ms / b.total_ms - 1)
+            tie = (f"; within the {100 * TIE_BAND:.0f}% the estimate cannot separate, the choice "
+                   f"needs less memory ({_fmt_bytes(b.peak_bytes)} vs "
+                   f"{_fmt_bytes(other.peak_bytes)})" if other.peak_bytes > b.peak_bytes
+                   and other.total_ms <= b.total_ms * (1 + TIE_BAND) else "")
             parts.append(f"The best other layout, {other.layout}, is predicted {other.total_ms:.1f} "
-                         f"ms ({gap:.0f}% slower): {_why_slower(b, other)}.")
+                         f"ms ({abs(gap):.0f}% {'slower' if gap >= 0 else 'faster'}): "
+                         f"{_why_slower(b, other)}{tie}.")
         R = self.inputs["ranks_per_node"]
         if R > p.effective_cores * 1.05:
             parts.append(f"{R} ranks per node share {p.effective_cores:.1f} effective cores "
@@ -740,8 +746,11 @@ def make_plan(cfg, global_batch, world_size, profile, ranks_per_node=None, mem_p
                                 f"{_fmt_bytes(mem_per_device)} per device"))
             continue
         ranked.append(e)
-    ranked.sort(key=lambda e: (round(e.total_ms, 6), e.peak_bytes, e.layout.micro_batches,
-                               e.layout.zero_stage, OFFLOADS.index(e.layout.offload)))
+    ranked.sort(key=lambda e: e.total_ms)
+    near = sum(e.total_ms <= ranked[0].total_ms * (1 + TIE_BAND) for e in ranked) if ranked else 0
+    ranked[:near] = sorted(ranked[:near], key=lambda e: (  # e.g. 1F1B before GPipe at equal time
+        e.peak_bytes, e.layout.micro_batches, e.layout.zero_stage, OFFLOADS.index(e.layout.offload),
+        e.total_ms))
     inputs = {"model": cfg, "global_batch": global_batch, "world_size": world_size,
               "ranks_per_node": R, "mem_per_device": mem_per_device, "device": device,
               "offloads": tuple(offloads)}

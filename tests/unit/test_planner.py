@@ -12,7 +12,7 @@ from rtxmpi.parallel.calibrate import HardwareProfile, default_profile, ring_fac
 from rtxmpi.parallel.planner import (Layout, check_layout, default_supported,
                                      enumerate_layouts, estimate, factorizations, make_plan,
                                      memory_breakdown, model_factor, parse_bytes,
-                                     simulate_pipeline)
+                                     simulate_pipeline, TIE_BAND)
 
 TARGETS = [(4, 1, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (1, 2, 2, 1), (1, 1, 4, 1), (1, 1, 1, 4),
            (2, 1, 1, 2)]
@@ -204,8 +204,14 @@ def test_memory_limit_rejects_with_the_numbers():
 
 def test_plan_ranks_by_total_and_explains_the_choice():
     plan = make_plan(CFG, 32, 4, synthetic(), supported=None)
-    totals = [e.total_ms for e in plan.ranked]
+    best = min(e.total_ms for e in plan.ranked)
+    near = [e for e in plan.ranked if e.total_ms <= best * (1 + TIE_BAND)]
+    assert plan.ranked[:len(near)] == near  # the tie band first, then by predicted total
+    memory = [e.peak_bytes for e in near]
+    assert memory == sorted(memory)  # inside the band: the least peak memory first
+    totals = [e.total_ms for e in plan.ranked[len(near):]]
     assert all(a <= b + 1e-6 for a, b in zip(totals, totals[1:]))
+    assert all(best * (1 + TIE_BAND) < t for t in totals)
     text = plan.reason()
     assert text.startswith(f"Chosen: {plan.best.layout}") and "synthetic test profile" in text
     assert "| # | dp | tp | pp | sp |" in plan.table(top=3)
