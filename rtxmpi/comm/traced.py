@@ -14,10 +14,13 @@ plain methods are put back, so tracing off costs nothing on the collective path.
 bytes is the payload of this rank's call: the input array's nbytes (all_gather: the output's),
 0 for barrier. ProcessGroup's subclasses (e.g. DeviceGroup) and Work's are wrapped too, where
 they define these methods themselves; a call made inside another traced call (a subclass calling
-super(), a blocking send waiting on its Work) is not recorded twice. Nothing here communicates.
+super(), a blocking send waiting on its Work) is not recorded twice. Collectives launched inside
+`untraced()` are not recorded at all (nor their completion or wait): the observer's own
+bookkeeping (its cross-rank all_gather) is not the job's communication. Nothing here communicates.
 """
 import functools
 import threading
+from contextlib import contextmanager
 
 from ..observe import trace
 from .group import ProcessGroup
@@ -92,6 +95,20 @@ def _traced_wait(method):
                       {"op": info["op"], "group": info["group"], "bytes": info["bytes"]})
 
     return wrapper
+
+
+@contextmanager
+def untraced():
+    """Collectives this thread launches inside the block record no span, and neither do their
+    Work's completion or wait later (e.g. the Observer's cross-rank all_gather, which runs from the
+    end of one step to the end of the next and would otherwise count as communication in flight
+    hidden behind the whole step). Local; nests."""
+    busy = getattr(_inside, "busy", False)
+    _inside.busy = True
+    try:
+        yield
+    finally:
+        _inside.busy = busy
 
 
 def _switch(on):

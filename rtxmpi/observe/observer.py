@@ -27,6 +27,7 @@ import os
 
 import numpy as np
 
+from ..comm.traced import untraced
 from ..control import agree
 from ..errors import ConfigError
 from . import inject, trace
@@ -210,7 +211,8 @@ class Observer:
             if slowest is not None:
                 out["slowest_rank"] = slowest  # of the previous step
             row = np.array([values[n] for n in NAMES] + [b.compute_ms + b.data_ms], np.float64)
-            self._cross = self.group.all_gather(row, async_op=True)
+            with untraced():  # bookkeeping, not the job's communication
+                self._cross = self.group.all_gather(row, async_op=True)
             if now - self._written_us >= 1e6:
                 self.metrics.write_textfile()
                 self._written_us = now

@@ -70,6 +70,20 @@ def test_an_async_collective_is_one_span_from_launch_to_completion_plus_its_wait
         assert comm[0][2] <= waits[0][2] and waits[0][2] + waits[0][3] <= comm[0][2] + comm[0][3] + 100
 
 
+
+def test_collectives_launched_untraced_record_nothing_even_when_they_complete_later(tracing):
+    from rtxmpi.comm.traced import untraced
+
+    world = rtxmpi.init()
+    with untraced():
+        work = world.all_gather(np.ones(4, np.float64), async_op=True)
+        world.all_reduce(np.ones(4, np.float32))
+    work.test()
+    work.wait()
+    assert trace.events() == []
+    world.all_reduce(np.ones(4, np.float32))  # outside the block: recorded again
+    assert [s[0] for s in trace.events()] == ["all_reduce"]
+
 # -- intervals and breakdowns ----------------------------------------------------------------------
 def test_interval_union_intersect_subtract():
     a = union([(5, 7), (0, 2), (1, 3), (9, 9)])
