@@ -19,6 +19,7 @@ surviving ranks after a rank dies (ULFM; docs/elastic.md).
 A bad flag or data path gives a one-line error and exit code 2 on every rank.
 """
 import argparse
+import difflib
 import json
 import math
 import os
@@ -69,6 +70,18 @@ from rtxmpi.wal import ResumeParity, WriteAheadLog, params_digest, read_wal, wal
 EXIT_CONFIG = 2
 EXIT_CHECKPOINT = 3  # a checkpoint or write-ahead log error, e.g. resume parity failed
 EXIT_PREEMPTED = elastic.EXIT_PREEMPTED  # 75: stopped by SIGTERM/SIGUSR1 with a committed checkpoint
+
+
+def _count(n, noun):
+    """'1 step', '2 steps', '1 loss', '3 losses': a count and its noun, pluralized."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"
+
+
+def printable(text):
+    """`text` with control characters other than newline and tab (a generated ESC or NUL would
+    drive the terminal) shown as U+FFFD, like the invalid UTF-8 that decode() already replaced."""
+    return "".join(c if c in "\n\t" or (c.isprintable() and c != "\ufeff") else "\ufffd"
+                   for c in text)
 
 
 def _is_rank0():
@@ -411,11 +424,39 @@ def resume(world, args, cfg, engine, sampler, rng):
                               f"{found[0]}); pass --resume or use an empty directory")
         return 0
     if found[0] == 0:
-        if world.rank == 0:
+        if world.rank == 0 and not os.path.isdir(args.ckpt_dir):
+            warn_missing_ckpt_dir(args.ckpt_dir)
+        elif world.rank == 0:
             print(f"checkpoint: no committed checkpoint in {args.ckpt_dir}; starting fresh", flush=True)
         return 0
     return restore(world, args, cfg, engine, sampler, rng,
                    load_checkpoint(world, args.ckpt_dir, step=int(found[0])))
+
+
+def warn_missing_ckpt_dir(ckpt_dir):
+    """--resume with a --ckpt-dir that does not exist (rank 0): not an error, since a first launch
+    under `rtxmpi run` or a Slurm script passes --resume with a directory still to be made, but a
+    warning on stderr naming the absolute path, and any directory next to it that holds committed
+    checkpoints (a mistyped name; docs/checkpoint.md)."""
+    path = os.path.abspath(ckpt_dir)
+    parent, name = os.path.split(path)
+    try:
+        siblings = [d for d in sorted(os.listdir(parent)) if os.path.isdir(os.path.join(parent, d))]
+    except OSError:
+        siblings = []
+    held = []
+    for d in difflib.get_close_matches(name, siblings, n=20, cutoff=0.0):  # most similar first
+        try:
+            step = latest_step(os.path.join(parent, d))
+        except OSError:
+            step = None
+        if step:
+            held.append(f"{os.path.join(parent, d)} (latest step {step})")
+    print(f"warning: --resume: --ckpt-dir {ckpt_dir} ({path}) does not exist; starting fresh at "
+          f"step 1 and creating it. Expected on a first launch; if you meant to continue a run, "
+          f"stop now and fix --ckpt-dir"
+          + (f" (checkpoints next to it: {', '.join(held[:3])})" if held else ""),
+          file=sys.stderr, flush=True)
 
 
 def drop_metrics_after(path, step):
@@ -451,8 +492,10 @@ def restore(world, args, cfg, engine, sampler, rng, ckpt):
     shrink) into engine, sampler and rng; returns its step (collective)."""
     saved_cfg = GPTConfig(**ckpt.meta["model_config"])
     if saved_cfg != cfg:
-        raise ConfigError(f"checkpoint {ckpt.path} holds model {ckpt.meta['model']} {saved_cfg}, "
-                          f"this run builds {cfg}; use the same --model and --seq-len")
+        raise CheckpointError(f"checkpoint {ckpt.path} holds model {ckpt.meta['model']} "
+                              f"({saved_cfg}), this run builds model {args.model} ({cfg}); "
+                              f"resume with --model {ckpt.meta['model']} and --seq-len "
+                              f"{saved_cfg.seq_len}, or use another --ckpt-dir")
     engine.load_shards(ckpt.read)  # reads only the slices this rank keeps
     sampler.load_state_dict(ckpt.meta["sampler"])
     saved = ckpt.rank_state(world.rank).get("rng")
@@ -574,8 +617,8 @@ class StepLog:
             raise_if_any_failed(self.world, error, "resume parity")
             if step == self.verify_until and self.world.rank == 0:
                 print(f"wal: resume parity ok: steps {self.parity.first_step}..{step} "
-                      f"reproduce the log bit for bit ({len(self.parity.logged)} losses, "
-                      f"{self.parity.digests_checked} parameter digests)", flush=True)
+                      f"reproduce the log bit for bit ({_count(len(self.parity.logged), 'loss')}, "
+                      f"{_count(self.parity.digests_checked, 'parameter digest')})", flush=True)
                 self.wal = WriteAheadLog(self.path, self.args.wal_every,
                                          records=self.records[self.records["step"] <= step])
             return
@@ -656,7 +699,7 @@ def replan_layout(world, args):
         micro = (f", micro-batches {layout.micro_batches}" if layout.micro_batches != micro_batches
                  else "") + (", --sequence-parallel off" if sequence_parallel and
                              not args.sequence_parallel else "")
-        print(f"elastic: layout for {size} ranks: {old} -> {describe(*layout.degrees)}{micro} "
+        print(f"elastic: layout for {_count(size, 'rank')}: {old} -> {describe(*layout.degrees)}{micro} "
               f"({why or '--tp/--pp/--sp as given'})", flush=True)
 
 
@@ -810,20 +853,23 @@ def train(args):
     full = engine.full_params() if sample else None  # every rank: a gather at ZeRO stage 3
     if rank == 0:
         val = f", val_loss {record['val_loss']:.3f}" if "val_loss" in record else ""
-        print(f"done: {steps_run} steps in {elapsed:.1f} s, "
+        print(f"done: {_count(steps_run, 'step')} in {elapsed:.1f} s, "
               f"{steps_run * tokens_per_step / elapsed:.0f} tokens/s, "
               f"final loss {record['loss']:.3f}{val} nats/byte", flush=True)
         if last_step < args.steps:
             why = "pre-empted" if record.get("preempted") else "--stop-after-step"
-            print(f"stopped after step {last_step} ({why}); continue with --resume up to "
-                  f"step {args.steps}", flush=True)
+            saved = (f"checkpoint of step {last_step} committed in {args.ckpt_dir}; continue with "
+                     f"--resume up to step {args.steps}" if args.ckpt_dir else
+                     "no --ckpt-dir: nothing saved, a rerun starts at step 1")
+            print(f"stopped after step {last_step} ({why}); {saved}", flush=True)
         elif sample:
             prompt = encode("def ")[None, :].astype(np.int64)
             sampler_model = GPT(cfg, seed=args.seed)  # a plain local copy: generation talks to no one
             sampler_model.load_flat(full)
             out = sampler_model.generate(prompt, args.sample_tokens, temperature=0.8, top_k=40,
                                          rng=np.random.default_rng(args.seed))
-            print("---- sample ----\n" + decode(out[0]) + "\n----------------", flush=True)
+            print("---- sample ----\n" + printable(decode(to_host(out[0])))
+                  + "\n----------------", flush=True)
     if metrics:
         metrics.close()
     if args.offload == "nvme":

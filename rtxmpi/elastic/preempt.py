@@ -6,6 +6,9 @@ bytecodes, so a rank blocked in MPI sees it when the call returns; the handler t
 a flag. At the next step boundary every rank passes its flag to one agreed reduction
 (`rtxmpi.control.agree`), so a signal that reached one rank stops all of them after the same step.
 The training loop then writes one committed checkpoint and exits with `EXIT_PREEMPTED`.
+The handler's one line (STOP_NOTE) promises no checkpoint: SIGTERM is also what mpiexec sends
+when it tears the whole job down (a rank died without ULFM, an abort), and SIGKILL follows before
+any step boundary; only the loop's final line, once the stop completed, names the checkpoint.
 """
 import os
 import shutil
@@ -15,6 +18,11 @@ import sys
 
 EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: stopped on request with a committed checkpoint; rerun to continue
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# What the handler can promise: nothing is saved yet, and a launcher tearing the job down (mpiexec
+# after a rank died without ULFM, or after a CollectiveTimeout's abort) sends the same SIGTERM
+# moments before SIGKILL. The training loop's final line says which checkpoint was committed.
+STOP_NOTE = ("stop requested; will stop at the next step boundary and checkpoint there (with a "
+             "checkpoint directory), if the job is not killed first")
 
 
 class StopRequest:
@@ -44,8 +52,8 @@ class StopRequest:
     def _handle(self, signum, frame):
         if not self.requested:
             self.requested, self.signal = True, signum
-            os.write(2, f"[rtxmpi pid {os.getpid()}] {signal.Signals(signum).name}: stop requested; "
-                        "stopping at the next step boundary with a checkpoint\n".encode())
+            os.write(2, f"[rtxmpi pid {os.getpid()}] {signal.Signals(signum).name}: "
+                        f"{STOP_NOTE}\n".encode())
 
     def request(self, signum=None):
         """Set the flag from code (e.g. a time budget); the same effect as a signal."""

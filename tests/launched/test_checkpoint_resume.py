@@ -12,6 +12,7 @@ import h5py
 import numpy as np
 import pytest
 from conftest import REPO, launch_env, mpiexec_argv, run_command
+from train_errors import assert_one_line_error, refused
 
 from rtxmpi.checkpoint import list_checkpoints, load_checkpoint
 from rtxmpi.cli import main as cli_main
@@ -141,11 +142,28 @@ def test_ckpt_ls_verify_inspect_and_a_flipped_byte(reference, tmp_path, capsys):
     assert cli("verify", ckpt, "--step", "6")[0] == 0
 
 
-def test_resume_without_checkpoint_starts_fresh(tmp_path):
-    proc = train(1, tmp_path, tmp_path / "empty", "--resume", "--steps", "2")
+def test_resume_into_a_missing_dir_warns_an_empty_one_starts_fresh_another_model_exits_3(tmp_path):
+    """A first launch under `rtxmpi run` or Slurm passes --resume with a directory still to be
+    made: it starts fresh, with a warning naming the path (and the checkpoints next to it, for a
+    mistyped name). An empty existing directory starts fresh quietly; a checkpoint of another
+    --model is a CheckpointError (exit 3) naming both models."""
+    (tmp_path / "ckpt").mkdir()
+    proc = train(1, tmp_path, tmp_path / "ckpt", "--resume", "--steps", "2")
     assert proc.returncode == 0, str(proc)
     assert "no committed checkpoint in" in proc.stdout and "starting fresh" in proc.stdout
-    assert [c.step for c in list_checkpoints(tmp_path / "empty")] == [2]  # saved at the end
+    assert "warning" not in proc.stderr, str(proc)
+    assert [c.step for c in list_checkpoints(tmp_path / "ckpt")] == [2]  # saved at the end
+    common = [*ARGS, "--steps", "2", "--resume"]
+    missing, other_model = refused(1, [[*common, "--ckpt-dir", tmp_path / "ckp"],
+                                       [*common, "--ckpt-dir", tmp_path / "ckpt", "--model", "small"]],
+                                   tmp_path)
+    assert missing.codes == [0], str(missing)
+    assert (f"warning: --resume: --ckpt-dir {tmp_path / 'ckp'} ({tmp_path / 'ckp'}) does not exist; "
+            f"starting fresh at step 1") in missing.stderr[0], str(missing)
+    assert f"checkpoints next to it: {tmp_path / 'ckpt'} (latest step 2)" in missing.stderr[0]
+    assert [c.step for c in list_checkpoints(tmp_path / "ckp")] == [2]
+    assert_one_line_error(other_model, "holds model tiny", code=3)
+    assert "this run builds model small" in other_model.stderr[0], str(other_model)
 
 
 def test_fresh_run_refuses_a_directory_with_checkpoints(reference, tmp_path):

@@ -76,7 +76,8 @@ def test_usr1_to_one_rank_stops_all_at_one_step_and_resume_is_bitwise(straight2,
     """(SIGTERM from outside: the next test.)"""
     proc = train(tmp_path, tmp_path / "ckpt", RTXMPI_FAULT="usr1:1:7:backward")
     assert not proc.outer_timeout and proc.returncode == EXIT_PREEMPTED, str(proc)
-    assert "stopped after step 7 (pre-empted)" in proc.stdout
+    assert (f"stopped after step 7 (pre-empted); checkpoint of step 7 committed in "
+            f"{tmp_path / 'ckpt'}") in proc.stdout
     assert latest_step(tmp_path / "ckpt") == 7  # one committed checkpoint, at the agreed step
     assert load_checkpoint(None, tmp_path / "ckpt", 7).world_size_saved == 2
     proc = train(tmp_path, tmp_path / "ckpt", "--resume")
@@ -149,7 +150,7 @@ def test_preempted_without_ckpt_dir_still_stops_with_exit_75(tmp_path):
                        outer_timeout_s=60, env=launch_env(RTXMPI_CACHE_DIR=tmp_path.parent / "cache",
                                                           RTXMPI_FAULT="usr1:0:4"))
     assert proc.returncode == EXIT_PREEMPTED, str(proc)
-    assert "stopped after step 4 (pre-empted)" in proc.stdout
+    assert "stopped after step 4 (pre-empted); no --ckpt-dir: nothing saved" in proc.stdout
 
 
 SHRINK_STEPS = 12

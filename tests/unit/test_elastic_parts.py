@@ -48,13 +48,16 @@ def test_fault_fires_once_only_on_its_rank_and_not_after_a_restart(monkeypatch):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
-def test_signal_sets_the_stop_request_and_uninstall_restores(signum):
+def test_signal_sets_the_stop_request_and_uninstall_restores(signum, capfd):
     stop = StopRequest().install()
     try:
         os.kill(os.getpid(), signum)
         assert stop.requested and stop.signal == signum
     finally:
         stop.uninstall()
+    note = capfd.readouterr().err  # promises no checkpoint: mpiexec's teardown SIGTERMs too
+    assert f"{signal.Signals(signum).name}: stop requested; will stop at the next step boundary" in note
+    assert "if the job is not killed first" in note
     assert signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler, None) or \
         signal.getsignal(signum) != stop._handle
 
