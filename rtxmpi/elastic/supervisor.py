@@ -29,7 +29,10 @@ missing module, root without Open MPI's root variables, too few slots. The super
 --backoff-s seconds (doubling after each such failure in a row, at most BACKOFF_MAX_S) before the
 next launch, and after --max-early-failures of them in a row gives up with a summary naming the
 cause (a known launcher message, or the last Python exception line) and the last lines the job
-wrote to stderr; it exits with the last status. The job's stderr is copied through as it comes
+wrote to stderr; it exits with the last status. An early failure whose stderr shows a known
+permanent cause (KNOWN_CAUSES: root without Open MPI's root variables, not enough slots, mpiexec
+cannot find the program, python cannot open the script) is not relaunched at all: the supervisor
+gives up at once with the same summary. The job's stderr is copied through as it comes
 (and its tail kept for that summary); stdout is inherited unchanged.
 
 Signals: SIGTERM, SIGUSR1 or SIGINT to the supervisor reach the ranks as SIGUSR1 through mpiexec
@@ -58,13 +61,19 @@ BACKOFF_MAX_S = 60.0
 TAIL_BYTES = 8192  # of the job's stderr, kept for the summary
 TAIL_LINES = 6
 
-# (text the launcher or Python prints, what to tell the user): known causes of early failures
+# (text the launcher or Python prints, what to tell the user): known causes of early failures.
+# Each is permanent: the same command in the same environment fails the same way, so an early
+# failure with one of them is not relaunched (a missing module is not among them: an environment
+# being installed or a file system being mounted may fix it; it gets the backoff).
 KNOWN_CAUSES = (
     ("attempt to run as root", "mpiexec refuses to run as root: export OMPI_ALLOW_RUN_AS_ROOT=1 "
                                "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 (or add --allow-run-as-root to "
                                "--mpiexec)"),
     ("not enough slots available", "not enough slots for the ranks asked for: add --oversubscribe "
                                    "to --mpiexec, give a --hostfile, or use fewer ranks"),
+    ("unable to find the specified executable", "mpiexec cannot find the program to run: check "
+                                                "the command's first word (after --)"),
+    ("can't open file", None),  # python's own line names the script: it is the cause
 )
 _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit)\b.*|.*can't open file.*"
                              r"|cannot start .*)$")
@@ -145,13 +154,18 @@ class StderrTail:
 def failure_cause(lines):
     """One line naming why a job failed, from the last lines of its stderr: a known launcher
     message, else the last Python exception line (`ModuleNotFoundError: ...`), else None."""
+    return permanent_cause(lines) or next(
+        (line for line in reversed(lines) if _EXCEPTION_LINE.match(line)), None)
+
+
+def permanent_cause(lines):
+    """The cause line when the stderr lines hold one of KNOWN_CAUSES (a failure that the same
+    command in the same environment repeats: root without Open MPI's variables, too few slots,
+    no such program or script), else None."""
     text = "\n".join(lines)
     for needle, cause in KNOWN_CAUSES:
         if needle in text:
-            return cause
-    for line in reversed(lines):
-        if _EXCEPTION_LINE.match(line):
-            return line
+            return cause or next(line for line in lines if needle in line)
     return None
 
 
@@ -307,8 +321,14 @@ class Supervisor:
                     else "stopped by a signal" if self.stop_signal is not None
                     else f"failed early (exit status {status}, no training step done)" if early
                     else f"failed (exit status {status})")
+            permanent = permanent_cause(self.tail) if early else None
+            if permanent:
+                what += ": a known permanent cause, not relaunched"
             self.attempts.append((restart, ranks, status, seconds, what))
             if not failed:
+                break
+            if permanent:
+                self.say(f"giving up at once: {permanent}; a relaunch would fail the same way")
                 break
             if early_in_a_row >= self.max_early_failures:
                 self.say(f"giving up: {early_in_a_row} launches in a row failed within "

@@ -204,8 +204,6 @@ PRTERUN_TAIL = ("---------------------------------------------------------------
     ("Traceback (most recent call last):\n  File \"train.py\", line 1\n"
      "ModuleNotFoundError: No module named 'nosuchmod'\n" + PRTERUN_TAIL,
      "cause: ModuleNotFoundError: No module named 'nosuchmod'"),
-    ("prterun has detected an attempt to run as root.\n\nRunning as root is *strongly* "
-     "discouraged\n", "cause: mpiexec refuses to run as root: export OMPI_ALLOW_RUN_AS_ROOT=1"),
 ])
 def test_instant_failures_back_off_then_give_up_naming_the_cause(tmp_path, stderr, cause):
     log = tmp_path / "log"
@@ -224,6 +222,33 @@ def test_instant_failures_back_off_then_give_up_naming_the_cause(tmp_path, stder
     assert "giving up: 3 launches in a row failed within 60 s without completing a training step" in text
     assert cause in text and "last stderr lines of the job:" in text
     assert text.count("failed early (exit status 1, no training step done)") == 3 + 2
+
+
+@pytest.mark.parametrize("stderr, cause", [
+    ("prterun has detected an attempt to run as root.\n\nRunning as root is *strongly* "
+     "discouraged\n", "mpiexec refuses to run as root: export OMPI_ALLOW_RUN_AS_ROOT=1"),
+    ("There are not enough slots available in the system to satisfy the 4\nslots that were "
+     "requested by the application:\n", "not enough slots for the ranks asked for"),
+    ("prterun was unable to find the specified executable file, and therefore did\nnot launch "
+     "the job.\n   Executable: pythn\n", "mpiexec cannot find the program to run"),
+    ("python: can't open file '/work/trian.py': [Errno 2] No such file or directory\n" + PRTERUN_TAIL,
+     "python: can't open file '/work/trian.py'"),
+])
+def test_a_known_permanent_cause_gives_up_at_once_with_the_summary(tmp_path, stderr, cause):
+    """Root without Open MPI's variables, too few slots, no such program or script: the same
+    command fails the same way, so no relaunch and no backoff (rtxmpi.elastic.supervisor)."""
+    log = tmp_path / "log"
+    fake = launcher(tmp_path, f"open({str(log)!r}, 'a').write('x\\n')\n"
+                              f"sys.stderr.write({stderr!r})\nsys.exit(1)\n")
+    out = open(tmp_path / "out", "w")
+    status = Supervisor(["job"], n=4, max_restarts=10, mpiexec=fake, out=out, backoff_s=5).run()
+    out.close()
+    text = (tmp_path / "out").read_text()
+    assert status == 1 and log.read_text() == "x\n", text  # one launch
+    assert f"giving up at once: {cause}" in text and "a relaunch would fail the same way" in text
+    assert "waiting" not in text and f"  cause: {cause}" in text
+    assert "failed early (exit status 1, no training step done): a known permanent cause, not " \
+        "relaunched" in text
 
 
 def test_a_failure_after_training_progress_is_relaunched_at_once(tmp_path):
