@@ -12,6 +12,10 @@
     mpiexec -n 4 rtxmpi plan --calibrate --save-profile F  ... measuring this machine first
     rtxmpi report RUN_DIR [RUN_DIR ...] [--out DIR] [--last N]   summary, bottleneck and PNG plots
                                       of examples/train.py --run-dir runs (docs/observe.md)
+    rtxmpi bench NAME|all [-n N] [--dry-run] [-- ARGS]   run bench/NAME.py under the right
+                                      launcher, or every benchmark (bench/README.md)
+
+Output piped into a reader that stops early (`rtxmpi info | head`) ends quietly, exit 141.
 """
 import argparse
 import os
@@ -145,7 +149,7 @@ def cmd_ckpt_verify(args):
     except CheckpointError as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
-    print(f"ok: {len(checked)} datasets verified (sizes and checksums)")
+    print(f"ok: {len(checked)} dataset{'' if len(checked) == 1 else 's'} verified (sizes and checksums)")
     return 0
 
 
@@ -161,7 +165,8 @@ def cmd_ckpt_inspect(args):
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"{ckpt.path}: step {ckpt.step}, saved by {ckpt.world_size_saved} rank(s)")
+    print(f"{ckpt.path}: step {ckpt.step}, saved by {ckpt.world_size_saved} "
+          f"rank{'' if ckpt.world_size_saved == 1 else 's'}")
     print(f"{'tensor':<24} {'dtype':<8} {'global shape':<14} pieces (file [offset, offset+length))")
     for name, info in ckpt.tensors.items():
         pieces = ", ".join(f"{p['file']} [{p['offset']}, {p['offset'] + p['length']})"
@@ -329,9 +334,23 @@ def build_parser():
     return parser
 
 
+EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a process ended by SIGPIPE
+
+
 def main(argv=None):
+    """The entry point: the subcommand's exit status. A closed stdout (`rtxmpi info | head`)
+    ends the command quietly with EXIT_BROKEN_PIPE instead of a BrokenPipeError traceback."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        status = args.func(args)
+        sys.stdout.flush()  # a broken pipe shows here, not in the interpreter's exit
+    except BrokenPipeError:
+        # further writes (the exit's flush included) go nowhere instead of raising again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+    return status
 
 
 if __name__ == "__main__":

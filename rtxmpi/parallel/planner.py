@@ -154,15 +154,17 @@ class Plan:
             lines += [f"  {L}: {why}" for L, why in self.rejected]
         return "\n".join(lines)
 
-    def reason(self):
+    def reason(self, show_rejected=False):
         """One paragraph: why the first choice, against the runner-up of another layout, and what
-        was rejected (counted by reason)."""
+        was rejected (counted by reason; show_rejected: the table listed them, so no hint to)."""
         p = self.profile
         src = ("the DEFAULT hardware profile (not measured here: run `rtxmpi plan --calibrate` "
                "under mpiexec for this machine)" if p.is_default else f"the profile {p.source}")
         if not self.ranked:
             why = _count_reasons(self.rejected)
-            return (f"No layout fits: all {len(self.rejected)} candidates were rejected "
+            n = len(self.rejected)
+            return (f"No layout fits: {'the' if n == 1 else 'all'} {n} candidate"
+                    f"{' was' if n == 1 else 's were'} rejected "
                     f"({why}). Using {src}.")
         b = self.best
         L = b.layout
@@ -182,14 +184,16 @@ class Plan:
                          f"{_why_slower(b, other)}{tie}.")
         R = self.inputs["ranks_per_node"]
         if R > p.effective_cores * 1.05:
-            parts.append(f"{R} ranks per node share {p.effective_cores:.1f} effective cores "
+            parts.append(f"{R} rank{'' if R == 1 else 's'} per node share {p.effective_cores:.1f} effective cores "
                          f"(a waiting rank takes {p.wait_weight:.2f} of a busy one's share), so a "
                          f"rank computes {_sharing(p, R, 1)(1) / _sharing(p, R, 1)(R):.1f}x slower while all compute "
                          f"than while it alone does: idle pipeline stages lend only part of their "
                          f"core.")
         if self.rejected:
-            parts.append(f"{len(self.rejected)} candidates rejected ({_count_reasons(self.rejected)};"
-                         f" --show-rejected lists them).")
+            n = len(self.rejected)
+            parts.append(f"{n} candidate{'' if n == 1 else 's'} rejected "
+                         f"({_count_reasons(self.rejected)}"
+                         f"{'' if show_rejected else '; --show-rejected lists them'}).")
         parts.append(f"Estimates use {src}.")
         return " ".join(parts)
 
@@ -854,7 +858,9 @@ def main(args):
         for name in ("seq_len", "global_batch", "top", "max_micro_batches"):
             if getattr(args, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-        world_size = args.world_size or MPI.COMM_WORLD.Get_size()
+        if args.world_size is not None and args.world_size < 1:  # 0 is a bad flag, not "unset"
+            raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
+        world_size = MPI.COMM_WORLD.Get_size() if args.world_size is None else args.world_size
         if args.world_size is None and world_size == 1:
             raise ConfigError("--world-size is needed outside mpiexec (the ranks to plan for)")
         cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
@@ -877,12 +883,13 @@ def main(args):
     mem = _fmt_bytes(memory) if memory else "unlimited"
     print(f"plan: model {args.model} ({cfg.n_layer} layers, {cfg.n_head} heads, n_embd "
           f"{cfg.n_embd}), global batch {args.global_batch} x {args.seq_len} tokens, world size "
-          f"{world_size}, {plan.inputs['ranks_per_node']} ranks per node, memory {mem} per rank")
+          f"{world_size}, {plan.inputs['ranks_per_node']} rank"
+          f"{'' if plan.inputs['ranks_per_node'] == 1 else 's'} per node, memory {mem} per rank")
     print(f"profile: {profile.source}")
     print()
     print(plan.table(top=args.top, show_rejected=args.show_rejected))
     print()
-    print(plan.reason())
+    print(plan.reason(show_rejected=args.show_rejected))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(_plan_json(plan), f, indent=1)

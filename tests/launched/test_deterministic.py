@@ -145,7 +145,7 @@ def test_killed_after_step_15_resumes_deterministic_and_parity_passes(straight, 
     assert proc.returncode == 0, str(proc)
     assert "wal: last logged step 15; re-running steps 11..15" in proc.stdout
     assert "wal: resume parity ok: steps 11..15 reproduce the log bit for bit (5 losses, " \
-           "1 parameter digests)" in proc.stdout
+           "1 parameter digest)" in proc.stdout
     assert_same_checkpoint(ckpt, ref / "ckpt")
     got, want = read_wal(ckpt / "wal.h5"), read_wal(ref / "ckpt" / "wal.h5")
     assert list(got["step"]) == list(range(1, 21)) and np.array_equal(got["loss"], want["loss"])
