@@ -61,7 +61,7 @@ from rtxmpi.nn.gpt import param_layout
 from rtxmpi.comm.failure import ulfm_enabled
 from rtxmpi.parallel.data import DataParallel, weighted_micro_batches
 from rtxmpi.parallel.hybrid import build_hybrid, check_layout
-from rtxmpi.parallel.pipeline import build_pipeline, check_pipeline
+from rtxmpi.parallel.pipeline import auto_micro_batches, build_pipeline, check_pipeline
 from rtxmpi.parallel.planner import explicit_layout_flags, plan_for_job
 from rtxmpi.parallel.replica import replica_pieces
 from rtxmpi.parallel.zero import ZeroDataParallel
@@ -80,7 +80,7 @@ def _count(n, noun):
 def printable(text):
     """`text` with control characters other than newline and tab (a generated ESC or NUL would
     drive the terminal) shown as U+FFFD, like the invalid UTF-8 that decode() already replaced."""
-    return "".join(c if c in "\n\t" or (c.isprintable() and c != "\ufeff") else "\ufffd"
+    return "".join(c if c in "\n\t" or c.isprintable() else "\ufffd"
                    for c in text)
 
 
@@ -101,6 +101,16 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(EXIT_CONFIG)
 
 
+def _micro_batches(text):
+    """--micro-batches: 'auto' (None: chosen in check_args) or an int."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: use auto or an integer") from None
+
+
 def parse_args(argv=None):
     p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=None,
@@ -111,9 +121,11 @@ def parse_args(argv=None):
     p.add_argument("--model", default="small", choices=sorted(MODEL_SIZES), help="model size")
     p.add_argument("--steps", type=int, default=300, help="the step the run ends at")
     p.add_argument("--global-batch", type=int, default=32, help="sequences per step over all ranks")
-    p.add_argument("--micro-batches", type=int, default=1,
+    p.add_argument("--micro-batches", type=_micro_batches, default=None, metavar="{auto,M}",
                    help="micro-batches per step on each rank: gradient accumulation, or with "
-                        "--pp the pipeline's micro-batches")
+                        "--pp the pipeline's micro-batches; auto (the default): 1 without --pp, "
+                        "with --pp P the smallest multiple of P that divides the per-rank batch "
+                        "(docs/pipeline.md)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline-parallel stages (layers split over --pp ranks; docs/parallel.md)")
     p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved"),
@@ -199,6 +211,7 @@ def parse_args(argv=None):
                    help="after a pre-emption signal: scontrol requeue $SLURM_JOB_ID (rank 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    args.micro_batches_auto = args.micro_batches is None  # resolved in check_args (or by a plan)
     given = explicit_layout_flags(sys.argv[1:] if argv is None else argv)
     if args.plan and given:
         p.error(f"--plan auto chooses the layout; drop {', '.join(given)} or --plan")
@@ -210,7 +223,7 @@ def parse_args(argv=None):
 def check_args(args, world_size):
     """Validate flags against each other and the world size; raises ConfigError (a user can act)."""
     for name in ("steps", "global_batch", "micro_batches", "seq_len", "eval_batches"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:  # micro_batches None: auto
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.eval_every < 0 or args.sample_tokens < 0:
         raise ConfigError("--eval-every and --sample-tokens must be >= 0")
@@ -251,6 +264,11 @@ def check_args(args, world_size):
     dp = check_layout(world_size, dp=args.dp, tp=args.tp, pp=getattr(args, "pp", 1), sp=args.sp,
                       seq_len=args.seq_len, zero_stage=args.zero_stage,
                       sequence_parallel=args.sequence_parallel)  # docs/parallel.md
+    if args.micro_batches is None:  # --micro-batches auto (docs/pipeline.md)
+        args.micro_batches = auto_micro_batches(
+            pp=args.pp, per_rank_batch=min(batch_split(args.global_batch, dp, "--global-batch")),
+            schedule=args.schedule, n_layer=MODEL_SIZES[args.model]["n_layer"],
+            zero_stage=args.zero_stage, offload=args.offload, virtual_stages=args.virtual_stages)
     check_batch_split(args, dp)
     check_pipeline(pp=args.pp, micro_batches=args.micro_batches, schedule=args.schedule,
                    n_layer=MODEL_SIZES[args.model]["n_layer"], zero_stage=args.zero_stage,
@@ -675,8 +693,9 @@ def replan_layout(world, args):
     rtxmpi.elastic.replan's fixed order (dp fills the rest); rank 0 prints the old and the new
     layout when they differ. Pure data parallelism is left as it is (dp follows the world size).
     Raises ConfigError (on every rank) when nothing fits."""
-    user = args.__dict__.setdefault("user_layout", [args.tp, args.pp, args.sp, args.micro_batches,
-                                                    args.sequence_parallel, args.virtual_stages])
+    user = args.__dict__.setdefault("user_layout", [  # micro-batches None: auto for each layout
+        args.tp, args.pp, args.sp, None if args.micro_batches_auto else args.micro_batches,
+        args.sequence_parallel, args.virtual_stages])
     if user[:3] == [1, 1, 1]:
         return
     size, model = world.world_size, args.tp * args.pp * args.sp
@@ -696,8 +715,8 @@ def replan_layout(world, args):
     if not shrinks and (why == "" and given[0] in (None, layout.dp)):
         return  # a relaunch that fits the flags as given: nothing to say
     if world.rank == 0:
-        micro = (f", micro-batches {layout.micro_batches}" if layout.micro_batches != micro_batches
-                 else "") + (", --sequence-parallel off" if sequence_parallel and
+        micro = (f", micro-batches {layout.micro_batches}" if layout.micro_batches != (
+            micro_batches or layout.micro_batches) else "") + (", --sequence-parallel off" if sequence_parallel and
                              not args.sequence_parallel else "")
         print(f"elastic: layout for {_count(size, 'rank')}: {old} -> {describe(*layout.degrees)}{micro} "
               f"({why or '--tp/--pp/--sp as given'})", flush=True)
@@ -753,7 +772,7 @@ def train(args):
               f"corpus {corpus.source} "
               f"({_size(corpus.train.size)} train / {_size(corpus.val.size)} val), "
               f"global batch {args.global_batch} x {args.seq_len} tokens{_uneven(args, data_size)}, "
-              f"ZeRO stage {args.zero_stage}", flush=True)
+              f"ZeRO stage {args.zero_stage}{_micro_note(args)}", flush=True)
         if args.elastic == "shrink" and ulfm_enabled() is False:
             print("warning: --elastic shrink without fault-tolerant MPI: a lost rank ends the job "
                   "(CollectiveTimeout) instead of shrinking; launch with mpiexec --with-ft ulfm "
@@ -882,6 +901,15 @@ def _uneven(args, dp):
     sizes = batch_split(args.global_batch, dp)
     return "" if len(set(sizes)) == 1 else (f" (uneven over dp {dp}: {', '.join(map(str, sizes))}"
                                             f" per rank, gradients weighted by samples)")
+
+
+def _micro_note(args):
+    """Banner note: the micro-batches per step, with --pp or more than one (auto: chosen by
+    --micro-batches auto, docs/pipeline.md)."""
+    if args.pp == 1 and args.micro_batches == 1:
+        return ""
+    how = " (auto)" if args.micro_batches_auto and not args.plan else ""
+    return f", {args.micro_batches} micro-batches{how}"
 
 
 def _size(n_bytes):

@@ -20,7 +20,7 @@ per-rank batch. Tensor parallelism is kept longest because a tp group is the mos
 """
 from ..errors import ConfigError
 from ..parallel.hybrid import check_layout as runtime_check
-from ..parallel.pipeline import check_pipeline
+from ..parallel.pipeline import auto_micro_batches, check_pipeline
 from ..parallel.planner import Layout
 
 
@@ -66,7 +66,8 @@ def replan(world_size, cfg, global_batch, *, tp=1, pp=1, sp=1, micro_batches=1, 
     """The layout for `world_size` ranks by the module's rule, starting from the user's degrees.
 
     cfg: rtxmpi.nn.GPTConfig (seq_len is the training sequence length); global_batch: sequences
-    per step. virtual_stages: the interleaved schedule's chunks per pipeline rank (checked with
+    per step. micro_batches: None for `--micro-batches auto` (chosen per candidate layout by
+    rtxmpi.parallel.pipeline.auto_micro_batches: 1 without pp). virtual_stages: the interleaved schedule's chunks per pipeline rank (checked with
     a kept pp; without pp there are none). Returns (Layout (rtxmpi.parallel.planner),
     sequence_parallel (bool), why: '' when
     the user's tp/pp/sp were kept, else the reason they did not fit). Pure and local (the same
@@ -82,10 +83,20 @@ def replan(world_size, cfg, global_batch, *, tp=1, pp=1, sp=1, micro_batches=1, 
             reasons.append(f"tp {t} x pp {p} x sp {s} = {model} does not divide {world_size} ranks")
             continue
         dp = world_size // model
-        m = micro_batches if p > 1 else max(1, min(micro_batches, global_batch // dp))
+        m, auto_why = micro_batches, None
+        if micro_batches is None and p > 1:  # --micro-batches auto, for this layout's batch
+            try:
+                m = auto_micro_batches(pp=p, per_rank_batch=max(1, global_batch // dp),
+                                       schedule=schedule, n_layer=cfg.n_layer,
+                                       zero_stage=zero_stage,
+                                       virtual_stages=virtual_stages)
+            except ConfigError as exc:
+                m, auto_why = p, str(exc)
+        elif p == 1:
+            m = 1 if micro_batches is None else max(1, min(micro_batches, global_batch // dp))
         seq_par = sequence_parallel and t > 1
         layout = Layout(dp, t, p, s, m, zero_stage, schedule if p > 1 else "none")
-        why = _model_reason(cfg, t, p, s) or _batch_reason(global_batch, dp, p, m)
+        why = _model_reason(cfg, t, p, s) or _batch_reason(global_batch, dp, p, m) or auto_why
         if why is None:
             try:
                 runtime_check(world_size, dp=dp, tp=t, pp=p, sp=s, seq_len=cfg.seq_len,

@@ -936,6 +936,32 @@ def check_pipeline(*, pp, micro_batches, schedule, n_layer, zero_stage=0, offloa
     build_schedule(schedule, micro_batches, pp, virtual_stages)
 
 
+def auto_micro_batches(*, pp, per_rank_batch, schedule, n_layer, zero_stage=0, offload="none",
+                       virtual_stages=1):
+    """`--micro-batches auto`: 1 without a pipeline (pp == 1); with pp > 1 the smallest multiple
+    of pp that divides per_rank_batch (every stage busy in the steady state, the largest
+    micro-batch that gives that), else the smallest divisor of per_rank_batch that the schedule
+    accepts (check_pipeline: 1F1B needs >= pp; interleaved its own multiple). Pure and local (the
+    same answer on every rank). Raises ConfigError: check_pipeline's own error when the settings
+    fail whatever the count (ZeRO-3, pp > n_layer, ...), else one naming the per-rank batch."""
+    if pp <= 1:
+        return 1
+    check = dict(pp=pp, schedule=schedule, n_layer=n_layer, zero_stage=zero_stage, offload=offload,
+                 virtual_stages=virtual_stages)
+    b = per_rank_batch
+    divisors = [m for m in range(1, b + 1) if b % m == 0]
+    for m in [d for d in divisors if d % pp == 0] + [d for d in divisors if d % pp]:
+        try:
+            check_pipeline(micro_batches=m, **check)
+            return m
+        except ConfigError:
+            continue
+    check_pipeline(micro_batches=pp * virtual_stages, **check)  # a count-independent error first
+    raise ConfigError(f"--micro-batches auto: no number of micro-batches that divides the per-rank "
+                      f"batch {b} suits --pp {pp} --schedule {schedule}; make the per-rank batch a "
+                      f"multiple of {pp} (raise --global-batch)")
+
+
 def build_pipeline(cfg, group, *, dp=None, pp, tp=1, sp=1, micro_batches, schedule="1f1b", split=None,
                    seed=0, dtype=np.float32, sequence_parallel=False, optimizer=None,
                    bucket_bytes=DEFAULT_BUCKET_BYTES, xp=np, zero_stage=0, virtual_stages=1):

@@ -38,11 +38,18 @@ def test_pp2_tp2_zero2_then_resumed_at_pp2_sp2_zero1_follow_the_one_process_loss
 
 
 def test_pipeline_with_zero_or_too_few_micro_batches_exits_with_one_line_error(tmp_path):
+    """And `--pp 2` alone runs: --micro-batches auto (the default) picks 2 for 1F1B."""
     cases = [(["--zero-stage", "3", "--micro-batches", "2"], "--zero-stage 3 with --pp 2 is not supported"),
              (["--micro-batches", "1"], "1F1B needs micro_batches >= pipeline stages"),
              (["--virtual-stages", "2", "--micro-batches", "2"],
-              "virtual stages (2) need the interleaved schedule")]
-    runs = refused(2, [["--pp", "2", "--steps", "2", "--no-progress", *args] for args, _ in cases],
+              "virtual stages (2) need the interleaved schedule"),
+             (["--global-batch", "1"], "--micro-batches auto: no number of micro-batches that "
+                                       "divides the per-rank batch 1 suits --pp 2 --schedule 1f1b")]
+    alone = ["--model", "tiny", "--seq-len", "32", "--global-batch", "8", "--eval-batches", "1",
+             "--sample-tokens", "0"]
+    runs = refused(2, [["--pp", "2", "--steps", "2", "--no-progress", *args]
+                       for args in [alone] + [args for args, _ in cases]],
                    tmp_path)  # one launch, every case on both ranks (tests/launched/train_errors.py)
-    for run, (_, message) in zip(runs, cases):
+    assert runs[0].codes == [0, 0], str(runs[0])
+    for run, (_, message) in zip(runs[1:], cases):
         assert_one_line_error(run, message)
