@@ -186,3 +186,20 @@ def step_breakdowns(spans_by_rank):
             out.append(breakdown(window, s, s + d, rank=rank, step=args.get("step", 0)))
     out.sort(key=lambda b: (b.step, b.rank))
     return out
+
+
+def median_steps(breakdowns):
+    """{rank: StepBreakdown} of the median step: the one step, common to every rank, whose step_ms
+    averaged over the ranks is the median (the lower median for an even count, so it is a real
+    step; steps some rank lacks are skipped unless no step has every rank). Each rank's parts add
+    up to its step_ms, which per-part medians do not, and all ranks show the same step. Ordered by
+    rank; {} for an empty list."""
+    by_step = {}
+    for b in breakdowns:
+        by_step.setdefault(b.step, {})[b.rank] = b
+    if not by_step:
+        return {}
+    ranks = {b.rank for b in breakdowns}
+    steps = [s for s, row in by_step.items() if set(row) == ranks] or list(by_step)
+    steps.sort(key=lambda s: (sum(b.step_ms for b in by_step[s].values()) / len(by_step[s]), s))
+    return dict(sorted(by_step[steps[(len(steps) - 1) // 2]].items()))

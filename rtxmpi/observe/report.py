@@ -18,7 +18,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
-from .breakdown import StepBreakdown, bus_bytes, step_breakdowns
+from .breakdown import StepBreakdown, bus_bytes, median_steps, step_breakdowns
 from .classify import classify
 from .timeline import load_chrome_trace
 
@@ -101,15 +101,14 @@ def load_run(path):
 
 
 def _median_by_rank(breakdowns):
-    by = {}
-    for b in breakdowns:
-        by.setdefault(b.rank, []).append(b)
-    return {r: {k: statistics.median(getattr(b, k) for b in bs) for k, _ in PARTS + (("step_ms", ""),)}
-            for r, bs in sorted(by.items())}
+    """{rank: {part: ms}} of each rank's median step (breakdown.median_steps), plus "step" (its
+    number): one real step per rank, so its parts add up to its step_ms."""
+    return {r: {**{k: getattr(b, k) for k, _ in PARTS + (("step_ms", ""),)}, "step": b.step}
+            for r, b in median_steps(breakdowns).items()}
 
 
 def _mib(n):
-    return f"{n / 2**20:.1f}"
+    return "n/a" if n < 0 else f"{n / 2**20:.1f}"
 
 
 def summary(runs, last=20):
@@ -121,7 +120,8 @@ def summary(runs, last=20):
     what = f"job {info['job']}, " if info.get("job") else ""
     lines.append(f"run {run.path}: {what}world size {run.world_size}"
                  + (f", model {args['model']}" if args.get("model") else "")
-                 + (f", {len(run.records)} steps logged" if run.records else ""))
+                 + (f", {len(run.records)} step{'' if len(run.records) == 1 else 's'} logged"
+                    if run.records else ""))
     recs = run.records
     if recs:
         losses = [r["loss"] for r in recs if "loss" in r]
@@ -135,14 +135,18 @@ def summary(runs, last=20):
             if any("tokens_per_s" in r for r in tail) else None
         if tps is not None:
             lines.append(f"throughput: {tps:.0f} tokens/s ({tps / run.world_size:.0f} per rank), "
-                         f"median of the last {len(tail)} steps")
+                         f"median of the last {len(tail)} step{'' if len(tail) == 1 else 's'}")
     chosen = run.last_steps(last)
     if chosen:
         per_rank = _median_by_rank(chosen)
-        step = statistics.median(v["step_ms"] for v in per_rank.values())
+        # each rank's median step (a real step: its parts add up), averaged over the ranks
         mean = {k: statistics.fmean(v[k] for v in per_rank.values()) for k, _ in PARTS}
-        parts = " + ".join(f"{name} {mean[k]:.1f} ({100 * mean[k] / step:.0f}%)" for k, name in PARTS)
-        lines.append(f"step time (median of the last {len({b.step for b in chosen})} steps): "
+        step = statistics.fmean(v["step_ms"] for v in per_rank.values())
+        pct = lambda ms: 100 * ms / step if step > 0 else 0.0  # noqa: E731
+        parts = " + ".join(f"{name} {mean[k]:.1f} ({pct(mean[k]):.0f}%)" for k, name in PARTS)
+        n = len({b.step for b in chosen})
+        over = f", mean over {len(per_rank)} ranks" if len(per_rank) > 1 else ""
+        lines.append(f"step time (median step of the last {n} step{'' if n == 1 else 's'}{over}): "
                      f"{step:.1f} ms = {parts}")
         comm = statistics.fmean(b.comm_ms for b in chosen)
         hidden = statistics.fmean(b.hidden_comm_ms for b in chosen)
@@ -151,10 +155,12 @@ def summary(runs, last=20):
             lines.append(f"communication: {comm:.1f} ms in flight per step, "
                          f"{100 * hidden / comm:.0f}% hidden behind compute, "
                          f"{moved / (comm * 1e6):.3f} GB/s bus bandwidth")
-        lines.append("per rank (ms, medians): rank  step  " + "  ".join(n for _, n in PARTS))
+        lines.append("per rank (ms, each rank's median step): rank  step#  step  "
+                     + "  ".join(n for _, n in PARTS))
         for r, v in per_rank.items():
-            lines.append(f"  {r:>4} {v['step_ms']:7.1f} " + " ".join(f"{v[k]:8.1f}" for k, _ in PARTS))
-        lines.append(f"parallel efficiency bound: compute is {100 * mean['compute_ms'] / step:.0f}% "
+            lines.append(f"  {r:>4} {v['step']:>6} {v['step_ms']:7.1f} "
+                         + " ".join(f"{v[k]:8.1f}" for k, _ in PARTS))
+        lines.append(f"parallel efficiency bound: compute is {pct(mean['compute_ms']):.0f}% "
                      f"of the step")
     if len(runs) > 1:
         lines.append(scaling(runs, last))
@@ -162,8 +168,14 @@ def summary(runs, last=20):
         lines.append("memory per rank (MiB): rank params grads optimizer activations peak_rss")
         for m in run.memory:
             lines.append(f"  {m['rank']:>4} {_mib(m['params_bytes']):>6} {_mib(m['grads_bytes']):>5} "
-                         f"{_mib(m['optimizer_bytes']):>9} {_mib(m['activations_bytes']):>11} "
+                         f"{_mib(m['optimizer_bytes']):>9} {_mib(m['activations_bytes'] or -1):>11} "
                          f"{_mib(m['peak_rss_bytes']):>8}")
+        if any(m["activations_bytes"] <= 0 for m in run.memory):  # 0: runs before it was measured
+            lines.append("  (activations n/a: not measured; the engine's forward returns no cache, "
+                         "e.g. a pipeline schedule)")
+        else:
+            lines.append("  (activations: the largest cache one forward kept alive until its "
+                         "backward)")
     if recs and "alloc_frag_pct" in recs[-1]:
         lines.append(f"allocator: {recs[-1]['alloc_frag_pct']:.1f}% fragmentation, "
                      f"{recs[-1].get('oom_count', 0):.0f} out-of-memory errors")
@@ -222,9 +234,10 @@ def plot(run, out_dir, last=20):
             widths = [per_rank[r][k] for r in ranks]
             ax.barh([str(r) for r in ranks], widths, left=left, label=name)
             left = [a + b for a, b in zip(left, widths)]
-        ax.set(xlabel="ms per step (median of the last steps)", ylabel="rank",
+        ax.set(xlabel="ms per step (each rank's median step of the last steps)", ylabel="rank",
                title="step time breakdown per rank")
-        ax.legend(loc="lower right", fontsize="small")
+        # outside the axes, right of the bars: it never covers them
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
         written.append(_save(fig, os.path.join(out_dir, "step_breakdown.png")))
     points = bandwidth_points(run.spans)
     if points:

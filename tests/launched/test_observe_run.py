@@ -11,6 +11,7 @@ import time
 import urllib.request
 import uuid
 
+import numpy as np
 import pytest
 from conftest import BIN, MPIEXEC, REPO, launch_env, mpiexec_argv, run_command
 
@@ -80,6 +81,15 @@ def test_run_dir_timeline_metrics_and_report(tmp_path):
         assert r["overlap_pct"] == pytest.approx(rank0[r["step"]]["overlap_pct"], abs=1e-6), r["step"]
         assert r["comm_ms"] == pytest.approx(rank0[r["step"]]["comm_ms"], abs=1e-6), r["step"]
     assert sum(r["overlap_pct"] > 0 for r in records) > len(records) // 2, records
+    # activations are measured (issue 6: always 0.0): one forward's cache, 4 x 32 tokens per rank
+    from rtxmpi.nn import GPT, GPTConfig
+    from rtxmpi.observe.memory import cache_bytes
+
+    model = GPT(GPTConfig.named("tiny", seq_len=32))
+    x, y = np.zeros((4, 32), np.int64), np.ones((4, 32), np.int64)  # inputs and targets
+    expected = cache_bytes(model.forward(x, y)[1], exclude=[model.flat_data, model.flat_grad])
+    memory = json.loads((run_dir / "memory.json").read_text())
+    assert [m["activations_bytes"] for m in memory] == [expected, expected] and expected > 0
     for rank in (0, 1):
         text = (tmp_path / f"m.rank{rank}.prom").read_text()
         assert all(f'{name}{{job="train-tiny",rank="{rank}"}}' in text for name in PROM_NAMES)
@@ -99,7 +109,8 @@ def test_run_dir_timeline_metrics_and_report(tmp_path):
     report = run_command([BIN / "rtxmpi", "report", run_dir, "--out", tmp_path / "png", "--last", "10"],
                          outer_timeout_s=60, env=launch_env())
     assert report.returncode == 0, str(report)
-    for line in ("step time (median of the last 10 steps)", "per rank (ms, medians)",
+    for line in ("step time (median step of the last 10 steps, mean over 2 ranks)",
+                 "per rank (ms, each rank's median step)",
                  "memory per rank (MiB)", "bottleneck: "):
         assert line in report.stdout, report.stdout
     import matplotlib.image

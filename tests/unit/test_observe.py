@@ -255,6 +255,40 @@ def test_inject_spec_is_validated():
         inject.parse("slow_ms=abc")
 
 
+def test_report_step_time_parts_add_up_to_the_total(tmp_path):
+    """Issue 6: per-part medians do not add (compute and comm peak on different steps); the report
+    shows one real step, the median one, so its parts sum to its total, per rank and overall."""
+    import re
+
+    from rtxmpi.observe.breakdown import median_steps
+
+    rows = []
+    for step, (compute, comm, other) in enumerate([(10, 50, 1), (50, 10, 2), (30, 31, 3),
+                                                   (12, 48, 4), (48, 11, 5)], 1):
+        for r in (0, 1):
+            parts = dict(compute_ms=compute + 5 * r, data_ms=0.5, exposed_comm_ms=comm - 5 * r,
+                         checkpoint_ms=0.25 * r, other_ms=other)
+            rows.append(StepBreakdown(rank=r, step=step, start_us=0.0, step_ms=sum(parts.values()),
+                                      comm_ms=comm, hidden_comm_ms=0.0, bus_bytes=1e6,
+                                      comm_calls=2, **parts).as_dict())
+    (tmp_path / "breakdown.json").write_text(json.dumps(rows))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 5, "loss": 1.0}) + "\n")
+    run = load_run(str(tmp_path))
+    assert {r: b.step for r, b in median_steps(run.breakdowns).items()} == {0: 3, 1: 3}
+    text = summary([run])
+    line = next(x for x in text.splitlines() if x.startswith("step time"))
+    total = float(re.search(r": ([\d.]+) ms =", line).group(1))
+    parts = [float(v) for v in re.findall(r" ([\d.]+) \(\d+%\)", line)]
+    assert len(parts) == 5 and sum(parts) == pytest.approx(total, abs=0.05 * len(parts))
+    assert total == pytest.approx(61.5 + 0.125 + 3.0, abs=0.05)  # step 3, mean over the ranks
+    for row in (x.split() for x in text.splitlines() if re.match(r"^ +[01] +3 ", x)):
+        assert sum(map(float, row[3:])) == pytest.approx(float(row[2]), abs=0.05 * 5)
+    verdict = classify(run.breakdowns)
+    assert sum(verdict.costs.values()) == pytest.approx(verdict.numbers["critical_step_ms"])
+    assert sum(verdict.shares.values()) == pytest.approx(100.0)
+    assert f"{verdict.numbers['critical_step_ms']:.1f} = compute" in str(verdict)
+
+
 def test_report_from_a_timeline_alone(tmp_path):
     write_chrome_trace(tmp_path / "timeline.json", ranks_fixture())
     run = load_run(str(tmp_path))
