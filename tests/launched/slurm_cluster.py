@@ -6,11 +6,17 @@
 Packages (Debian 12): slurmctld slurmd slurm-client munge libpmix2 (Slurm 22.05). Everything the
 cluster writes (slurm.conf, cgroup.conf, munge key and socket, state, spool, logs) lives in one
 temp dir; the daemons run in the foreground as children of this process and are ended by pid in
-`Cluster.stop()`. Clients find the cluster through SLURM_CONF (see `Cluster.env`). Facts used
-here were measured on this kind of machine: /work/shared/ops/README.md (Slurm section).
+`Cluster.stop()` (and by `start()` itself when the cluster does not come up). Clients find the
+cluster through SLURM_CONF (see `Cluster.env`). Several clusters can run at once on one machine
+(two checkouts' test runs): each picks free TCP ports for slurmctld and slurmd (and picks again
+when another process takes one between the pick and the bind), has its own munge socket and key,
+state and spool dirs, and its own range of job ids (so that proctrack/cgroup's per-job cgroups
+never collide). Facts used here were measured on this kind of machine:
+/work/shared/ops/README.md (Slurm section).
 """
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -19,7 +25,8 @@ from pathlib import Path
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge", "libpmix2"]
 PMIX_LIB = Path("/usr/lib/x86_64-linux-gnu/pmix2/lib")
-PORTS = (6917, 6918)  # slurmctld, slurmd: away from the defaults a system Slurm would use
+PORT_TRIES = 4  # start attempts, each on freshly picked ports, when a port was taken meanwhile
+PORT_TAKEN = "Address already in use"
 
 
 def missing():
@@ -60,6 +67,25 @@ def _sbin(tool):
     return shutil.which(tool) or str(Path("/usr/sbin", tool))
 
 
+def free_ports(n):
+    """`n` distinct TCP ports free right now (the kernel's picks for port 0). Another process may
+    still take one before the daemon binds it: `Cluster.start()` then picks again."""
+    socks = []
+    try:
+        for _ in range(n):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("", 0))
+            socks.append(sock)
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+class PortTaken(RuntimeError):
+    """slurmctld or slurmd could not bind its port (taken after free_ports() picked it)."""
+
+
 def _node_line():
     """This machine's node line from `slurmd -C` (CPUs, sockets, cores, memory)."""
     out = subprocess.run([_sbin("slurmd"), "-C"], capture_output=True, text=True,
@@ -80,6 +106,7 @@ class Cluster:
         self.procs = []
         self.conf = self.root / "slurm.conf"
         self.node = None
+        self.ports = None  # (slurmctld, slurmd), picked by start()
 
     @property
     def env(self):
@@ -101,8 +128,10 @@ class Cluster:
             "AuthType=auth/munge",
             "CredType=cred/munge",
             f"AuthInfo=socket={r / 'munge' / 'munge.socket'}",
-            f"SlurmctldPort={PORTS[0]}",
-            f"SlurmdPort={PORTS[1]}",
+            f"SlurmctldPort={self.ports[0]}",
+            f"SlurmdPort={self.ports[1]}",
+            # job ids disjoint from any other cluster's (ports differ): cgroup paths use the id
+            f"FirstJobId={self.ports[0] * 1000}",
             f"StateSaveLocation={r / 'state'}",
             f"SlurmdSpoolDir={r / 'spool'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}",
@@ -135,18 +164,39 @@ class Cluster:
         return proc
 
     def start(self, timeout_s=30):
+        """Start munged, slurmctld and slurmd and wait until the node is idle. Returns self.
+        Raises RuntimeError (with the daemons' logs) when the cluster does not come up; whatever
+        it had spawned is stopped and its temp dir removed first."""
         why = missing()
         if why:
             raise RuntimeError(why)
+        try:
+            for attempt in range(1, PORT_TRIES + 1):
+                try:
+                    return self._start_once(timeout_s)
+                except PortTaken:
+                    self._end_procs()
+                    if attempt == PORT_TRIES:
+                        raise
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_once(self, timeout_s):
+        self.ports = tuple(free_ports(2))
+        for d in ("state", "spool", "log"):  # a fresh start after a port race
+            shutil.rmtree(self.root / d, ignore_errors=True)
         self._write_config()
         munge = self.root / "munge"
         key = munge / "munge.key"
+        key.unlink(missing_ok=True)
         key.write_bytes(os.urandom(1024))
         shutil.chown(munge, "munge", "munge")
         shutil.chown(key, "munge", "munge")
         os.chmod(munge, 0o700)
         os.chmod(key, 0o400)
         os.chmod(self.root, 0o755)
+        (munge / "munge.socket").unlink(missing_ok=True)
         self._spawn([_sbin("munged"), "--foreground", "--force", f"--socket={munge / 'munge.socket'}",
                      f"--key-file={key}", f"--pid-file={munge / 'munged.pid'}",
                      f"--log-file={munge / 'munged.log'}", f"--seed-file={munge / 'munged.seed'}"],
@@ -161,7 +211,10 @@ class Cluster:
     def _idle(self):
         for proc in self.procs:
             if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args[0]} exited {proc.returncode}:\n{self.logs()}")
+                logs = self.logs()
+                error = PortTaken if PORT_TAKEN in logs else RuntimeError
+                raise error(f"{proc.args[0]} exited {proc.returncode} (ports {self.ports}):\n"
+                            f"{logs}")
         out = self.run(["sinfo", "-h", "-t", "idle", "-o", "%D"], check=False).stdout.strip()
         return out == "1"
 
@@ -169,8 +222,10 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         while not ready():
             if time.monotonic() > deadline:
-                raise RuntimeError(f"Slurm test cluster: {what} not reached in {timeout_s} s\n"
-                                   f"{self.logs()}")
+                logs = self.logs()
+                error = PortTaken if PORT_TAKEN in logs else RuntimeError
+                raise error(f"Slurm test cluster: {what} not reached in {timeout_s} s "
+                            f"(ports {self.ports})\n{logs}")
             time.sleep(0.2)
 
     def run(self, argv, check=True, timeout_s=30, env=None):
@@ -212,6 +267,10 @@ class Cluster:
 
     def stop(self):
         """End the daemons (TERM, then KILL by pid) and remove the temp dir."""
+        self._end_procs()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _end_procs(self):
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.terminate()
@@ -223,7 +282,6 @@ class Cluster:
                 proc.kill()
                 proc.wait()
         self.procs = []
-        shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self):
         return self.start()

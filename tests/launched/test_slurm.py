@@ -8,7 +8,9 @@ slurm_cluster.py), submitted with the scripts in examples/slurm/ as users submit
 - a job that reaches its time limit (`--time=1`: Slurm sends TERM, the mpiexec script turns it
   into USR1) commits a checkpoint and requeues itself within KillWait, before the SIGKILL;
 - under srun every rank's SLURM_PROCID/STEP_NUM_TASKS match MPI (`rtxmpi info`), and plain
-  `srun -n 2` (singletons) is refused with exit 2.
+  `srun -n 2` (singletons) is refused with exit 2;
+- a second cluster runs beside the first (as two checkouts' test runs would), picking its ports
+  again when one was taken between the pick and the bind.
 
 Skipped with the reason when Slurm is not installed or not root (`python tests/launched/
 slurm_cluster.py install` installs it; .ci/run does). The cluster and the time-limit job start at
@@ -210,6 +212,37 @@ def test_srun_ranks_match_slurm_and_singletons_are_refused(cluster, tmp_path):
     assert "SLURM_PROCID == rank and SLURM_STEP_NUM_TASKS == world_size on every rank" in text
     assert "info exit 0" in text and "singletons exit 2" in text, text
     assert "Slurm started 2 tasks but MPI sees a world of 1" in text
+
+
+def test_a_second_cluster_runs_beside_it_and_repicks_a_port_taken_meanwhile(cluster, monkeypatch):
+    """Two clusters on one machine (two checkouts' test runs): the second is handed the first's
+    slurmd port as if another process took it between the pick and the bind; its slurmd cannot
+    bind, so start() ends what it spawned and starts again on fresh ports. Both then run jobs,
+    with disjoint job ids; stop() leaves no daemon behind."""
+    picks, free_ports = [], slurm_cluster.free_ports
+
+    def first_pick_taken(n):
+        ports = free_ports(n)
+        if not picks:
+            ports[1] = cluster.ports[1]
+        picks.append(tuple(ports))
+        return ports
+
+    monkeypatch.setattr(slurm_cluster, "free_ports", first_pick_taken)
+    second = slurm_cluster.Cluster(kill_wait_s=5).start()
+    try:
+        assert len(picks) == 2 and second.ports == picks[1], picks
+        assert set(second.ports).isdisjoint(cluster.ports)
+        out = second.root / "j.out"
+        job_id = second.run(["sbatch", "--parsable", "-o", str(out), "--wrap",
+                             "echo second $SLURM_JOB_ID"]).stdout.strip()
+        assert second.wait_job(job_id, DONE, 60)["JobState"] == "COMPLETED"
+        assert out.read_text().strip() == f"second {job_id}"
+        assert cluster.run(["scontrol", "show", "job", job_id], check=False).returncode != 0
+        procs = list(second.procs)
+    finally:
+        second.stop()
+    assert all(proc.poll() is not None for proc in procs) and not second.root.exists()
 
 
 def test_time_limit_commits_a_checkpoint_before_the_kill_and_requeues(cluster):
