@@ -101,8 +101,8 @@ def load_run(path):
 
 
 def _median_by_rank(breakdowns):
-    """{rank: {part: ms}} of each rank's median step (breakdown.median_steps), plus "step" (its
-    number): one real step per rank, so its parts add up to its step_ms."""
+    """{rank: {part: ms}} in the median step (breakdown.median_steps), plus "step" (its number):
+    one real step, the same on every rank, so each rank's parts add up to its step_ms."""
     return {r: {**{k: getattr(b, k) for k, _ in PARTS + (("step_ms", ""),)}, "step": b.step}
             for r, b in median_steps(breakdowns).items()}
 
@@ -139,14 +139,16 @@ def summary(runs, last=20):
     chosen = run.last_steps(last)
     if chosen:
         per_rank = _median_by_rank(chosen)
-        # each rank's median step (a real step: its parts add up), averaged over the ranks
+        # the median step (a real step: its parts add up), averaged over the ranks
         mean = {k: statistics.fmean(v[k] for v in per_rank.values()) for k, _ in PARTS}
         step = statistics.fmean(v["step_ms"] for v in per_rank.values())
         pct = lambda ms: 100 * ms / step if step > 0 else 0.0  # noqa: E731
         parts = " + ".join(f"{name} {mean[k]:.1f} ({pct(mean[k]):.0f}%)" for k, name in PARTS)
         n = len({b.step for b in chosen})
         over = f", mean over {len(per_rank)} ranks" if len(per_rank) > 1 else ""
-        lines.append(f"step time (median step of the last {n} step{'' if n == 1 else 's'}{over}): "
+        which = next(iter(per_rank.values()))["step"]
+        lines.append(f"step time (step {which}, the median of the last {n} step{'' if n == 1 else 's'}"
+                     f"{over}): "
                      f"{step:.1f} ms = {parts}")
         comm = statistics.fmean(b.comm_ms for b in chosen)
         hidden = statistics.fmean(b.hidden_comm_ms for b in chosen)
@@ -155,7 +157,7 @@ def summary(runs, last=20):
             lines.append(f"communication: {comm:.1f} ms in flight per step, "
                          f"{100 * hidden / comm:.0f}% hidden behind compute, "
                          f"{moved / (comm * 1e6):.3f} GB/s bus bandwidth")
-        lines.append("per rank (ms, each rank's median step): rank  step#  step  "
+        lines.append("per rank (ms, the median step): rank  step#  step  "
                      + "  ".join(n for _, n in PARTS))
         for r, v in per_rank.items():
             lines.append(f"  {r:>4} {v['step']:>6} {v['step_ms']:7.1f} "
@@ -227,6 +229,7 @@ def plot(run, out_dir, last=20):
     chosen = run.last_steps(last)
     if chosen:
         per_rank = _median_by_rank(chosen)
+        chosen_step = next(iter(per_rank.values()))["step"]
         fig, ax = plt.subplots(figsize=(7, 1.5 + 0.5 * len(per_rank)))
         left = [0.0] * len(per_rank)
         ranks = list(per_rank)
@@ -234,7 +237,7 @@ def plot(run, out_dir, last=20):
             widths = [per_rank[r][k] for r in ranks]
             ax.barh([str(r) for r in ranks], widths, left=left, label=name)
             left = [a + b for a, b in zip(left, widths)]
-        ax.set(xlabel="ms per step (each rank's median step of the last steps)", ylabel="rank",
+        ax.set(xlabel=f"ms (step {chosen_step}, the median of the last {last})", ylabel="rank",
                title="step time breakdown per rank")
         # outside the axes, right of the bars: it never covers them
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
