@@ -286,7 +286,7 @@ class Supervisor:
         while True:
             ranks = launch_size(self.n, hostfile=self.hostfile, max_ranks=self.max_ranks)
             if ranks < self.min_ranks:
-                self.say(f"only {ranks} ranks available (--min-ranks {self.min_ranks}): giving up")
+                self.say(f"only {ranks} rank{'' if ranks == 1 else 's'} available (--min-ranks {self.min_ranks}): giving up")
                 break
             argv = self.argv(ranks, restart)
             self.say(f"attempt {restart + 1}: {shlex.join(argv)}")
@@ -337,7 +337,7 @@ class Supervisor:
                          f"help: fix the command or its environment")
                 break
             if restart >= self.max_restarts:
-                self.say(f"giving up: the job failed {restart + 1} times "
+                self.say(f"giving up: the job failed {restart + 1} time{'' if restart == 0 else 's'} "
                          f"(--max-restarts {self.max_restarts})")
                 break
             restart += 1
@@ -360,7 +360,7 @@ class Supervisor:
         """Every attempt; after a failure also its cause and the last lines of its stderr."""
         self.say("summary")
         for restart, ranks, code, seconds, what in self.attempts:
-            print(f"  attempt {restart + 1}: {ranks} ranks, exit {code}, {seconds:.1f} s, {what}",
+            print(f"  attempt {restart + 1}: {ranks} rank{'' if ranks == 1 else 's'}, exit {code}, {seconds:.1f} s, {what}",
                   file=self.out, flush=True)
         if status in (0, EXIT_PREEMPTED) or not self.attempts or not self.tail:
             return
