@@ -75,6 +75,9 @@ def cmd_info(args):
     from .comm.launch import slurm_env, slurm_summary
     from .errors import ConfigError
 
+    if not args.timeout_s > 0:  # a bad flag, not a reason to describe a lone process
+        print(f"error: --timeout-s must be > 0 seconds, got {args.timeout_s}", file=sys.stderr)
+        return 2
     warning = None
     try:
         group = init(timeout_s=args.timeout_s)
@@ -144,6 +147,9 @@ def cmd_ckpt_verify(args):
     from .checkpoint import verify_checkpoint
     from .errors import CheckpointError
 
+    if args.step is not None and args.step < 0:
+        print(f"error: --step must be >= 0, got {args.step}", file=sys.stderr)
+        return 2
     try:
         checked = verify_checkpoint(args.dir, args.step)
     except CheckpointError as exc:
@@ -160,6 +166,9 @@ def cmd_ckpt_inspect(args):
     from .checkpoint import load_checkpoint
     from .errors import CheckpointError
 
+    if args.step is not None and args.step < 0:
+        print(f"error: --step must be >= 0, got {args.step}", file=sys.stderr)
+        return 2
     try:
         ckpt = load_checkpoint(None, args.dir, args.step)
     except CheckpointError as exc:

@@ -30,6 +30,16 @@ def test_plan_world_size_below_one_is_a_bad_flag(capsys, value):
     assert f"error: --world-size must be >= 1, got {value}" in err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["info", "--timeout-s", "0"], "--timeout-s must be > 0 seconds, got 0.0"),
+    (["ckpt", "verify", "DIR", "--step", "-1"], "--step must be >= 0, got -1"),
+    (["ckpt", "inspect", "DIR", "--step", "-3"], "--step must be >= 0, got -3"),
+])
+def test_other_bad_integer_flags_exit_2(capsys, tmp_path, argv, message):
+    code, out, err = run(capsys, *[str(tmp_path) if a == "DIR" else a for a in argv])
+    assert code == 2 and out == "" and f"error: {message}" in err
+
+
 def test_plan_words_counts_and_drops_the_hint_when_rejections_are_shown(capsys):
     code, out, _ = run(capsys, "plan", "--model", "tiny", "--world-size", "1",
                        "--global-batch", "4")
