@@ -1,4 +1,5 @@
 """The planner end to end: `rtxmpi plan --calibrate` under mpiexec, and `train.py --plan auto`."""
+import fnmatch
 import json
 import sys
 
@@ -39,7 +40,8 @@ def _profile_favouring_zero_2(path):
 
 @pytest.mark.parametrize("make_profile, layout, source", [
     (_profile_favouring_the_pipeline, "--dp 1 --tp 1 --pp 2 --sp 1", "slow collectives"),
-    (_profile_favouring_zero_2, "--dp 2 --tp 1 --pp 1 --sp 1 --micro-batches 1 --zero-stage 2",
+    # micro-batches not pinned: within the planner's tie band the one with less memory goes first
+    (_profile_favouring_zero_2, "--dp 2 --tp 1 --pp 1 --sp 1 --micro-batches * --zero-stage 2",
      "cheap reduce_scatter")], ids=["pipeline", "zero-2"])
 def test_plan_auto_runs_the_layout_the_planner_chose(tmp_path, make_profile, layout, source):
     profile = tmp_path / "profile.json"
@@ -53,7 +55,7 @@ def test_plan_auto_runs_the_layout_the_planner_chose(tmp_path, make_profile, lay
         env=launch_env(RTXMPI_CACHE_DIR=tmp_path / "cache"))
     assert proc.returncode == 0, str(proc)
     running = proc.lines("plan: running")
-    assert len(running) == 1 and layout in running[0], str(proc)
+    assert len(running) == 1 and fnmatch.fnmatch(running[0], f"*{layout}*"), str(proc)
     assert f"test profile ({source})" in proc.stdout
     stage = layout.split("--zero-stage ")[1] if "--zero-stage" in layout else "0"
     assert f"ZeRO stage {stage}" in proc.stdout, str(proc)  # the banner of the run itself
