@@ -82,7 +82,22 @@ def stage_layout(cfg, stages, split=None):
     return partition(stage_costs(cfg), stages, split)
 
 
-class PipelineStage:
+class _WholeSequence:
+    """Engine hooks of a stage that runs every position of the sequence (no tp / sp split)."""
+
+    def activation_shape(self, b, T):
+        """Shape of the activation exchanged between stages for a micro-batch of b x T."""
+        return (b, T, self.cfg.n_embd)
+
+    def check_positions(self, T):
+        """Raise ConfigError when this stage cannot take T positions (nothing to check here)."""
+
+    def local_tokens(self, a):
+        """This rank's positions of a (B, T) id array (all of them here)."""
+        return a
+
+
+class PipelineStage(_WholeSequence):
     """The part of a GPT that one pipeline stage holds and runs, on its own flat buffers.
 
     model: a GPT (rtxmpi.nn.GPT) whose parameters are copied (the caller may drop it afterwards);
@@ -179,18 +194,8 @@ class PipelineStage:
             for u in self.held_units:
                 unit_ready(u)
 
-    # hooks the engine uses, so that a tensor-parallel stage can differ -------------------------
-    def activation_shape(self, b, T):
-        """Shape of the activation exchanged between stages for a micro-batch of b x T."""
-        return (b, T, self.cfg.n_embd)
-
-    def check_positions(self, T):
-        """Raise ConfigError when this stage cannot take T positions (nothing to check here)."""
-
-    def local_tokens(self, a):
-        """This rank's positions of a (B, T) id array (all of them here)."""
-        return a
-
+    # hooks the engine uses (activation_shape, check_positions, local_tokens: _WholeSequence),
+    # so that a tensor-parallel stage can differ ----------------------------------------------
     def chunk_is_first(self, chunk):
         """Whether model chunk `chunk` of this rank is the pipeline's first (reads token ids)."""
         return self.is_first
@@ -433,7 +438,7 @@ class TensorParallelStage(PipelineStage):
         return out
 
 
-class ChunkedStage:
+class ChunkedStage(_WholeSequence):
     """The V model chunks one rank runs under the interleaved schedule, on one flat buffer.
 
     model: a GPT (rtxmpi.nn.GPT; tensor- or sequence-parallel chunks are not supported);
@@ -483,15 +488,6 @@ class ChunkedStage:
 
     def zero_grad(self):
         self.flat_grad.fill(0)
-
-    def activation_shape(self, b, T):
-        return (b, T, self.cfg.n_embd)
-
-    def check_positions(self, T):
-        """Nothing to check (no sequence split)."""
-
-    def local_tokens(self, a):
-        return a
 
     def chunk_is_first(self, chunk):
         return self.chunks[chunk].is_first
