@@ -470,7 +470,8 @@ def warn_missing_ckpt_dir(ckpt_dir):
             step = None
         if step:
             held.append(f"{os.path.join(parent, d)} (latest step {step})")
-    print(f"warning: --resume: --ckpt-dir {ckpt_dir} ({path}) does not exist; starting fresh at "
+    shown = ckpt_dir if ckpt_dir == path else f"{ckpt_dir} ({path})"
+    print(f"warning: --resume: --ckpt-dir {shown} does not exist; starting fresh at "
           f"step 1 and creating it. Expected on a first launch; if you meant to continue a run, "
           f"stop now and fix --ckpt-dir"
           + (f" (checkpoints next to it: {', '.join(held[:3])})" if held else ""),
@@ -616,7 +617,8 @@ class StepLog:
             print(f"wal: last logged step {last}; re-running steps {ckpt_step + 1}..{last} from the "
                   f"checkpoint ({why})", flush=True)
         elif last == ckpt_step:
-            print(f"wal: last logged step {last}, the checkpoint's", flush=True)
+            print(f"wal: the log ends at step {last}, the checkpoint's step; nothing to re-run",
+                  flush=True)
         else:
             print(f"wal: the log ends at step {last}, before the checkpoint at step {ckpt_step}; "
                   f"it continues at step {ckpt_step + 1}", flush=True)
@@ -872,7 +874,8 @@ def train(args):
     full = engine.full_params() if sample else None  # every rank: a gather at ZeRO stage 3
     if rank == 0:
         val = f", val_loss {record['val_loss']:.3f}" if "val_loss" in record else ""
-        print(f"done: {_count(steps_run, 'step')} in {elapsed:.1f} s, "
+        since = f" (steps {start_step}-{last_step}: this attempt)" if elastic.shrinks() else ""
+        print(f"done: {_count(steps_run, 'step')}{since} in {elapsed:.1f} s, "
               f"{steps_run * tokens_per_step / elapsed:.0f} tokens/s, "
               f"final loss {record['loss']:.3f}{val} nats/byte", flush=True)
         if last_step < args.steps:
@@ -909,7 +912,10 @@ def _micro_note(args):
     if args.pp == 1 and args.micro_batches == 1:
         return ""
     how = " (auto)" if args.micro_batches_auto and not args.plan else ""
-    return f", {args.micro_batches} micro-batches{how}"
+    schedule = (f", schedule {args.schedule}"
+                + (f" (V={args.virtual_stages})" if args.schedule == "interleaved" else "")
+                if args.pp > 1 else "")
+    return f", {args.micro_batches} micro-batches{how}{schedule}"
 
 
 def _size(n_bytes):

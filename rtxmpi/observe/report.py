@@ -154,7 +154,8 @@ def summary(runs, last=20):
         hidden = statistics.fmean(b.hidden_comm_ms for b in chosen)
         moved = statistics.fmean(b.bus_bytes for b in chosen)
         if comm > 0:
-            lines.append(f"communication: {comm:.1f} ms in flight per step, "
+            lines.append(f"communication (mean over the last {n} step{'' if n == 1 else 's'} and "
+                         f"all ranks): {comm:.1f} ms in flight per step, "
                          f"{100 * hidden / comm:.0f}% hidden behind compute, "
                          f"{moved / (comm * 1e6):.3f} GB/s bus bandwidth")
         lines.append("per rank (ms, the median step): rank  step#  step  "

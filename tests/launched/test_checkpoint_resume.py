@@ -158,7 +158,7 @@ def test_resume_into_a_missing_dir_warns_an_empty_one_starts_fresh_another_model
                                        [*common, "--ckpt-dir", tmp_path / "ckpt", "--model", "small"]],
                                    tmp_path)
     assert missing.codes == [0], str(missing)
-    assert (f"warning: --resume: --ckpt-dir {tmp_path / 'ckp'} ({tmp_path / 'ckp'}) does not exist; "
+    assert (f"warning: --resume: --ckpt-dir {tmp_path / 'ckp'} does not exist; "
             f"starting fresh at step 1") in missing.stderr[0], str(missing)
     assert f"checkpoints next to it: {tmp_path / 'ckpt'} (latest step 2)" in missing.stderr[0]
     assert [c.step for c in list_checkpoints(tmp_path / "ckp")] == [2]

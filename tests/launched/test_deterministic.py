@@ -93,7 +93,7 @@ def test_stop_after_step_10_then_resume_equals_the_straight_run(straight, tmp_pa
     assert sorted(losses(metrics)) == list(range(1, 11))
     proc = train(tmp_path, ckpt, *common, "--resume", metrics=metrics)
     assert proc.returncode == 0 and "continuing at step 11" in proc.stdout, str(proc)
-    assert "wal: last logged step 10, the checkpoint's" in proc.stdout
+    assert "wal: the log ends at step 10, the checkpoint's step" in proc.stdout
     assert losses(metrics) == losses(ref / "m.jsonl")  # all 20 steps, bit for bit
     assert_same_checkpoint(ckpt, ref / "ckpt")
     assert list(read_wal(ckpt / "wal.h5")["step"]) == list(range(1, 21))

@@ -78,7 +78,10 @@ def test_train_flag_defaults_to_auto_keeps_explicit_counts_and_the_banner_says_w
     assert exc.value.code == 2
     args = train.parse_args(["--pp", "2", "--global-batch", "8", "--model", "tiny"])
     assert train.check_args(args, 4) == 2 and args.micro_batches == 2  # dp 2: per-rank 4 -> 2
-    assert train._micro_note(args) == ", 2 micro-batches (auto)"
+    assert train._micro_note(args) == ", 2 micro-batches (auto), schedule 1f1b"
+    interleaved = train.parse_args(["--pp", "2", "--micro-batches", "4", "--schedule",
+                                    "interleaved", "--virtual-stages", "2"])
+    assert train._micro_note(interleaved) == ", 4 micro-batches, schedule interleaved (V=2)"
     assert train._micro_note(SimpleNamespace(pp=1, micro_batches=1, micro_batches_auto=True,
                                              plan=None)) == ""
     assert train._micro_note(explicit) == ", 3 micro-batches"
