@@ -745,7 +745,9 @@ class ZeroDataParallel:
         read: callable read(name, offset, length) -> 1-D array of the elements [offset,
         offset + length) of the global vector `name` (e.g. rtxmpi.checkpoint's reader). Reads only
         this rank's slice, then all_gathers the parameters; drops any accumulated gradients.
-        Collective. Raises CheckpointError when read returns the wrong length.
+        Collective; read (when collective, as a Checkpoint's) is called the same number of times
+        on every rank, also with offload="nvme" (chunk counts padded with empty reads). Raises
+        CheckpointError when read returns the wrong length.
         """
         n = self.stop - self.start
 
@@ -783,6 +785,14 @@ class ZeroDataParallel:
             return values
 
         self.store.write_chunks(fill)
+        # read() is collective (it agrees on errors): a rank whose shard has fewer chunks (shards
+        # differ by an element, or are empty) pads with empty reads, so the calls pair up
+        rounds = np.array([self.store.num_chunks], np.int64)
+        if self.group.world_size > 1:
+            self.group.all_reduce(rounds, op="max")
+        for _ in range(int(rounds[0]) - self.store.num_chunks):
+            for name in NVME_TENSORS:
+                fetch(name, self.start, 0)
         self.optimizer.step_count = step
 
     # -- memory accounting ---------------------------------------------------------------------

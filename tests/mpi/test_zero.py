@@ -586,3 +586,25 @@ def test_nvme_checkpoint_round_trip_resumes_the_run(world, tmp_path, stages):
                                    atol=1e-13)
     zdp.close()
     resumed.close()
+
+
+def test_nvme_load_calls_read_as_often_on_every_rank_when_chunk_counts_differ(world, tmp_path):
+    # Checkpoint.read is collective: every rank must call it as often. Chunks of S - 1 elements
+    # give the full shards (S) two chunks and the last, shorter shard one (2095 = 2 x 1048 - 1,
+    # 4 x 524 - 1): load_shards pads with empty reads
+    S = -(-2095 // world.world_size)
+    plain = ZeroDataParallel(odd_model(), world, stage=2, optimizer=adamw)
+    full = gather_shards(world, plain)
+    zdp = nvme(world, odd_model(), tmp_path, 2, offload_chunk_bytes=max(1, S - 1) * 8)
+    chunks = world.all_gather(np.array([zdp.store.num_chunks], np.int64))
+    assert world.world_size == 1 or len(set(chunks.tolist())) == 2
+    reader, calls = sliced_reader(full, world.world_size), [0]
+
+    def read(name, offset, length):
+        calls[0] += 1
+        return reader(name, offset, length)
+
+    zdp.load_shards(read)
+    assert len(set(world.all_gather(np.array(calls, np.int64)).tolist())) == 1
+    np.testing.assert_array_equal(zdp.full_params(), plain.full_params())
+    zdp.close()
