@@ -478,13 +478,23 @@ def warn_missing_ckpt_dir(ckpt_dir):
           file=sys.stderr, flush=True)
 
 
+def _logged_step(line):
+    """The step of a metrics JSONL line, or None for a blank, cut or foreign line (rank 0 reads
+    the file between collectives: it must not raise on a line a killed run left half written)."""
+    try:
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
 def drop_metrics_after(path, step):
     """After an elastic shrink that reloaded the checkpoint of `step` (rank 0): remove the lines
     of later steps from the metrics file, which the survivors run again, so each step is logged
     once (as the write-ahead log keeps only the records up to the checkpoint). In place: the
     run's append handle keeps writing at the new end."""
-    with open(path, "r+") as f:
-        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path, "r+") as f:  # a line that does not parse (cut by a kill) is kept as it is
+        lines = [line for line in f if line.strip() and (_logged_step(line) or 0) <= step]
         f.seek(0)
         f.writelines(lines)
         f.truncate()
@@ -495,7 +505,8 @@ def finish_recovered_step(world, args, replica, metrics, last_step, save_step):
     commit S's checkpoint when it is due, unless the failure happened after they were done."""
     record, step = replica.meta.get("record"), replica.step
     if metrics is not None and record is not None:
-        logged = [json.loads(line)["step"] for line in open(args.metrics_jsonl) if line.strip()]
+        with open(args.metrics_jsonl) as f:
+            logged = [n for n in map(_logged_step, f) if n is not None]
         if not logged or logged[-1] < step:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
@@ -699,6 +710,7 @@ def replan_layout(world, args):
         args.tp, args.pp, args.sp, None if args.micro_batches_auto else args.micro_batches,
         args.sequence_parallel, args.virtual_stages])
     if user[:3] == [1, 1, 1]:
+        args.dp = None  # data parallelism only: dp follows the world (a --dp N no longer fits)
         return
     size, model = world.world_size, args.tp * args.pp * args.sp
     shrinks = elastic.shrinks()
