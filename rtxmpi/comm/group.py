@@ -213,6 +213,8 @@ class ProcessGroup:
             return buf, lambda: x.__setitem__(..., buf.reshape(x.shape)), REDUCE_OPS
         contiguous = x if x.flags.c_contiguous else np.ascontiguousarray(x)
         buf = contiguous if contiguous.ndim == 1 else contiguous.reshape(-1)
+        if isinstance(buf, np.ndarray) and type(buf) is not np.ndarray:
+            buf = buf.view(np.ndarray)  # a subclass (np.memmap...): the algorithms take plain arrays
         writeback = None if contiguous is x else (lambda: x.__setitem__(..., contiguous))
         if dtype.kind == "b":  # bool travels as uint8 0/1
             return buf.view(np.uint8), writeback, BOOL_OPS
@@ -262,6 +264,11 @@ class ProcessGroup:
                 writeback()
             return x
 
+        if not (async_op or arrived) and hasattr(self.backend, "all_reduce_now"):
+            # the fast path's steps (all_reduce above): whether a rank came by the fast or this
+            # path depends on its own array (layout, subclass), so both must synchronize alike
+            self.backend.all_reduce_now(buf, mpi_op, seq, self.timeout_s)
+            return finish()
         return self._run("all_reduce", seq, arrived,
                          lambda nb: self.backend.all_reduce(buf, mpi_op, nb), finish, async_op)
 

@@ -355,3 +355,28 @@ def test_settings_from_environment():
     default = shm.ShmConfig.from_env({})
     assert default.enabled and default.cma and default.threshold == shm.DEFAULT_MIN_BYTES
     assert default.small_threshold == shm.DEFAULT_SMALL_BYTES
+
+
+class _Tagged(np.ndarray):
+    """An ndarray subclass (as np.memmap): the general path, where a plain array goes fast."""
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("n", [16, 4096, 1 << 20], ids=["mailbox", "mpi", "cross-memory"])
+@pytest.mark.parametrize("how", ["strided", "subclass"])
+def test_ranks_passing_different_layouts_run_the_same_algorithm(world, n, how):
+    # rank 1's array is strided or a subclass (the general path), the others' plain and contiguous
+    # (the fast path): both paths must synchronize alike, call after call
+    group = world.split(0)
+    group.check = False
+    for call in range(3):
+        if group.rank != 1:
+            x = np.full(n, group.rank + call, np.float32)
+        elif how == "strided":
+            x = np.zeros((n, 2), np.float32)[:, 0]
+            x[...] = group.rank + call
+        else:
+            x = np.full(n, group.rank + call, np.float32).view(_Tagged)
+        group.all_reduce(x)
+        expected = sum(range(group.world_size)) + call * group.world_size
+        assert np.all(np.asarray(x) == expected), call
