@@ -485,7 +485,11 @@ class NodeAllReduce:
         # which a flag poll would never see (RankFailure for shrink-and-continue)
         ordered = (cross is None and platform.machine().lower() in TSO_MACHINES
                    and local_size <= (os.cpu_count() or 1) and not ulfm_enabled())
+        # agreed: _map_arena below is collective, and each rank's facts (cores, environment) are
+        # its own
+        ordered = comm.allreduce(ordered, op=MPI.LAND)
         small = max(0, config.small_bytes - config.small_bytes % 8) if ordered else 0
+        small = comm.allreduce(small, op=MPI.MIN)
         box = _map_arena(node, comm, local_size * (FLAG_BYTES + 2 * small)) if ordered else None
         if box is not None:
             np.frombuffer(box, np.uint8).fill(0)  # every rank touches it all: flags start at 0
