@@ -76,13 +76,24 @@ class ZeroHybridParallel:
         self._tp_dir = None
         if offload_dir is not None and mesh.tp > 1:  # loss_group ranks repeat across tp slices
             offload_dir = self._tp_dir = os.path.join(offload_dir, f"tp_{mesh.tp_rank:05d}")
-        self.zero = ZeroDataParallel(model, mesh.loss_group, stage=stage,
-                                     bucket_bytes=bucket_bytes,
-                                     optimizer=optimizer or _default_optimizer,
-                                     offload=offload, offload_dir=offload_dir, prefetch=prefetch,
-                                     offload_chunk_bytes=offload_chunk_bytes,
-                                     offload_max_chunks=offload_max_chunks)
-        z = self.zero
+        error, z = None, None
+        try:  # ZeroDataParallel agrees on its errors over loss_group: one tp slice only
+            z = self.zero = ZeroDataParallel(model, mesh.loss_group, stage=stage,
+                                             bucket_bytes=bucket_bytes,
+                                             optimizer=optimizer or _default_optimizer,
+                                             offload=offload, offload_dir=offload_dir,
+                                             prefetch=prefetch,
+                                             offload_chunk_bytes=offload_chunk_bytes,
+                                             offload_max_chunks=offload_max_chunks)
+        except ConfigError as exc:
+            error = exc
+        failed = np.array([error is not None], np.int64)
+        mesh.world.all_reduce(failed, op="max")  # so that every slice raises, not only that one
+        if failed[0]:
+            if z is not None:
+                z.close()
+            raise error or ConfigError("ZeRO set-up failed on another tensor-parallel slice "
+                                       "(its ranks print the reason)")
         self.stage, self.offload, self.optimizer, self.provider = (z.stage, z.offload,
                                                                    z.optimizer, z.provider)
         self.start, self.stop = z.start, z.stop

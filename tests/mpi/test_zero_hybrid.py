@@ -227,3 +227,21 @@ def test_nvme_offload_under_tp_keeps_each_tp_slice_in_its_own_files(world, tmp_p
     world.barrier()
     engine.close()
     assert not os.path.exists(files)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_nvme_offload_that_fails_on_one_tp_slice_raises_config_error_on_every_rank(world, tmp_path):
+    if world.world_size != 4:
+        pytest.skip("needs exactly 4 ranks")
+    mesh = DeviceMesh(dp=2, tp=2, group=world)
+    offload_dir = shared_dir(world, tmp_path / "offload")
+    if world.rank == 0:
+        os.makedirs(offload_dir, exist_ok=True)
+        with open(os.path.join(offload_dir, "tp_00001"), "w") as f:  # a file: slice 1 fails
+            f.write("in the way")
+    world.barrier()
+    with pytest.raises(ConfigError):
+        ZeroHybridParallel(ParallelGPT(config(), mesh, seed=0), stage=2, optimizer=optimizer,
+                           offload="nvme", offload_dir=offload_dir)
+    world.barrier()
+    assert not os.path.exists(f"{offload_dir}/tp_00000/rank_{mesh.loss_group.rank:05d}")
