@@ -707,6 +707,9 @@ class PipelineParallel:
 
         def unit_ready(u):
             b = bucket_of[u]
+            if pending[b.index] == 0:  # as DataParallel: an early launch would reduce a partial sum
+                raise RuntimeError(f"pipeline stage {self.stage.stage}: unit {u} reported ready "
+                                   f"again after bucket {b.index} was launched")
             pending[b.index] -= 1
             if pending[b.index] == 0:
                 b.work = dp.all_reduce(grad[b.start:b.stop], op="avg", async_op=True)
