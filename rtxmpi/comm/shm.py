@@ -801,13 +801,13 @@ class NodeAllReduce:
         """Release the arena and the communicators (local; the group must not use it after)."""
         self._views.clear()
         self._arena = None
-        self._boxes = self._flags = None
-        for mm in (self._box_mm,):
-            try:
-                if mm is not None:
-                    mm.close()
-            except BufferError:
-                pass
+        self._boxes = self._flags = self._lines = None  # views of the mailbox: dropped first,
+        self._box_slots, self._box_views = None, {}     # or its mapping cannot close
+        try:
+            if self._box_mm is not None:
+                self._box_mm.close()
+        except BufferError:
+            pass
         try:
             if self._mm is not None:
                 self._mm.close()

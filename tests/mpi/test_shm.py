@@ -380,3 +380,16 @@ def test_ranks_passing_different_layouts_run_the_same_algorithm(world, n, how):
         group.all_reduce(x)
         expected = sum(range(group.world_size)) + call * group.world_size
         assert np.all(np.asarray(x) == expected), call
+
+
+@pytest.mark.mpi(min_size=2)
+def test_close_unmaps_the_mailbox(world):
+    group = world.split(0)
+    group.check = False
+    group.all_reduce(np.ones(8, np.float32))  # builds the engine (mailbox size)
+    engine = group.backend._shm
+    if not engine or engine.small_bytes <= 0:
+        pytest.skip("no mailbox on this node (more ranks than cores, ULFM or not x86)")
+    box = engine._box_mm
+    engine.close()
+    assert box.closed
