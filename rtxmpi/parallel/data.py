@@ -52,13 +52,16 @@ def weighted_micro_batches(x, y, micro_batches, global_batch, dp_size):
     ratio of ints) weights the micro-batch's mean loss: sum_m weight * loss_m / micro_batches,
     averaged over the dp ranks, is the mean loss over the global batch. With an even split
     (global_batch = dp_size * micro_batches * n) scale = 1.0 / micro_batches and weight = 1.0
-    exactly, so the even case is the plain average bit for bit. Local.
-    Raises ConfigError when b < micro_batches (a micro-batch would be empty).
+    exactly, so the even case is the plain average bit for bit. Full global batches only (the
+    weights assume `global_batch` samples in all). Local.
+    Raises ConfigError when the smallest rank's batch, global_batch // dp_size, is below
+    micro_batches (decided from shared values, so on every rank alike).
     """
-    if len(x) < micro_batches:
-        raise ConfigError(f"this rank's batch of {len(x)} samples cannot be split into "
-                          f"{micro_batches} micro-batches; use fewer --micro-batches or a larger "
-                          f"global batch")
+    if global_batch // dp_size < micro_batches:
+        raise ConfigError(f"a global batch of {global_batch} over {dp_size} data-parallel ranks "
+                          f"leaves {global_batch // dp_size} samples on the smallest rank, fewer "
+                          f"than {micro_batches} micro-batches; use fewer --micro-batches or a "
+                          f"larger global batch")
     for x_m, y_m in zip(np.array_split(x, micro_batches), np.array_split(y, micro_batches)):
         n = len(x_m)
         yield (x_m, y_m, grad_scale(n, global_batch, dp_size),

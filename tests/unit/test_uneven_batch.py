@@ -80,6 +80,7 @@ def test_micro_batches_split_unevenly_and_keep_the_sample_order():
 
 
 def test_more_micro_batches_than_samples_raise_config_error():
-    x, y = rank_batches(8, 3)[2]  # 2 samples
-    with pytest.raises(ConfigError, match="2 samples cannot be split into 3 micro-batches"):
-        list(weighted_micro_batches(x, y, 3, 8, 3))
+    for x, y in rank_batches(8, 3):  # 3, 3, 2 samples: every rank raises, not only the last
+        with pytest.raises(ConfigError, match="leaves 2 samples on the smallest rank, fewer than "
+                                              "3 micro-batches"):
+            list(weighted_micro_batches(x, y, 3, 8, 3))
