@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..mesh import DeviceMesh, resolve_degrees
 from ..nn import layers
 from ..nn.gpt import GPTConfig, _init_flat, param_layout
-from ..nn.optim import AdamW, clip_grad_norm
+from ..nn.optim import AdamW, clip_grad_norm, grad_norm_sq
 from ..nn.params import bind, decay_mask, layout
 from . import tensor as tpl
 from .data import DEFAULT_BUCKET_BYTES, DataParallel
@@ -99,8 +99,6 @@ class ParallelGPT:
         L = cfg.n_layer
         self.units = [(0, 2)] + [(2 + 12 * l, 14 + 12 * l) for l in range(L)] + [
             (2 + 12 * L, len(self.params))]
-        self._sharded = [p for p in self.params if not tpl.is_replicated(p.name)]
-        self._replicated = [p for p in self.params if tpl.is_replicated(p.name)]
         self.provider = None  # ZeRO-3 (use_provider); None: the Param views, read at each use
 
     def use_provider(self, provider, drop_flat=False):
@@ -176,8 +174,8 @@ class ParallelGPT:
         """Squared L2 norm of the FULL model's gradient (float): the tp-split parts summed over
         group("tp"), the replicated ones counted once. Collective on group("tp")."""
         total = np.zeros(1, np.float64)
-        for p in self._sharded + (self._replicated if self.tp_rank == 0 else []):
-            total[0] += float((p.grad.astype(np.float64) ** 2).sum())
+        for lo, hi in tpl.norm_ranges(self.params, self.tp_rank):
+            total[0] += grad_norm_sq(self.flat_grad[lo:hi])
         if self.tp > 1:
             self.tp_group.all_reduce(total)
         return float(total[0])

@@ -406,9 +406,9 @@ class TensorParallelStage(PipelineStage):
         """The full model's squared norm over this stage's parameters: tp-split parts summed over
         tp, replicated ones counted once. Collective on the tp group."""
         total = np.zeros(1, np.float64)
-        for p in self.params[:self.param_stop - self.param_start]:
-            if self.tp_rank == 0 or not tpl.is_replicated(p.name):
-                total[0] += grad_norm_sq(p.grad)
+        for lo, hi in tpl.norm_ranges(self.params[:self.param_stop - self.param_start],
+                                      self.tp_rank):
+            total[0] += grad_norm_sq(self.flat_grad[lo:hi])
         if self.tp > 1:
             self.tp_group.all_reduce(total)
         return float(total[0])

@@ -62,11 +62,8 @@ class StageZero:
         mask = shard_decay_mask(st.params, self.start, self.stop, xp=st.xp, dtype=st.dtype)
         self.optimizer = make_optimizer(st.flat_data[self.start:self.stop], mask)
         # parts of the shard the gradient norm counts (relative to start)
-        self._norm_ranges = []
-        for p in st.params[:len(st.params) - (1 if st.tied_copy else 0)]:
-            lo, hi = max(p.offset, self.start), min(p.offset + p.size, self.stop)
-            if hi > lo and (st.tp_rank == 0 or not tpl.is_replicated(p.name)):
-                self._norm_ranges.append((lo - self.start, hi - self.start))
+        own = st.params[:len(st.params) - (1 if st.tied_copy else 0)]
+        self._norm_ranges = tpl.norm_ranges(own, st.tp_rank, self.start, self.stop)
 
     def grad_shard(self):
         """This rank's slice of the stage's gradient (a view)."""

@@ -275,8 +275,29 @@ def is_replicated(name):
     return split_kind(name) is None
 
 
+def norm_ranges(params, tp_rank, start=0, stop=None):
+    """The parts of [start, stop) of a tp rank's local flat vector that this rank counts in the
+    whole model's gradient norm (and non-finite check): every tensor-split parameter, and the
+    replicated ones (`is_replicated`: LayerNorms, wpe, row-parallel biases) on tp rank 0 only,
+    as the other tp ranks hold copies. Summed over tp, each element of the one-process model is
+    then counted once (Megatron-LM's clip_grad_norm counts tp-duplicated parameters on tp rank 0).
+
+    params: Param-likes (.name, .offset, .size: elements in the flat vector). stop: None for the
+    end of the last parameter. Returns [(lo, hi)] relative to `start`, one per parameter that
+    overlaps [start, stop), in parameter order (not merged, so a sum over them adds each
+    parameter's part separately). Local."""
+    if stop is None:
+        stop = max((p.offset + p.size for p in params), default=start)
+    out = []
+    for p in params:
+        lo, hi = max(p.offset, start), min(p.offset + p.size, stop)
+        if hi > lo and (tp_rank == 0 or not is_replicated(p.name)):
+            out.append((lo - start, hi - start))
+    return out
+
+
 __all__ = ["column_linear_forward", "column_linear_backward", "row_linear_forward",
            "row_linear_backward", "vocab_embedding_forward", "vocab_embedding_backward",
            "vocab_crossentropy_forward", "vocab_crossentropy_backward", "gather_sequence",
            "reduce_scatter_sequence", "vocab_range", "split_kind", "shard_param",
-           "unshard_param", "local_layout", "is_replicated", "split_size"]
+           "unshard_param", "local_layout", "is_replicated", "norm_ranges", "split_size"]

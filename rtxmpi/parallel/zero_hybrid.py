@@ -100,11 +100,7 @@ class ZeroHybridParallel:
         self.no_sync, self.zero_grad = z.no_sync, z.zero_grad
         # the gradient-norm ranges of this shard: the tp-split parameters, and the replicated ones
         # on tp rank 0 only (the other tp ranks hold copies)
-        self._norm_ranges = []
-        for p in model.params:
-            lo, hi = max(p.offset, self.start), min(p.offset + p.size, self.stop)
-            if hi > lo and (mesh.tp_rank == 0 or not tpl.is_replicated(p.name)):
-                self._norm_ranges.append((lo - self.start, hi - self.start))
+        self._norm_ranges = tpl.norm_ranges(model.params, mesh.tp_rank, self.start, self.stop)
         self._offsets = [p.offset for p in model.params]
 
     @property

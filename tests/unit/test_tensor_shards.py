@@ -41,3 +41,25 @@ def test_split_kinds_follow_megatron():
 def test_vocab_not_divisible_by_tp_raises():
     with pytest.raises(ConfigError, match=r"vocab_size \(255\) is not divisible by 2"):
         tpl.vocab_range(255, 0, 2)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_norm_ranges_count_every_element_of_the_model_once_over_tp(tp):
+    """Summed over the tp ranks, the gradient-norm ranges cover each element of the one-process
+    model once: split parameters on every rank, replicated ones on tp rank 0 only; a shard
+    [start, stop) keeps the parts inside it, relative to start."""
+    specs = param_layout(CFG)
+    local = tpl.local_layout(specs, tp)
+    offsets = np.cumsum([0] + [int(np.prod(shape)) for _, shape, _ in local])
+    params = [type("P", (), {"name": n, "offset": int(o), "size": int(np.prod(s))})
+              for (n, s, _), o in zip(local, offsets)]
+    counted = sum(hi - lo for r in range(tp) for lo, hi in tpl.norm_ranges(params, r))
+    assert counted == specs[-1].stop
+    start, stop = 5, int(offsets[-1]) - 7
+    inside = tpl.norm_ranges(params, 1, start, stop)
+    assert inside[0] == (0, params[0].size - start)  # wte (vocab-split), from `start` on
+    assert inside[1][0] != params[1].offset - start  # wpe (replicated) is tp rank 0's
+    assert all(0 <= lo < hi <= stop - start for lo, hi in inside)
+    assert inside == [(lo - start, hi - start) for lo, hi in
+                      ((max(lo, start), min(hi, stop)) for lo, hi in tpl.norm_ranges(params, 1))
+                      if hi > lo] and sum(hi - lo for lo, hi in inside) < counted
