@@ -8,6 +8,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from .errors import ConfigError
+
+MESSAGE_BYTES = 1024  # per failing rank: 8 bytes of world rank + 1, then the UTF-8 message
+
 
 def agree(group, **flags):
     """Agree on boolean flags across `group`: each result is True when ANY rank passed True.
@@ -21,6 +25,51 @@ def agree(group, **flags):
     values = np.fromiter((bool(v) for v in flags.values()), dtype=np.uint8, count=len(flags))
     group.all_reduce(values, op="max")
     return SimpleNamespace(**{name: bool(v) for name, v in zip(flags, values)})
+
+
+def raise_if_any_failed(groups, error, what, error_type=ConfigError):
+    """Collective: raise `error_type` on every rank of `groups` when any rank passed an error.
+
+    groups: a ProcessGroup, or a sequence of them applied in turn so that the flag reaches every
+    rank of their union (e.g. [pp_group, dp_group] for a pp x dp grid: OR over each pipeline,
+    then over each stage's replicas); None entries and size-1 groups are skipped. Every rank of
+    the union must call with the same sequence. error: None, or the exception (or message) this
+    rank hit, e.g. a local check of its own batch.
+    Raises error_type on every rank when any rank passed an error, its message naming `what` and
+    every failing rank (world rank) with that rank's message (an error_type's own text, else
+    "TypeName: text"); with no group left (one process) raises `error` itself when it is an
+    error_type, else error_type(f"{what}: {error}"). Also CollectiveTimeout, CollectiveMismatch.
+    Cost: one 1-byte MAX all_reduce per group when nothing failed; when something did, one
+    all_gather per group of MESSAGE_BYTES per rank gathered so far.
+    """
+    if groups is None or not isinstance(groups, (list, tuple)):
+        groups = [groups]
+    groups = [g for g in groups if g is not None and g.world_size > 1]
+    if not groups:
+        if error is not None:
+            raise error if isinstance(error, error_type) else error_type(f"{what}: {error}")
+        return
+    failed = error is not None
+    for g in groups:  # OR over each group in turn: over the union once every group is done
+        failed = agree(g, failed=failed).failed
+    if not failed:
+        return
+    row = np.zeros(MESSAGE_BYTES, np.uint8)  # every rank takes this branch alike
+    if error is not None:
+        text = str(error) if isinstance(error, error_type) else f"{type(error).__name__}: {error}"
+        raw = text.encode()[:MESSAGE_BYTES - 8]
+        row[:8] = np.frombuffer(np.int64(groups[0].members[groups[0].rank] + 1).tobytes(), np.uint8)
+        row[8:8 + len(raw)] = np.frombuffer(raw, np.uint8)
+    table = row
+    for g in groups:
+        table = g.all_gather(table.reshape(-1))
+    failures = {}
+    for row in table.reshape(-1, MESSAGE_BYTES):
+        rank = int(row[:8].view(np.int64)[0]) - 1
+        if rank >= 0:
+            failures[rank] = bytes(row[8:]).rstrip(b"\0").decode(errors="replace")
+    parts = [f"rank {r}: {failures[r]}" for r in sorted(failures)]
+    raise error_type(f"{what} failed on {len(parts)} rank(s): " + "; ".join(parts))
 
 
 def agree_max(group, value):

@@ -248,8 +248,18 @@ class GPT:
         self.flat_data[...] = self.xp.asarray(array, dtype=self.dtype)
 
     # ------------------------------------------------------------------ validation
-    def _as_tokens(self, arr, what):
-        """Validate a (B, T) id array and return it in the model's array module."""
+    def check_tokens(self, idx, targets):
+        """Raise ConfigError unless idx, targets are (B, T) integer arrays of the same shape,
+        1 <= T <= cfg.seq_len, B >= 1, ids in [0, vocab_size): what `forward` checks, without
+        computing anything (engines run it first and agree on the verdict over their ranks,
+        rtxmpi.control.raise_if_any_failed). Local."""
+        self._check_ids(idx, "idx")
+        self._check_ids(targets, "targets")
+        if targets.shape != idx.shape:
+            raise ConfigError(f"targets shape {targets.shape} must equal idx shape {idx.shape}")
+
+    def _check_ids(self, arr, what):
+        """Validate a (B, T) id array (ConfigError)."""
         if getattr(arr, "ndim", None) != 2:
             raise ConfigError(f"{what} must be a (B, T) integer array, got shape "
                               f"{getattr(arr, 'shape', type(arr).__name__)}")
@@ -266,7 +276,6 @@ class GPT:
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ConfigError(f"{what} holds token ids in [{lo}, {hi}] but vocab_size is "
                               f"{self.cfg.vocab_size}; ids must be in [0, {self.cfg.vocab_size})")
-        return self.xp.asarray(arr)
 
     # ------------------------------------------------------------------ passes
     def _logits(self, idx):
@@ -303,9 +312,8 @@ class GPT:
         float, the mean cross-entropy in nats over all B*T positions; cache is for `backward`.
         Raises ConfigError on a bad shape, dtype, length or id.
         """
-        idx, targets = self._as_tokens(idx, "idx"), self._as_tokens(targets, "targets")
-        if targets.shape != idx.shape:
-            raise ConfigError(f"targets shape {targets.shape} must equal idx shape {idx.shape}")
+        self.check_tokens(idx, targets)
+        idx, targets = self.xp.asarray(idx), self.xp.asarray(targets)
         logits, cache = self._logits(idx)
         loss, cache.ce = layers.crossentropy_forward(logits, targets)
         return float(loss), cache
@@ -365,7 +373,8 @@ class GPT:
         """Next-token logits, no cache kept. idx: (B, T) ids, T <= seq_len.
         Returns (B, T, V) in the model dtype. Raises ConfigError like `forward`.
         (Collective when the provider is, as with ZeRO-3.)"""
-        return self._logits(self._as_tokens(idx, "idx"))[0]
+        self._check_ids(idx, "idx")
+        return self._logits(self.xp.asarray(idx))[0]
 
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, rng=None):
         """Autoregressive sampling: append `max_new_tokens` tokens to each row of idx.

@@ -21,11 +21,28 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..control import join_batches
+from ..control import join_batches, raise_if_any_failed
 from ..errors import ConfigError, RtxmpiError
 from ..kernels import grad_epilogue
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+def check_batch_on_every_rank(group, model, idx, targets, what="data-parallel batch check"):
+    """Check this rank's batch with `model.check_tokens(idx, targets)` (shape, dtype, length,
+    token ids; rtxmpi.nn.GPT) and agree on the verdict over `group`, so that a bad batch on one
+    rank raises on every rank before any of them enters the step's collectives. A model without
+    check_tokens is not checked here (its forward validates). Collective: every rank of `group`
+    calls it once per forward (one 1-byte MAX all_reduce). Raises ConfigError on every rank,
+    naming each offending rank (world rank) and its error (rtxmpi.control.raise_if_any_failed).
+    """
+    error, check = None, getattr(model, "check_tokens", None)
+    try:
+        if check is not None:
+            check(idx, targets)
+    except ConfigError as exc:
+        error = exc
+    raise_if_any_failed(group, error, what)
 
 
 def grad_scale(samples, global_batch, dp_size):
@@ -134,14 +151,23 @@ class DataParallel:
 
     # -- forward / backward -----------------------------------------------------------------
     def forward(self, idx, targets=None):
-        """The wrapped model's forward: (loss, cache) for this rank's micro-batch."""
+        """The wrapped model's forward: (loss, cache) for this rank's micro-batch.
+
+        idx, targets: (B, T) integer token ids, this rank's samples. Collective (also inside
+        no_sync): the batch is first checked on each rank and the verdict agreed over the group
+        (check_batch_on_every_rank: one 1-byte all_reduce), so every rank calls forward the same
+        number of times. Raises ConfigError on EVERY rank, naming each offending rank, when any
+        rank's batch has a bad shape, dtype, length or token id.
+        """
+        check_batch_on_every_rank(self.group, self.model, idx, targets)
         return self.model.forward(idx, targets)
 
     @contextmanager
     def no_sync(self):
         """Inside, backward accumulates gradients locally without communicating (accumulation).
 
-        The next backward outside no_sync reduces the accumulated sum. Local: no collective.
+        The next backward outside no_sync reduces the accumulated sum. Local: no collective
+        in backward (forward still agrees on its batch check).
         """
         previous, self._sync = self._sync, False
         try:

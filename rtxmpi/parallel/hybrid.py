@@ -23,6 +23,7 @@ import zlib
 
 import numpy as np
 
+from ..control import raise_if_any_failed
 from ..errors import ConfigError
 from ..mesh import DeviceMesh, resolve_degrees
 from ..nn import layers
@@ -181,7 +182,24 @@ class ParallelGPT:
         return float(total[0])
 
     # ------------------------------------------------------------------ validation
-    def _check_tokens(self, arr, what):
+    def check_tokens(self, idx, targets):
+        """Raise ConfigError unless idx, targets are (B, Ts) integer arrays of the same shape,
+        B, Ts >= 1, Ts * sp <= seq_len (Ts divisible by tp with sequence_parallel), ids in
+        [0, vocab_size): what `forward` checks on this rank, without computing. Local."""
+        self._check_ids(idx, "idx")
+        self._check_ids(targets, "targets")
+        if targets.shape != idx.shape:
+            raise ConfigError(f"targets shape {targets.shape} must equal idx shape {idx.shape}")
+
+    def _own_positions(self, idx, targets):
+        """This sp rank's positions (mesh.seq_slice) of (B, T) idx and targets; ConfigError."""
+        if getattr(idx, "ndim", None) != 2 or getattr(targets, "shape", None) != idx.shape:
+            raise ConfigError(f"idx and targets must be (B, T) arrays of the same shape, got "
+                              f"{getattr(idx, 'shape', None)} and {getattr(targets, 'shape', None)}")
+        cols = self.mesh.seq_slice(idx.shape[1])
+        return idx[:, cols], targets[:, cols]
+
+    def _check_ids(self, arr, what):
         if getattr(arr, "ndim", None) != 2 or arr.dtype.kind not in "iu":
             raise ConfigError(f"{what} must be a (B, Ts) integer array, got "
                               f"{getattr(arr, 'shape', type(arr).__name__)}")
@@ -198,35 +216,52 @@ class ParallelGPT:
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ConfigError(f"{what} holds token ids in [{lo}, {hi}] but vocab_size is "
                               f"{self.cfg.vocab_size}")
-        return self.xp.asarray(arr)
 
-    def _check_same_tokens(self, idx, targets):
+    def _check_same_tokens(self, idx, targets, error):
         """Checking mode: every tp rank must feed the same tokens (they compute one model
-        together); one all_gather of a crc32 per rank, ConfigError on every tp rank otherwise."""
-        host = [a if isinstance(a, np.ndarray) else a.get() for a in (idx, targets)]
-        crc = zlib.crc32(np.ascontiguousarray(host[1]).tobytes(),
-                         zlib.crc32(np.ascontiguousarray(host[0]).tobytes()))
+        together). Collective on tp (one all_gather of a crc32 per rank; a rank whose own check
+        failed, `error`, sends -1 and is left out of the comparison). Returns `error`, or a
+        ConfigError when the valid ranks' tokens differ."""
+        crc = -1
+        if error is None:
+            host = [a if isinstance(a, np.ndarray) else a.get() for a in (idx, targets)]
+            crc = zlib.crc32(np.ascontiguousarray(host[1]).tobytes(),
+                             zlib.crc32(np.ascontiguousarray(host[0]).tobytes()))
         crcs = self.tp_group.all_gather(np.array([crc], np.int64))
-        if not (crcs == crcs[0]).all():
-            raise ConfigError(f"tensor-parallel ranks fed different tokens (crc32 per tp rank: "
-                              f"{[hex(int(c)) for c in crcs]}); every tp rank of a dp/sp "
-                              f"coordinate must read the same samples (mesh.batch_slice)")
+        valid = crcs[crcs >= 0]
+        if error is None and not (valid == valid[0]).all():
+            return ConfigError(f"tensor-parallel ranks fed different tokens (crc32 per tp rank: "
+                               f"{[hex(int(c)) for c in crcs]}); every tp rank of a dp/sp "
+                               f"coordinate must read the same samples (mesh.batch_slice)")
+        return error
 
     # ------------------------------------------------------------------ forward
-    def forward(self, idx, targets):
+    def forward(self, idx, targets, full_sequence=False):
         """Loss and cache for this rank's tokens.
 
         idx, targets: (B, Ts) ids: this rank's samples (its dp slice of the global batch, the same
-        on every tp rank) at its positions [sp_rank * Ts, (sp_rank + 1) * Ts) (mesh.seq_slice).
-        Returns (loss, cache): loss is a Python float, the mean cross-entropy over this rank's
+        on every tp rank) at its positions [sp_rank * Ts, (sp_rank + 1) * Ts) (mesh.seq_slice);
+        with full_sequence=True (B, T) ids of the whole sequence, this sp rank's positions taken
+        here (T divisible by sp, part of the agreed check). Returns (loss, cache): loss is a Python float, the mean cross-entropy over this rank's
         B*Ts positions (the same on every tp rank; average it over mesh.loss_group for the global
-        loss). Raises ConfigError on a bad shape, dtype, length or id (locally).
+        loss). Collective on the mesh: every rank of mesh.world calls it (HybridParallel and
+        ZeroHybridParallel do), as its tp and sp collectives and the dp gradient reduction
+        after it tie every rank's step together. Raises ConfigError on EVERY rank of the mesh,
+        naming each offending rank, when any rank's tokens have a bad shape, dtype, length or id
+        (check_tokens; one 1-byte MAX all_reduce over mesh.world agrees on it before any other
+        collective), or in checking mode when tp ranks were fed different tokens.
         """
-        idx, targets = self._check_tokens(idx, "idx"), self._check_tokens(targets, "targets")
-        if targets.shape != idx.shape:
-            raise ConfigError(f"targets shape {targets.shape} must equal idx shape {idx.shape}")
+        error = None
+        try:
+            if full_sequence:
+                idx, targets = self._own_positions(idx, targets)
+            self.check_tokens(idx, targets)
+        except ConfigError as exc:
+            error = exc
         if self.tp_group.check and self.tp > 1:
-            self._check_same_tokens(idx, targets)
+            error = self._check_same_tokens(idx, targets, error)
+        raise_if_any_failed(self.mesh.world, error, "tensor-parallel batch check")
+        idx, targets = self.xp.asarray(idx), self.xp.asarray(targets)
         x, emb_cache = self.embed_forward(idx)
         blocks = []
         for l in range(self.cfg.n_layer):
@@ -462,10 +497,10 @@ class HybridParallel:
     def forward(self, idx, targets):
         """(loss, cache) for this rank's samples: idx, targets (B, T) = this dp rank's rows of
         the global batch with the FULL sequence (mesh.batch_slice); this sp rank's positions are
-        taken here. loss: mean over this rank's tokens (average over mesh.loss_group)."""
-        T = idx.shape[1]
-        cols = self.mesh.seq_slice(T)
-        return self.model.forward(idx[:, cols], targets[:, cols])
+        taken here. loss: mean over this rank's tokens (average over mesh.loss_group).
+        Collective on the mesh; raises ConfigError on every rank when any rank's batch is bad
+        (ParallelGPT.forward)."""
+        return self.model.forward(idx, targets, full_sequence=True)
 
     def backward(self, cache, scale=1.0):
         """Backward, then (outside no_sync) gradients averaged over mesh.loss_group."""

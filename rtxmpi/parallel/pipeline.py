@@ -30,14 +30,16 @@ returned loss is the global mean, the same on every rank.
 
 Checks before anything is sent: the constructor validates the layout and builds and simulates the
 whole schedule of every stage (`check_schedule`) on every rank; `train_step` checks the batch shape
-against micro_batches. Both depend only on arguments every rank of the pipeline shares, so a bad
-setting raises ConfigError (a ValueError) on every rank and nothing is sent.
+against micro_batches, seq_len and vocab_size on each rank and agrees on the verdict (one 1-byte
+all_reduce over every rank of the step), so a bad setting or a bad batch on any one rank raises
+ConfigError (a ValueError) on every rank, naming the offending ranks, and nothing is sent.
 """
 import math
 import time
 
 import numpy as np
 
+from ..control import raise_if_any_failed
 from ..errors import ConfigError
 from ..mesh import DeviceMesh
 from ..nn import layers
@@ -645,6 +647,22 @@ class PipelineParallel:
 
     # ---------------------------------------------------------------------------------- a step
     def _check_batch(self, x, y):
+        """Validate this rank's batch, agreed over every rank of the step: (b, T) when every
+        rank's batch is good, else ConfigError on EVERY rank naming each offending rank and its
+        problem (one 1-byte MAX all_reduce over the mesh's world, or over the pp, dp and tp
+        groups in turn, before anything is sent). Collective: every rank of the step calls."""
+        error = None
+        try:
+            b, T = self._check_local_batch(x, y)
+        except ConfigError as exc:
+            error = exc
+        groups = ([self.mesh.world] if self.mesh is not None else
+                  [self.pp_group, self.dp_group, getattr(self.stage, "tp_group", None)])
+        raise_if_any_failed(groups, error, "pipeline batch check")
+        return b, T
+
+    def _check_local_batch(self, x, y):
+        """(b, T) of this rank's batch (b = B // micro_batches); ConfigError here only."""
         m = self.micro_batches
         if getattr(x, "ndim", None) != 2 or getattr(y, "shape", None) != x.shape:
             raise ConfigError(f"pipeline batch: x and y must be (B, T) arrays of the same shape, "
@@ -654,9 +672,9 @@ class PipelineParallel:
             raise ConfigError(f"the per-rank batch {B} is not divisible by micro_batches {m}: every "
                               f"micro-batch must have the same size; use a batch that is a "
                               f"multiple of {m} per data-parallel rank")
-        if T > self.cfg.seq_len:
+        if T > self.cfg.seq_len or T == 0:
             raise ConfigError(f"batch has T={T} positions but the model's seq_len is "
-                              f"{self.cfg.seq_len}")
+                              f"{self.cfg.seq_len}; use 1 <= T <= seq_len")
         for name, a in (("x", x), ("y", y)):
             if a.dtype.kind not in "iu" or int(a.min()) < 0 or int(a.max()) >= self.cfg.vocab_size:
                 raise ConfigError(f"pipeline batch: {name} must hold integer token ids in [0, "
@@ -673,8 +691,9 @@ class PipelineParallel:
         x, y: (B, T) integer token ids and targets, this dp replica's slice of the global batch,
         the same on every stage of the pipeline (stage 0 reads x, the last stage y, the others
         only the shape); B divisible by micro_batches. Collective (pp, dp and embedding groups).
-        Raises ConfigError (before any send, on every rank) on a bad shape; CollectiveTimeout when
-        a peer does not send or receive in time.
+        Raises ConfigError (before any send, on every rank of the pp x dp (x tp) step, naming
+        each offending rank) when any rank's batch has a bad shape, dtype, length or token id
+        (outside [0, vocab_size)); CollectiveTimeout when a peer does not send or receive in time.
         """
         b, T = self._check_batch(x, y)
         self._run(x, y, b, T, backward=True)

@@ -44,7 +44,7 @@ from ..control import join_batches
 from ..errors import CheckpointError, ConfigError, RtxmpiError
 from ..kernels import grad_epilogue
 from ..nn import AdamW, clip_grad_norm, grad_norm_sq
-from .data import DEFAULT_BUCKET_BYTES, DataParallel
+from .data import DEFAULT_BUCKET_BYTES, DataParallel, check_batch_on_every_rank
 from .offload import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_CHUNKS, NvmeStore
 
 STAGES = (1, 2, 3)
@@ -517,7 +517,15 @@ class ZeroDataParallel:
 
     # -- forward / backward -----------------------------------------------------------------
     def forward(self, idx, targets=None):
-        """The wrapped model's forward: (loss, cache) for this rank's micro-batch."""
+        """The wrapped model's forward: (loss, cache) for this rank's micro-batch.
+
+        idx, targets: (B, T) integer token ids, this rank's samples. Collective at every stage:
+        the batch is checked on each rank and the verdict agreed over the group first
+        (rtxmpi.parallel.data.check_batch_on_every_rank, one 1-byte all_reduce); stage 3 then
+        gathers each unit's parameters. Raises ConfigError on EVERY rank, naming each offending
+        rank, when any rank's batch has a bad shape, dtype, length or token id.
+        """
+        check_batch_on_every_rank(self.group, self.model, idx, targets)
         return self.model.forward(idx, targets)
 
     @contextmanager

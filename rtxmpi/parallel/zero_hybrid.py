@@ -116,9 +116,10 @@ class ZeroHybridParallel:
     def forward(self, idx, targets):
         """(loss, cache) for this rank's samples: idx, targets (B, T) = this dp rank's rows with
         the FULL sequence (mesh.batch_slice); this sp rank's positions are taken here. loss: mean
-        over this rank's tokens (average it over mesh.loss_group). Collective at stage 3."""
-        cols = self.mesh.seq_slice(idx.shape[1])
-        return self.zero.forward(idx[:, cols], targets[:, cols])
+        over this rank's tokens (average it over mesh.loss_group). Collective on the mesh: the
+        model's forward (ParallelGPT.forward, the provider's gathers at stage 3) raises ConfigError
+        on every rank when any rank's batch is bad."""
+        return self.model.forward(idx, targets, full_sequence=True)
 
     def backward(self, cache, scale=1.0):
         """Backward of scale * loss; outside no_sync the gradient shard holds the loss_group
