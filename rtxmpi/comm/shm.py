@@ -93,12 +93,18 @@ from mpi4py import MPI
 from ..errors import CollectiveError, ConfigError, RankFailure
 from .failure import ulfm_enabled
 
+try:  # the compiled mailbox (_mailbox.c, built at install); numpy and plain stores without it
+    from . import _mailbox
+except ImportError:
+    _mailbox = None
+
 # Messages from DEFAULT_MIN_BYTES take the cross-memory reduce-scatter + all-gather (its two
 # synchronizations and its system calls cost more than MPI's single-copy algorithms below that);
 # messages up to DEFAULT_SMALL_BYTES take the one-synchronization mailbox (one node only); sizes
 # in between use MPI. Crossovers measured with bench/collectives.py (bench/RESULTS.md).
 DEFAULT_MIN_BYTES = 2 << 20
-DEFAULT_SMALL_BYTES = 32 << 10
+NUMPY_SMALL_BYTES = 32 << 10  # the numpy mailbox's largest message (its Python costs grow with it)
+DEFAULT_SMALL_BYTES = (1 << 20) if _mailbox is not None else NUMPY_SMALL_BYTES
 DEFAULT_CHUNK_BYTES = 256 << 10
 MIN_CHUNK_BYTES = 4 << 10
 BUFFERS = 3  # triple buffering: one barrier per chunk (see the module docstring)
@@ -108,6 +114,7 @@ TSO_MACHINES = ("x86_64", "amd64", "i386", "i686")  # the mailbox relies on thei
 BOX_VIEWS = 256  # cached mailbox views (dtype, size, parity); cleared when full
 LIVENESS_POLLS = 1000  # flag polls between checks that the local peers are alive
 SPIN_POLLS = 64  # polls of a mailbox flag (a few microseconds) before yielding the core
+SPIN_NS = 20_000  # the compiled mailbox's spin on the peers' flags before the Python wait
 
 
 class ShmConfig:
@@ -422,7 +429,7 @@ class NodeAllReduce:
     """
 
     def __init__(self, comm, node, cross, chunk_bytes, *, members=None, mm=None, peers=None,
-                 box=None, small_bytes=0):
+                 box=None, small_bytes=0, compiled=False):
         self.comm, self.node, self.cross, self._mm, self._box_mm = comm, node, cross, mm, box
         self.local_size, self.local_rank = node.Get_size(), node.Get_rank()
         self.nodes = 1 if cross is None else cross.Get_size()
@@ -443,7 +450,7 @@ class NodeAllReduce:
         # 0). Flag line (int64): [0] mailbox call, [1] cross-memory arrival call, [2] this call's
         # array address, [3] cross-memory done call.
         self.small_bytes = small_bytes if box is not None and small_bytes > 0 else -1
-        self._lines = None
+        self._lines = self._cbox = None
         if box is not None:
             region = FLAG_BYTES + 2 * small_bytes
             raw = np.frombuffer(box, np.uint8)
@@ -456,6 +463,8 @@ class NodeAllReduce:
             self._box_slots = [[boxes[k] for boxes in self._boxes] for k in (0, 1)]
             self._box_calls = 0
             self._box_views = {}  # (dtype, count, parity) -> [typed view of each rank's slot]
+            self._cbox = (_mailbox.Mailbox(box, self.local_size, self.local_rank, small_bytes,
+                                           tuple(op for op, _ in _UFUNCS)) if compiled else None)
         if peers is not None:
             self._reader, self._pids = peers
             self._tmp = np.zeros(chunk_bytes, np.uint8)  # touched once, reused
@@ -483,13 +492,15 @@ class NodeAllReduce:
         # cores wait for scheduler slices (hundreds of us), where MPI's progress does better
         # and MPI calls: under ULFM a dead peer is reported through a failing MPI request,
         # which a flag poll would never see (RankFailure for shrink-and-continue)
-        ordered = (cross is None and platform.machine().lower() in TSO_MACHINES
-                   and local_size <= (os.cpu_count() or 1) and not ulfm_enabled())
-        # agreed: _map_arena below is collective, and each rank's facts (cores, environment) are
-        # its own
+        # (the compiled mailbox orders its stores with atomics; the numpy one needs x86's order)
+        ordered = (cross is None and local_size <= (os.cpu_count() or 1) and not ulfm_enabled()
+                   and (_mailbox is not None or platform.machine().lower() in TSO_MACHINES))
+        # agreed: _map_arena below is collective, and each rank's facts (cores, environment,
+        # installed extension) are its own
         ordered = comm.allreduce(ordered, op=MPI.LAND)
+        compiled = comm.allreduce(ordered and _mailbox is not None, op=MPI.LAND)
         small = max(0, config.small_bytes - config.small_bytes % 8) if ordered else 0
-        small = comm.allreduce(small, op=MPI.MIN)
+        small = comm.allreduce(small if compiled else min(small, NUMPY_SMALL_BYTES), op=MPI.MIN)
         box = _map_arena(node, comm, local_size * (FLAG_BYTES + 2 * small)) if ordered else None
         if box is not None:
             np.frombuffer(box, np.uint8).fill(0)  # every rank touches it all: flags start at 0
@@ -497,7 +508,7 @@ class NodeAllReduce:
         peers = _probe_peers(node, comm, config.cma)
         if peers is not None:
             return cls(comm, node, cross, config.chunk_bytes, members=members, peers=peers,
-                       box=box, small_bytes=small)
+                       box=box, small_bytes=small, compiled=compiled)
         mm = _map_arena(node, comm, local_size * BUFFERS * config.chunk_bytes)
         if mm is None:
             node.Free()
@@ -507,7 +518,7 @@ class NodeAllReduce:
                 box.close()
             return None
         engine = cls(comm, node, cross, config.chunk_bytes, members=members, mm=mm, box=box,
-                     small_bytes=small)
+                     small_bytes=small, compiled=compiled)
         mine = engine._arena[local_rank * engine.slot_bytes:(local_rank + 1) * engine.slot_bytes]
         mine.fill(0)  # first touch here, by the rank that writes it, not inside a timed call
         node.Barrier()
@@ -590,6 +601,13 @@ class NodeAllReduce:
         (a rank can be at most one call ahead of a peer, whose slot of the previous call it then
         no longer reads). Same contract as all_reduce; the caller checks
         `x.nbytes <= small_bytes` and supports() (both the same on every rank)."""
+        cbox = self._cbox
+        if cbox is not None:  # compiled: post, spin and reduce in one call (_mailbox.c)
+            call = cbox.all_reduce(x, mpi_op, SPIN_NS)
+            if call:  # a peer is late: the caller's wait, then the reduction
+                wait(self._watched(lambda: cbox.arrived(call)))
+                cbox.finish(x, mpi_op, call)
+            return True
         self._box_calls += 1
         call, flags, me = self._box_calls, self._flags, self.local_rank
         key = (x.dtype, x.size, call & 1)
@@ -803,6 +821,8 @@ class NodeAllReduce:
         self._arena = None
         self._boxes = self._flags = self._lines = None  # views of the mailbox: dropped first,
         self._box_slots, self._box_views = None, {}     # or its mapping cannot close
+        if self._cbox is not None:
+            self._cbox.close()
         try:
             if self._box_mm is not None:
                 self._box_mm.close()

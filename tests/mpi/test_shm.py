@@ -26,22 +26,26 @@ LENGTHS = [1, 1023, 1025, 3 * 1024 + 1, 10007]
 CASES = [(op, dtype, i % 2 == 0) for i, (op, dtype) in enumerate(REDUCE_CASES)]
 
 
-def forced_group(world, check, **config):
+def forced_group(world, check, compiled=True, **config):
     """A copy of `world` whose all_reduce takes the cross-memory (or arena) path at every size
-    (and the mailbox never, unless `small_bytes` is given)."""
-    saved = shm.CONFIG
+    (and the mailbox never, unless `small_bytes` is given; compiled=False: the numpy mailbox)."""
+    saved, saved_module = shm.CONFIG, shm._mailbox
     config = {"min_bytes": 0, "small_bytes": 0, **config}
     shm.CONFIG = shm.ShmConfig(chunk_bytes=CHUNK, **config)
+    if not compiled:
+        shm._mailbox = None
     try:
         group = world.split(0)
+        group.all_reduce(np.zeros(1, np.float32))  # builds the engine, with these settings
     finally:
-        shm.CONFIG = saved
+        shm.CONFIG, shm._mailbox = saved, saved_module
     group.check = check
     return group
 
 
 @pytest.fixture(scope="module", params=["node-cma", "node-copy", "hierarchical-cma",
-                                        "hierarchical-copy", "node-mailbox"])
+                                        "hierarchical-copy", "node-mailbox",
+                                        "node-mailbox-numpy"])
 def layout(request):
     return request.param
 
@@ -50,20 +54,23 @@ def layout(request):
 def groups(world, layout):
     """{check: group}; layout 'hierarchical-*' pretends nodes of 2 ranks; '*-copy' turns
     cross-memory access off (the shared arena); 'node-mailbox' sends every all_reduce up to 1 MiB
-    through the one-synchronization mailbox."""
-    if layout == "node-mailbox":
-        return {check: forced_group(world, check, min_bytes=shm.NEVER, small_bytes=1 << 20)
-                for check in (True, False)}
+    through the one-synchronization mailbox (compiled), 'node-mailbox-numpy' up to its 32 KiB
+    through the numpy one (the fallback without the extension)."""
+    if layout.startswith("node-mailbox"):
+        compiled = layout == "node-mailbox"
+        return {check: forced_group(world, check, compiled, min_bytes=shm.NEVER,
+                                    small_bytes=1 << 20) for check in (True, False)}
     node_size = 2 if layout.startswith("hierarchical") else None
     cma = layout.endswith("cma")
     return {check: forced_group(world, check, node_size=node_size, cma=cma)
             for check in (True, False)}
 
 
-def mailbox_possible(local_size):
-    """Whether a node of `local_size` ranks gets the mailbox: x86, no more ranks than cores."""
-    return (platform.machine().lower() in shm.TSO_MACHINES and local_size <= os.cpu_count()
-            and sys.platform.startswith("linux"))
+def mailbox_possible(local_size, compiled=shm._mailbox is not None):
+    """Whether a node of `local_size` ranks gets the mailbox: no more ranks than cores, and x86
+    for the numpy mailbox."""
+    return ((compiled or platform.machine().lower() in shm.TSO_MACHINES)
+            and local_size <= os.cpu_count() and sys.platform.startswith("linux"))
 
 
 def expected_engine(group, layout):
@@ -72,9 +79,11 @@ def expected_engine(group, layout):
     n = group.world_size
     linux = sys.platform.startswith("linux")
     mode = "cma" if not layout.endswith("copy") and linux else "copy"
-    mailbox = layout == "node-mailbox" and mailbox_possible(n)
+    compiled = layout == "node-mailbox" and shm._mailbox is not None
+    mailbox = layout.startswith("node-mailbox") and mailbox_possible(n, compiled)
     if layout.startswith("node"):
-        return None if n == 1 else (n, 1, mode, (1 << 20) if mailbox else -1)
+        size = (1 << 20) if compiled else shm.NUMPY_SMALL_BYTES
+        return None if n == 1 else (n, 1, mode, size if mailbox else -1)
     return None if n == 1 or n % 2 else (2, n // 2, mode, -1)
 
 
@@ -362,7 +371,8 @@ class _Tagged(np.ndarray):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("n", [16, 4096, 1 << 20], ids=["mailbox", "mpi", "cross-memory"])
+@pytest.mark.parametrize("n", [16, shm.DEFAULT_SMALL_BYTES // 4 + 1, shm.DEFAULT_MIN_BYTES // 4],
+                         ids=["mailbox", "mpi", "cross-memory"])
 @pytest.mark.parametrize("how", ["strided", "subclass"])
 def test_ranks_passing_different_layouts_run_the_same_algorithm(world, n, how):
     # rank 1's array is strided or a subclass (the general path), the others' plain and contiguous

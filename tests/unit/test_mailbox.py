@@ -1,0 +1,120 @@
+"""The compiled mailbox all_reduce (rtxmpi/comm/_mailbox.c), in one process: k Mailbox views of
+one mapping play k local ranks, posting one after another, so the late-peer path (all_reduce
+returns the call number, then arrived() and finish()) and the direct path (the last rank to post
+finds every flag raised) both run. Results must be bitwise numpy's left fold in local-rank order,
+the reference the numpy mailbox of rtxmpi/comm/shm.py computes."""
+import mmap
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from rtxmpi.comm import shm
+
+OPS = {"sum": (MPI.SUM, np.add), "max": (MPI.MAX, np.maximum), "min": (MPI.MIN, np.minimum),
+       "prod": (MPI.PROD, np.multiply)}
+OP_OBJECTS = (MPI.SUM, MPI.MAX, MPI.MIN, MPI.PROD)
+SLOT = 4096
+
+
+def test_extension_is_built():
+    # pip install builds it (pyproject.toml ext-modules); without it every all_reduce up to 1 MiB
+    # falls back to MPI or the numpy mailbox, several times slower
+    assert shm._mailbox is not None, "rtxmpi/comm/_mailbox.c was not compiled: pip install -e ."
+    assert shm.DEFAULT_SMALL_BYTES == 1 << 20
+
+
+def boxes(k, slot=SLOT):
+    mapping = mmap.mmap(-1, k * (shm.FLAG_BYTES + 2 * slot))
+    return mapping, [shm._mailbox.Mailbox(mapping, k, j, slot, OP_OBJECTS) for j in range(k)]
+
+
+def run_call(views, xs, op):
+    """Every view posts its array in turn (no spinning); the ones that found a peer missing
+    finish afterwards. Returns the call numbers all_reduce returned."""
+    returned = [view.all_reduce(x, op, 0) for view, x in zip(views, xs)]
+    for view, x, call in zip(views, xs, returned):
+        if call:
+            assert view.arrived(call)
+            view.finish(x, op, call)
+    return returned
+
+
+def values(rng, dtype, n):
+    if np.dtype(dtype).kind == "f":
+        x = rng.standard_normal(n).astype(dtype)
+        x[::17] = np.nan  # max/min propagate NaN, as numpy does
+        return x
+    info = np.iinfo(dtype)
+    return rng.integers(max(info.min, -100), min(info.max, 100), n, endpoint=True).astype(dtype)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int8", "uint8", "int16", "uint16",
+                                   "int32", "uint32", "int64", "uint64"])
+@pytest.mark.parametrize("name", list(OPS))
+def test_bitwise_numpy_left_fold_in_rank_order(k, dtype, name):
+    op, ufunc = OPS[name]
+    rng = np.random.default_rng(k)
+    mapping, views = boxes(k)
+    for call in (1, 2, 3):  # both slot parities, and a parity reused
+        n = (SLOT // np.dtype(dtype).itemsize) - call  # up to the slot size
+        xs = [values(rng, dtype, n) for _ in range(k)]
+        expected = ufunc(xs[0], xs[1])
+        for x in xs[2:]:
+            expected = ufunc(expected, x)
+        returned = run_call(views, xs, op)
+        assert returned == [call] * (k - 1) + [0]
+        for x in xs:
+            np.testing.assert_array_equal(x.view(np.uint8), expected.view(np.uint8))
+    for view in views:
+        view.close()
+    mapping.close()  # nothing holds the mapping any more
+
+
+def test_float_sum_depends_on_rank_order_and_matches_it():
+    # 1e8 + 1 - 1e8 in float32: (t0 + t1) + t2 differs from t0 + (t1 + t2); the fold is rank order
+    mapping, views = boxes(3)
+    xs = [np.array([1e8], np.float32), np.array([1.0], np.float32), np.array([-1e8], np.float32)]
+    run_call(views, xs, MPI.SUM)
+    assert [float(x[0]) for x in xs] == [0.0] * 3
+
+
+def test_errors_are_typed_and_leave_the_array_untouched():
+    mapping, (a, b) = boxes(2, slot=64)
+    x = np.arange(8, dtype=np.float64)
+    with pytest.raises(ValueError, match="does not fit"):
+        a.all_reduce(np.zeros(9, np.float64), MPI.SUM, 0)  # 72 bytes > 64
+    with pytest.raises(ValueError, match="does not fit"):
+        a.all_reduce(np.zeros(2, np.complex64), MPI.SUM, 0)
+    with pytest.raises(ValueError, match="none of sum"):
+        a.all_reduce(x, MPI.BAND, 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        a.all_reduce(np.zeros(4)[::2], MPI.SUM, 0)  # not contiguous
+    call = a.all_reduce(x, MPI.SUM, 0)
+    assert call == 1 and not a.arrived(call)
+    with pytest.raises(RuntimeError, match="before every peer arrived"):
+        a.finish(x, MPI.SUM, call)
+    np.testing.assert_array_equal(x, np.arange(8))  # nothing reduced yet
+    assert b.all_reduce(np.ones(8), MPI.SUM, 1000) == 0
+    a.finish(x, MPI.SUM, call)
+    np.testing.assert_array_equal(x, np.arange(8) + 1)
+    a.close()
+    with pytest.raises(ValueError, match="closed"):
+        a.all_reduce(x, MPI.SUM, 0)
+    with pytest.raises(ValueError, match="bad layout"):
+        shm._mailbox.Mailbox(mapping, 2, 2, 64, OP_OBJECTS)
+    with pytest.raises(ValueError, match="smaller than"):
+        shm._mailbox.Mailbox(mapping, 2, 0, 128, OP_OBJECTS)
+    b.close()
+    mapping.close()
+
+
+def test_spin_gives_up_after_its_time():
+    import time
+
+    mapping, (a, _) = boxes(2)
+    t0 = time.perf_counter()
+    assert a.all_reduce(np.ones(4, np.float32), MPI.SUM, 2_000_000) == 1  # 2 ms, no peer
+    assert 0.002 <= time.perf_counter() - t0 < 1.0
+    a.close()
