@@ -35,8 +35,9 @@ A `HardwareProfile` holds the numbers the planner's cost model (rtxmpi/parallel/
   clock = "cpu"): the work, unaffected by time slices other processes take; the wall times of
   the sharing runs below then measure the sharing alone, absolutely (fit_sharing work_ms)
   sharing (the crux when ranks outnumber cores): the reference run is also timed with k = half
-  and k = all of a node's ranks computing at once (ref_busy_ms: {k: ms}), and a processor-sharing
-  model is fitted to the three times:
+  and k = all of a node's ranks computing at once (ref_busy_ms: {k: ms}; for k = half the mean
+  over balanced_subsets of the local ranks, so that the time does not depend on which cores the
+  scheduler put the ranks on), and a processor-sharing model is fitted to the three times:
     speed(k) = min(1, effective_cores / (k + wait_weight * (R - k)))     (R = ranks per node)
     effective_cores  cores the node's ranks get (fewer than its cores when other jobs run)
     wait_weight      the share of a core a rank takes while it waits in MPI (Open MPI with
@@ -418,7 +419,9 @@ def _measure_compute(comm, local_rank, ranks_per_node, cfg, micro_batch, reps):
             t -= _time_median(spec[3], comm, reps, active=local_rank == 0, clock=time.thread_time)
         rates[name] = _rate(kind, units, max(t, 1e-9))
     ref = ReferenceRun(comm, cfg, micro_batch)
-    busy_ms = ref.median_ms(ref.sample(max(5, reps)))  # interleaved rounds, medians
+    # interleaved rounds, medians; 4 rounds (5 before the balanced subsets made the k = half
+    # round 3 runs instead of 1): about the same run time, each round a mean of placements
+    busy_ms = ref.median_ms(ref.sample(max(4, reps - 1)))
     rates["ref_cpu_ms"] = ref.median_ms(ref.cpu)[1]
     # the same run at a quarter of the micro-batch, alone, interleaved with the full one: how the
     # model factor changes when the working set shrinks (smaller micro-batches stay in cache)
@@ -455,12 +458,39 @@ def _one_block(cfg):
     return replace(cfg, n_layer=1)
 
 
+def balanced_subsets(ranks_per_node, k):
+    """The local ranks that compute in the k-rank reference runs: a list of k-tuples of local
+    ranks of a node of `ranks_per_node` (R) whose mean time does not depend on where the
+    scheduler put the ranks. k = 1: [(0,)]; k >= R: [all]; otherwise R - 1 subsets, local rank
+    0 with k - 1 others taken cyclically from 1..R-1 (for R = 4, k = 2: (0,1), (0,2), (0,3)).
+
+    Why: without binding (`--bind-to none`, Open MPI's default when ranks outnumber cores) the
+    scheduler spreads R ranks evenly over the cores, and a waiting rank spins, so two computing
+    ranks that landed on the same core stay there: one fixed pair of computing ranks measured
+    2x slower or not at all slower depending on the placement of that job (the k = 2 reference
+    on 2 cores was 135-180 or 274-367 ms). Every other rank computes together with rank 0 in
+    exactly k - 1 of the R - 1 subsets, so for any even placement of R ranks on P cores rank 0
+    shares its core with the same number of computing ranks summed over the subsets, (k - 1) *
+    (R / P - 1): the mean over the subsets is the mean over placements, what the ranks of a
+    layout that are not bound see on average."""
+    R = ranks_per_node
+    if k >= R:
+        return [tuple(range(R))]
+    if k <= 1:
+        return [(0,)]
+    others = list(range(1, R))
+    return [tuple(sorted({0} | {others[(i + j) % (R - 1)] for j in range(k - 1)}))
+            for i in range(R - 1)]
+
+
 class ReferenceRun:
     """One GPT forward + backward of `micro_batch` sequences of `cfg`, timed with k = 1, half and
-    all of each node's ranks computing at once (the others waiting in a barrier). Collective:
-    every rank of `comm` (an mpi4py communicator) builds it and calls sample() together.
-    Benchmarks interleave sample() with what they measure and refit with
-    HardwareProfile.with_reference, so the profile sees the same machine load as the runs."""
+    all of each node's ranks computing at once (the others waiting in a barrier); for k between
+    1 and all, every subset of `balanced_subsets` computes in turn and the round's time is their
+    mean (placement-independent, see there). Collective: every rank of `comm` (an mpi4py
+    communicator) builds it and calls sample() together. Benchmarks interleave sample() with
+    what they measure and refit with HardwareProfile.with_reference, so the profile sees the
+    same machine load as the runs."""
 
     def __init__(self, comm, cfg, micro_batch):
         from mpi4py import MPI
@@ -475,6 +505,7 @@ class ReferenceRun:
         self.idx = np.random.default_rng(1).integers(0, cfg.vocab_size, (micro_batch, cfg.seq_len))
         R = self.ranks_per_node
         self.ks = sorted({1, (R + 1) // 2, R})
+        self.subsets = {k: balanced_subsets(R, k) for k in self.ks}
         self.cpu = {k: [] for k in self.ks}
         self._step()  # warm-up
 
@@ -483,27 +514,34 @@ class ReferenceRun:
         self.model.backward(cache)
 
     def sample(self, reps=1):
-        """{k: [seconds, ...]}: reps interleaved rounds over k (rotating), every computing rank's
-        wall time. The same runs' CPU times (time.thread_time: the work, without the time slices
-        other processes took) accumulate in self.cpu ({k: [seconds, ...]}). Collective."""
+        """{k: [seconds, ...]}: one value per round, reps interleaved rounds over k (the k order
+        rotating): the mean wall time of the computing ranks, averaged over k's balanced subsets.
+        The same runs' CPU times (time.thread_time: the work, without the time slices other
+        processes took), averaged alike, accumulate in self.cpu ({k: [seconds, ...]}).
+        Collective."""
         samples = {k: [] for k in self.ks}
         for rep in range(reps):  # interleaved, so a change of machine load hits every k alike
             for k in self.ks[rep % len(self.ks):] + self.ks[:rep % len(self.ks)]:
-                self.comm.Barrier()
-                t, c = float("inf"), float("inf")
-                if self.local_rank < k:
-                    t0, c0 = time.perf_counter(), time.thread_time()
-                    self._step()
-                    t, c = time.perf_counter() - t0, time.thread_time() - c0
-                self.comm.Barrier()
-                for wall, cpu in self.comm.allgather((t, c)):
-                    if wall != float("inf"):
-                        samples[k].append(wall)
-                        self.cpu[k].append(cpu)
+                walls, cpus = [], []
+                for subset in self.subsets[k]:
+                    self.comm.Barrier()
+                    t, c = float("inf"), float("inf")
+                    if self.local_rank in subset:
+                        t0, c0 = time.perf_counter(), time.thread_time()
+                        self._step()
+                        t, c = time.perf_counter() - t0, time.thread_time() - c0
+                    self.comm.Barrier()
+                    done = [(w, u) for w, u in self.comm.allgather((t, c)) if w != float("inf")]
+                    walls.append(np.mean([w for w, _ in done]))
+                    cpus.append(np.mean([u for _, u in done]))
+                samples[k].append(float(np.mean(walls)))
+                self.cpu[k].append(float(np.mean(cpus)))
         return samples
 
     @staticmethod
     def median_ms(samples):
+        """{k: ms}: the median over rounds (a round the machine's other load disturbed does not
+        move it) of sample()'s per-round values."""
         return {k: float(np.median(v)) * 1e3 for k, v in samples.items()}
 
 

@@ -481,3 +481,33 @@ def test_model_factor_follows_the_blocks_a_stage_holds():
     pp4 = estimate(CFG, Layout(1, 1, 4, 1, 16, 0, "1f1b"), 32, p, 4)
     p.ref_block = {}
     assert pp4.compute_ms < estimate(CFG, Layout(1, 1, 4, 1, 16, 0, "1f1b"), 32, p, 4).compute_ms
+
+
+# ------------------------------------------------------------- placement-independent sharing
+def _even_placements(R, P):
+    """Every assignment of local ranks 0..R-1 to P cores with R / P ranks on each."""
+    import itertools
+
+    per = R // P
+    for cores in set(itertools.permutations([c for c in range(P) for _ in range(per)])):
+        yield cores
+
+
+@pytest.mark.parametrize("R, P", [(2, 1), (4, 2), (6, 2), (6, 3), (8, 2), (8, 4)])
+def test_balanced_subsets_see_every_placement_alike(R, P):
+    """The k-rank reference run computes on each of balanced_subsets(R, k) in turn: whatever even
+    placement the scheduler chose, rank 0 shares its core with the same number of computing
+    ranks summed over the subsets (one fixed pair (0, 1) is 0 or 1 by luck), and that number is
+    the mean over placements."""
+    from rtxmpi.parallel.calibrate import balanced_subsets
+
+    for k in range(1, R + 1):
+        subsets = balanced_subsets(R, k)
+        assert all(len(s) == k and len(set(s)) == k and 0 in s for s in subsets), subsets
+        shared = {sum(sum(1 for r in s if r and cores[r] == cores[0]) for s in subsets)
+                  for cores in _even_placements(R, P)}
+        assert len(shared) == 1, (k, subsets, shared)
+        # = (k - 1) * (R / P - 1) per subset on average: the expectation over random placements
+        assert shared.pop() == pytest.approx(len(subsets) * (k - 1) * (R / P - 1) / (R - 1))
+    assert balanced_subsets(4, 2) == [(0, 1), (0, 2), (0, 3)]
+    assert balanced_subsets(4, 1) == [(0,)] and balanced_subsets(4, 4) == [(0, 1, 2, 3)]
