@@ -35,7 +35,7 @@ def shrink_world(world, min_ranks=1):
     old_size = comm.Get_size()
     # the sub-groups too: a survivor may be blocked in a transfer of a group without failed
     # members (a tp group) whose peer has already left for this shrink
-    for c in (comm, monitor.ctl, *subgroup_comms(monitor)):
+    for c in (*world.backend.comms(), monitor.ctl, *subgroup_comms(monitor)):
         try:
             c.Revoke()
         except MPI.Exception:
@@ -128,11 +128,14 @@ def exchange_pieces(group, applied, pieces_fn, meta_fn, old_size):
     """Rebuild the full model from the survivors' shards of a hybrid layout (collective).
 
     applied: the last step whose update this rank applied (-1: none). pieces_fn() -> this rank's
-    rtxmpi.parallel.replica.ReplicaPieces (key, keys, {name: (where, values, global_size)});
-    meta_fn() -> JSON-able dict. The survivors agree on the newest step S at which every shard key
-    is held by some survivor that applied S (ranks of one key hold identical state); the lowest
-    such rank of each key broadcasts its pieces, keys in descending order (tp rank 0 writes the
-    tp-replicated parameters last, as a checkpoint does), and the lowest of them its meta.
+    rtxmpi.parallel.replica.ReplicaPieces (key, keys, {name: (where, values, global_size)}):
+    called on every rank for the key, while its `.tensors` (the copies of the state) are read
+    only on the ranks that broadcast them, so with replica_pieces (tensors built on first read)
+    the other survivors copy nothing. meta_fn() -> JSON-able dict (called on one rank). The
+    survivors agree on the newest step S at which every shard key is held by some survivor that
+    applied S (ranks of one key hold identical state); the lowest such rank of each key
+    broadcasts its pieces, keys in descending order (tp rank 0 writes the tp-replicated
+    parameters last, as a checkpoint does), and the lowest of them its meta.
     Returns a ReplicaState of full tensors on every rank, or None on every rank when no complete
     copy survived (then reload the last committed checkpoint).
     """

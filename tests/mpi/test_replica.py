@@ -61,10 +61,12 @@ def test_exchanged_pieces_are_the_full_model_and_optimizer_state(world, index):
     engine = trained(world, kind, dp, tp, pp, sp)
     pieces = replica_pieces(engine)
     assert pieces.keys == tp * pp and 0 <= pieces.key < pieces.keys
-    state = exchange_pieces(world, 1, lambda: replica_pieces(engine), lambda: {"seen": world.rank},
-                            world.world_size)
+    made = []
+    state = exchange_pieces(world, 1, lambda: made.append(replica_pieces(engine)) or made[-1],
+                            lambda: {"seen": world.rank}, world.world_size)
     assert state is not None and state.step == 1 and state.meta == {"seen": min(state.sources)}
     assert len(state.sources) == tp * pp
+    assert made[0].built == (world.rank in state.sources)  # only the senders copied their state
     full = np.asarray(engine.full_params())  # collective: the engine's own gather
     assert np.array_equal(state.read("params"), full)
     for name, (data, offset, _) in engine.shards().items():  # what a checkpoint would hold
