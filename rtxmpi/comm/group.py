@@ -488,22 +488,29 @@ class ProcessGroup:
         return self._child(comm, f"{self.name}/group{self._children}")
 
     def _child(self, comm, name):
-        _subgroup_comms.setdefault(self.backend.monitor, []).append(comm)
         members = [self.members[r] for r in _parent_ranks(comm, self.backend.comm)]
-        backend = type(self.backend)(comm, self.backend.monitor, name, members)
+        backend = register_subgroup(type(self.backend)(comm, self.backend.monitor, name, members))
         return ProcessGroup(backend, name=name, rank=comm.Get_rank(), world_size=comm.Get_size(),
                             members=members, local_rank=self.local_rank, device=self.device,
                             timeout_s=self.timeout_s, check=self.check)
 
 
-_subgroup_comms = weakref.WeakKeyDictionary()  # Monitor -> communicators of its world's sub-groups
+_subgroups = weakref.WeakKeyDictionary()  # Monitor -> WeakSet of its world's sub-group backends
+
+
+def register_subgroup(backend):
+    """Record the backend of a group split or made from a world, for subgroup_comms; returns it.
+    Held weakly: a group the program drops leaves the record with it. Local."""
+    _subgroups.setdefault(backend.monitor, weakref.WeakSet()).add(backend)
+    return backend
 
 
 def subgroup_comms(monitor):
-    """The MPI communicators of every group split or made (at any depth) from the world that
-    `monitor` serves. An elastic shrink revokes them with the world (ULFM): a rank blocked in a
+    """The MPI communicators of every live group split or made (at any depth) from the world
+    that `monitor` serves, their shared-memory engines' node and cross-node communicators
+    included. An elastic shrink revokes them with the world (ULFM): a rank blocked in a
     sub-group's transfer whose peer left for the shrink is then released with an error. Local."""
-    return list(_subgroup_comms.get(monitor, ()))
+    return [comm for backend in list(_subgroups.get(monitor, ())) for comm in backend.comms()]
 
 
 def _parent_ranks(comm, parent):

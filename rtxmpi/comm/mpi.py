@@ -86,6 +86,11 @@ class MPIBackend:
     def barrier(self):
         return [self.comm.Ibarrier()]
 
+    def comms(self):
+        """Every MPI communicator this group's transfers use: its own, and its shared-memory
+        engine's node and cross-node ones once built (an elastic shrink revokes them all)."""
+        return [self.comm, *(self._shm.comms() if self._shm else ())]
+
     def exchange_fingerprints(self, fingerprint, op, seq, timeout_s):
         """All-gather each rank's int64 fingerprint row; also an arrival barrier."""
         table = np.empty((self.comm.Get_size(), fingerprint.size), np.int64)

@@ -38,7 +38,8 @@ from mpi4py import MPI
 
 from ..backend import cupy_module, is_device_array
 from ..errors import CollectiveError, CollectiveTimeout, ConfigError
-from .group import _REDUCE_CODES, _counts_crc, _ARG_SHIFT, ProcessGroup, _parent_ranks
+from .group import (_REDUCE_CODES, _counts_crc, _ARG_SHIFT, ProcessGroup, _parent_ranks,
+                    register_subgroup)
 from .monitor import SERVICE_INTERVAL_S, SPIN_BEFORE_SLEEP_S
 from .mpi import BOOL_OPS, REDUCE_OPS, MPIBackend
 from .work import Work
@@ -633,8 +634,9 @@ class DeviceGroup(ProcessGroup):
     def _child(self, comm, name):
         members = [self.members[r] for r in _parent_ranks(comm, self.backend.comm)]
         parent = self.backend
-        backend = DeviceBackend(comm, parent.monitor, name, members, transport=parent.transport,
-                                device_id=parent.device_id)
+        backend = register_subgroup(DeviceBackend(comm, parent.monitor, name, members,
+                                                  transport=parent.transport,
+                                                  device_id=parent.device_id))
         return DeviceGroup(backend, name=name, rank=comm.Get_rank(), world_size=comm.Get_size(),
                            members=members, local_rank=self.local_rank, device=self.device,
                            timeout_s=self.timeout_s, check=self.check)

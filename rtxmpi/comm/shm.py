@@ -815,6 +815,10 @@ class NodeAllReduce:
                 lo, hi = cuts[i], cuts[i + 1]
                 x[start + lo:start + hi] = slots[i][base + lo:base + hi]
 
+    def comms(self):
+        """The node and cross-node MPI communicators of this engine (local)."""
+        return [comm for comm in (self.node, self.cross) if comm is not None]
+
     def close(self):
         """Release the arena and the communicators (local; the group must not use it after)."""
         self._views.clear()

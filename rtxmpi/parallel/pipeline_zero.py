@@ -30,7 +30,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..nn import grad_norm_sq
 from . import tensor as tpl
-from .zero import shard_decay_mask, shard_range, shard_size
+from .zero import gather_shards, shard_decay_mask, shard_range, shard_size
 
 STAGES = (1, 2)
 
@@ -102,11 +102,7 @@ class StageZero:
         """The whole stage vector (numel) from every rank's shard: rank k's shard lands at
         k * S, so the padded all_gather's first numel elements are the vector. Collective on the
         group."""
-        if self.world == 1:
-            return shard[:self.numel].copy()
-        send = self.st.xp.zeros(self.shard_size, dtype=shard.dtype)
-        send[:shard.shape[0]] = shard
-        return self.group.all_gather(send)[:self.numel]
+        return gather_shards(self.group if self.world > 1 else None, shard, self.numel)
 
     def full_state(self):
         """{"step", "m", "v"}: the optimizer state of the whole stage vector (gathered over the

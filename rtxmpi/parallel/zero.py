@@ -73,6 +73,29 @@ def shard_range(numel, world_size, rank):
     return min(rank * size, numel), min((rank + 1) * size, numel)
 
 
+def gather_shards(group, shard, numel, send=None):
+    """The whole vector of `numel` elements from every rank's shard of the `shard_range` layout:
+    each rank's shard padded to S = shard_size(numel, W) elements, one all_gather (rank k's
+    shard lands at k * S), the padding past `numel` stripped.
+
+    shard: 1-D array, this rank's elements [start, stop) of shard_range(numel, W, rank); the
+    same dtype on every rank. send: optional S-element buffer (same dtype) to pad a short shard
+    in, reused across calls; None: a new zero one. group: ProcessGroup, or None (one rank).
+    Returns a (numel,) array not aliasing `shard`. Collective on group (W > 1).
+    """
+    W = 1 if group is None else group.world_size
+    if W == 1:
+        return shard[:numel].copy()
+    S = shard_size(numel, W)
+    n = shard.shape[0]
+    if n < S:
+        if send is None:
+            send = xp_of(shard).zeros(S, dtype=shard.dtype)
+        send[:n] = shard
+        shard = send
+    return group.all_gather(shard)[:numel]
+
+
 class ColumnBucket:
     """Columns [col_start, col_stop) of the padded (W, S) gradient matrix, reduced together.
 
@@ -337,13 +360,7 @@ class ShardedParams:
 
     def full(self):
         """The whole parameter vector (a new array) on every rank. Collective."""
-        W, numel = self.group.world_size, self._units[-1][1]
-        if W == 1:
-            return self.shard.copy()
-        S = shard_size(numel, W)
-        send = self.xp.zeros(S, self.shard.dtype)
-        send[:len(self.shard)] = self.shard
-        return self.group.all_gather(send)[:numel]
+        return gather_shards(self.group, self.shard, self._units[-1][1])
 
 
 # -- the wrapper -------------------------------------------------------------------------------
@@ -690,17 +707,13 @@ class ZeroDataParallel:
                 shard = self.provider.shard
                 shard[...] = self.xp.asarray(self._master, dtype=shard.dtype)
             return
-        n, flat = self.stop - self.start, self.model.flat_data
+        flat = self.model.flat_data
         if self.offload == "cpu":  # otherwise already in the model's shard
             flat[self.start:self.stop] = self.xp.asarray(self._master, dtype=flat.dtype)
         if self.group.world_size == 1:
             return
-        send = flat[self.start:self.stop]
-        if len(self._send):
-            self._send[:n] = send
-            send = self._send
-        gathered = self.group.all_gather(send)
-        flat[...] = gathered[:self.numel]
+        flat[...] = gather_shards(self.group, flat[self.start:self.stop], self.numel,
+                                  send=self._send if len(self._send) else None)
 
     def zero_grad(self):
         """Drop the accumulated gradients without stepping (e.g. an agreed overflow skip). Local."""

@@ -202,3 +202,31 @@ def test_mismatch_inside_sub_group_raises_on_its_members(world, assert_raised_on
     y = np.ones(2)
     group.all_reduce(y)
     assert (y == group.world_size).all()
+
+
+def test_subgroup_comms_follow_live_groups_and_their_shm_engines(world):
+    """What an elastic shrink revokes: every live sub-group's communicator, its shared-memory
+    engine's node communicator once built, and nothing of a group the program dropped."""
+    import gc
+
+    import numpy as np
+
+    from rtxmpi.comm.group import subgroup_comms
+
+    monitor = world.backend.monitor
+    group = world.split(0)
+    inner = group.split(0)
+    listed = subgroup_comms(monitor)
+    assert any(c is group.backend.comm for c in listed)
+    assert any(c is inner.backend.comm for c in listed)
+    group.all_reduce(np.ones(4, np.float32))  # builds the shm engine where the node allows one
+    engine = group.backend._shm
+    if engine:
+        assert all(any(c is mine for c in subgroup_comms(monitor)) for mine in engine.comms())
+        assert engine.node in group.backend.comms()
+    gc.collect()  # groups of earlier tests, dropped but not yet collected
+    before = len(subgroup_comms(monitor))
+    dropped = len(inner.backend.comms())
+    del inner
+    gc.collect()
+    assert len(subgroup_comms(monitor)) == before - dropped

@@ -11,8 +11,8 @@ from rtxmpi.errors import ConfigError, RtxmpiError
 from rtxmpi.nn import GPT, AdamW, GPTConfig, clip_grad_norm, decay_mask
 from rtxmpi.nn.params import layout
 from rtxmpi.parallel.data import DataParallel, weighted_micro_batches
-from rtxmpi.parallel.zero import (ShardedParams, ZeroDataParallel, optimizer_bytes, shard_range,
-                                  shard_size)
+from rtxmpi.parallel.zero import (ShardedParams, ZeroDataParallel, gather_shards, optimizer_bytes,
+                                  shard_range, shard_size)
 
 LR = 1e-2
 
@@ -76,7 +76,7 @@ def gather_full(world, array, offset, global_size):
     return world.all_gather(padded)[:global_size]
 
 
-def gather_shards(world, zdp):
+def gathered_state(world, zdp):
     return {name: gather_full(world, *entry) for name, entry in zdp.shards().items()}
 
 
@@ -150,6 +150,21 @@ def test_shards_follow_the_padded_layout(world, stage):
         assert (offset, offset + len(array)) == shard_range(n, world.world_size, world.rank)
     lengths = world.all_gather(np.array([len(zdp.shards()["params"][0])]))
     assert lengths.sum() == n
+
+
+@pytest.mark.parametrize("numel", [0, 1, 7, 13])
+def test_gather_shards_rebuilds_the_vector_from_padded_shards(world, numel):
+    """Short and empty shards (numel < W, numel not divisible by W) are padded, gathered and
+    stripped; with or without a reusable send buffer; the result does not alias the shard."""
+    full = np.arange(numel, dtype=np.float32) * 3 + 1
+    lo, hi = shard_range(numel, world.world_size, world.rank)
+    shard = full[lo:hi].copy()
+    np.testing.assert_array_equal(gather_shards(world, shard, numel), full)
+    send = np.full(shard_size(numel, world.world_size), -1, np.float32)
+    out = gather_shards(world, shard, numel, send=send)
+    np.testing.assert_array_equal(out, full)
+    out[lo:hi] = -2
+    np.testing.assert_array_equal(shard, full[lo:hi])
 
 
 # -- against plain DataParallel ------------------------------------------------------------
@@ -423,7 +438,7 @@ def test_shards_round_trip_at_the_same_world_size(world, stage):
     model = make_model()
     zdp = ZeroDataParallel(model, world, stage=stage, optimizer=adamw)
     train(world, zdp, 2)
-    full = gather_shards(world, zdp)
+    full = gathered_state(world, zdp)
     fresh_model = make_model(seed=1)
     fresh = ZeroDataParallel(fresh_model, world, stage=stage, optimizer=adamw)
     fresh.load_shards(lambda name, offset, length: full[name][offset:offset + length])
@@ -439,7 +454,7 @@ def test_shards_written_at_another_world_size_and_stage_resume_the_run(world, st
     model = make_model()
     zdp = ZeroDataParallel(model, world, stage=saved_stage, optimizer=adamw)
     train(world, zdp, 3)
-    full = gather_shards(world, zdp)
+    full = gathered_state(world, zdp)
     train(world, zdp, 3, first_step=3)  # the uninterrupted run
     for written_at in (3, world.world_size + 1):
         resumed_model = make_model(seed=2)
@@ -573,7 +588,7 @@ def test_nvme_checkpoint_round_trip_resumes_the_run(world, tmp_path, stages):
     saved_stage, loaded_stage = stages
     zdp = nvme(world, make_model(), tmp_path / "saved", saved_stage)
     train(world, zdp, 3)
-    full = gather_shards(world, zdp)
+    full = gathered_state(world, zdp)
     train(world, zdp, 3, first_step=3)
     resumed = nvme(world, make_model(seed=2), tmp_path / "resumed", loaded_stage)
     resumed.load_shards(sliced_reader(full, world.world_size + 1))
@@ -594,7 +609,7 @@ def test_nvme_load_calls_read_as_often_on_every_rank_when_chunk_counts_differ(wo
     # 4 x 524 - 1): load_shards pads with empty reads
     S = -(-2095 // world.world_size)
     plain = ZeroDataParallel(odd_model(), world, stage=2, optimizer=adamw)
-    full = gather_shards(world, plain)
+    full = gathered_state(world, plain)
     zdp = nvme(world, odd_model(), tmp_path, 2, offload_chunk_bytes=max(1, S - 1) * 8)
     chunks = world.all_gather(np.array([zdp.store.num_chunks], np.int64))
     assert world.world_size == 1 or len(set(chunks.tolist())) == 2
