@@ -148,8 +148,11 @@ def grad_epilogue(grad, scale, cast=None):
 
 
 def _all_finite(xp, a):
-    """Exact: a finite sum proves every element finite (inf and NaN propagate into any sum); only
-    when the sum is not finite (a non-finite element, or an overflowing sum) check elementwise."""
+    """True when every element of the floating array `a` (numpy or cupy, any shape) is finite.
+
+    Exact: a finite sum proves every element finite (inf and NaN propagate into any sum); only
+    when the sum is not finite (a non-finite element, or an overflowing sum) check elementwise.
+    Returns a Python bool (on cupy: one device sync). Local."""
     if a.size == 0:
         return True
     with np.errstate(over="ignore", invalid="ignore"):  # an overflowing sum only means: look closer
@@ -160,6 +163,10 @@ def _all_finite(xp, a):
 
 
 def _cast_on_device(xp, grad, cast):
+    """grad (cupy floating array, any shape) rounded to `cast` ("float16" or "bfloat16", nearest
+    even, via float32) on the device. Returns (out, nonfinite): out of grad's shape, float16, or
+    uint16 bfloat16 bit patterns (NaN stays a quiet NaN); nonfinite a Python bool, True when any
+    rounded value is inf or NaN (a float16 overflow above 65504 included). Local."""
     value = grad.astype(xp.float32)
     if cast == "float16":
         out = value.astype(xp.float16)
@@ -172,6 +179,11 @@ def _cast_on_device(xp, grad, cast):
 
 
 def _grad_epilogue_gpu(cp, grad, scale, cast):
+    """grad_epilogue's fused kernel (kernels/grad_epilogue.cu): one pass that scales the
+    C-contiguous float32 cupy `grad` in place by float32(scale), writes the optional cast copy
+    (kind 1 float16, 2 bfloat16 bits as uint16) and raises a device flag on any non-finite
+    scaled or cast value. Returns (out, nonfinite): out is grad (cast None) or the cast array;
+    nonfinite a 0-d cupy bool array (no host sync). Local; on the current stream."""
     n = grad.size
     flag = cp.zeros((), cp.int32)
     kind = _CASTS[cast]

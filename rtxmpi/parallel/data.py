@@ -86,7 +86,11 @@ def weighted_micro_batches(x, y, micro_batches, global_batch, dp_size):
 
 
 class Bucket:
-    """Parameters [first, last] (inclusive, by index) and their flat-gradient slice [start, stop)."""
+    """Parameters [first, last] (inclusive, by index) and their flat-gradient slice [start, stop)
+    (element offsets into model.flat_grad). index: position in launch order. pending: parameters
+    of this bucket whose gradient is not final yet in the current backward (set to num_params
+    when the backward starts; the all_reduce launches at 0). work: the async all_reduce's Work
+    handle while it is in flight, else None."""
 
     __slots__ = ("index", "first", "last", "start", "stop", "pending", "work")
 
@@ -104,8 +108,10 @@ def build_buckets(params, bucket_bytes, itemsize):
     """Split parameters into contiguous buckets of about `bucket_bytes`, filled from the last index.
 
     params: sequence of objects with `.offset` and `.size` (elements), contiguous in index order.
-    Returns buckets in launch order (highest parameter indices first). A single parameter larger
-    than bucket_bytes gets a bucket of its own.
+    bucket_bytes: target bucket size in bytes (> 0); itemsize: bytes per gradient element.
+    Returns buckets in launch order (highest parameter indices first): a bucket closes once its
+    parameters reach bucket_bytes, so a single parameter larger than bucket_bytes gets a bucket of
+    its own. Local (pure): every rank computes the same buckets from the same parameters.
     """
     buckets, last, size = [], len(params) - 1, 0
     for i in range(len(params) - 1, -1, -1):
@@ -127,8 +133,14 @@ class DataParallel:
     group: the data-parallel ProcessGroup. bucket_bytes: target bucket size in bytes (25 MiB).
     Parameters are broadcast from group rank 0 when wrapped, so every replica starts identical.
 
-    Collective: every rank of `group` must construct it, and call backward/step the same number
-    of times in the same order. Raises ConfigError (bucket_bytes <= 0).
+    Attributes: buckets (list of Bucket, launch order, the same on every rank); nonfinite: None
+    until a synchronized backward on more than one rank, then a 0-d bool array (the model's
+    array module: numpy, or cupy without a device sync) that is True when an averaged gradient
+    holds inf or NaN; identical on every rank, so a branch on it is agreed (read it with
+    bool(); rtxmpi.kernels.grad_epilogue computes it).
+
+    Collective: every rank of `group` must construct it, and call forward/backward/step the same
+    number of times in the same order. Raises ConfigError (bucket_bytes <= 0).
     """
 
     def __init__(self, model, group, bucket_bytes=DEFAULT_BUCKET_BYTES, broadcast_params=True):
@@ -196,6 +208,16 @@ class DataParallel:
         self._synced = True
 
     def _grad_ready(self, i):
+        """The model's grad_ready callback during a synchronized backward: parameter index i's
+        gradient (model.flat_grad[p.offset:p.offset + p.size]) is final for this backward.
+
+        Called by model.backward exactly once per parameter, in roughly reverse index order.
+        When the last pending parameter of a bucket arrives, its sum all_reduce over the group
+        starts asynchronously (except for the last bucket to complete, which _finish reduces
+        blocking); every bucket in flight is polled (Work.test) so it progresses during
+        backward. Buckets launch in an order fixed by index on every rank, so the collectives
+        match. Collective (async all_reduce on the group); raises CollectiveTimeout through
+        the polled Work, CollectiveMismatch in checking mode."""
         self._ready_count += 1
         bucket = self.buckets[self._bucket_of[i]]
         bucket.pending -= 1
@@ -206,9 +228,15 @@ class DataParallel:
                 b.work.test()
 
     def _grad_view(self, bucket):
+        """The bucket's slice of model.flat_grad: a 1-D contiguous view, reduced in place."""
         return self.model.flat_grad[bucket.start:bucket.stop]
 
     def _finish(self):
+        """After backward: reduce the buckets not launched (blocking), wait for the others, then
+        the epilogue: flat_grad *= 1 / world_size (the average) and self.nonfinite (0-d bool
+        array of the model's array module, True when an averaged gradient is inf or NaN; the
+        same on every rank, as the gradients are). Collective on the group; raises
+        CollectiveTimeout when a rank does not join in time."""
         # buckets in launch order: the one completed last (no work yet) is reduced blocking
         for b in self.buckets:
             if b.work is None:

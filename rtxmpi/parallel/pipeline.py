@@ -167,6 +167,7 @@ class PipelineStage(_WholeSequence):
         self.tp, self.tp_rank = 1, 0
 
     def zero_grad(self):
+        """Set flat_grad (own range and the wte copy) to 0. Local."""
         self.flat_grad.fill(0)
 
     def defer_weight_grads(self):
@@ -188,7 +189,14 @@ class PipelineStage(_WholeSequence):
     def flush_weight_grads(self, unit_ready=None):
         """Run the deferred weight-gradient products in micro-batch order (the same sums, in
         the same order, as without deferral: bitwise the same gradients), then report the held
-        units to unit_ready (last unit first). Local."""
+        units to unit_ready (last unit first).
+
+        unit_ready: None, or callable(u) with u an int index into `units` (this stage's flat_grad
+        ranges); called once per held unit, after which that unit's gradient is final for the
+        step (the engine's dp bucket callback, PipelineParallel._start_buckets). Called on the
+        last stage only, once per step after its last op. Local (what unit_ready does may not
+        be: the engine's callback starts an async all_reduce on the dp group).
+        """
         for weight_grads in self._deferred:
             weight_grads()
         self._deferred.clear()
@@ -232,6 +240,12 @@ class PipelineStage(_WholeSequence):
         return out
 
     def forward(self, inp, targets=None, chunk=0):
+        """Forward of this stage for one micro-batch (B = micro-batch rows, T positions, C =
+        n_embd). inp: (B, T) integer token ids on the first stage, else the (B, T, C) activation
+        received from the previous stage (the model dtype). targets: (B, T) ids, used on the
+        last stage only. chunk: ignored (one chunk). Returns (out, cache): out is the (B, T, C)
+        activation for the next stage, or on the last stage the micro-batch's mean cross-entropy
+        in nats (Python float); cache is for `backward`. Local: no communication."""
         caches = {}
         if self.is_first:
             x, caches["emb"] = layers.embedding_forward(inp, self.params[0].data, self.params[1].data)
@@ -250,6 +264,16 @@ class PipelineStage(_WholeSequence):
         return float(loss), caches
 
     def backward(self, cache, dout=None, scale=1.0, unit_ready=None, chunk=0):
+        """Backward of one micro-batch: ADDS the parameter gradients into flat_grad.
+
+        cache: from `forward`. dout: (B, T, C) d loss / d out received from the next
+        stage (None on the last stage, which starts from its loss). scale: the loss weight
+        (1 / micro_batches in the engine). unit_ready: None, or callable(u) called once per unit
+        u (index into `units`) as soon as that unit's gradient for this backward is final, last
+        unit first, except the units held for flush_weight_grads (deferred weight gradients);
+        the engine passes its dp bucket callback only to the step's last backward of the stage.
+        chunk: ignored. Returns d loss / d inp, (B, T, C), or None on the first stage. Local (the
+        callback may start collectives: PipelineParallel._start_buckets)."""
         ready = _Countdown(len(self.units), unit_ready, hold=self.held_units)
         defer = self._deferred if self.defer_w else None
         if self.is_last:
@@ -290,7 +314,11 @@ class _Span:
 
 class _Countdown:
     """Reports a stage's units as final, last unit first (the order backward finishes them),
-    except the units in `hold` (deferred weight gradients: reported by flush_weight_grads)."""
+    except the units in `hold` (deferred weight gradients: reported by flush_weight_grads).
+
+    n_units: len(stage.units); unit_ready: None (nothing reported) or callable(u), u an int index
+    into stage.units; hold: unit indices not to report. Each call marks the next unit (counting
+    down from n_units - 1) final. Local."""
 
     def __init__(self, n_units, unit_ready, hold=()):
         self.next, self.unit_ready, self.hold = n_units - 1, unit_ready, hold
@@ -372,6 +400,11 @@ class TensorParallelStage(PipelineStage):
 
     # the model's passes in pieces (ParallelGPT.embed_forward, block_forward, head_forward, ...)
     def forward(self, inp, targets=None, chunk=0):
+        """As PipelineStage.forward, on this tp/sp rank's part: inp is this rank's (B, Ts) ids
+        on the first stage (Ts = T / sp, local_tokens), else the activation_shape(B, T) array
+        from the previous stage; targets (B, Ts) on the last stage. Returns (activation_shape
+        array or the loss over this rank's positions, cache). Collective on the tp group (and sp
+        with Ulysses): every tp rank of the stage calls it in the same order."""
         m = self.model
         caches = {}
         if self.is_first:
@@ -388,6 +421,10 @@ class TensorParallelStage(PipelineStage):
         return loss, caches
 
     def backward(self, cache, dout=None, scale=1.0, unit_ready=None, chunk=0):
+        """As PipelineStage.backward, on this tp rank's shards: dout and the returned gradient
+        are activation_shape(B, T) arrays; unit_ready(u) is called once per unit, last first (no
+        deferred units here). Collective on the tp group (and sp with Ulysses): every tp rank of
+        the stage calls it in the same order."""
         m, ready = self.model, _Countdown(len(self.units), unit_ready)
         if self.is_last:
             dx = m.head_backward(cache["head"], scale)
@@ -489,26 +526,37 @@ class ChunkedStage(_WholeSequence):
         self._unit_base = [sum(len(c.units) for c in self.chunks[:v]) for v in range(V)]
 
     def zero_grad(self):
+        """Set flat_grad (every chunk, and the wte copy) to 0. Local."""
         self.flat_grad.fill(0)
 
     def chunk_is_first(self, chunk):
+        """Whether chunk `chunk` (int in [0, V)) is virtual stage 0 (reads token ids). Local."""
         return self.chunks[chunk].is_first
 
     def chunk_is_last(self, chunk):
+        """Whether chunk `chunk` (int in [0, V)) is the last virtual stage (computes the loss).
+        Local."""
         return self.chunks[chunk].is_last
 
     def grad_norm_sq(self):
-        """Squared L2 norm of the rank's own gradient (every chunk; the wte copy not counted)."""
+        """Squared L2 norm (Python float, accumulated in float64) of the rank's own gradient
+        (every chunk; the wte copy not counted). Local: the engine sums it over pp."""
         return grad_norm_sq(self.flat_grad[:self.own_size])
 
     def own_pieces(self, local_own):
-        """[(full_start, values)] per chunk: its range of the one-process flat layout."""
+        """[(full_start, values)] per chunk, in chunk order: local_own is a 1-D (own_size,)
+        vector in this rank's layout (flat_data[:own_size], or an optimizer moment); values is
+        chunk v's slice of it (a view), full_start where it begins in the one-process GPT flat
+        layout (rtxmpi.nn.gpt.param_layout). Local."""
         return [(ch.flat_start, local_own[base:base + ch.own_size])
                 for ch, base in zip(self.chunks, self.segments)]
 
     def load_from(self, read, name):
-        """The rank's whole vector (every chunk's range, then the wte copy) from the one-process
-        flat vector `name`: V + 1 read calls on every rank (the last of length 0 without a copy)."""
+        """The rank's whole vector, (num_params,) in the model dtype: every chunk's range, then
+        the wte copy, from the one-process flat vector `name` through read(name, offset, length)
+        (a checkpoint reader): V + 1 read calls on every rank (the last of length 0 without a
+        copy), as a collective reader needs. Raises a typed error naming the call when read
+        returns another shape, and what read raises (CheckpointError)."""
         out = self.xp.empty(self.num_params, dtype=self.dtype)
         for ch, base in zip(self.chunks, self.segments):
             out[base:base + ch.own_size] = self.xp.asarray(
@@ -518,9 +566,17 @@ class ChunkedStage(_WholeSequence):
         return out
 
     def forward(self, inp, targets=None, chunk=0):
+        """Forward of chunk `chunk` (int in [0, V)) for one micro-batch: PipelineStage.forward
+        of that chunk (inp (B, T) ids on virtual stage 0, else (B, T, C) activations; returns
+        (out, cache), out the loss on the last virtual stage). Local."""
         return self.chunks[chunk].forward(inp, targets)
 
     def backward(self, cache, dout=None, scale=1.0, unit_ready=None, chunk=0):
+        """Backward of chunk `chunk`: PipelineStage.backward of that chunk, adding into its
+        segment of flat_grad. unit_ready(u), if given, receives u as an index into this rank's
+        `units` (the chunk's own unit index plus the units of the chunks before it), once per
+        unit of the chunk, last first. Returns (B, T, C) d loss / d inp, or None on virtual
+        stage 0. Local (the callback may start the dp all_reduce)."""
         base = self._unit_base[chunk]
         ready = None if unit_ready is None else (lambda u: unit_ready(base + u))
         return self.chunks[chunk].backward(cache, dout=dout, scale=scale, unit_ready=ready)
@@ -717,7 +773,16 @@ class PipelineParallel:
         return self.dp_group is not None and self.dp_group.world_size > 1
 
     def _start_buckets(self):
-        """Arm the buckets for the stage's last backward; returns the unit_ready callback."""
+        """Arm the dp buckets for the stage's last backward of the step; returns the unit_ready
+        callback the stage's backward (and flush_weight_grads) calls.
+
+        unit_ready(u): u an int index into stage.units; called once per unit per step, when that
+        unit's gradient (all micro-batches accumulated) is final. When the last unit of a bucket
+        arrives, that bucket's averaging all_reduce over dp_group starts (async_op; awaited in
+        _finish_dp), and every bucket in flight is polled (test) so it progresses. Every dp
+        replica launches the buckets in the same order (fixed by unit index), so the
+        collectives match. Raises RuntimeError when a unit is reported again after its bucket
+        was launched (a stage bug: it would reduce a partial gradient)."""
         pending = {b.index: b.num_params for b in self.buckets}
         bucket_of = {u: b for b in self.buckets for u in range(b.first, b.last + 1)}
         grad, dp = self.stage.flat_grad, self.dp_group
@@ -739,7 +804,9 @@ class PipelineParallel:
         return unit_ready
 
     def _finish_dp(self):
-        """Wait for every bucket's all_reduce (launch those not started: overlap_dp off)."""
+        """Wait for every bucket's all_reduce (launch those not started: overlap_dp off); after
+        it, flat_grad holds the dp average. Collective on dp_group (no-op without dp > 1);
+        raises CollectiveTimeout when a replica does not join in time."""
         if not self._dp_active():
             return
         grad = self.stage.flat_grad

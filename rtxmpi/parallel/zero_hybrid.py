@@ -105,6 +105,11 @@ class ZeroHybridParallel:
 
     @property
     def nonfinite(self):
+        """ZeroDataParallel.nonfinite of the ZeRO group (mesh.loss_group), stages 2 and 3: None
+        before the first synchronized backward, then a 0-d bool array (the model's array
+        module), True when THIS rank's averaged gradient shard holds inf or NaN. Always None at
+        stage 1. Shards differ, so agree on it over the mesh (rtxmpi.control.agree) before
+        branching; the training loop uses the global grad_norm instead. Local."""
         return self.zero.nonfinite
 
     def __repr__(self):
