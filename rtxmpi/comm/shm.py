@@ -105,6 +105,9 @@ except ImportError:
 DEFAULT_MIN_BYTES = 2 << 20
 NUMPY_SMALL_BYTES = 32 << 10  # the numpy mailbox's largest message (its Python costs grow with it)
 DEFAULT_SMALL_BYTES = (1 << 20) if _mailbox is not None else NUMPY_SMALL_BYTES
+# every rank of the mailbox reads every rank's slot: local_size x the message per rank and call,
+# so the largest message shrinks as 1 / local_size (at 2 ranks, the default above)
+MAILBOX_READ_BYTES = 2 << 20
 DEFAULT_CHUNK_BYTES = 256 << 10
 MIN_CHUNK_BYTES = 4 << 10
 BUFFERS = 3  # triple buffering: one barrier per chunk (see the module docstring)
@@ -358,6 +361,18 @@ def _arena_dir():
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
+def _reserve(fd, total):
+    """Size the file `fd` to `total` bytes with its pages reserved: on tmpfs a /dev/shm too small
+    for it fails here (OSError ENOSPC, then no shared-memory path) rather than with SIGBUS at the
+    first touch of a page. File systems without fallocate get a plain ftruncate."""
+    try:
+        os.posix_fallocate(fd, 0, total)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, total)
+
+
 def _map_arena(node, comm, total):
     """Collective over `comm`: a shared mapping of `total` bytes common to the local ranks of
     `node` (a /dev/shm file, unlinked once every local rank has mapped it), or None on every rank
@@ -367,10 +382,12 @@ def _map_arena(node, comm, total):
         try:
             fd, path = tempfile.mkstemp(prefix="rtxmpi-shm-", dir=_arena_dir())
             try:
-                os.ftruncate(fd, total)
+                _reserve(fd, total)
             finally:
                 os.close(fd)
         except OSError:
+            if path is not None:
+                os.unlink(path)
             ok, path = False, None
     path = node.bcast(path, root=0)
     if path is not None:
@@ -501,6 +518,7 @@ class NodeAllReduce:
         compiled = comm.allreduce(ordered and _mailbox is not None, op=MPI.LAND)
         small = max(0, config.small_bytes - config.small_bytes % 8) if ordered else 0
         small = comm.allreduce(small if compiled else min(small, NUMPY_SMALL_BYTES), op=MPI.MIN)
+        small = min(small, MAILBOX_READ_BYTES // local_size // 8 * 8)
         box = _map_arena(node, comm, local_size * (FLAG_BYTES + 2 * small)) if ordered else None
         if box is not None:
             np.frombuffer(box, np.uint8).fill(0)  # every rank touches it all: flags start at 0

@@ -73,6 +73,11 @@ def mailbox_possible(local_size, compiled=shm._mailbox is not None):
             and local_size <= os.cpu_count() and sys.platform.startswith("linux"))
 
 
+def mailbox_bytes(local_size, configured):
+    """The mailbox size a node of `local_size` ranks gets for `configured` bytes."""
+    return min(configured, shm.MAILBOX_READ_BYTES // local_size // 8 * 8)
+
+
 def expected_engine(group, layout):
     """(local_size, nodes, mode, mailbox bytes) the engine must have, or None where MPI's path
     is used."""
@@ -82,7 +87,7 @@ def expected_engine(group, layout):
     compiled = layout == "node-mailbox" and shm._mailbox is not None
     mailbox = layout.startswith("node-mailbox") and mailbox_possible(n, compiled)
     if layout.startswith("node"):
-        size = (1 << 20) if compiled else shm.NUMPY_SMALL_BYTES
+        size = mailbox_bytes(n, (1 << 20) if compiled else shm.NUMPY_SMALL_BYTES)
         return None if n == 1 else (n, 1, mode, size if mailbox else -1)
     return None if n == 1 or n % 2 else (2, n // 2, mode, -1)
 
@@ -325,7 +330,8 @@ def test_default_sizes_choose_mailbox_mpi_and_cross_memory_paths(world):
         assert engine is None
         return
     mailbox = mailbox_possible(group.world_size)
-    assert (engine.small_bytes, engine.mode) == (shm.DEFAULT_SMALL_BYTES if mailbox else -1, "cma")
+    box = mailbox_bytes(group.world_size, shm.DEFAULT_SMALL_BYTES)
+    assert (engine.small_bytes, engine.mode) == (box if mailbox else -1, "cma")
     taken = []
     for name in ("small_all_reduce", "all_reduce"):
         real = getattr(engine, name)

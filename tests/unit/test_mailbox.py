@@ -118,3 +118,22 @@ def test_spin_gives_up_after_its_time():
     assert a.all_reduce(np.ones(4, np.float32), MPI.SUM, 2_000_000) == 1  # 2 ms, no peer
     assert 0.002 <= time.perf_counter() - t0 < 1.0
     a.close()
+
+
+def test_a_full_dev_shm_gives_no_mapping_and_leaves_no_file(monkeypatch, tmp_path):
+    # tmpfs allocates pages at first touch: without the reservation, a /dev/shm too small for the
+    # mailbox would kill the rank with SIGBUS inside the first all_reduce
+    import errno
+    import os
+
+    monkeypatch.setattr(shm, "_arena_dir", lambda: str(tmp_path))
+    mapping = shm._map_arena(MPI.COMM_SELF, MPI.COMM_SELF, 1 << 16)
+    assert len(mapping) == 1 << 16 and os.listdir(tmp_path) == []  # unlinked once mapped
+    mapping.close()
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", full)
+    assert shm._map_arena(MPI.COMM_SELF, MPI.COMM_SELF, 1 << 16) is None
+    assert os.listdir(tmp_path) == []
