@@ -828,7 +828,8 @@ class PipelineParallel:
 
     def forward(self, x, y):
         """Evaluation: (mean loss over this dp replica's batch x, y, None), forward only, the same
-        on every stage; x, y as for train_step. Collective over pp_group."""
+        on every stage; x, y as for train_step. Collective over pp_group, and its batch check
+        (as train_step's) over every rank of the step: every pipeline of the mesh calls it."""
         b, T = self._check_batch(x, y)
         self._run(x, y, b, T, backward=False)
         return self._pipeline_loss(), None
