@@ -52,6 +52,7 @@ from .data import DEFAULT_BUCKET_BYTES, build_buckets
 from .hybrid import ParallelGPT
 from .pipeline_zero import STAGES as ZERO_STAGES
 from .pipeline_zero import StageZero
+from .zero import read_range
 from .schedule import build_schedule, partition
 
 _ACT, _GRAD = 0, 1  # message kinds; tag = 2 * micro_batch + kind
@@ -235,8 +236,8 @@ class PipelineStage(_WholeSequence):
         copy = self.num_params - self.own_size
         out = self.xp.empty(self.num_params, dtype=self.dtype)
         out[:self.own_size] = self.xp.asarray(
-            _read(read, name, self.flat_start, self.own_size), dtype=self.dtype)
-        out[self.own_size:] = self.xp.asarray(_read(read, name, 0, copy), dtype=self.dtype)
+            read_range(read, name, self.flat_start, self.own_size), dtype=self.dtype)
+        out[self.own_size:] = self.xp.asarray(read_range(read, name, 0, copy), dtype=self.dtype)
         return out
 
     def forward(self, inp, targets=None, chunk=0):
@@ -334,14 +335,6 @@ class _Countdown:
         if stage.tied_copy:
             self()
         self()
-
-
-def _read(read, name, offset, length):
-    values = read(name, offset, length)
-    if getattr(values, "shape", None) != (length,):
-        raise ConfigError(f"read({name!r}, {offset}, {length}) returned shape "
-                          f"{getattr(values, 'shape', None)}, expected ({length},)")
-    return values
 
 
 class TensorParallelStage(PipelineStage):
@@ -466,9 +459,9 @@ class TensorParallelStage(PipelineStage):
         n_full = self.full_specs[-1].stop
         full = self.xp.zeros(n_full, dtype=self.dtype)
         full[self.full_start:self.full_stop] = self.xp.asarray(
-            _read(read, name, self.full_start, self.full_stop - self.full_start), dtype=self.dtype)
+            read_range(read, name, self.full_start, self.full_stop - self.full_start), dtype=self.dtype)
         wte = self.full_specs[0].size if self.tied_copy else 0  # two reads on every rank
-        full[:wte] = self.xp.asarray(_read(read, name, 0, wte), dtype=self.dtype)
+        full[:wte] = self.xp.asarray(read_range(read, name, 0, wte), dtype=self.dtype)
         local = self.model.local_from_full(full)
         out = self.xp.empty(self.num_params, dtype=self.dtype)
         out[:self.own_size] = local[self.flat_start:self.flat_stop]
@@ -560,9 +553,9 @@ class ChunkedStage(_WholeSequence):
         out = self.xp.empty(self.num_params, dtype=self.dtype)
         for ch, base in zip(self.chunks, self.segments):
             out[base:base + ch.own_size] = self.xp.asarray(
-                _read(read, name, ch.flat_start, ch.own_size), dtype=self.dtype)
+                read_range(read, name, ch.flat_start, ch.own_size), dtype=self.dtype)
         copy = self.num_params - self.own_size
-        out[self.own_size:] = self.xp.asarray(_read(read, name, 0, copy), dtype=self.dtype)
+        out[self.own_size:] = self.xp.asarray(read_range(read, name, 0, copy), dtype=self.dtype)
         return out
 
     def forward(self, inp, targets=None, chunk=0):
@@ -980,9 +973,9 @@ class PipelineParallel:
         length) -> 1-D array of the one-process flat vector's elements (rtxmpi.checkpoint's
         Checkpoint.read). Reads the stage's range and wte for the copy, with the same number of
         read calls (7) on every rank, so a collective reader works. Collective when `read` is;
-        drops accumulated gradients. Raises ConfigError when read returns the wrong length."""
+        drops accumulated gradients. Raises CheckpointError when read returns the wrong length."""
         st = self.stage
-        state = {"step": int(_read(read, "adam.step", 0, 1)[0]),
+        state = {"step": int(read_range(read, "adam.step", 0, 1)[0]),
                  "m": st.load_from(read, "adam.m"), "v": st.load_from(read, "adam.v")}
         st.flat_data[...] = st.load_from(read, "params")
         if self.zero:

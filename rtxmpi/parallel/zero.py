@@ -96,6 +96,20 @@ def gather_shards(group, shard, numel, send=None):
     return group.all_gather(shard)[:numel]
 
 
+def read_range(read, name, offset, length):
+    """read(name, offset, length), checked: elements [offset, offset + length) of the global 1-D
+    vector `name` from a checkpoint reader (rtxmpi.checkpoint's Checkpoint.read, or any callable
+    with its contract). Returns what read returns, a (length,) array. Raises CheckpointError
+    naming the call when it returns another shape (or something that is not an array). Local
+    (the reader itself may be collective)."""
+    values = read(name, offset, length)
+    if getattr(values, "shape", None) != (length,):
+        raise CheckpointError(f"read({name!r}, {offset}, {length}) returned shape "
+                              f"{getattr(values, 'shape', type(values).__name__)}, "
+                              f"expected ({length},)")
+    return values
+
+
 class ColumnBucket:
     """Columns [col_start, col_stop) of the padded (W, S) gradient matrix, reduced together.
 
@@ -773,12 +787,7 @@ class ZeroDataParallel:
         n = self.stop - self.start
 
         def fetch(name, offset, length):
-            values = read(name, offset, length)
-            if getattr(values, "shape", None) != (length,):
-                raise CheckpointError(f"read({name!r}, {offset}, {length}) returned shape "
-                                      f"{getattr(values, 'shape', type(values).__name__)}, "
-                                      f"expected ({length},)")
-            return values
+            return read_range(read, name, offset, length)
 
         if self.store is not None:  # chunk by chunk into the files and the model's shard
             self._load_nvme(fetch, int(fetch("adam.step", 0, 1)[0]))

@@ -34,12 +34,12 @@ import os
 
 import numpy as np
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import ConfigError
 from ..nn import grad_norm_sq
 from . import tensor as tpl
 from .data import DEFAULT_BUCKET_BYTES
 from .offload import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_CHUNKS
-from .zero import ZeroDataParallel, _default_optimizer, shard_range, shard_size
+from .zero import ZeroDataParallel, _default_optimizer, read_range, shard_range, shard_size
 
 STATE_TENSORS = ("params", "adam.m", "adam.v")
 
@@ -248,11 +248,7 @@ class ZeroHybridParallel:
         full_specs = self.model.full_specs
         f0 = full_specs[touched[0]].offset if touched else 0
         f1 = full_specs[touched[-1]].stop if touched else 0
-        values = read(name, f0, f1 - f0)
-        if getattr(values, "shape", None) != (f1 - f0,):
-            raise CheckpointError(f"read({name!r}, {f0}, {f1 - f0}) returned shape "
-                                  f"{getattr(values, 'shape', type(values).__name__)}, "
-                                  f"expected ({f1 - f0},)")
+        values = read_range(read, name, f0, f1 - f0)
         out = np.empty(length, values.dtype)
         for i in touched:
             p, spec = self.model.params[i], full_specs[i]

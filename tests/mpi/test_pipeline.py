@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import GLOBAL_BATCH, T, global_batch
 
-from rtxmpi.errors import ConfigError
+from rtxmpi.errors import CheckpointError, ConfigError
 from rtxmpi.mesh import DeviceMesh
 from rtxmpi.nn import GPT, AdamW, GPTConfig, clip_grad_norm, decay_mask
 from rtxmpi.parallel import tensor as tpl
@@ -183,6 +183,8 @@ def test_checkpoint_pieces_cover_every_tensor_once_and_load_back(world, which):
     assert engine.optimizer.step_count == 5
     start, m = engine.stage.own_full(engine.optimizer.m[:engine.stage.own_size])
     np.testing.assert_array_equal(m, moments[start:start + m.shape[0]])
+    with pytest.raises(CheckpointError, match=r"returned shape \(2,\), expected \(1,\)"):
+        engine.load_shards(lambda name, offset, length: np.zeros(length + 1))
 
 
 # -- impossible settings: ConfigError (a ValueError) on every rank, nothing sent -------------------
