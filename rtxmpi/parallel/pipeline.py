@@ -53,7 +53,7 @@ from .hybrid import ParallelGPT
 from .pipeline_zero import STAGES as ZERO_STAGES
 from .pipeline_zero import StageZero
 from .zero import read_range
-from .schedule import build_schedule, partition
+from .schedule import build_schedule, partition, receiving_chunk
 
 _ACT, _GRAD = 0, 1  # message kinds; tag = 2 * micro_batch + kind
 
@@ -875,7 +875,7 @@ class PipelineParallel:
                     if dinp is not None:
                         outputs[key] = dinp
                 elif kind.startswith("send_"):  # tag: micro-batch and the receiving chunk
-                    to = (v * p + st.stage + (1 if kind == "send_act" else -1)) // p
+                    to = receiving_chunk(kind, v, st.stage, p)
                     tag = 2 * (i * V + to) + (_ACT if kind == "send_act" else _GRAD)
                     sends.append(pp.send(outputs.pop(key), op.peer, tag, async_op=True))
                 else:  # a receive: blocks until the peer's send arrived (CollectiveTimeout)

@@ -47,6 +47,15 @@ chunk: the model chunk (virtual stage chunk * stages + stage) it runs on, 0 unle
 KINDS = ("F", "B", "send_act", "recv_act", "send_grad", "recv_grad")
 
 
+def receiving_chunk(kind, chunk, stage, stages):
+    """The model chunk that receives what a send op carries: chunk `chunk` of stage `stage` (of
+    `stages`) is virtual stage c = chunk * stages + stage; a "send_act" goes to virtual stage
+    c + 1, a "send_grad" to c - 1, which is chunk (c +- 1) // stages of rank (c +- 1) % stages
+    (the op's peer). With one chunk per stage it is 0. The executor tags messages with it and
+    check_schedule / replay match sends to receives by it. Pure."""
+    return (chunk * stages + stage + (1 if kind == "send_act" else -1)) // stages
+
+
 # ------------------------------------------------------------------------------------- partition
 def partition(costs, stages, split=None):
     """Split layers into `stages` contiguous, non-empty groups.
@@ -249,8 +258,8 @@ def replay(lists, cost):
                         break
                     clock[s] = max(clock[s], sent[key])
                 elif op.kind.startswith("send_"):
-                    c = op.chunk * p + s + (1 if op.kind == "send_act" else -1)
-                    sent[(s, op.peer, op.kind[5:], op.micro_batch, c // p)] = clock[s]
+                    to_chunk = receiving_chunk(op.kind, op.chunk, s, p)
+                    sent[(s, op.peer, op.kind[5:], op.micro_batch, to_chunk)] = clock[s]
                 else:
                     clock[s] += cost[s][op.kind]
                     busy[s] += cost[s][op.kind]
@@ -327,7 +336,7 @@ def check_schedule(lists, micro_batches, chunks=1):
                     producer = "F" if what == "act" else "B"
                     if i not in state[producer]:
                         raise ConfigError(f"stage {s}: {op} before {producer}({name}) produced it")
-                    to_chunk = (c + (1 if what == "act" else -1)) // p
+                    to_chunk = receiving_chunk(kind, v, s, p)
                     channels.setdefault((s, op.peer, what, to_chunk), deque()).append(
                         op.micro_batch)
                 elif kind == "F":

@@ -5,7 +5,7 @@ from rtxmpi.errors import ConfigError
 from rtxmpi.nn import GPTConfig
 from rtxmpi.parallel.pipeline import stage_costs, stage_layout
 from rtxmpi.parallel.schedule import (Op, build_schedule, check_schedule, gpipe, one_f_one_b,
-                                      partition, replay)
+                                      partition, receiving_chunk, replay)
 
 SIZES = [(1, 1), (4, 1), (1, 2), (4, 2), (8, 4), (3, 3), (16, 4), (5, 3)]
 
@@ -168,3 +168,18 @@ def test_check_schedule_catches_a_wrong_virtual_stage_peer():
     lists[1][k] = lists[1][k]._replace(peer=1)  # chunk 0 of stage 1 feeds stage 0's chunk 1
     with pytest.raises(ConfigError, match="must have peer 0"):
         check_schedule(lists, 2, 2)
+
+
+@pytest.mark.parametrize("stages,chunks", [(2, 2), (4, 2), (2, 3)])
+def test_receiving_chunk_is_the_chunk_of_the_matching_receive(stages, chunks):
+    """Every send of an interleaved schedule is received by its peer on the chunk
+    receiving_chunk names (rank p - 1's chunk v feeds rank 0's chunk v + 1, and back)."""
+    lists = build_schedule("interleaved", 2 * stages, stages, chunks)
+    recvs = {(s, op.kind[5:], op.micro_batch, op.chunk) for s, ops in enumerate(lists)
+             for op in ops if op.kind.startswith("recv_")}
+    sends = [(s, op) for s, ops in enumerate(lists) for op in ops if op.kind.startswith("send_")]
+    assert sends and all((op.peer, op.kind[5:], op.micro_batch,
+                          receiving_chunk(op.kind, op.chunk, s, stages)) in recvs for s, op in sends)
+    assert receiving_chunk("send_act", 0, stages - 1, stages) == 1
+    assert receiving_chunk("send_grad", 1, 0, stages) == 0
+    assert receiving_chunk("send_act", 0, 0, stages) == 0
