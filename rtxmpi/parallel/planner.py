@@ -570,7 +570,9 @@ def memory_breakdown(cfg, layout, global_batch, device="cpu"):
     P = the stage's parameters / tp:
       stage 0    params 4P, grads 4P, AdamW 16P (m, v, decay mask, scratch)
       stage 1-2  params 4P, grads 4P (backward writes the full buffer), AdamW 16P / W; at the
-                 step the all_gather result, 4P, is transient
+                 step the all_gather result, 4P, is transient; when W does not divide P, shards
+                 are ceil(P / W) and a short one keeps a send buffer (zero.zero_state_bytes,
+                 the runtime's own accounting, gives params, grads and AdamW at every stage)
       stage 3    params, grads and AdamW / W; transient while forward / backward run: two gathered
                  units (the one in use and the prefetched one) and two unit gradient buffers
       offload "cpu": a master copy of the shard (4P / W) and a host copy of its gradient
@@ -586,6 +588,7 @@ def memory_breakdown(cfg, layout, global_batch, device="cpu"):
     total = params + grads + optimizer + max(activations + transient during backward, the
     step's transient)."""
     from .offload import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_CHUNKS
+    from .zero import zero_state_bytes
 
     L = layout
     stage_params, stage_blocks = _stage_params(cfg, L.pp)
@@ -595,20 +598,20 @@ def memory_breakdown(cfg, layout, global_batch, device="cpu"):
     for s in range(L.pp):
         P = stage_params[s] / L.tp
         shard = P / W if z else P
-        params, grads = 4 * P, 4 * P
-        optimizer = 16 * shard
+        biggest = max(_units(cfg, s, L.pp, stage_blocks[s])) / L.tp
+        # params, grads and AdamW as the runtime counts them (ZeroDataParallel.memory_bytes);
+        # cpu offload's host copies only where they share the device's memory
+        state = zero_state_bytes(math.ceil(P), W, z, itemsize=4,
+                                 offload="cpu" if L.offload == "cpu" and host and z else None,
+                                 unit_numel=math.ceil(biggest))
+        params, grads, optimizer = state["params"], state["grads"], state["optimizer"]
         transient_fb = transient_step = 0.0
         if z in (1, 2):
             transient_step = 4 * P
-        if z == 3:
-            params, grads = 4 * shard, 4 * shard
-            biggest = max(_units(cfg, s, L.pp, stage_blocks[s])) / L.tp
-            transient_fb = 2 * 4 * biggest + 2 * 4 * biggest
-        if L.offload == "cpu":
-            if host:
-                params, grads = params + 4 * shard, grads + 4 * shard
-            else:
-                optimizer = 0.0
+        if z == 3:  # the gathered units, and as many unit gradient buffers
+            transient_fb = state["transient"] + 2 * 4 * biggest
+        if L.offload == "cpu" and not host:
+            optimizer = 0.0
         elif L.offload == "nvme":
             chunk = DEFAULT_CHUNK_BYTES / 4
             chunks = max(1, math.ceil(shard / chunk))

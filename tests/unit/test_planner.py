@@ -13,6 +13,7 @@ from rtxmpi.parallel.planner import (Layout, check_layout, default_supported,
                                      enumerate_layouts, estimate, factorizations, make_plan,
                                      memory_breakdown, model_factor, parse_bytes,
                                      simulate_pipeline, TIE_BAND)
+from rtxmpi.parallel.zero import zero_state_bytes
 
 TARGETS = [(4, 1, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (1, 2, 2, 1), (1, 1, 4, 1), (1, 1, 1, 4),
            (2, 1, 1, 2)]
@@ -395,6 +396,19 @@ def test_memory_model_matches_zero_memory_bytes_table():
     assert tp2["params"] == pytest.approx(4 * 842496 / 2 / 2, rel=0.01)
     stages = memory_breakdown(CFG, Layout(2, 1, 2, 1, 2, 1, "1f1b"), 32)
     assert len(stages) == 2 and all(s["optimizer"] < 16 * 842496 / 2 for s in stages)
+
+
+def test_memory_model_uses_the_runtime_accounting_for_uneven_shards():
+    """params, grads and AdamW are zero_state_bytes' (what ZeroDataParallel.memory_bytes
+    reports): W = 5 does not divide GPT small's 842496 parameters, so shards are rounded up and
+    stages 1 and 2 keep an all_gather send buffer on the short rank."""
+    for z in (0, 1, 2, 3):
+        got = memory_breakdown(CFG, Layout(5, 1, 1, 1, 1, z), 40)[0]
+        want = zero_state_bytes(842496, 5, z)
+        assert {k: got[k] for k in ("params", "grads", "optimizer")} == {
+            k: want[k] for k in ("params", "grads", "optimizer")}, z
+    assert memory_breakdown(CFG, Layout(5, 1, 1, 1, 1, 1), 40)[0]["params"] == 4 * (
+        842496 + 168500)
 
 
 def test_zero_communication_per_stage():
