@@ -467,7 +467,7 @@ class NodeAllReduce:
         # 0). Flag line (int64): [0] mailbox call, [1] cross-memory arrival call, [2] this call's
         # array address, [3] cross-memory done call.
         self.small_bytes = small_bytes if box is not None and small_bytes > 0 else -1
-        self._lines = self._cbox = None
+        self._lines = self.mailbox = None
         if box is not None:
             region = FLAG_BYTES + 2 * small_bytes
             raw = np.frombuffer(box, np.uint8)
@@ -480,7 +480,7 @@ class NodeAllReduce:
             self._box_slots = [[boxes[k] for boxes in self._boxes] for k in (0, 1)]
             self._box_calls = 0
             self._box_views = {}  # (dtype, count, parity) -> [typed view of each rank's slot]
-            self._cbox = (_mailbox.Mailbox(box, self.local_size, self.local_rank, small_bytes,
+            self.mailbox = (_mailbox.Mailbox(box, self.local_size, self.local_rank, small_bytes,
                                            tuple(op for op, _ in _UFUNCS)) if compiled else None)
         if peers is not None:
             self._reader, self._pids = peers
@@ -619,12 +619,10 @@ class NodeAllReduce:
         (a rank can be at most one call ahead of a peer, whose slot of the previous call it then
         no longer reads). Same contract as all_reduce; the caller checks
         `x.nbytes <= small_bytes` and supports() (both the same on every rank)."""
-        cbox = self._cbox
-        if cbox is not None:  # compiled: post, spin and reduce in one call (_mailbox.c)
-            call = cbox.all_reduce(x, mpi_op, SPIN_NS)
-            if call:  # a peer is late: the caller's wait, then the reduction
-                wait(self._watched(lambda: cbox.arrived(call)))
-                cbox.finish(x, mpi_op, call)
+        if self.mailbox is not None:  # compiled: post, spin and reduce in one call (_mailbox.c)
+            call = self.mailbox.all_reduce(x, mpi_op, SPIN_NS)
+            if call:
+                self.small_finish(x, mpi_op, call, wait)
             return True
         self._box_calls += 1
         call, flags, me = self._box_calls, self._flags, self.local_rank
@@ -655,6 +653,14 @@ class NodeAllReduce:
         for view in views[2:]:
             ufunc(x, view, out=x)
         return True
+
+    def small_finish(self, x, mpi_op, call, wait):
+        """The compiled mailbox's late-peer path: `mailbox.all_reduce(x, mpi_op, SPIN_NS)` returned
+        `call` (a peer had not posted it within the spin): wait(poll) until every local rank has
+        (the caller's deadline; a dead local peer raises RankFailure), then reduce into x."""
+        mailbox = self.mailbox
+        wait(self._watched(lambda: mailbox.arrived(call)))
+        mailbox.finish(x, mpi_op, call)
 
     def supports(self, x, mpi_op):
         """Whether all_reduce(x, mpi_op) runs here: a contiguous 1-D numpy array and an MPI op
@@ -843,8 +849,8 @@ class NodeAllReduce:
         self._arena = None
         self._boxes = self._flags = self._lines = None  # views of the mailbox: dropped first,
         self._box_slots, self._box_views = None, {}     # or its mapping cannot close
-        if self._cbox is not None:
-            self._cbox.close()
+        if self.mailbox is not None:
+            self.mailbox.close()
         try:
             if self._box_mm is not None:
                 self._box_mm.close()
