@@ -10,14 +10,18 @@ its arrival check:
 Mailbox (small all_reduce, one node; `small_bytes`): one synchronization. A shared mapping
 (`/dev/shm`) holds per local rank a flag (its own cache line) and two slots. Every rank copies its
 array into its slot of the call's parity and raises its flag to the call number; once every flag
-has reached it (polled: a few microseconds of spinning, then sched_yield between polls, so
-oversubscribed ranks give the core to the peer they wait for), every rank reduces all slots in
-local-rank order into its array: every rank computes bitwise the same result with no second
-synchronization. Slots alternate between calls, so a rank one call ahead never overwrites a slot
-a peer still reads. Stores before the flag store are visible to a reader that sees the flag
-(x86 total store order; numpy writes are plain stores); elsewhere the mailbox is off, and so it
-is when a node has more local ranks than cores (polling ranks would wait for scheduler slices) and
-under ULFM (a dead peer is reported through failing MPI requests, which a flag poll never sees).
+has reached it, every rank reduces all slots in local-rank order into its array: every rank
+computes bitwise the same result with no second synchronization. Slots alternate between calls,
+so a rank one call ahead never overwrites a slot a peer still reads. The compiled mailbox
+(`_mailbox.c`, built at install) does the copy, the flag store (release order), the spin on the
+peers' flags (acquire loads, up to SPIN_NS) and the reduction in one C call, a few hundred
+nanoseconds for a small message; a peer later than the spin is waited for in Python, with the
+caller's deadline, yielding the core between polls. Without the extension a numpy mailbox does
+the same steps (up to NUMPY_SMALL_BYTES), relying on x86's total store order for its plain
+stores. Each rank reads every slot, local_size times the message, so the mailbox size shrinks as
+1 / local_size (MAILBOX_READ_BYTES). The mailbox is off when a node has more local ranks than cores
+(polling ranks would wait for scheduler slices) and under ULFM (a dead peer is reported through
+failing MPI requests, which a flag poll never sees).
 
 Cross-memory (mode "cma", large messages; `min_bytes`): the reduce-scatter + all-gather all_reduce
 (Rabenseifner, "Optimization of collective reduction operations", ICCS 2004; Thakur, Rabenseifner
@@ -113,7 +117,10 @@ MIN_CHUNK_BYTES = 4 << 10
 BUFFERS = 3  # triple buffering: one barrier per chunk (see the module docstring)
 NEVER = sys.maxsize  # min_bytes when the path is off
 FLAG_BYTES = 64  # one cache line per local rank for its mailbox flag
-TSO_MACHINES = ("x86_64", "amd64", "i386", "i686")  # the mailbox relies on their store order
+TSO_MACHINES = ("x86_64", "amd64", "i386", "i686")
+# numpy's plain stores to the flag lines (numpy mailbox, cross-memory arrival flags) rely on x86's
+# total store order; elsewhere only the compiled mailbox (atomics) uses the lines
+TSO = platform.machine().lower() in TSO_MACHINES
 BOX_VIEWS = 256  # cached mailbox views (dtype, size, parity); cleared when full
 LIVENESS_POLLS = 1000  # flag polls between checks that the local peers are alive
 SPIN_POLLS = 64  # polls of a mailbox flag (a few microseconds) before yielding the core
@@ -511,7 +518,7 @@ class NodeAllReduce:
         # which a flag poll would never see (RankFailure for shrink-and-continue)
         # (the compiled mailbox orders its stores with atomics; the numpy one needs x86's order)
         ordered = (cross is None and local_size <= (os.cpu_count() or 1) and not ulfm_enabled()
-                   and (_mailbox is not None or platform.machine().lower() in TSO_MACHINES))
+                   and (_mailbox is not None or TSO))
         # agreed: _map_arena below is collective, and each rank's facts (cores, environment,
         # installed extension) are its own
         ordered = comm.allreduce(ordered, op=MPI.LAND)
@@ -560,7 +567,7 @@ class NodeAllReduce:
         start its next call, and overwrite its address, before this rank has finished (`_done`).
         Otherwise one all_gather of one int64 over the group."""
         me, pids = self.local_rank, self._pids
-        lines = self._lines
+        lines = self._lines if TSO else None
         if lines is None:
             self._my_addr[0] = x.ctypes.data
             wait([self.comm.Iallgather(self._my_addr, self._addrs)])
@@ -575,7 +582,7 @@ class NodeAllReduce:
     def _done(self, wait):
         """The closing node barrier of a cross-memory call: no rank returns while a peer still
         reads or writes its array. Flag [3] on one node with the flag lines, else MPI Ibarrier."""
-        lines = self._lines
+        lines = self._lines if TSO else None
         if lines is None:
             wait([self.node.Ibarrier()])
             return
