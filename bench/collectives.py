@@ -45,6 +45,7 @@ TARGET_RATIO, TARGET_RATIO_FROM_BYTES, TARGET_OVERHEAD_US = 0.95, 1 << 20, 10.0
 # the shared-memory all_reduce (rtxmpi/comm/shm.py; issue 6 item 5)
 TARGET_SHM_RATIO, TARGET_SHM_FROM_BYTES = 2.0, 16 << 20
 TARGET_GLOO_RATIO, TARGET_GLOO_FROM_BYTES = 3.0, 1 << 20
+TARGET_NEVER_SLOWER = 1.0  # issue 6: rtxmpi all_reduce never slower than raw, at any size
 
 
 def busbw_factor(op, n):
@@ -282,7 +283,8 @@ def summary(cells, ops):
     raw = {c["size_bytes"]: c["busbw_ratio_rtxmpi_raw"] for c in ar}
     for key, target, from_bytes in (("all_reduce_busbw_ratio", TARGET_RATIO, TARGET_RATIO_FROM_BYTES),
                                     ("all_reduce_shm_busbw_ratio", TARGET_SHM_RATIO,
-                                     TARGET_SHM_FROM_BYTES)):
+                                     TARGET_SHM_FROM_BYTES),
+                                    ("all_reduce_never_slower", TARGET_NEVER_SLOWER, 0)):
         ratio_target(verdicts, lines, key, "raw", raw, target, from_bytes)
     if ar:
         worst = min(ar, key=lambda c: c["busbw_ratio_rtxmpi_raw"])
@@ -315,7 +317,8 @@ def ratio_target(verdicts, lines, key, peer, ratios, target, from_bytes):
     ok = judged[worst_size] >= target
     verdicts[key] = {"target": target, "from_bytes": from_bytes, "met": ok,
                      "worst": judged[worst_size], "worst_size_bytes": worst_size, "by_size": judged}
-    lines.append(f"Target all_reduce busbw >= {target:g}x {peer} at >= {format_bytes(from_bytes)}: "
+    where = f"at >= {format_bytes(from_bytes)}" if from_bytes else "at every size"
+    lines.append(f"Target all_reduce busbw >= {target:g}x {peer} {where}: "
                  + ", ".join(f"{format_bytes(size)} {r:.2f}" for size, r in judged.items())
                  + f" -> {'met' if ok else 'MISSED'} (worst {judged[worst_size]:.2f} at "
                    f"{format_bytes(worst_size)})")
