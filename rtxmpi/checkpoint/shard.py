@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 
 from rtxmpi.errors import CheckpointError
+from rtxmpi.parallel.zero import even_range
 
 
 @dataclass(frozen=True)
@@ -32,5 +33,5 @@ class Shard:
         """Rank `rank`'s 1/world_size slice of a tensor every rank holds whole (data parallel):
         elements [rank * n // world_size, (rank + 1) * n // world_size) of the 1-D `full`, a view."""
         n = int(full.shape[0])
-        start, stop = rank * n // world_size, (rank + 1) * n // world_size
+        start, stop = even_range(n, world_size, rank)
         return cls(full[start:stop], start, n)

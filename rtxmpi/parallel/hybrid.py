@@ -33,6 +33,7 @@ from ..nn.params import bind, decay_mask, layout
 from . import tensor as tpl
 from .data import DEFAULT_BUCKET_BYTES, DataParallel
 from .sequence import check_heads, ulysses_attention_backward, ulysses_attention_forward
+from .zero import even_range
 from .zero_hybrid import ZeroHybridParallel
 
 # block parameter positions (rtxmpi.nn.layers.BLOCK_PARAM_NAMES) used in the sequence-split region
@@ -531,9 +532,9 @@ class HybridParallel:
                   "adam.v": self.model.gather_full(state["v"]),
                   "adam.step": np.array([state["step"]], np.int64)}
         out = {}
-        for name, full in pieces.items():  # elements [r * size // n, (r + 1) * size // n)
+        for name, full in pieces.items():  # this rank's even piece of each
             size = int(full.shape[0])
-            start, stop = r * size // n, (r + 1) * size // n
+            start, stop = even_range(size, n, r)
             out[name] = (full[start:stop], start, size)
         return out
 

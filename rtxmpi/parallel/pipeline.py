@@ -52,7 +52,7 @@ from .data import DEFAULT_BUCKET_BYTES, build_buckets
 from .hybrid import ParallelGPT
 from .pipeline_zero import STAGES as ZERO_STAGES
 from .pipeline_zero import StageZero
-from .zero import read_range
+from .zero import even_range, read_range
 from .schedule import build_schedule, partition, receiving_chunk
 
 _ACT, _GRAD = 0, 1  # message kinds; tag = 2 * micro_batch + kind
@@ -957,12 +957,12 @@ class PipelineParallel:
             if self.virtual_stages > 1:  # V ranges a rank: whole vectors, 1/world of each a rank
                 full, p = self._full_of(local), self.pp_group.world_size
                 r = self.pp_group.rank * writers + w
-                lo, hi = r * n // (p * writers), (r + 1) * n // (p * writers)
+                lo, hi = even_range(n, p * writers, r)
                 out[name] = (full[lo:hi].copy(), lo, n)
                 continue
             start, values = st.own_full(local[:st.own_size])
             k = values.shape[0]
-            lo, hi = w * k // writers, (w + 1) * k // writers
+            lo, hi = even_range(k, writers, w)
             out[name] = (values[lo:hi], start + lo, n)
         first = self.pp_group.rank == 0 and w == 0
         out["adam.step"] = (np.full(1 if first else 0, state["step"], np.int64), 0, 1)

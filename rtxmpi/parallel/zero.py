@@ -73,6 +73,15 @@ def shard_range(numel, world_size, rank):
     return min(rank * size, numel), min((rank + 1) * size, numel)
 
 
+def even_range(numel, world_size, rank):
+    """[start, stop) of the contiguous piece rank `rank` takes when a vector of `numel` elements
+    is split as evenly as possible over `world_size` ranks: [r * N // W, (r + 1) * N // W)
+    (piece sizes differ by at most one; no padding). The layout of checkpoint pieces written by
+    HybridParallel, ZeroHybridParallel, the pipeline engine and rtxmpi.checkpoint.Shard.even
+    (ZeRO's own shards are `shard_range`'s). Pure."""
+    return rank * numel // world_size, (rank + 1) * numel // world_size
+
+
 def gather_shards(group, shard, numel, send=None):
     """The whole vector of `numel` elements from every rank's shard of the `shard_range` layout:
     each rank's shard padded to S = shard_size(numel, W) elements, one all_gather (rank k's

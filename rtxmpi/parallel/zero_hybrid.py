@@ -39,7 +39,8 @@ from ..nn import grad_norm_sq
 from . import tensor as tpl
 from .data import DEFAULT_BUCKET_BYTES
 from .offload import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_CHUNKS
-from .zero import ZeroDataParallel, _default_optimizer, read_range, shard_range, shard_size
+from .zero import (ZeroDataParallel, _default_optimizer, even_range, read_range, shard_range,
+                   shard_size)
 
 STATE_TENSORS = ("params", "adam.m", "adam.v")
 
@@ -179,7 +180,7 @@ class ZeroHybridParallel:
         piece, so beyond its own pieces a rank holds one whole unit at a time. Collective."""
         r, n = self.group.rank, self.group.world_size
         size = self.model.full_num_params
-        lo, hi = r * size // n, (r + 1) * size // n
+        lo, hi = even_range(size, n, r)
         out = {}
         for name, (shard, _, _) in self.zero.shards().items():
             if name not in STATE_TENSORS:

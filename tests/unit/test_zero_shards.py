@@ -7,8 +7,8 @@ import pytest
 from rtxmpi.errors import ConfigError
 from rtxmpi.nn import AdamW, decay_mask
 from rtxmpi.nn.params import layout
-from rtxmpi.parallel.zero import (build_column_buckets, optimizer_bytes, shard_decay_mask,
-                                  shard_range, shard_size, zero_state_bytes)
+from rtxmpi.parallel.zero import (build_column_buckets, even_range, optimizer_bytes,
+                                  shard_decay_mask, shard_range, shard_size, zero_state_bytes)
 
 
 def ranges(numel, world_size):
@@ -25,6 +25,16 @@ def params(sizes):
 
 def test_7_elements_over_4_ranks_are_2_2_2_1():
     assert ranges(7, 4) == [(0, 2), (2, 4), (4, 6), (6, 7)]
+
+
+@pytest.mark.parametrize("numel,world_size", [(7, 3), (2, 4), (0, 2), (12, 4)])
+def test_even_pieces_tile_the_vector_and_differ_by_at_most_one(numel, world_size):
+    pieces = [even_range(numel, world_size, r) for r in range(world_size)]
+    assert pieces[0][0] == 0 and pieces[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+    sizes = [hi - lo for lo, hi in pieces]
+    assert max(sizes) - min(sizes) <= 1
+    assert even_range(7, 3, 2) == (4, 7)  # the larger pieces last (Shard.even's layout)
 
 
 def test_1_element_over_4_ranks_is_1_0_0_0():
