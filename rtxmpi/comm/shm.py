@@ -131,7 +131,8 @@ class ShmConfig:
     """Shared-memory path settings of one group (see the module docstring).
 
     enabled (bool), min_bytes (int, smallest message that takes the cross-memory path),
-    small_bytes (int, largest message that takes the mailbox; 0: never), chunk_bytes (int,
+    small_bytes (int, largest message that takes the mailbox; 0: never; None: DEFAULT_SMALL_BYTES,
+    at most MAILBOX_READ_BYTES / local_size), chunk_bytes (int,
     pipeline chunk; a multiple of 8), node_size (int or None: pretend nodes of this many local
     ranks), cma (bool: cross-memory access allowed).
     """
@@ -139,10 +140,10 @@ class ShmConfig:
     __slots__ = ("enabled", "min_bytes", "chunk_bytes", "node_size", "cma", "small_bytes")
 
     def __init__(self, enabled=True, min_bytes=DEFAULT_MIN_BYTES, chunk_bytes=DEFAULT_CHUNK_BYTES,
-                 node_size=None, cma=True, small_bytes=DEFAULT_SMALL_BYTES):
+                 node_size=None, cma=True, small_bytes=None):
         self.enabled, self.min_bytes = bool(enabled), int(min_bytes)
         self.chunk_bytes, self.node_size, self.cma = int(chunk_bytes), node_size, bool(cma)
-        self.small_bytes = int(small_bytes)
+        self.small_bytes = None if small_bytes is None else int(small_bytes)
 
     @property
     def threshold(self):
@@ -151,8 +152,9 @@ class ShmConfig:
 
     @property
     def small_threshold(self):
-        """Largest message (bytes) that takes the mailbox; -1 when off."""
-        return self.small_bytes if self.enabled and self.small_bytes > 0 else -1
+        """Largest message (bytes) that may take the mailbox; -1 when off."""
+        small = DEFAULT_SMALL_BYTES if self.small_bytes is None else self.small_bytes
+        return small if self.enabled and small > 0 else -1
 
     def copy(self):
         return ShmConfig(self.enabled, self.min_bytes, self.chunk_bytes, self.node_size, self.cma,
@@ -187,7 +189,7 @@ class ShmConfig:
         chunk = integer("RTXMPI_SHM_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES)
         return cls(enabled=flag("RTXMPI_SHM"), cma=flag("RTXMPI_SHM_CMA"),
                    min_bytes=integer("RTXMPI_SHM_MIN_BYTES", DEFAULT_MIN_BYTES, 0),
-                   small_bytes=integer("RTXMPI_SHM_SMALL_BYTES", DEFAULT_SMALL_BYTES, 0),
+                   small_bytes=integer("RTXMPI_SHM_SMALL_BYTES", None, 0),
                    chunk_bytes=chunk - chunk % 8,
                    node_size=integer("RTXMPI_SHM_NODE_SIZE", None, 1))
 
@@ -523,9 +525,10 @@ class NodeAllReduce:
         # installed extension) are its own
         ordered = comm.allreduce(ordered, op=MPI.LAND)
         compiled = comm.allreduce(ordered and _mailbox is not None, op=MPI.LAND)
-        small = max(0, config.small_bytes - config.small_bytes % 8) if ordered else 0
+        small = max(config.small_threshold, 0) // 8 * 8 if ordered else 0
         small = comm.allreduce(small if compiled else min(small, NUMPY_SMALL_BYTES), op=MPI.MIN)
-        small = min(small, MAILBOX_READ_BYTES // local_size // 8 * 8)
+        if config.small_bytes is None:  # the default: less per message as local ranks add reads
+            small = min(small, MAILBOX_READ_BYTES // local_size // 8 * 8)
         box = _map_arena(node, comm, local_size * (FLAG_BYTES + 2 * small)) if ordered else None
         if box is not None:
             np.frombuffer(box, np.uint8).fill(0)  # every rank touches it all: flags start at 0

@@ -73,9 +73,9 @@ def mailbox_possible(local_size, compiled=shm._mailbox is not None):
             and local_size <= os.cpu_count() and sys.platform.startswith("linux"))
 
 
-def mailbox_bytes(local_size, configured):
-    """The mailbox size a node of `local_size` ranks gets for `configured` bytes."""
-    return min(configured, shm.MAILBOX_READ_BYTES // local_size // 8 * 8)
+def mailbox_bytes(local_size):
+    """The default mailbox size of a node of `local_size` ranks."""
+    return min(shm.DEFAULT_SMALL_BYTES, shm.MAILBOX_READ_BYTES // local_size // 8 * 8)
 
 
 def expected_engine(group, layout):
@@ -87,7 +87,7 @@ def expected_engine(group, layout):
     compiled = layout == "node-mailbox" and shm._mailbox is not None
     mailbox = layout.startswith("node-mailbox") and mailbox_possible(n, compiled)
     if layout.startswith("node"):
-        size = mailbox_bytes(n, (1 << 20) if compiled else shm.NUMPY_SMALL_BYTES)
+        size = (1 << 20) if compiled else shm.NUMPY_SMALL_BYTES  # set: not scaled
         return None if n == 1 else (n, 1, mode, size if mailbox else -1)
     return None if n == 1 or n % 2 else (2, n // 2, mode, -1)
 
@@ -330,7 +330,7 @@ def test_default_sizes_choose_mailbox_mpi_and_cross_memory_paths(world):
         assert engine is None
         return
     mailbox = mailbox_possible(group.world_size)
-    box = mailbox_bytes(group.world_size, shm.DEFAULT_SMALL_BYTES)
+    box = mailbox_bytes(group.world_size)
     assert (engine.small_bytes, engine.mode) == (box if mailbox else -1, "cma")
     taken = []
 
