@@ -98,6 +98,11 @@ def cmd_info(args):
     for key, value in _versions().items():
         print(f"{key:<14} {value}")
     print(f"{'thread level':<14} {_thread_level()}")
+    from .comm import shm
+    mailbox = "compiled" if shm._mailbox is not None else "numpy (C extension not built: pip install)"
+    print(f"{'shm paths':<14} {'on' if shm.CONFIG.enabled else 'off (RTXMPI_SHM=0)'}; all_reduce "
+          f"mailbox {mailbox}, up to {shm.CONFIG.small_threshold} bytes; cross-memory from "
+          f"{shm.CONFIG.min_bytes} bytes")
     print(f"{'world_size':<14} {size}")
     hosts = sorted({r[1] for r in rows})
     print(f"{'hosts':<14} {len(hosts)}: {', '.join(hosts)}")
