@@ -69,19 +69,13 @@ class MPIBackend:
                           members=self.members, timeout_s=timeout_s)
 
     def arrive(self, op, seq, timeout_s):
-        """Return once every rank of the group has reached this call (nonblocking barrier).
-
-        A few direct Test() calls first: ranks usually arrive within microseconds of each other,
-        and the deadline-aware wait costs more per poll than the arrival takes.
-        """
+        """Return once every rank of the group has reached this call (nonblocking barrier, with
+        a few direct polls first: see _wait_fast)."""
         try:
             request = self.comm.Ibarrier()
-            for _ in range(ARRIVE_SPIN_TESTS):
-                if request.Test():
-                    return
         except MPI.Exception as exc:
             raise self._translate(exc, f"{op} #{seq}") from None
-        self.wait([request], op=op, seq=seq, timeout_s=timeout_s)
+        self._wait_fast([request], op, seq, timeout_s)
 
     def barrier(self):
         return [self.comm.Ibarrier()]
