@@ -40,7 +40,6 @@ from ..backend import cupy_module, is_device_array
 from ..errors import CollectiveError, CollectiveTimeout, ConfigError
 from .group import (_REDUCE_CODES, _counts_crc, _ARG_SHIFT, ProcessGroup, _parent_ranks,
                     register_subgroup)
-from .monitor import SERVICE_INTERVAL_S, SPIN_BEFORE_SLEEP_S
 from .mpi import BOOL_OPS, REDUCE_OPS, MPIBackend
 from .work import Work
 
@@ -256,30 +255,23 @@ class DeviceBackend(MPIBackend):
         event = requests.event
         if event.done:
             return
-        monitor = self.monitor
-        monitor.state = (self.group_name, seq, op)
-        try:
-            start = time.monotonic()
-            deadline = start + timeout_s
-            next_service = start + SERVICE_INTERVAL_S
-            next_error_check = start + ASYNC_ERROR_INTERVAL_S
-            while not event.done:
-                now = time.monotonic()
-                if now >= next_service:
-                    monitor.service()  # answers peers; raises on a peer's timeout NOTICE
-                    next_service = now + SERVICE_INTERVAL_S
-                if now >= next_error_check:
-                    self._check_async_error(requests, op)
-                    next_error_check = now + ASYNC_ERROR_INTERVAL_S
-                if now >= deadline and self._diagnose(op, seq, timeout_s, lambda: event.done):
-                    return  # completed during the diagnosis: a late arrival, not an error
-                if now - start > SPIN_BEFORE_SLEEP_S:
-                    time.sleep(0)
-        except CollectiveTimeout as exc:
-            self.abort(f"{op} #{seq} timed out")
-            raise exc
-        finally:
-            monitor.state = None
+        next_check = time.monotonic() + ASYNC_ERROR_INTERVAL_S
+
+        def done():  # the event, and every ASYNC_ERROR_INTERVAL_S the communicator's async error
+            nonlocal next_check
+            if event.done:
+                return True
+            now = time.monotonic()
+            if now >= next_check:
+                self._check_async_error(requests, op)
+                next_check = now + ASYNC_ERROR_INTERVAL_S
+            return False
+
+        try:  # the monitor's deadline-aware wait: service, heartbeat, diagnosis on every member
+            super().wait(done, op=op, seq=seq, timeout_s=timeout_s)
+        except CollectiveTimeout:
+            self.abort(f"{op} #{seq} timed out")  # never leave a kernel waiting on the device
+            raise
 
     def _check_async_error(self, pending, op):
         if self.nccl_comm is None:
@@ -290,18 +282,6 @@ class DeviceBackend(MPIBackend):
             self.abort(f"NCCL error: {exc}")
             raise CollectiveError(f"{op} on group '{self.group_name}': NCCL reported "
                                   f"{exc}; the communicator was aborted") from None
-
-    def _diagnose(self, op, seq, timeout_s, done):
-        """Past the deadline: the monitor's diagnosis (who did not arrive), which raises
-        CollectiveTimeout here and, through its NOTICE, on every waiting member. done(): the
-        device op's completion (its event), polled during the diagnosis; True is returned when
-        it completed meanwhile."""
-        if self.monitor._diagnose_and_raise(done, op=op, seq=seq, group=self.group_name,
-                                            members=self.members, timeout_s=timeout_s):
-            return True
-        raise CollectiveTimeout(f"{op} #{seq} on group '{self.group_name}' did not complete "
-                                f"within {timeout_s:g} s", op=op, seq=seq,
-                                group=self.group_name, missing=[], timeout_s=timeout_s)
 
 
 # ---------------------------------------------------------------------------------- group
