@@ -6,7 +6,11 @@
 
 One MPI job (4 ranks) does, in order:
   1. calibrates the hardware profile (rtxmpi.parallel.calibrate, the same call as
-     `rtxmpi plan --calibrate`) and plans (rtxmpi.parallel.planner.make_plan, every layout);
+     `rtxmpi plan --calibrate` and `--plan auto`, inside the same job as the layouts: the same
+     binding, none (_common.worker_job's `--bind-to none`), so the ranks sit where the scheduler
+     put them; the calibration averages its sharing runs over placements, docs/planner.md
+     "Placement", and the report prints the cores the ranks ran on after each round) and plans
+     (rtxmpi.parallel.planner.make_plan, every layout);
   2. for each target layout (dp, tp, pp, sp) = (4,1,1,1), (2,2,1,1), (2,1,2,1), (1,2,2,1),
      (1,1,4,1), (1,1,1,4), (2,1,1,2), takes the planner's best configuration of that layout
      (micro-batches, ZeRO stage, schedule); layouts the runtime cannot run are listed with the
@@ -151,6 +155,15 @@ def train_step(engine, pipeline, x, y, micro_batches, world):
     return float(losses[0])
 
 
+def _core():
+    """The core this process last ran on (/proc/self/stat field 39), -1 where not readable."""
+    try:
+        with open("/proc/self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
 def worker(args):
     import numpy as np
     from mpi4py import MPI
@@ -192,6 +205,7 @@ def worker(args):
         engines.append((e, eng, pipe, x[rows], y[rows]))
     times = [[] for _ in engines]
     loads = [[] for _ in engines]  # the 1-minute load average as each layout's steps began
+    cores = []  # per round, the core each rank ran on (the ranks are not bound: placement)
     for i, (e, eng, pipe, xl, yl) in enumerate(engines):  # warm-up
         train_step(eng, pipe, xl, yl, e.layout.micro_batches, world)
     for r in range(args.rounds):
@@ -205,6 +219,7 @@ def worker(args):
                 t = time.perf_counter()
                 train_step(eng, pipe, xl, yl, e.layout.micro_batches, world)
                 times[i].append(comm.allreduce(time.perf_counter() - t, op=MPI.MAX))
+        cores.append("".join(str(c) if 0 <= c < 10 else "?" for c in comm.allgather(_core())))
         for k, v in ref.sample(1).items():  # the reference run, interleaved with the layouts
             ref_samples[k] += v
         sync_samples.append(_measure_sync(comm, ranks_of_node, cfg, segment, reps=3))
@@ -243,6 +258,7 @@ def worker(args):
            "first_choice": vars(plan_during.best.layout),
            "first_choice_predicted_ms": plan_during.best.total_ms,
            "first_choice_start": vars(plan.best.layout), "reason": plan_during.reason(),
+           "placement": cores,
            "profile": vars(during), "profile_start": vars(profile),
            "profile_end": vars(profile_end) if profile_end else None}
     print("RESULT " + json.dumps(out), flush=True)
@@ -318,12 +334,15 @@ def report(args, out, info):
         p = out[name]
         if p is None:
             continue
-        print(f"{name.replace('profile', 'profile ').strip():<16}: effective cores "
+        print(f"{name.replace('_', ' '):<16}: effective cores "
               f"{p['effective_cores']:.2f}, wait weight {p['wait_weight']:.2f}, contention "
               f"{p['contention']:.2f}, reference run {p['ref_ms']:.0f} ms, sync wait "
               f"{', '.join(f'{n} ranks {1e3 * v:.1f} ms' for n, v in p.get('sync_s', {}).items())}")
     print("('start' is calibrate() before the runs, as --plan auto uses it; 'during' refits the "
           "reference run sampled between the rounds; 'end' is calibrate() after the runs)")
+    if out.get("placement"):
+        print(f"placement (the core each of ranks 0-{len(out['placement'][0]) - 1} ran on after "
+              f"each round; not bound, the scheduler's choice): {' '.join(out['placement'])}")
     print(f"machine: {machine_line(info)}")
     print(f"command: python bench/planner.py {shlex.join(sys.argv[1:])}".rstrip())
     return gaps, ok_all
