@@ -32,19 +32,21 @@ def raise_if_any_failed(groups, error, what, error_type=ConfigError):
 
     groups: a ProcessGroup, or a sequence of them applied in turn so that the flag reaches every
     rank of their union (e.g. [pp_group, dp_group] for a pp x dp grid: OR over each pipeline,
-    then over each stage's replicas); None entries and size-1 groups are skipped. Every rank of
+    then over each stage's replicas); None entries and size-1 groups are skipped (unless all are
+    of size 1: then the first one, so the message still names the rank). Every rank of
     the union must call with the same sequence. error: None, or the exception (or message) this
     rank hit, e.g. a local check of its own batch.
     Raises error_type on every rank when any rank passed an error, its message naming `what` and
     every failing rank (world rank) with that rank's message (an error_type's own text, else
-    "TypeName: text"); with no group left (one process) raises `error` itself when it is an
+    "TypeName: text"); with no group at all (None) raises `error` itself when it is an
     error_type, else error_type(f"{what}: {error}"). Also CollectiveTimeout, CollectiveMismatch.
     Cost: one 1-byte MAX all_reduce per group when nothing failed; when something did, one
     all_gather per group of MESSAGE_BYTES per rank gathered so far.
     """
     if groups is None or not isinstance(groups, (list, tuple)):
         groups = [groups]
-    groups = [g for g in groups if g is not None and g.world_size > 1]
+    kept = [g for g in groups if g is not None]
+    groups = [g for g in kept if g.world_size > 1] or kept[:1]  # one process: still "rank 0: ..."
     if not groups:
         if error is not None:
             raise error if isinstance(error, error_type) else error_type(f"{what}: {error}")
