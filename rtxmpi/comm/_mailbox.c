@@ -89,27 +89,29 @@ static int type_code(const char *fmt, Py_ssize_t itemsize) {
     return -1;
 }
 
-/* out[i] = a[i] op b[i]; out may alias a or b. max/min propagate NaN as numpy does. */
-#define FOLD(T, NAME)                                                                          \
+/* out[i] = a[i] op b[i]; out may alias a or b. Integers add and multiply in the unsigned type U
+ * (wrapping like numpy; signed overflow, and int promotion of 16-bit products, would be undefined
+ * in C). max/min as numpy: NaN propagates (the first NaN), and on a tie (0.0 vs -0.0) b. */
+#define FOLD(T, U, NAME)                                                                       \
     static void NAME(T *out, const T *a, const T *b, Py_ssize_t n, int op) {                 \
         Py_ssize_t i;                                                                          \
         switch (op) {                                                                          \
-        case OP_SUM: for (i = 0; i < n; i++) out[i] = (T)(a[i] + b[i]); break;                \
-        case OP_PROD: for (i = 0; i < n; i++) out[i] = (T)(a[i] * b[i]); break;               \
-        case OP_MAX: for (i = 0; i < n; i++) out[i] = (a[i] >= b[i] || a[i] != a[i]) ? a[i] : b[i]; break; \
-        case OP_MIN: for (i = 0; i < n; i++) out[i] = (a[i] <= b[i] || a[i] != a[i]) ? a[i] : b[i]; break; \
+        case OP_SUM: for (i = 0; i < n; i++) out[i] = (T)((U)a[i] + (U)b[i]); break;          \
+        case OP_PROD: for (i = 0; i < n; i++) out[i] = (T)((U)a[i] * (U)b[i]); break;         \
+        case OP_MAX: for (i = 0; i < n; i++) out[i] = (a[i] > b[i] || a[i] != a[i]) ? a[i] : b[i]; break; \
+        case OP_MIN: for (i = 0; i < n; i++) out[i] = (a[i] < b[i] || a[i] != a[i]) ? a[i] : b[i]; break; \
         }                                                                                      \
     }
-FOLD(float, fold_f32)
-FOLD(double, fold_f64)
-FOLD(int8_t, fold_i8)
-FOLD(uint8_t, fold_u8)
-FOLD(int16_t, fold_i16)
-FOLD(uint16_t, fold_u16)
-FOLD(int32_t, fold_i32)
-FOLD(uint32_t, fold_u32)
-FOLD(int64_t, fold_i64)
-FOLD(uint64_t, fold_u64)
+FOLD(float, float, fold_f32)
+FOLD(double, double, fold_f64)
+FOLD(int8_t, unsigned, fold_i8)
+FOLD(uint8_t, unsigned, fold_u8)
+FOLD(int16_t, unsigned, fold_i16)
+FOLD(uint16_t, unsigned, fold_u16)
+FOLD(int32_t, uint32_t, fold_i32)
+FOLD(uint32_t, uint32_t, fold_u32)
+FOLD(int64_t, uint64_t, fold_i64)
+FOLD(uint64_t, uint64_t, fold_u64)
 
 static void fold(int type, void *out, const void *a, const void *b, Py_ssize_t n, int op) {
     switch (type) {
@@ -274,9 +276,9 @@ static int Mailbox_init(Mailbox *b, PyObject *args, PyObject *kwds) {
     }
     b->open = 1;
     b->calls = 0;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 4; i++) {  /* __init__ again after close(): drop the previous ops */
         Py_INCREF(ops[i]);
-        b->ops[i] = ops[i];
+        Py_XSETREF(b->ops[i], ops[i]);
     }
     b->base = b->map.buf;
     b->region = region;

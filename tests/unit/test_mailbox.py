@@ -137,3 +137,49 @@ def test_a_full_dev_shm_gives_no_mapping_and_leaves_no_file(monkeypatch, tmp_pat
     monkeypatch.setattr(shm.os, "posix_fallocate", full)
     assert shm._map_arena(MPI.COMM_SELF, MPI.COMM_SELF, 1 << 16) is None
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name", ["max", "min"])
+def test_max_min_ties_of_signed_zeros_match_numpy(dtype, name):
+    # max(0.0, -0.0) compares equal: numpy returns its second operand, bit for bit
+    op, ufunc = OPS[name]
+    mapping, views = boxes(2)
+    zeros = np.array([0.0, -0.0], dtype)
+    xs = [np.resize(zeros, 33), np.resize(zeros[::-1], 33)]
+    expected = ufunc(xs[0], xs[1])
+    run_call(views, xs, op)
+    for x in xs:
+        np.testing.assert_array_equal(np.signbit(x), np.signbit(expected))
+
+
+@pytest.mark.parametrize("dtype", ["int16", "uint16", "int32", "uint32", "int64", "uint64"])
+@pytest.mark.parametrize("name", ["sum", "prod"])
+def test_integer_overflow_wraps_as_numpy(dtype, name):
+    # C's signed (and promoted unsigned short) overflow is undefined; the fold wraps like numpy
+    op, ufunc = OPS[name]
+    info = np.iinfo(dtype)
+    mapping, views = boxes(2)
+    edge = np.array([info.max, info.max - 1, info.min, info.min + 1, -1 % (info.max + 1), 3],
+                    np.int64 if info.min < 0 else np.uint64)
+    xs = [edge.astype(dtype), edge[::-1].astype(dtype)]
+    with np.errstate(over="ignore"):
+        expected = ufunc(xs[0], xs[1])
+    run_call(views, xs, op)
+    for x in xs:
+        np.testing.assert_array_equal(x, expected)
+
+
+def test_init_again_keeps_the_op_references_balanced():
+    import sys
+
+    mapping, (a, b) = boxes(2)
+    a.close()
+    before = sys.getrefcount(MPI.SUM)
+    for _ in range(10):
+        a.__init__(mapping, 2, 0, SLOT, OP_OBJECTS)
+        a.close()
+    after = sys.getrefcount(MPI.SUM)  # (not inside the assert: pytest's rewrite holds a reference)
+    assert after == before
+    b.close()
+    mapping.close()
