@@ -21,7 +21,8 @@ device synchronize that could block forever. While polling it answers peers' dia
 and checks the NCCL communicator's asynchronous error (ncclCommGetAsyncError). Past the deadline
 it runs the same diagnosis as the MPI path (which ranks did not arrive), aborts the NCCL
 communicator (ncclCommAbort, which stops its kernels), and raises CollectiveTimeout on every
-waiting rank; the group's device collectives then raise CollectiveError (make a new group).
+waiting rank; a peer the heartbeat finds stuck (or ULFM finds dead) aborts it the same way and
+raises RankFailure. The group's device collectives then raise CollectiveError (make a new group).
 
 Semantics equal the MPI path: float16 reduces in float32 (a float32 copy on the device), bool
 sum/max are logical or, min/prod logical and, "avg" is a sum divided by the group size; uneven
@@ -37,7 +38,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..backend import cupy_module, is_device_array
-from ..errors import CollectiveError, CollectiveTimeout, ConfigError
+from ..errors import CollectiveError, CollectiveTimeout, ConfigError, RankFailure
 from .group import (_REDUCE_CODES, _counts_crc, _ARG_SHIFT, ProcessGroup, _parent_ranks,
                     register_subgroup)
 from .mpi import BOOL_OPS, REDUCE_OPS, MPIBackend
@@ -271,6 +272,9 @@ class DeviceBackend(MPIBackend):
             super().wait(done, op=op, seq=seq, timeout_s=timeout_s)
         except CollectiveTimeout:
             self.abort(f"{op} #{seq} timed out")  # never leave a kernel waiting on the device
+            raise
+        except RankFailure as exc:  # a stuck or dead peer (heartbeat, ULFM): the same
+            self.abort(f"{op} #{seq}: {exc}")
             raise
 
     def _check_async_error(self, pending, op):

@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from rtxmpi.comm.nccl import DeviceBackend, DeviceGroup, _Pending, make_world
-from rtxmpi.errors import CollectiveError, CollectiveTimeout
+from rtxmpi.errors import CollectiveError, CollectiveTimeout, RankFailure
 
 
 def _device_world(world, transport="nccl", timeout_s=None):
@@ -100,6 +100,33 @@ def test_device_wait_past_its_deadline_aborts_nccl_and_raises_on_every_rank(worl
     assert info.value.op == "all_reduce" and info.value.seq == 7
     assert fake.aborted
     _drain_notices(world)
+    with pytest.raises(CollectiveError, match="aborted"):
+        group.backend.check_usable("all_reduce")
+
+
+class StuckPeer:
+    """A heartbeat stand-in that reports the next rank as stuck."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def stuck(self, members):
+        return self.rank, f"rank {self.rank} made no progress (test)"
+
+
+def test_device_wait_on_a_stuck_peer_aborts_nccl_and_raises_rank_failure(world):
+    # the heartbeat's RankFailure must stop the device kernel too, as a timeout does
+    group = _device_world(world)
+    fake = group.backend.nccl_comm = FakeNccl()
+    peer = (world.rank + 1) % world.world_size
+    monitor = group.backend.monitor
+    monitor.heartbeat, previous = StuckPeer(peer), monitor.heartbeat
+    try:
+        with pytest.raises(RankFailure, match="no progress"):
+            group.backend.wait(_Pending(event=FakeEvent()), op="all_reduce", seq=4, timeout_s=30)
+    finally:
+        monitor.heartbeat = previous
+    assert fake.aborted
     with pytest.raises(CollectiveError, match="aborted"):
         group.backend.check_usable("all_reduce")
 
