@@ -261,9 +261,10 @@ static int Mailbox_init(Mailbox *b, PyObject *args, PyObject *kwds) {
         return -1;
     }
     if (local_size < 2 || local_rank < 0 || local_rank >= local_size || slot_bytes < 0
-            || slot_bytes % 8) {
+            || slot_bytes % 8 || slot_bytes > (PY_SSIZE_T_MAX / local_size - 64) / 2) {
         PyErr_SetString(PyExc_ValueError, "mailbox: bad layout (local_size >= 2, 0 <= local_rank "
-                                          "< local_size, slot_bytes a non-negative multiple of 8)");
+                                          "< local_size, slot_bytes a non-negative multiple of 8, "
+                                          "the mailbox's size a Py_ssize_t)");
         return -1;
     }
     if (PyObject_GetBuffer(mapping, &b->map, PyBUF_WRITABLE) < 0) return -1;

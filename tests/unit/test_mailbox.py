@@ -106,6 +106,8 @@ def test_errors_are_typed_and_leave_the_array_untouched():
         shm._mailbox.Mailbox(mapping, 2, 2, 64, OP_OBJECTS)
     with pytest.raises(ValueError, match="smaller than"):
         shm._mailbox.Mailbox(mapping, 2, 0, 128, OP_OBJECTS)
+    with pytest.raises(ValueError, match="bad layout"):  # 2 x (64 + 2 x 2**62) wraps to 128
+        shm._mailbox.Mailbox(mapping, 2, 0, 1 << 62, OP_OBJECTS)
     b.close()
     mapping.close()
 
