@@ -419,8 +419,9 @@ def _measure_compute(comm, local_rank, ranks_per_node, cfg, micro_batch, reps):
             t -= _time_median(spec[3], comm, reps, active=local_rank == 0, clock=time.thread_time)
         rates[name] = _rate(kind, units, max(t, 1e-9))
     ref = ReferenceRun(comm, cfg, micro_batch)
-    # interleaved rounds, medians; 4 rounds (5 before the balanced subsets made the k = half
-    # round 3 runs instead of 1): about the same run time, each round a mean of placements
+    # interleaved rounds, medians over them: 4 at the default reps = 5 (5 rounds before the
+    # balanced subsets made the k = half part of a round R - 1 runs instead of 1; 4 keeps the
+    # calibration's run time about the same), each round's k = half time a mean of placements
     busy_ms = ref.median_ms(ref.sample(max(4, reps - 1)))
     rates["ref_cpu_ms"] = ref.median_ms(ref.cpu)[1]
     # the same run at a quarter of the micro-batch, alone, interleaved with the full one: how the
