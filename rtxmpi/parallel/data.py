@@ -124,6 +124,88 @@ def build_buckets(params, bucket_bytes, itemsize):
     return buckets
 
 
+class BucketReducer:
+    """The bucket engine: launches each bucket's reduction over `group` as soon as every unit of
+    it is final during a backward, and completes the rest after it (PyTorch DDP's reducer, Li et
+    al., VLDB 2020). Used by DataParallel (units = parameters) and by each pipeline stage's dp
+    replicas (units = the stage's units; rtxmpi.parallel.pipeline.PipelineParallel).
+
+    buckets: from build_buckets (launch order; first/last are unit indices, start/stop element
+    offsets into grad). n_units: number of units (every unit lies in exactly one bucket).
+    grad: the 1-D contiguous gradient buffer; each bucket's slice grad[start:stop] is reduced in
+    place. group: the ProcessGroup to reduce over. op: the all_reduce op ("sum": the caller
+    applies its epilogue after finish(); "avg"). block_last: leave the bucket completed by the
+    backward's last unit to finish(), which reduces it with the blocking (faster) call: nothing
+    is left to overlap with it (DataParallel); False launches every bucket asynchronously as it
+    completes (the pipeline: sends and deferred weight gradients still follow its backward).
+
+    Attributes: launched (buckets launched asynchronously since the last arm()), reported (units
+    reported since the last arm()).
+
+    Collective: every rank of `group` arms, reports and finishes the same buckets; launch order
+    is fixed by unit index, never by arrival order, so the collectives match on every rank.
+    """
+
+    def __init__(self, buckets, n_units, grad, group, op="sum", block_last=True):
+        self.buckets, self.n_units, self.grad, self.group = buckets, n_units, grad, group
+        self.op, self.block_last = op, bool(block_last)
+        self._bucket_of = np.empty(n_units, np.int64)
+        for b in buckets:
+            self._bucket_of[b.first:b.last + 1] = b.index
+        self.armed, self.launched, self.reported = False, 0, 0
+
+    def arm(self):
+        """Start a backward: every bucket waits for all of its units again. Local."""
+        for b in self.buckets:
+            b.pending, b.work = b.num_params, None
+        self.armed, self.launched, self.reported = True, 0, 0
+
+    def ready(self, u):
+        """Unit u's gradient (an int index; its elements lie in its bucket's slice of grad) is final
+        for this backward; called once per unit between arm() and finish().
+
+        When the last pending unit of a bucket arrives its all_reduce starts asynchronously
+        (except, with block_last, when u is the backward's last unit), and every bucket in flight
+        is polled (Work.test) so it progresses while backward computes. Collective (async
+        all_reduce on the group); raises RtxmpiError when u is reported again after its bucket
+        was launched (a model or stage bug: the reduction would miss part of the gradient),
+        CollectiveTimeout through the polled Work, CollectiveMismatch in checking mode."""
+        bucket = self.buckets[self._bucket_of[u]]
+        if bucket.pending == 0:
+            raise RtxmpiError(f"unit {u} reported ready again after its bucket {bucket.index} "
+                              f"was launched; every unit must report exactly once per backward")
+        self.reported += 1
+        bucket.pending -= 1
+        if bucket.pending == 0 and not (self.block_last and self.reported == self.n_units):
+            bucket.work = self.group.all_reduce(self._view(bucket), op=self.op, async_op=True)
+            self.launched += 1
+        for b in self.buckets:  # let in-flight reductions progress while backward computes
+            if b.work is not None:
+                b.work.test()
+
+    def _view(self, bucket):
+        """The bucket's slice of grad: a 1-D contiguous view, reduced in place."""
+        return self.grad[bucket.start:bucket.stop]
+
+    def finish(self):
+        """After the backward: reduce the buckets not launched (blocking; all of them when not
+        armed), then wait for the launched ones; grad then holds the reduction. Collective on
+        the group; raises RtxmpiError (before any collective) when an armed backward reported
+        fewer than n_units units, CollectiveTimeout when a rank does not join in time."""
+        if self.armed and self.reported != self.n_units:
+            self.armed = False
+            raise RtxmpiError(f"backward reported {self.reported} of {self.n_units} unit "
+                              "gradients; every unit must report exactly once")
+        self.armed = False
+        for b in self.buckets:  # launch order: the one completed last (no work yet) is blocking
+            if b.work is None:
+                self.group.all_reduce(self._view(b), op=self.op)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+
+
 class DataParallel:
     """Wrap a model for data-parallel training over `group`.
 
@@ -149,12 +231,9 @@ class DataParallel:
         self.model, self.group = model, group
         self.bucket_bytes = int(bucket_bytes)
         self.buckets = build_buckets(model.params, self.bucket_bytes, model.flat_grad.itemsize)
-        self._bucket_of = np.empty(len(model.params), np.int64)
-        for b in self.buckets:
-            self._bucket_of[b.first:b.last + 1] = b.index
+        self.reducer = BucketReducer(self.buckets, len(model.params), model.flat_grad, group)
         self._sync = True
         self._synced = False  # a synchronized backward happened since the last step
-        self._ready_count = 0
         # after a synchronized multi-rank backward: 0-d bool array, True when an averaged
         # gradient is inf or NaN (identical on every rank, as the gradients are); else None
         self.nonfinite = None
@@ -197,56 +276,12 @@ class DataParallel:
             self.model.backward(cache, scale=scale)
             self._synced = self._synced or self._sync
             return
-        for b in self.buckets:
-            b.pending, b.work = b.num_params, None
-        self._ready_count = 0
-        self.model.backward(cache, scale=scale, grad_ready=self._grad_ready)
-        if self._ready_count != len(self.model.params):
-            raise RtxmpiError(f"backward reported {self._ready_count} of {len(self.model.params)} "
-                              "parameter gradients; every parameter must report exactly once")
-        self._finish()
-        self._synced = True
-
-    def _grad_ready(self, i):
-        """The model's grad_ready callback during a synchronized backward: parameter index i's
-        gradient (model.flat_grad[p.offset:p.offset + p.size]) is final for this backward.
-
-        Called by model.backward exactly once per parameter, in roughly reverse index order.
-        When the last pending parameter of a bucket arrives, its sum all_reduce over the group
-        starts asynchronously (except for the last bucket to complete, which _finish reduces
-        blocking); every bucket in flight is polled (Work.test) so it progresses during
-        backward. Buckets launch in an order fixed by index on every rank, so the collectives
-        match. Collective (async all_reduce on the group); raises CollectiveTimeout through
-        the polled Work, CollectiveMismatch in checking mode."""
-        self._ready_count += 1
-        bucket = self.buckets[self._bucket_of[i]]
-        bucket.pending -= 1
-        if bucket.pending == 0 and self._ready_count < len(self.model.params):
-            bucket.work = self.group.all_reduce(self._grad_view(bucket), op="sum", async_op=True)
-        for b in self.buckets:  # let in-flight reductions progress while backward computes
-            if b.work is not None:
-                b.work.test()
-
-    def _grad_view(self, bucket):
-        """The bucket's slice of model.flat_grad: a 1-D contiguous view, reduced in place."""
-        return self.model.flat_grad[bucket.start:bucket.stop]
-
-    def _finish(self):
-        """After backward: reduce the buckets not launched (blocking), wait for the others, then
-        the epilogue: flat_grad *= 1 / world_size (the average) and self.nonfinite (0-d bool
-        array of the model's array module, True when an averaged gradient is inf or NaN; the
-        same on every rank, as the gradients are). Collective on the group; raises
-        CollectiveTimeout when a rank does not join in time."""
-        # buckets in launch order: the one completed last (no work yet) is reduced blocking
-        for b in self.buckets:
-            if b.work is None:
-                self.group.all_reduce(self._grad_view(b), op="sum")
-        for b in self.buckets:
-            if b.work is not None:
-                b.work.wait()
-                b.work = None
+        self.reducer.arm()
+        self.model.backward(cache, scale=scale, grad_ready=self.reducer.ready)
+        self.reducer.finish()  # the bucket completed last is reduced blocking, then all awaited
         # the epilogue (rtxmpi.kernels; one fused pass on GPU): average, and flag inf/NaN
         _, self.nonfinite = grad_epilogue(self.model.flat_grad, 1.0 / self.group.world_size)
+        self._synced = True
 
     # -- optimizer step ---------------------------------------------------------------------
     def step(self, optimizer, lr=None):

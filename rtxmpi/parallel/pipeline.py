@@ -48,7 +48,7 @@ from ..nn.optim import AdamW, clip_grad_norm, grad_norm_sq
 from ..nn.params import bind, decay_mask, layout
 from ..observe import trace
 from . import tensor as tpl
-from .data import DEFAULT_BUCKET_BYTES, build_buckets
+from .data import DEFAULT_BUCKET_BYTES, BucketReducer, build_buckets
 from .hybrid import ParallelGPT
 from .pipeline_zero import STAGES as ZERO_STAGES
 from .pipeline_zero import StageZero
@@ -671,10 +671,13 @@ class PipelineParallel:
             raise ConfigError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         self.overlap_dp = bool(overlap_dp)
         self.buckets = stage_buckets(st.units, int(bucket_bytes), st.flat_grad.itemsize)
+        # DataParallel's bucket engine over the stage's units; every bucket launches async as it
+        # completes (sends and the deferred weight gradients still follow the last backward)
+        self.reducer = (BucketReducer(self.buckets, len(st.units), st.flat_grad, dp_group,
+                                      op="avg", block_last=False) if self._dp_active() else None)
         # the stage's last backward (micro-batch of the schedule's last B): its gradients are final
         # unit by unit during it, and the dp all_reduce of each bucket starts as soon as it is
         self._last_b = {op.chunk: op.micro_batch for op in self.schedule if op.kind == "B"}
-        self.dp_launched_in_backward = 0  # buckets whose all_reduce the last step started in B
         # the last stage's head and last-block MLP weight gradients run in its drain idle time
         self.deferred_w = (defer_weight_grads and type(st) is PipelineStage
                            and st.defer_weight_grads())
@@ -765,51 +768,32 @@ class PipelineParallel:
     def _dp_active(self):
         return self.dp_group is not None and self.dp_group.world_size > 1
 
+    @property
+    def dp_launched_in_backward(self):
+        """Buckets whose all_reduce the last step started during its backward (0 without dp)."""
+        return 0 if self.reducer is None else self.reducer.launched
+
     def _start_buckets(self):
-        """Arm the dp buckets for the stage's last backward of the step; returns the unit_ready
-        callback the stage's backward (and flush_weight_grads) calls.
+        """Arm the dp buckets (BucketReducer) for the stage's last backward of the step; returns
+        the unit_ready callback the stage's backward (and flush_weight_grads) calls.
 
         unit_ready(u): u an int index into stage.units; called once per unit per step, when that
         unit's gradient (all micro-batches accumulated) is final. When the last unit of a bucket
         arrives, that bucket's averaging all_reduce over dp_group starts (async_op; awaited in
         _finish_dp), and every bucket in flight is polled (test) so it progresses. Every dp
         replica launches the buckets in the same order (fixed by unit index), so the
-        collectives match. Raises RuntimeError when a unit is reported again after its bucket
+        collectives match. Raises RtxmpiError when a unit is reported again after its bucket
         was launched (a stage bug: it would reduce a partial gradient)."""
-        pending = {b.index: b.num_params for b in self.buckets}
-        bucket_of = {u: b for b in self.buckets for u in range(b.first, b.last + 1)}
-        grad, dp = self.stage.flat_grad, self.dp_group
-
-        self.dp_launched_in_backward = 0
-
-        def unit_ready(u):
-            b = bucket_of[u]
-            if pending[b.index] == 0:  # as DataParallel: an early launch would reduce a partial sum
-                raise RuntimeError(f"pipeline stage {self.stage.stage}: unit {u} reported ready "
-                                   f"again after bucket {b.index} was launched")
-            pending[b.index] -= 1
-            if pending[b.index] == 0:
-                b.work = dp.all_reduce(grad[b.start:b.stop], op="avg", async_op=True)
-                self.dp_launched_in_backward += 1
-            for other in self.buckets:  # let reductions in flight progress
-                if other.work is not None:
-                    other.work.test()
-        return unit_ready
+        self.reducer.arm()
+        return self.reducer.ready
 
     def _finish_dp(self):
         """Wait for every bucket's all_reduce (launch those not started: overlap_dp off); after
         it, flat_grad holds the dp average. Collective on dp_group (no-op without dp > 1);
-        raises CollectiveTimeout when a replica does not join in time."""
-        if not self._dp_active():
-            return
-        grad = self.stage.flat_grad
-        for b in self.buckets:
-            if b.work is None:
-                self.dp_group.all_reduce(grad[b.start:b.stop], op="avg")
-        for b in self.buckets:
-            if b.work is not None:
-                b.work.wait()
-                b.work = None
+        raises CollectiveTimeout when a replica does not join in time, RtxmpiError when the
+        armed backward reported fewer units than the stage has."""
+        if self.reducer is not None:
+            self.reducer.finish()
 
     def eval_loss(self, x, y):
         """Mean loss of a batch, forward only (every micro-batch forward in order, no backward,
