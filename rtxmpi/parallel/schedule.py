@@ -237,36 +237,78 @@ def build_schedule(name, micro_batches, stages, chunks=1):
     return lists
 
 
-# ------------------------------------------------------------------------------------- timing
+# ------------------------------------------------------------------------------------- execution
+def _walk(lists, visit):
+    """Run every stage's op list under the execution semantics of this module (sends never block;
+    a receive blocks until a message is on its channel (src, dst, kind, receiving chunk) and takes
+    the oldest), each stage in turn as far as it can go, until every stage has finished. The one
+    walk behind check_schedule (the checks) and replay (the timing).
+
+    visit(s, op, message): called as stage s executes op, in execution order; for a send it
+    returns the message's payload (any value), for a receive `message` is the payload of the send
+    it matched (None for other ops); it may raise ConfigError. Raises ConfigError when a receive's
+    oldest message is for another micro-batch (receives must follow the send order), and on a
+    deadlock (unfinished stages all wait on receives nobody will send; the error names each
+    stage's wait). Returns (rounds, left): the number of passes over the stages, and {channel:
+    [micro-batches sent but never received]} for the channels not emptied. Pure."""
+    p = len(lists)
+    channels = {}  # (src, dst, what, receiving chunk) -> deque of (micro-batch, payload)
+    pc, rounds = [0] * p, 0
+    while True:
+        progressed = False
+        for s in range(p):
+            ops = lists[s]
+            while pc[s] < len(ops):
+                op = ops[pc[s]]
+                if op.kind.startswith("recv_"):
+                    queue = channels.get((op.peer, s, op.kind[5:], op.chunk))
+                    if not queue:
+                        break  # blocked: nothing sent yet
+                    if queue[0][0] != op.micro_batch:
+                        raise ConfigError(f"stage {s}: {op} but the next {op.kind[5:]} message "
+                                          f"from stage {op.peer} is for micro-batch "
+                                          f"{queue[0][0]} (receives must follow the send order)")
+                    visit(s, op, queue.popleft()[1])
+                elif op.kind.startswith("send_"):
+                    payload = visit(s, op, None)
+                    to_chunk = receiving_chunk(op.kind, op.chunk, s, p)
+                    channels.setdefault((s, op.peer, op.kind[5:], to_chunk), deque()).append(
+                        (op.micro_batch, payload))
+                else:
+                    visit(s, op, None)
+                pc[s] += 1
+                progressed = True
+        rounds += 1
+        if all(pc[s] == len(lists[s]) for s in range(p)):
+            break
+        if not progressed:
+            waits = "; ".join(f"stage {s} waits at op {pc[s]} {lists[s][pc[s]]}"
+                              for s in range(p) if pc[s] < len(lists[s]))
+            raise ConfigError(f"pipeline schedule deadlocks: {waits}")
+    return rounds, {key: [i for i, _ in q] for key, q in channels.items() if q}
+
+
 def replay(lists, cost):
     """Makespan and per-stage busy time of op lists when each compute op of stage s takes
     cost[s][op.kind] seconds (F, B, and any other compute kind, e.g. a deferred "W") and messages
     are free: each op starts when its stage is free and (receives) its message was sent; the same
-    execution semantics as check_schedule (run that first: a broken schedule raises here only as
-    ConfigError "deadlocks"). Returns (makespan, [busy per stage]); the bubble fraction of stage s
-    is 1 - busy[s] / makespan. Pure."""
+    walk and execution semantics as check_schedule (_walk; run check_schedule first: a broken
+    schedule raises here only for a receive out of send order or a deadlock, as ConfigError).
+    Returns (makespan, [busy per stage]); the bubble fraction of stage s is
+    1 - busy[s] / makespan. Pure."""
     p = len(lists)
-    clock, pc, sent, busy = [0.0] * p, [0] * p, {}, [0.0] * p
-    while any(pc[s] < len(lists[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            while pc[s] < len(lists[s]):
-                op = lists[s][pc[s]]
-                if op.kind.startswith("recv_"):
-                    key = (op.peer, s, op.kind[5:], op.micro_batch, op.chunk)
-                    if key not in sent:
-                        break
-                    clock[s] = max(clock[s], sent[key])
-                elif op.kind.startswith("send_"):
-                    to_chunk = receiving_chunk(op.kind, op.chunk, s, p)
-                    sent[(s, op.peer, op.kind[5:], op.micro_batch, to_chunk)] = clock[s]
-                else:
-                    clock[s] += cost[s][op.kind]
-                    busy[s] += cost[s][op.kind]
-                pc[s] += 1
-                progressed = True
-        if not progressed:
-            raise ConfigError("pipeline schedule deadlocks (replay)")
+    clock, busy = [0.0] * p, [0.0] * p
+
+    def visit(s, op, message):
+        if op.kind.startswith("recv_"):
+            clock[s] = max(clock[s], message)  # message: the sender's clock at the send
+        elif op.kind.startswith("send_"):
+            return clock[s]
+        else:
+            clock[s] += cost[s][op.kind]
+            busy[s] += cost[s][op.kind]
+
+    _walk(lists, visit)
     return max(clock), busy
 
 
@@ -305,64 +347,37 @@ def check_schedule(lists, micro_batches, chunks=1):
                 if not 0 <= c <= last or op.peer != c % p:
                     want = c % p if 0 <= c <= last else "none (no such virtual stage)"
                     raise ConfigError(f"stage {s}: {op} must have peer {want}")
-    channels = {}  # (src, dst, what, receiving chunk) -> deque of micro-batches sent, not received
-    pc = [0] * p
     done = [{"F": set(), "B": set(), "act": set(), "grad": set()} for _ in range(p)]
-    rounds = 0
-    while True:
-        progressed = False
-        for s in range(p):
-            ops, state = lists[s], done[s]
-            while pc[s] < len(ops):
-                op = ops[pc[s]]
-                kind, v = op.kind, op.chunk
-                i, c = (op.micro_batch, v), v * p + s  # (micro-batch, chunk); virtual stage
-                name = f"micro-batch {op.micro_batch}" + (f" chunk {v}" if V > 1 else "")
-                if kind.startswith("recv_"):
-                    what = kind[5:]
-                    queue = channels.get((op.peer, s, what, v))
-                    if not queue:
-                        break  # blocked: nothing sent yet
-                    if queue[0] != op.micro_batch:
-                        raise ConfigError(f"stage {s}: {op} but the next {what} message from "
-                                          f"stage {op.peer} is for micro-batch {queue[0]} "
-                                          f"(receives must follow the send order)")
-                    queue.popleft()
-                    if i in state[what]:
-                        raise ConfigError(f"stage {s}: {what} of {name} received twice")
-                    state[what].add(i)
-                elif kind.startswith("send_"):
-                    what = kind[5:]
-                    producer = "F" if what == "act" else "B"
-                    if i not in state[producer]:
-                        raise ConfigError(f"stage {s}: {op} before {producer}({name}) produced it")
-                    to_chunk = receiving_chunk(kind, v, s, p)
-                    channels.setdefault((s, op.peer, what, to_chunk), deque()).append(
-                        op.micro_batch)
-                elif kind == "F":
-                    if i in state["F"]:
-                        raise ConfigError(f"stage {s}: F({name}) runs twice")
-                    if c > 0 and i not in state["act"]:
-                        raise ConfigError(f"stage {s}: F({name}) before its activation was "
-                                          "received")
-                    state["F"].add(i)
-                else:  # B
-                    if i in state["B"]:
-                        raise ConfigError(f"stage {s}: B({name}) runs twice")
-                    if i not in state["F"]:
-                        raise ConfigError(f"stage {s}: B({name}) before F({name})")
-                    if c < last and i not in state["grad"]:
-                        raise ConfigError(f"stage {s}: B({name}) before its gradient was received")
-                    state["B"].add(i)
-                pc[s] += 1
-                progressed = True
-        rounds += 1
-        if all(pc[s] == len(lists[s]) for s in range(p)):
-            break
-        if not progressed:
-            waits = "; ".join(f"stage {s} waits at op {pc[s]} {lists[s][pc[s]]}"
-                              for s in range(p) if pc[s] < len(lists[s]))
-            raise ConfigError(f"pipeline schedule deadlocks: {waits}")
+
+    def visit(s, op, message):
+        state, kind, v = done[s], op.kind, op.chunk
+        i, c = (op.micro_batch, v), v * p + s  # (micro-batch, chunk); virtual stage
+        name = f"micro-batch {op.micro_batch}" + (f" chunk {v}" if V > 1 else "")
+        if kind.startswith("recv_"):
+            what = kind[5:]
+            if i in state[what]:
+                raise ConfigError(f"stage {s}: {what} of {name} received twice")
+            state[what].add(i)
+        elif kind.startswith("send_"):
+            producer = "F" if kind == "send_act" else "B"
+            if i not in state[producer]:
+                raise ConfigError(f"stage {s}: {op} before {producer}({name}) produced it")
+        elif kind == "F":
+            if i in state["F"]:
+                raise ConfigError(f"stage {s}: F({name}) runs twice")
+            if c > 0 and i not in state["act"]:
+                raise ConfigError(f"stage {s}: F({name}) before its activation was received")
+            state["F"].add(i)
+        else:  # B
+            if i in state["B"]:
+                raise ConfigError(f"stage {s}: B({name}) runs twice")
+            if i not in state["F"]:
+                raise ConfigError(f"stage {s}: B({name}) before F({name})")
+            if c < last and i not in state["grad"]:
+                raise ConfigError(f"stage {s}: B({name}) before its gradient was received")
+            state["B"].add(i)
+
+    rounds, left = _walk(lists, visit)
     for s in range(p):
         for what in ("F", "B"):
             missing = sorted(set((i, v) for i in range(m) for v in range(V)) - done[s][what])
@@ -370,7 +385,6 @@ def check_schedule(lists, micro_batches, chunks=1):
                 where = [i for i, _ in missing] if V == 1 else missing
                 raise ConfigError(f"stage {s} never runs {what} of micro-batches {where}"
                                   + (" (micro-batch, chunk)" if V > 1 else ""))
-    left = {key: list(q) for key, q in channels.items() if q}
     if left:
         (src, dst, what, _), mbs = next(iter(left.items()))
         raise ConfigError(f"pipeline schedule sends {what} of micro-batches {mbs} from stage {src} "
