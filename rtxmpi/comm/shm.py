@@ -525,10 +525,11 @@ class NodeAllReduce:
         # installed extension) are its own
         ordered = comm.allreduce(ordered, op=MPI.LAND)
         compiled = comm.allreduce(ordered and _mailbox is not None, op=MPI.LAND)
-        small = max(config.small_threshold, 0) // 8 * 8 if ordered else 0
+        # slots in whole cache lines, so every rank's flag line starts one (FLAG_BYTES)
+        small = max(config.small_threshold, 0) // FLAG_BYTES * FLAG_BYTES if ordered else 0
         small = comm.allreduce(small if compiled else min(small, NUMPY_SMALL_BYTES), op=MPI.MIN)
         if config.small_bytes is None:  # the default: less per message as local ranks add reads
-            small = min(small, MAILBOX_READ_BYTES // local_size // 8 * 8)
+            small = min(small, MAILBOX_READ_BYTES // local_size // FLAG_BYTES * FLAG_BYTES)
         box = _map_arena(node, comm, local_size * (FLAG_BYTES + 2 * small)) if ordered else None
         if box is not None:
             np.frombuffer(box, np.uint8).fill(0)  # every rank touches it all: flags start at 0

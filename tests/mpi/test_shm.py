@@ -75,7 +75,7 @@ def mailbox_possible(local_size, compiled=shm._mailbox is not None):
 
 def mailbox_bytes(local_size):
     """The default mailbox size of a node of `local_size` ranks."""
-    return min(shm.DEFAULT_SMALL_BYTES, shm.MAILBOX_READ_BYTES // local_size // 8 * 8)
+    return min(shm.DEFAULT_SMALL_BYTES, shm.MAILBOX_READ_BYTES // local_size // 64 * 64)
 
 
 def expected_engine(group, layout):
