@@ -457,23 +457,63 @@ def _check_rank(dp_rank, dp_size):
     return int(dp_rank)
 
 
-def batch_split(global_batch, dp_size, what="global batch"):
+def even_split(n, parts):
+    """n items in `parts` contiguous parts, as even as possible, the first n % parts one larger
+    (8 in 3 -> [3, 3, 2]; the sizes np.array_split gives). The one split rule of a global batch:
+    over data-parallel ranks (batch_split) and of a rank's batch into micro-batches
+    (micro_batch_split). Returns a list of `parts` ints. Pure; no checks (parts >= 1)."""
+    base, extra = divmod(n, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def batch_split(global_batch, dp_size, what="global batch", *, equal=False):
     """Samples of each data-parallel rank in one global batch: as even as possible, the first
     global_batch % dp_size ranks one more (8 over 3 ranks -> [3, 3, 2]; 8 over 4 -> [2, 2, 2, 2]).
 
     Rank r reads the samples [sum(sizes[:r]), sum(sizes[:r + 1])) of the batch, so the ranks'
     slices in rank order are the global batch in its one-process order at any dp_size. With an
     uneven split each rank's gradient must be weighted by its samples
-    (rtxmpi.parallel.data.grad_scale). Returns a list of dp_size ints, each >= 1.
-    Raises ConfigError when global_batch < dp_size (a rank would get no sample).
+    (rtxmpi.parallel.data.grad_scale). equal=True: the pipeline's rule (its stages exchange
+    fixed-shape activations, rtxmpi.parallel.pipeline): every rank the same batch. Returns a list
+    of dp_size ints, each >= 1. Raises ConfigError when global_batch < dp_size (a rank would get
+    no sample), and with equal when dp_size does not divide global_batch. Local (pure); the
+    planner (rtxmpi.parallel.planner) and the elastic re-plan ask this rule, never restate it.
     """
     global_batch, dp_size = _check_int(what, global_batch, 1), _check_int("dp_size", dp_size, 1)
     if global_batch < dp_size:
         raise ConfigError(f"{what} {global_batch} is smaller than the data-parallel size "
                           f"{dp_size}: a rank would get no sample; use a {what} of at least "
                           f"{dp_size}")
-    base, extra = divmod(global_batch, dp_size)
-    return [base + (r < extra) for r in range(dp_size)]
+    sizes = even_split(global_batch, dp_size)
+    if equal and global_batch % dp_size:
+        raise ConfigError(f"{what} {global_batch} over dp {dp_size} gives per-rank batches of "
+                          f"{', '.join(map(str, sizes))}: a pipeline needs them equal; use a "
+                          f"{what} divisible by {dp_size}")
+    return sizes
+
+
+def micro_batch_split(global_batch, dp_size, micro_batches, what="global batch", *, equal=False):
+    """Samples in each micro-batch of each data-parallel rank for one global batch: rank r's
+    batch_split(global_batch, dp_size)[r] samples cut into `micro_batches` contiguous micro-batches
+    by even_split (the first ones one larger; rtxmpi.parallel.data.weighted_micro_batches cuts a
+    rank's batch so and weights each by its samples). equal=True: the pipeline's rule, every rank
+    and every micro-batch the same size (batch_split's equal, and micro_batches divides the
+    per-rank batch). Returns a list of dp_size lists of micro_batches ints, each >= 1; [0][0] is
+    the largest micro-batch. Raises ConfigError for what batch_split refuses, when the smallest
+    rank's batch (global_batch // dp_size) holds fewer than micro_batches samples, and with equal
+    when micro_batches does not divide the per-rank batch. Local (pure).
+    """
+    sizes = batch_split(global_batch, dp_size, what, equal=equal)
+    m = _check_int("micro_batches", micro_batches, 1)
+    if sizes[-1] < m:
+        raise ConfigError(f"a {what} of {global_batch} over {dp_size} data-parallel ranks "
+                          f"leaves {sizes[-1]} samples on the smallest rank, fewer than {m} "
+                          f"micro-batches; use fewer --micro-batches or a larger {what}")
+    if equal and sizes[0] % m:
+        raise ConfigError(f"the per-rank batch {sizes[0]} ({what} {global_batch} over dp "
+                          f"{dp_size}) is not divisible by {m} micro-batches: a pipeline needs "
+                          f"them equal; use a {what} that is a multiple of {dp_size * m}")
+    return [even_split(b, m) for b in sizes]
 
 
 def _check_tokens(tokens, seq_len, what):

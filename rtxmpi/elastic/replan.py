@@ -18,6 +18,7 @@ may split unevenly over dp (docs/elastic.md) and the micro-batches are capped at
 per-rank batch. Tensor parallelism is kept longest because a tp group is the most tightly coupled
 (collectives in every layer) and usually the reason for the layout (the model's memory).
 """
+from ..data import micro_batch_split
 from ..errors import ConfigError
 from ..parallel.hybrid import check_layout as runtime_check
 from ..parallel.pipeline import auto_micro_batches, check_pipeline
@@ -51,13 +52,12 @@ def _model_reason(cfg, tp, pp, sp):
 
 
 def _batch_reason(global_batch, dp, pp, micro_batches):
-    if pp > 1 and global_batch % dp:
-        return f"the pipeline needs the global batch {global_batch} divisible by dp {dp}"
-    if pp > 1 and (global_batch // dp) % micro_batches:
-        return (f"the pipeline needs the per-rank batch {global_batch // dp} divisible by "
-                f"{micro_batches} micro-batches")
-    if global_batch < dp:
-        return f"global batch {global_batch} < dp {dp}: a rank without samples"
+    """None when the runtime splits the batch so (rtxmpi.data.micro_batch_split, the pipeline's
+    equal rule when pp > 1), else its reason."""
+    try:
+        micro_batch_split(global_batch, dp, micro_batches, equal=pp > 1)
+    except ConfigError as exc:
+        return str(exc)
     return None
 
 

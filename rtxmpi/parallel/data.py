@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..control import join_batches, raise_if_any_failed
+from ..data import even_split, micro_batch_split
 from ..errors import ConfigError, RtxmpiError
 from ..kernels import grad_epilogue
 
@@ -64,23 +65,22 @@ def weighted_micro_batches(x, y, micro_batches, global_batch, dp_size):
     x, y: (b, T) this rank's samples of a global batch of `global_batch` samples over `dp_size`
     data-parallel ranks (b = rtxmpi.data.batch_split(global_batch, dp_size)[dp_rank]; it may
     differ between ranks). Yields `micro_batches` tuples (x_m, y_m, scale, weight): x_m, y_m are
-    np.array_split rows (sizes differ by at most one), scale = grad_scale(len(x_m), global_batch,
+    contiguous rows split by rtxmpi.data.even_split (sizes differ by at most one, the first ones
+    larger: the rule rtxmpi.data.micro_batch_split states), scale = grad_scale(len(x_m), global_batch,
     dp_size) is the backward scale, and weight = scale * micro_batches (computed exactly, as a
     ratio of ints) weights the micro-batch's mean loss: sum_m weight * loss_m / micro_batches,
     averaged over the dp ranks, is the mean loss over the global batch. With an even split
     (global_batch = dp_size * micro_batches * n) scale = 1.0 / micro_batches and weight = 1.0
     exactly, so the even case is the plain average bit for bit. Full global batches only (the
     weights assume `global_batch` samples in all). Local.
-    Raises ConfigError when the smallest rank's batch, global_batch // dp_size, is below
-    micro_batches (decided from shared values, so on every rank alike).
+    Raises ConfigError when rtxmpi.data.micro_batch_split refuses the split (the smallest rank's
+    batch, global_batch // dp_size, below micro_batches; global_batch < dp_size), decided from
+    shared values, so on every rank alike.
     """
-    if global_batch // dp_size < micro_batches:
-        raise ConfigError(f"a global batch of {global_batch} over {dp_size} data-parallel ranks "
-                          f"leaves {global_batch // dp_size} samples on the smallest rank, fewer "
-                          f"than {micro_batches} micro-batches; use fewer --micro-batches or a "
-                          f"larger global batch")
-    for x_m, y_m in zip(np.array_split(x, micro_batches), np.array_split(y, micro_batches)):
-        n = len(x_m)
+    micro_batch_split(global_batch, dp_size, micro_batches)  # the rule; raises ConfigError
+    start = 0
+    for n in even_split(len(x), micro_batches):
+        x_m, y_m, start = x[start:start + n], y[start:start + n], start + n
         yield (x_m, y_m, grad_scale(n, global_batch, dp_size),
                n * dp_size * micro_batches / global_batch)
 

@@ -13,8 +13,9 @@ of all_reduce, all_gather, reduce_scatter, all_to_all and send/recv inside and a
 Enumeration (`enumerate_layouts`): every dp * tp * pp * sp == world_size, every micro-batch count m
 dividing the per-rank batch (global_batch / dp), ZeRO stages 0-3 and, when pp > 1, the GPipe and
 1F1B schedules. `check_layout` says why a candidate is invalid (one reason, a sentence):
-n_head % (tp * sp), vocab_size % tp, seq_len % sp, n_layer < pp, global_batch % dp, per-rank batch
-% m, 1F1B with m < pp, ZeRO with dp * sp == 1 (nothing to shard), offload without ZeRO, and what
+n_head % (tp * sp), vocab_size % tp, seq_len % sp, n_layer < pp, the batch split the runtime
+refuses (rtxmpi.data.batch_split / micro_batch_split: global_batch < dp, smallest per-rank batch
+< m, and with pp > 1 global_batch % dp or per-rank batch % m), 1F1B with m < pp, ZeRO with dp * sp == 1 (nothing to shard), offload without ZeRO, and what
 the runtime cannot run yet (`supported`: the runtime's own checks decide which ZeRO stages compose
 with tp / pp / sp); then `estimate` rejects what does not fit in memory.
 
@@ -63,6 +64,7 @@ Pure: nothing here communicates.
 import math
 from dataclasses import dataclass, field
 
+from ..data import batch_split, micro_batch_split
 from ..errors import ConfigError
 from ..nn.gpt import GPTConfig, param_layout
 from .calibrate import HardwareProfile
@@ -248,7 +250,10 @@ def enumerate_layouts(world_size, global_batch, max_micro_batches=32, zero_stage
     `offloads` (a subset of OFFLOADS; stage 0 has no offload)."""
     out = []
     for dp, tp, pp, sp in factorizations(world_size):
-        local = global_batch // dp if global_batch % dp == 0 or pp == 1 else 0
+        try:  # the smallest rank's batch (rtxmpi.data's rule; a pipeline needs it even)
+            local = batch_split(global_batch, dp, equal=pp > 1)[-1]
+        except ConfigError:
+            local = 0
         micro = [m for m in _divisors(local) if m <= max_micro_batches] if local else [1]
         for m in micro:
             for z in zero_stages:
@@ -297,15 +302,14 @@ def check_layout(cfg, layout, global_batch, world_size, supported=default_suppor
         return f"sequence: seq_len {cfg.seq_len} not divisible by sp {sp}"
     if cfg.n_layer < pp:
         return f"layers: n_layer {cfg.n_layer} < pp {pp} (every stage needs a block)"
-    if global_batch < dp:
-        return f"batch: global batch {global_batch} < dp {dp} (a rank would get no sample)"
-    if global_batch % dp and pp > 1:
-        return (f"batch: global batch {global_batch} not divisible by dp {dp} (a pipeline needs "
-                f"equal per-rank batches)")
-    if global_batch % dp == 0 and (global_batch // dp) % m:
-        return f"micro-batches: per-rank batch {global_batch // dp} not divisible by {m}"
-    if global_batch // dp < m:
-        return f"micro-batches: smallest per-rank batch {global_batch // dp} < {m}"
+    try:  # the data module's split rule (rtxmpi.data): what the runtime runs, never restated
+        batch_split(global_batch, dp, equal=pp > 1)
+    except ConfigError as exc:
+        return f"batch: {exc}"
+    try:
+        micro_batch_split(global_batch, dp, m, equal=pp > 1)
+    except ConfigError as exc:
+        return f"micro-batches: {exc}"
     if pp > 1 and L.schedule not in SCHEDULES:
         return f"schedule: unknown pipeline schedule {L.schedule!r}"
     if L.schedule == "1f1b" and m < pp:
@@ -343,9 +347,10 @@ def _stage_params(cfg, pp):
 
 
 def _micro_batch(global_batch, L):
-    """Samples in the largest micro-batch of the busiest rank, which paces the step:
-    ceil(ceil(global_batch / dp) / micro_batches) (global_batch / dp / micro_batches when even)."""
-    return -(-(-(-global_batch // L.dp)) // L.micro_batches)
+    """Samples in the largest micro-batch of the busiest rank, which paces the step: rank 0's
+    first micro-batch under rtxmpi.data.micro_batch_split (global_batch / dp / micro_batches
+    when even). Raises ConfigError for a split the runtime refuses (check_layout first)."""
+    return micro_batch_split(global_batch, L.dp, L.micro_batches)[0][0]
 
 
 class _Costs:

@@ -62,7 +62,7 @@ def test_enumeration_has_micro_batches_dividing_the_per_rank_batch():
     (Layout(1, 8, 1, 1), "world size"),
     (Layout(1, 1, 1, 8), "heads"),
     (Layout(1, 1, 8, 1), "layers"),
-    (Layout(2, 1, 1, 1, 3), "micro-batches"),
+    (Layout(2, 1, 1, 1, 17), "micro-batches"),
     (Layout(1, 1, 2, 1, 1, 0, "1f1b"), "1f1b"),
     (Layout(1, 1, 1, 1, 1, 2), "zero"),
 ])
@@ -85,6 +85,11 @@ def test_batch_vocab_and_sequence_rules():
     assert check_layout(CFG, Layout(3, 1, 1, 1, micro_batches=2), 32, 3, None) is None
     assert check_layout(CFG, Layout(3, 1, 2, 1, 2, 0, "gpipe"), 32, 6, None).startswith("batch")
     assert check_layout(CFG, Layout(3, 1, 1, 1, 11), 32, 3, None).startswith("micro-batches")
+    # rtxmpi.data.micro_batch_split's rule, as the runtime runs it: without a pipeline a rank's
+    # batch may split into unequal micro-batches (16 into 6, 5, 5), a pipeline needs them equal
+    assert check_layout(CFG, Layout(2, 1, 1, 1, 3), 32, 2, None) is None
+    assert check_layout(CFG, Layout(2, 1, 2, 1, 3, 0, "gpipe"), 32, 4, None).startswith(
+        "micro-batches: the per-rank batch 16 (global batch 32 over dp 2) is not divisible by 3")
 
 
 def test_valid_target_layouts_pass_without_runtime_limits():

@@ -42,12 +42,14 @@ def test_without_a_pipeline_the_global_batch_may_split_unevenly():
     assert layout.degrees == (3, 1, 1, 1)
     layout, _, why = replan(6, SMALL, 8, pp=2, micro_batches=2)  # a pipeline needs it even
     assert layout.degrees == (6, 1, 1, 1) and layout.micro_batches == 1  # 1 or 2 samples a rank
-    assert why == "dp3 tp1 pp2 sp1 m2 z0 1f1b: the pipeline needs the global batch 8 divisible by dp 3"
+    assert why == ("dp3 tp1 pp2 sp1 m2 z0 1f1b: global batch 8 over dp 3 gives per-rank batches "
+                   "of 3, 3, 2: a pipeline needs them equal; use a global batch divisible by 3")
 
 
 def test_nothing_fits_is_a_config_error_naming_every_candidate():
     with pytest.raises(ConfigError, match="no parallel layout fits 3 ranks .elastic re-plan.*n_head 2 is not "
-                                          "divisible by tp . sp = 3.*global batch 2 < dp 3"):
+                                          "divisible by tp . sp = 3.*global batch 2 is smaller "
+                                          "than the data-parallel size 3"):
         replan(3, TINY, 2, tp=3)
 
 
