@@ -52,7 +52,8 @@ from rtxmpi.backend import array_module, to_host
 from rtxmpi.checkpoint import Shard, latest_step, load_checkpoint, save_checkpoint
 from rtxmpi.checkpoint.agree import raise_if_any_failed
 from rtxmpi.control import agree
-from rtxmpi.data import BatchSampler, batch_split, decode, encode, eval_batches, load_corpus
+from rtxmpi.data import (BatchSampler, batch_split, decode, encode, eval_batches, load_corpus,
+                         micro_batch_split)
 from rtxmpi.errors import CheckpointError, ConfigError
 from rtxmpi.observe.observer import Observer
 from rtxmpi.nn import (GPT, MODEL_SIZES, AdamW, GPTConfig, clip_grad_norm, cosine_lr, decay_mask,
@@ -282,19 +283,12 @@ def check_batch_split(args, dp):
     """The global batch over dp ranks (rtxmpi.data.batch_split): any dp up to the global batch,
     split as evenly as possible (8 over 3: 3, 3, 2) and weighted by samples
     (rtxmpi.parallel.data.weighted_micro_batches), so the step's math is the same at every world
-    size; the pipeline needs equal per-rank batches divisible by --micro-batches. Returns the
-    per-rank sizes. Raises ConfigError naming the numbers."""
-    sizes = batch_split(args.global_batch, dp, "--global-batch")
-    split = ", ".join(map(str, sizes)) if len(set(sizes)) > 1 else f"{sizes[0]} each"
-    if args.pp > 1 and (len(set(sizes)) > 1 or sizes[0] % args.micro_batches):
-        raise ConfigError(f"--global-batch {args.global_batch} over dp {dp} gives per-rank batches "
-                          f"of {split}: the pipeline (--pp {args.pp}) needs them equal and divisible "
-                          f"by --micro-batches {args.micro_batches}; use a multiple of "
-                          f"{dp * args.micro_batches}")
-    if min(sizes) < args.micro_batches:
-        raise ConfigError(f"the per-rank batch {min(sizes)} (--global-batch {args.global_batch} over "
-                          f"dp {dp}: {split}) is smaller than --micro-batches {args.micro_batches}")
-    return sizes
+    size; the pipeline needs equal per-rank batches divisible by --micro-batches (the rule:
+    rtxmpi.data.micro_batch_split). Returns the per-rank sizes. Raises ConfigError naming the
+    numbers."""
+    micro_batch_split(args.global_batch, dp, args.micro_batches, "--global-batch",
+                      equal=args.pp > 1)
+    return batch_split(args.global_batch, dp, "--global-batch")
 
 
 def load_data(world, args):
