@@ -90,6 +90,7 @@ import os
 import platform
 import sys
 import tempfile
+import warnings
 
 import numpy as np
 from mpi4py import MPI
@@ -114,6 +115,7 @@ DEFAULT_SMALL_BYTES = (1 << 20) if _mailbox is not None else NUMPY_SMALL_BYTES
 MAILBOX_READ_BYTES = 2 << 20
 DEFAULT_CHUNK_BYTES = 256 << 10
 MIN_CHUNK_BYTES = 4 << 10
+MAX_BUFFER_BYTES = 256 << 20  # largest mailbox slot or chunk a setting may ask for
 BUFFERS = 3  # triple buffering: one barrier per chunk (see the module docstring)
 NEVER = sys.maxsize  # min_bytes when the path is off
 FLAG_BYTES = 64  # one cache line per local rank for its mailbox flag
@@ -168,16 +170,17 @@ class ShmConfig:
     @classmethod
     def from_env(cls, environ=os.environ):
         """Parse RTXMPI_SHM* variables. Raises ConfigError naming the variable and the value."""
-        def integer(name, default, low):
+        def integer(name, default, low, high=NEVER):
             text = environ.get(name)
             if text is None or not text.strip():
                 return default
             try:
                 value = int(text.strip())
             except ValueError:
-                raise ConfigError(f"{name}={text!r} is not an integer") from None
-            if value < low:
-                raise ConfigError(f"{name}={text!r} must be >= {low}")
+                raise ConfigError(f"{name}={text!r} is not an integer (bytes)") from None
+            if not low <= value <= high:
+                raise ConfigError(f"{name}={text!r} must be >= {low}"
+                                  + (f" and <= {high}" if high < NEVER else ""))
             return value
 
         def flag(name):
@@ -186,10 +189,11 @@ class ShmConfig:
                 raise ConfigError(f"{name}={environ[name]!r}: use 1 (on, default) or 0 (off)")
             return text not in ("0", "false", "no", "off")
 
-        chunk = integer("RTXMPI_SHM_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES)
+        chunk = integer("RTXMPI_SHM_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES,
+                        MAX_BUFFER_BYTES)
         return cls(enabled=flag("RTXMPI_SHM"), cma=flag("RTXMPI_SHM_CMA"),
                    min_bytes=integer("RTXMPI_SHM_MIN_BYTES", DEFAULT_MIN_BYTES, 0),
-                   small_bytes=integer("RTXMPI_SHM_SMALL_BYTES", None, 0),
+                   small_bytes=integer("RTXMPI_SHM_SMALL_BYTES", None, 0, MAX_BUFFER_BYTES),
                    chunk_bytes=chunk - chunk % 8,
                    node_size=integer("RTXMPI_SHM_NODE_SIZE", None, 1))
 
@@ -394,7 +398,7 @@ def _map_arena(node, comm, total):
                 _reserve(fd, total)
             finally:
                 os.close(fd)
-        except OSError:
+        except (OSError, OverflowError):
             if path is not None:
                 os.unlink(path)
             ok, path = False, None
@@ -530,7 +534,13 @@ class NodeAllReduce:
         small = comm.allreduce(small if compiled else min(small, NUMPY_SMALL_BYTES), op=MPI.MIN)
         if config.small_bytes is None:  # the default: less per message as local ranks add reads
             small = min(small, MAILBOX_READ_BYTES // local_size // FLAG_BYTES * FLAG_BYTES)
-        box = _map_arena(node, comm, local_size * (FLAG_BYTES + 2 * small)) if ordered else None
+        total = local_size * (FLAG_BYTES + 2 * small)
+        box = _map_arena(node, comm, total) if ordered else None
+        if ordered and box is None and comm.Get_rank() == 0:  # the same on every rank
+            warnings.warn(f"rtxmpi: /dev/shm could not hold the all_reduce mailbox ({total} bytes "
+                          f"for {local_size} local ranks); all_reduce up to {small} bytes uses "
+                          "MPI instead (a smaller RTXMPI_SHM_SMALL_BYTES, or a larger /dev/shm, "
+                          "brings it back)", RuntimeWarning, stacklevel=2)
         if box is not None:
             np.frombuffer(box, np.uint8).fill(0)  # every rank touches it all: flags start at 0
             node.Barrier()

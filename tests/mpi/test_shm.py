@@ -363,6 +363,8 @@ def test_default_sizes_choose_mailbox_mpi_and_cross_memory_paths(world):
     ({"RTXMPI_SHM_MIN_BYTES": "1M"}, "RTXMPI_SHM_MIN_BYTES='1M' is not an integer"),
     ({"RTXMPI_SHM_CHUNK_BYTES": "100"}, "RTXMPI_SHM_CHUNK_BYTES='100' must be >= 4096"),
     ({"RTXMPI_SHM_NODE_SIZE": "0"}, "RTXMPI_SHM_NODE_SIZE='0' must be >= 1"),
+    ({"RTXMPI_SHM_SMALL_BYTES": "999999999999999999999"}, "must be >= 0 and <= 268435456"),
+    ({"RTXMPI_SHM_CHUNK_BYTES": "1e6"}, "RTXMPI_SHM_CHUNK_BYTES='1e6' is not an integer"),
 ])
 def test_bad_settings_raise_config_error(env, message):
     from rtxmpi.errors import ConfigError
@@ -421,3 +423,26 @@ def test_close_unmaps_the_mailbox(world):
     box = engine._box_mm
     engine.close()
     assert box.closed
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_dev_shm_too_small_for_the_mailbox_warns_and_uses_mpi(world, monkeypatch):
+    import errno
+    import warnings
+
+    if not mailbox_possible(world.world_size):
+        pytest.skip("no mailbox on this node (more ranks than cores)")
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", full)
+    group = world.split(0)
+    group.check = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x, expected = inputs(group, 16, "float32", "sum")
+        assert_exact(group.all_reduce(x), expected)  # MPI's path, still right
+    assert group.backend._shm.small_bytes == -1
+    said = [str(w.message) for w in caught if "could not hold the all_reduce mailbox" in str(w.message)]
+    assert len(said) == (1 if group.rank == 0 else 0), said
