@@ -350,17 +350,9 @@ def side_by_side(cells, g):
 
 def shm_line(g):
     """How rtxmpi's all_reduce ran: the shared-memory path's settings and mode (comm/shm.py)."""
-    config, engine = g.backend.shm_config, g.backend._shm
-    if not config.enabled:
-        return "off (RTXMPI_SHM=0): MPI's Allreduce at every size"
-    if not engine:
-        return (f"not used (from {format_bytes(config.min_bytes)}; "
-                + ("no message reached it)" if engine is None else "one rank per node)"))
-    mailbox = (f"mailbox up to {format_bytes(engine.small_bytes)}, " if engine.small_bytes >= 0
-               else "no mailbox, ")
-    return (f"{mailbox}mode {engine.mode} from {format_bytes(config.min_bytes)} (between: MPI), "
-            f"chunk {format_bytes(config.chunk_bytes)}, {engine.local_size} local ranks x "
-            f"{engine.nodes} node(s); RTXMPI_SHM=0 turns it off")
+    from rtxmpi.comm import shm
+
+    return shm.describe(g.backend, format_bytes)
 
 
 # -- --paths: every all_reduce algorithm of rtxmpi forced at every size (the thresholds) -------------
@@ -441,7 +433,10 @@ def parse_args(argv):
                    help="all_reduce only: time each rtxmpi algorithm (mailbox, cross-memory, MPI) "
                         "forced at every size against raw, to place the thresholds")
     args = p.parse_args(argv)
-    args.sizes = parse_sizes(args.sizes)
+    try:
+        args.sizes = parse_sizes(args.sizes)
+    except ValueError as exc:
+        p.error(f"--sizes: {exc}")
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     bad = [op for op in args.ops if op not in OPS]
     if bad or not args.ops:

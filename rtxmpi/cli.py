@@ -66,6 +66,24 @@ def _thread_level():
     return str(level)
 
 
+def _all_reduce_paths(group):
+    """What the world's blocking all_reduce runs on a node (comm/shm.py), after one small
+    all_reduce builds it (collective)."""
+    import numpy as np
+
+    from .comm import shm
+
+    if group.world_size == 1:
+        return "one rank: no transfer"
+    if not hasattr(group.backend, "shm_config"):
+        return f"{group.backend.name} backend"
+    group.all_reduce(np.zeros(1, np.float32))
+    text = shm.describe(group.backend, lambda n: f"{n} bytes")
+    if shm._mailbox is None:
+        text += " (the compiled mailbox was not built: pip install rebuilds it)"
+    return text
+
+
 def cmd_info(args):
     """Print versions, the MPI library and thread level, world size, hosts, local ranks, GPUs."""
     from mpi4py import MPI
@@ -90,19 +108,17 @@ def cmd_info(args):
     rows = MPI.COMM_WORLD.gather(row, root=0) if size > 1 and warning is None else [row]
     slurm = MPI.COMM_WORLD.gather(slurm_env(), root=0) if size > 1 and warning is None else [slurm_env()]
     topo = None
+    shm_text = "not known (rtxmpi.init failed, see the warning)"
     if warning is None:  # collective: GPUs, links, InfiniBand, NUMA of every host
         from .topology import discover
         topo = discover(group, calibrate=args.calibrate)
+        shm_text = _all_reduce_paths(group)
     if rank != 0:
         return 0
     for key, value in _versions().items():
         print(f"{key:<14} {value}")
     print(f"{'thread level':<14} {_thread_level()}")
-    from .comm import shm
-    mailbox = "compiled" if shm._mailbox is not None else "numpy (C extension not built: pip install)"
-    print(f"{'shm paths':<14} {'on' if shm.CONFIG.enabled else 'off (RTXMPI_SHM=0)'}; all_reduce "
-          f"mailbox {mailbox}, up to {shm.CONFIG.small_threshold} bytes; cross-memory from "
-          f"{shm.CONFIG.min_bytes} bytes")
+    print(f"{'all_reduce':<14} {shm_text}")
     print(f"{'world_size':<14} {size}")
     hosts = sorted({r[1] for r in rows})
     print(f"{'hosts':<14} {len(hosts)}: {', '.join(hosts)}")

@@ -444,6 +444,23 @@ def _wait_all(requests):
         pass
 
 
+def describe(backend, size=str):
+    """One line on what the blocking all_reduce of an MPI backend's group runs, after its first
+    all_reduce built the engine (rtxmpi info, bench/collectives.py). size(n): bytes as text."""
+    config, engine = backend.shm_config, backend._shm
+    if not config.enabled:
+        return "off (RTXMPI_SHM=0): MPI at every size"
+    if not engine:
+        return ("not built yet (no all_reduce large or small enough)" if engine is None
+                else "not used: one rank per node, or nodes with different rank counts")
+    kind = "compiled" if engine.mailbox is not None else "numpy"
+    mailbox = (f"mailbox ({kind}) up to {size(engine.small_bytes)}" if engine.small_bytes > 0
+               else f"no mailbox ({engine.mailbox_off})")
+    return (f"{mailbox}; {engine.mode} from {size(config.min_bytes)} (between: MPI); "
+            f"chunk {size(config.chunk_bytes)}; {engine.local_size} local ranks x "
+            f"{engine.nodes} node(s); RTXMPI_SHM=0 turns it off")
+
+
 class NodeAllReduce:
     """The shared-memory (and hierarchical) collectives of one group; see the module docstring.
 
@@ -480,6 +497,7 @@ class NodeAllReduce:
         # 0). Flag line (int64): [0] mailbox call, [1] cross-memory arrival call, [2] this call's
         # array address, [3] cross-memory done call.
         self.small_bytes = small_bytes if box is not None and small_bytes > 0 else -1
+        self.mailbox_off = None  # create(): why there is no mailbox (None: there is one)
         self._lines = self.mailbox = None
         if box is not None:
             region = FLAG_BYTES + 2 * small_bytes
@@ -544,10 +562,20 @@ class NodeAllReduce:
         if box is not None:
             np.frombuffer(box, np.uint8).fill(0)  # every rank touches it all: flags start at 0
             node.Barrier()
+        # why this rank's group has no mailbox (a description: rtxmpi info, benchmarks)
+        off = ("ranks on several nodes" if cross is not None
+               else "more local ranks than cores" if local_size > (os.cpu_count() or 1)
+               else "ULFM: a dead peer must fail an MPI request" if ulfm_enabled()
+               else "no compiled mailbox on this CPU" if _mailbox is None and not TSO
+               else "not possible on another rank" if not ordered
+               else "RTXMPI_SHM_SMALL_BYTES=0" if small == 0
+               else "/dev/shm too small" if box is None else None)
         peers = _probe_peers(node, comm, config.cma)
         if peers is not None:
-            return cls(comm, node, cross, config.chunk_bytes, members=members, peers=peers,
-                       box=box, small_bytes=small, compiled=compiled)
+            engine = cls(comm, node, cross, config.chunk_bytes, members=members, peers=peers,
+                         box=box, small_bytes=small, compiled=compiled)
+            engine.mailbox_off = off
+            return engine
         mm = _map_arena(node, comm, local_size * BUFFERS * config.chunk_bytes)
         if mm is None:
             node.Free()
@@ -558,6 +586,7 @@ class NodeAllReduce:
             return None
         engine = cls(comm, node, cross, config.chunk_bytes, members=members, mm=mm, box=box,
                      small_bytes=small, compiled=compiled)
+        engine.mailbox_off = off
         mine = engine._arena[local_rank * engine.slot_bytes:(local_rank + 1) * engine.slot_bytes]
         mine.fill(0)  # first touch here, by the rank that writes it, not inside a timed call
         node.Barrier()

@@ -446,3 +446,16 @@ def test_a_dev_shm_too_small_for_the_mailbox_warns_and_uses_mpi(world, monkeypat
     assert group.backend._shm.small_bytes == -1
     said = [str(w.message) for w in caught if "could not hold the all_reduce mailbox" in str(w.message)]
     assert len(said) == (1 if group.rank == 0 else 0), said
+
+
+def test_info_says_which_all_reduce_paths_the_group_runs(world):
+    from rtxmpi.cli import _all_reduce_paths
+
+    group = world.split(0)
+    text = _all_reduce_paths(group)
+    if group.world_size == 1:
+        assert text == "one rank: no transfer"
+    elif mailbox_possible(group.world_size):
+        assert text.startswith(f"mailbox (compiled) up to {mailbox_bytes(group.world_size)} bytes")
+    else:
+        assert text.startswith("no mailbox (more local ranks than cores)"), text
