@@ -63,12 +63,14 @@ from rtxmpi.comm.failure import ulfm_enabled
 from rtxmpi.parallel.data import DataParallel, weighted_micro_batches
 from rtxmpi.parallel.hybrid import build_hybrid, check_layout
 from rtxmpi.parallel.pipeline import auto_micro_batches, build_pipeline, check_pipeline
-from rtxmpi.parallel.planner import explicit_layout_flags, plan_for_job
+from rtxmpi.parallel.planner import (Layout, explicit_layout_flags, memory_breakdown,
+                                     node_memory_per_rank, plan_for_job)
 from rtxmpi.parallel.replica import replica_pieces
 from rtxmpi.parallel.zero import ZeroDataParallel
 from rtxmpi.wal import ResumeParity, WriteAheadLog, params_digest, read_wal, wal_path
 
 EXIT_CONFIG = 2
+MEMORY_SLACK = 1.5  # check_memory refuses estimates over 1.5 x the node's memory per rank
 EXIT_CHECKPOINT = 3  # a checkpoint or write-ahead log error, e.g. resume parity failed
 EXIT_PREEMPTED = elastic.EXIT_PREEMPTED  # 75: stopped by SIGTERM/SIGUSR1 with a committed checkpoint
 
@@ -277,6 +279,27 @@ def check_args(args, world_size):
     if args.data is not None and not os.path.exists(os.path.expanduser(args.data)):
         raise ConfigError(f"--data {args.data}: no such file or directory")
     return dp
+
+
+def check_memory(world, args, cfg):
+    """Refuse a CPU job whose estimated peak memory per rank (rtxmpi.parallel.planner.
+    memory_breakdown: parameters, gradients, optimizer, activations; docs/planner.md) is over
+    MEMORY_SLACK times this node's memory per rank: it would fail far into the run with a
+    MemoryError or swap for hours (e.g. --seq-len 100000: attention scores of B x H x T x T).
+    Collective: ConfigError on every rank when any rank's node is too small."""
+    available = node_memory_per_rank(world.backend.comm)
+    dp = world.world_size // (args.tp * args.pp * args.sp)
+    layout = Layout(dp, args.tp, args.pp, args.sp, args.micro_batches or 1, args.zero_stage,
+                    args.schedule if args.pp > 1 else "none", args.offload)
+    peak = max(stage["total"] for stage in memory_breakdown(cfg, layout, args.global_batch))
+    too_big = args.device == "cpu" and available is not None and peak > MEMORY_SLACK * available
+    if agree(world, too_big=too_big).too_big:
+        gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+        raise ConfigError(
+            f"--model {args.model} --seq-len {args.seq_len} --global-batch {args.global_batch} on "
+            f"dp {dp} x tp {args.tp} x pp {args.pp} x sp {args.sp} needs about {gib(peak)} per "
+            f"rank (estimate), over this node's {gib(available or 0)} of memory per rank: lower "
+            "--seq-len or --global-batch, or use more micro-batches, ranks or a ZeRO stage")
 
 
 def check_batch_split(args, dp):
@@ -738,8 +761,9 @@ def train(args):
     elif elastic.shrinks() or relaunched():  # the layout for the survivors (docs/elastic.md)
         replan_layout(world, args)
     check_args(args, world_size)
-    corpus = load_data(world, args)
     cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
+    check_memory(world, args, cfg)
+    corpus = load_data(world, args)
     pipeline = args.pp > 1  # layers in stages over --pp ranks, --schedule (docs/pipeline.md)
     hybrid = (args.tp > 1 or args.sp > 1) and not pipeline  # tensor / sequence (docs/parallel.md)
     xp = array_module(args.device)  # numpy, or cupy for --device cuda (docs/gpu.md)

@@ -770,6 +770,22 @@ def make_plan(cfg, global_batch, world_size, profile, ranks_per_node=None, mem_p
 
 
 # --------------------------------------------------------------------------- `rtxmpi plan`
+def node_memory_per_rank(comm):
+    """This node's physical memory (bytes) over the ranks of `comm` on it, or None where the
+    system does not say. Collective over `comm` (a shared-memory split)."""
+    import os
+
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    ranks = local.Get_size()
+    local.Free()
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // ranks
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def parse_bytes(text):
     """'16G' -> 17179869184, '512M', '2GiB', '1000' (bytes; binary units). ConfigError if bad."""
     import re
@@ -950,13 +966,7 @@ def plan_for_job(group, cfg, global_batch, profile_path=None, mem_per_device=Non
         if profile_path and group.rank == 0:
             profile.save(profile_path)
     if mem_per_device is None:
-        try:
-            physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-            mem_per_device = physical // local.Get_size()
-            local.Free()
-        except (ValueError, OSError, AttributeError):
-            mem_per_device = None
+        mem_per_device = node_memory_per_rank(comm)
     from ..topology import discover, placement_filter
 
     supported = placement_filter(discover(group), default_supported)  # collective: tp in NVLink

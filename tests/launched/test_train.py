@@ -47,6 +47,7 @@ BAD_FLAGS = [  # each refused on every one of 4 ranks, in one launch (tests/laun
     (["--stop-after-step", "5"], "error: --stop-after-step needs --ckpt-dir DIR"),
     (["--ckpt-every", "3"], "error: --ckpt-every needs --ckpt-dir DIR"),
     (["--plan", "auto", "--micro-batches", "2"], "--plan auto chooses the layout; drop --micro-batches"),
+    (["--seq-len", "100000"], "GiB per rank (estimate), over this node's"),  # not a MemoryError later
 ]
 
 
