@@ -419,10 +419,11 @@ def _measure_compute(comm, local_rank, ranks_per_node, cfg, micro_batch, reps):
             t -= _time_median(spec[3], comm, reps, active=local_rank == 0, clock=time.thread_time)
         rates[name] = _rate(kind, units, max(t, 1e-9))
     ref = ReferenceRun(comm, cfg, micro_batch)
-    # interleaved rounds, medians over them: 4 at the default reps = 5 (5 rounds before the
-    # balanced subsets made the k = half part of a round R - 1 runs instead of 1; 4 keeps the
-    # calibration's run time about the same), each round's k = half time a mean of placements
-    busy_ms = ref.median_ms(ref.sample(max(4, reps - 1)))
+    # interleaved rounds, medians over them: 3 at the default reps = 5 (5 rounds before the
+    # balanced subsets made the k = half part of a round R - 1 runs instead of 1; with 4 rounds
+    # a calibration took a median 1.24x as long, paired runs at load 5-11), each round's
+    # k = half time a mean over placements
+    busy_ms = ref.median_ms(ref.sample(max(3, reps - 2)))
     rates["ref_cpu_ms"] = ref.median_ms(ref.cpu)[1]
     # the same run at a quarter of the micro-batch, alone, interleaved with the full one: how the
     # model factor changes when the working set shrinks (smaller micro-batches stay in cache)
