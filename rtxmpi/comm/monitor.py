@@ -42,6 +42,7 @@ TAG_NOTICE = 7003
 SERVICE_INTERVAL_S = 0.002  # how often a wait answers peers' control messages
 SPIN_BEFORE_SLEEP_S = 0.0005  # spin this long on Test() before yielding the core
 MAX_PROBE_S = 2.0
+ABORT_GRACE_S = 10.0  # abort(): SIGKILL this rank if MPI_Abort has not ended it by then
 
 
 class Monitor:
@@ -197,9 +198,14 @@ class _Blocking:
 
 
 def abort(code):
-    """Tear the whole job down from any thread: MPI_Abort, or SIGKILL of this rank as a fallback."""
+    """Tear the whole job down from any thread: MPI_Abort, or SIGKILL of this rank as a fallback,
+    also when MPI_Abort does not return within ABORT_GRACE_S (seen under ULFM after a peer died:
+    the launcher's teardown can wait on the dead process)."""
     sys.stdout.flush()
     sys.stderr.flush()
+    killer = threading.Timer(ABORT_GRACE_S, os.kill, (os.getpid(), signal.SIGKILL))
+    killer.daemon = True
+    killer.start()
     try:
         if MPI.Is_initialized() and not MPI.Is_finalized():
             MPI.COMM_WORLD.Abort(code)
