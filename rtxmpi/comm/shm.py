@@ -223,6 +223,9 @@ _UFUNCS = ((MPI.SUM, np.add), (MPI.MAX, np.maximum), (MPI.MIN, np.minimum),
            (MPI.PROD, np.multiply))
 
 
+_FOLD_CODES = {np.add: 0, np.maximum: 1, np.minimum: 2, np.multiply: 3}  # _mailbox.c's op codes
+
+
 def ufunc_of(mpi_op):
     for op, ufunc in _UFUNCS:
         if op is mpi_op or op == mpi_op:
@@ -748,17 +751,23 @@ class NodeAllReduce:
         tmp_addr, step, base = tmp.ctypes.data, tmp.size, x.ctypes.data
         read, write = self._reader.read, self._reader.write
         push = self.cross is None
+        code = _FOLD_CODES.get(ufunc) if _mailbox is not None else None
         try:
-            for start in range(lo, hi, step):
-                stop = min(hi, start + step)
-                own, part = x[start:stop], tmp[:stop - start]
-                offset, nbytes = start * itemsize, (stop - start) * itemsize
-                for pid, addr in peers:
-                    read(pid, tmp_addr, addr + offset, nbytes)
-                    ufunc(own, part, out=own)
-                if push:  # the piece is still in cache: hand it to the peers now
+            if code is not None and x.dtype.kind in "fiu":  # the loop below, in C without the GIL
+                failed = _mailbox.fold_peers(x, lo, hi, peers, self._tmp, code, push)
+                if failed:
+                    raise PeerAccessError(*failed)
+            else:
+                for start in range(lo, hi, step):
+                    stop = min(hi, start + step)
+                    own, part = x[start:stop], tmp[:stop - start]
+                    offset, nbytes = start * itemsize, (stop - start) * itemsize
                     for pid, addr in peers:
-                        write(pid, addr + offset, base + offset, nbytes)
+                        read(pid, tmp_addr, addr + offset, nbytes)
+                        ufunc(own, part, out=own)
+                    if push:  # the piece is still in cache: hand it to the peers now
+                        for pid, addr in peers:
+                            write(pid, addr + offset, base + offset, nbytes)
             if not push and hi > lo:
                 with guard():
                     self.cross.Allreduce(MPI.IN_PLACE, x[lo:hi], mpi_op)

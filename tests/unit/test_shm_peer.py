@@ -89,3 +89,68 @@ def test_flag_wait_on_a_dead_peer_is_a_rank_failure(peer):
             watched()
     assert info.value.ranks == [3] and "rank 3" in str(info.value)
     assert shm.watch_peers(lambda: True, [child.pid], [3], 0, every=1)() is True
+
+
+ARRAY_PEER = """
+import numpy as np, sys
+a = np.arange(1000, dtype=np.float32) * 0.5
+print(a.ctypes.data, flush=True)
+sys.stdin.readline()
+sys.stdout.write(" ".join(repr(float(v)) for v in a[::97]) + "\\n")
+sys.stdout.flush()
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+def test_cross_memory_fold_reads_folds_and_pushes_in_pieces(compiled, monkeypatch):
+    """The cma all_reduce's piece loop (_mailbox.fold_peers, or its numpy fallback) against a
+    live peer process: x becomes x + peer on [lo, hi), the peer's array gets the sum there, and
+    pieces smaller than the range are stitched without a gap."""
+    import numpy as np
+
+    if compiled and shm._mailbox is None:
+        pytest.fail("the compiled mailbox was not built (pip install -e .)")
+    child = subprocess.Popen([sys.executable, "-c", ARRAY_PEER], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        addr = int(child.stdout.readline())
+        engine = object.__new__(shm.NodeAllReduce)  # only what _all_reduce_cma's loop reads
+        engine.local_size, engine.local_rank, engine.cross = 2, 1, None
+        engine._tmp = np.zeros(64 * 4, np.uint8)  # 64 float32 per piece: 8 pieces of the half
+        engine._reader = shm._PeerReader(shm._load_cma())
+        engine._exchange = lambda x, wait: [(child.pid, addr)]
+        engine._done = lambda wait: None
+        if not compiled:
+            monkeypatch.setattr(shm, "_mailbox", None)
+        x = np.ones(1000, np.float32)
+        engine._all_reduce_cma(x, np.add, None, None, None)
+        peer = np.arange(1000, dtype=np.float32) * 0.5
+        np.testing.assert_array_equal(x[:500], np.ones(500, np.float32))  # the peer's half
+        np.testing.assert_array_equal(x[500:], 1 + peer[500:])
+        child.stdin.write("\n")
+        child.stdin.flush()
+        seen = [float(v) for v in child.stdout.readline().split()]
+        want = [float(1 + peer[i]) if i >= 500 else float(peer[i]) for i in range(0, 1000, 97)]
+        assert seen == want
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+
+
+def test_compiled_fold_from_a_dead_peer_reports_it(peer):
+    import errno
+
+    import numpy as np
+
+    if shm._mailbox is None:
+        pytest.fail("the compiled mailbox was not built (pip install -e .)")
+    child, addr = peer
+    child.kill()
+    child.wait(timeout=10)
+    x, tmp = np.ones(4, np.uint8), np.zeros(16, np.uint8)
+    err, pid, what = shm._mailbox.fold_peers(x, 0, 4, [(child.pid, addr)], tmp, 0, True)
+    assert (err, pid, what) == (errno.ESRCH, child.pid, "process_vm_readv from")
+    error = shm.peer_failure("all_reduce", shm.PeerAccessError(err, pid, what), [child.pid], [2], 0)
+    assert isinstance(error, RankFailure) and error.ranks == [2]
+    np.testing.assert_array_equal(x, 1)  # nothing folded
