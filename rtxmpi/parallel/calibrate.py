@@ -638,8 +638,11 @@ def _pairs_within(ranks_of_node, n):
     return groups
 
 
-def _measure_op(comm, op, sizes, reps):
-    """Median-of-reps slowest-rank time of `op` on this communicator for each byte size."""
+def _measure_op(comm, op, sizes, reps, group=None):
+    """Median-of-reps slowest-rank time of `op` on this communicator for each byte size.
+    group: the rtxmpi ProcessGroup over the same ranks, or None: all_reduce, all_gather and
+    reduce_scatter then run through it (its shared-memory mailbox and cross-memory paths, what
+    training runs: rtxmpi/comm/shm.py), the others through MPI."""
     n = comm.Get_size()
     out = []
     for nbytes in sizes:
@@ -649,7 +652,13 @@ def _measure_op(comm, op, sizes, reps):
         peer = comm.Get_rank() ^ 1 if n >= 2 else 0
 
         def run():
-            if op == "all_reduce":
+            if group is not None and op == "all_reduce":
+                group.all_reduce(send)  # in place, as training's buckets and tp activations
+            elif group is not None and op == "all_gather":
+                group.all_gather(send[:count // n])
+            elif group is not None and op == "reduce_scatter":
+                group.reduce_scatter(send)
+            elif op == "all_reduce":
                 comm.Allreduce(send, recv)
             elif op == "all_gather":
                 comm.Allgather(send[:count // n], recv)
@@ -709,12 +718,21 @@ def calibrate(group, cfg=None, micro_batch=None, sizes=None, reps=5):
         else MPI.COMM_WORLD
     comm = comm.Dup()
     try:
-        return _calibrate(comm, cfg, micro_batch, sizes or [4096, 1 << 18, 1 << 22], reps)
+        return _calibrate(comm, cfg, micro_batch, sizes or [4096, 1 << 18, 1 << 22], reps,
+                          group if hasattr(group, "split") else None)
     finally:
         comm.Free()
 
 
-def _calibrate(comm, cfg, micro_batch, sizes, reps):
+def _subgroup(group, comm, color, key):
+    """(communicator, rtxmpi group or None) over the ranks of `color` (collective)."""
+    if group is None:
+        return comm.Split(color, key=key), None
+    sub = group.split(color, key=key)
+    return sub.backend.comm, sub
+
+
+def _calibrate(comm, cfg, micro_batch, sizes, reps, group=None):
     from mpi4py import MPI
 
     t_start = time.perf_counter()
@@ -742,23 +760,26 @@ def _calibrate(comm, cfg, micro_batch, sizes, reps):
         if not groups:
             continue
         color = next(i for i, g in enumerate(groups) if rank in g)
-        sub = comm.Split(color, key=rank)
+        sub, sub_group = _subgroup(group, comm, color, rank)
         for op in OPS:
             if op == "send_recv" and n != 2:
                 continue
-            links["intra"].setdefault(op, {})[str(n)] = _fit(_measure_op(sub, op, sizes, reps),
-                                                             op, n)
-        sub.Free()
+            links["intra"].setdefault(op, {})[str(n)] = _fit(
+                _measure_op(sub, op, sizes, reps, sub_group), op, n)
+        if sub_group is None:
+            sub.Free()
     if len(names) > 1 and all(len(r) == ranks_per_node for r in ranks_of_node):
         # one rank per node per group: local rank i of every node together
-        sub = comm.Split(ranks_of_node[names.index(host_of[rank])].index(rank), key=rank)
+        sub, sub_group = _subgroup(group, comm,
+                                   ranks_of_node[names.index(host_of[rank])].index(rank), rank)
         n = sub.Get_size()
         for op in OPS:
             if op == "send_recv" and n != 2:
                 continue
-            links["inter"].setdefault(op, {})[str(n)] = _fit(_measure_op(sub, op, sizes, reps),
-                                                             op, n)
-        sub.Free()
+            links["inter"].setdefault(op, {})[str(n)] = _fit(
+                _measure_op(sub, op, sizes, reps, sub_group), op, n)
+        if sub_group is None:
+            sub.Free()
     else:
         links["inter"] = default_profile().links["inter"]
         notes.append("inter-node links not measured (one node): the default profile's are used")
