@@ -201,11 +201,14 @@ class Plan:
 
 
 def _why_slower(best, other):
+    """The cost differences, largest first. The pipeline term is detail["bubble_ms"], the time the
+    simulated pipeline takes beyond its compute and communication at the all-busy speed (idle
+    stages lend their core, so it is not the table's bubble %, the idle share of stage time)."""
     d_comp = other.compute_ms - best.compute_ms
     d_comm = other.comm_ms - best.comm_ms
     d_bub = other.detail.get("bubble_ms", 0.0) - best.detail.get("bubble_ms", 0.0)
     items = sorted([(d_comp, f"{d_comp:+.1f} ms compute"), (d_comm, f"{d_comm:+.1f} ms exposed "
-                    f"communication"), (d_bub, f"{d_bub:+.1f} ms pipeline bubble")],
+                    f"communication"), (d_bub, f"{d_bub:+.1f} ms of pipeline time beyond its work")],
                    key=lambda t: -abs(t[0]))
     return ", ".join(text for _, text in items if abs(_) >= 0.05) or "about the same costs"
 
