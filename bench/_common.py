@@ -236,6 +236,24 @@ def time_interleaved(comm, variants, next_input, steps, warmup=0, label=None):
     return times
 
 
+def run_worker_job(label, ranks, script, worker_args, timeout=None):
+    """Run `script --worker ...` as an MPI job of `ranks` ranks (worker_job) and return the dict
+    its rank 0 printed as one `RESULT {json}` line. The command goes to stderr first; the job's
+    stderr passes through (progress); a failed job ends this process naming `label` with the
+    job's stdout."""
+    import subprocess
+
+    cmd, env = worker_job(ranks, script, worker_args)
+    print(f"[{label}] {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        sys.exit(f"[{label}] {ranks} ranks: the job failed (exit {proc.returncode}):\n{proc.stdout}")
+    line = next((line for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
+    if line is None:
+        sys.exit(f"[{label}] {ranks} ranks: the job printed no RESULT line:\n{proc.stdout}")
+    return json.loads(line[len("RESULT "):])
+
+
 def worker_job(ranks, script, worker_args):
     """(cmd, env) that runs `script --worker ...` as an MPI job of `ranks` ranks on this machine.
 

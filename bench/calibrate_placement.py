@@ -19,14 +19,13 @@ import itertools
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import machine_info, machine_line, markdown_table, worker_job, write_json  # noqa: E402
+from _common import machine_info, machine_line, markdown_table, run_worker_job, write_json  # noqa: E402
 
 LAUNCH = "self"  # starts its own mpiexec -n 4
 
@@ -92,14 +91,8 @@ def worker(args):
 
 
 def launch(args):
-    cmd, env = worker_job(4, __file__, ["--model", args.model, "--seq-len", args.seq_len,
+    return run_worker_job("calibrate_placement", 4, __file__, ["--model", args.model, "--seq-len", args.seq_len,
                                         "--micro-batch", args.micro_batch, "--rounds", args.rounds])
-    print(f"[calibrate_placement] {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"[calibrate_placement] the job failed:\n{proc.stdout}")
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
 
 
 def report(args, out, info):

@@ -24,13 +24,12 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import worker_job, machine_info, machine_line, markdown_table, write_json  # noqa: E402
+from _common import run_worker_job, machine_info, machine_line, markdown_table, write_json  # noqa: E402
 
 MIB = 2**20
 
@@ -132,15 +131,9 @@ def available_stages():
 
 
 def launch(args, ranks, stage):
-    cmd, env = worker_job(ranks, __file__, ["--stage", str(stage), "--model", args.model, "--local-batch", str(args.local_batch),
+    result = run_worker_job("memory", ranks, __file__, ["--stage", str(stage), "--model", args.model, "--local-batch", str(args.local_batch),
            "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--tp", str(args.tp),
-           "--sp", str(args.sp)])
-    print(f"[memory] {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        sys.exit(f"[memory] {ranks} ranks, stage {stage} failed:\n{proc.stdout}\n{proc.stderr}")
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-    result = json.loads(line[len("RESULT "):])
+           "--sp", str(args.sp)], timeout=300)
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
                 "model_state_bytes", "peak_rss_bytes", "rss_bytes", "transient_peak_bytes"):
         result[key] = max(r[key] for r in result["per_rank"])

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 
@@ -36,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from rtxmpi.parallel.schedule import replay  # noqa: E402  (critical-path replay of op lists)
-from _common import worker_job, time_interleaved, machine_info, machine_line, markdown_table, write_json  # noqa: E402
+from _common import run_worker_job, time_interleaved, machine_info, machine_line, markdown_table, write_json  # noqa: E402
 
 
 def model_config(args):
@@ -223,19 +222,13 @@ def worker_overlap(args):
 
 
 def launch(args, ranks, part):
-    cmd, env = worker_job(ranks, __file__, [part,
+    return run_worker_job("pipeline", ranks, __file__, [part,
            "--model", args.model, *(["--n-layer", str(args.n_layer)] if args.n_layer else []),
            "--seq-len", str(args.seq_len), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--micro-batches", str(args.micro_batches),
            "--micro-batch-size", str(args.micro_batch_size), "--global-batch",
            str(args.global_batch), "--compare-micro-batches", str(args.compare_micro_batches),
            "--bucket-mb", str(args.bucket_mb), *(["--no-defer"] if args.no_defer else [])])
-    print(f"[pipeline] {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"[pipeline] {part} at {ranks} ranks failed:\n{proc.stdout}\n{proc.stderr}")
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
 
 
 def print_bubble(args, bubble):

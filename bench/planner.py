@@ -34,14 +34,13 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import worker_job, machine_info, machine_line, markdown_table, write_json  # noqa: E402
+from _common import run_worker_job, machine_info, machine_line, markdown_table, write_json  # noqa: E402
 
 LAUNCH = "self"  # rtxmpi bench planner: runs as python and starts its own mpiexec -n 4
 TARGETS = [(4, 1, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (1, 2, 2, 1), (1, 1, 4, 1), (1, 1, 1, 4),
@@ -265,17 +264,11 @@ def worker(args):
 
 
 def launch(args):
-    cmd, env = worker_job(4, __file__, [
+    return run_worker_job("planner", 4, __file__, [
         "--model", args.model, "--global-batch", args.global_batch, "--seq-len", args.seq_len,
         "--rounds", args.rounds, "--steps-per-round", args.steps_per_round,
         "--layouts", *[",".join(map(str, d)) for d in args.layouts]]
         + ([] if args.end_profile else ["--no-end-profile"]))
-    print(f"[planner] {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"[planner] the job failed:\n{proc.stdout}")
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
 
 
 def report(args, out, info):

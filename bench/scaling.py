@@ -18,13 +18,12 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import worker_job, time_interleaved, machine_info, machine_line, markdown_table, write_json  # noqa: E402
+from _common import run_worker_job, time_interleaved, machine_info, machine_line, markdown_table, write_json  # noqa: E402
 
 
 def worker(args):
@@ -76,15 +75,9 @@ def worker(args):
 
 
 def launch(args, ranks, local_batch):
-    cmd, env = worker_job(ranks, __file__, ["--model", args.model, "--local-batch", str(local_batch), "--seq-len",
+    return run_worker_job("scaling", ranks, __file__, ["--model", args.model, "--local-batch", str(local_batch), "--seq-len",
            str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--bucket-mb", str(args.bucket_mb)])
-    print(f"[scaling] {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"[scaling] {ranks} ranks failed:\n{proc.stdout}\n{proc.stderr}")
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
 
 
 def table(results, mode):
