@@ -42,7 +42,7 @@ TAG_NOTICE = 7003
 SERVICE_INTERVAL_S = 0.002  # how often a wait answers peers' control messages
 SPIN_BEFORE_SLEEP_S = 0.0005  # spin this long on Test() before yielding the core
 MAX_PROBE_S = 2.0
-ABORT_GRACE_S = 10.0  # abort(): SIGKILL this rank if MPI_Abort has not ended it by then
+ABORT_GRACE_S = 10.0  # abort(): end this rank (SIGALRM, SIGKILL) if MPI_Abort has not by then
 
 
 class Monitor:
@@ -200,9 +200,16 @@ class _Blocking:
 def abort(code):
     """Tear the whole job down from any thread: MPI_Abort, or SIGKILL of this rank as a fallback,
     also when MPI_Abort does not return within ABORT_GRACE_S (seen under ULFM after a peer died:
-    the launcher's teardown can wait on the dead process)."""
+    the launcher's teardown can wait on the dead process). A timer thread sends the SIGKILL, and
+    a second later the kernel's SIGALRM (default action: terminate) does without the interpreter:
+    mpi4py calls MPI_Abort holding the GIL, so no Python thread runs while it hangs."""
     sys.stdout.flush()
     sys.stderr.flush()
+    try:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # only from the main thread
+    except ValueError:
+        pass
+    signal.setitimer(signal.ITIMER_REAL, ABORT_GRACE_S + 1.0)  # the backup of the SIGKILL below
     killer = threading.Timer(ABORT_GRACE_S, os.kill, (os.getpid(), signal.SIGKILL))
     killer.daemon = True
     killer.start()
