@@ -224,6 +224,7 @@ _UFUNCS = ((MPI.SUM, np.add), (MPI.MAX, np.maximum), (MPI.MIN, np.minimum),
 
 
 _FOLD_CODES = {np.add: 0, np.maximum: 1, np.minimum: 2, np.multiply: 3}  # _mailbox.c's op codes
+_FOLD_CHARS = "fdbBhHiIlLqQ"  # the dtypes _mailbox.c folds (native order): float32/64, integers
 
 
 def ufunc_of(mpi_op):
@@ -753,7 +754,8 @@ class NodeAllReduce:
         push = self.cross is None
         code = _FOLD_CODES.get(ufunc) if _mailbox is not None else None
         try:
-            if code is not None and x.dtype.kind in "fiu":  # the loop below, in C without the GIL
+            if code is not None and x.dtype.isnative and x.dtype.char in _FOLD_CHARS:
+                # the loop below, in C without the GIL
                 failed = _mailbox.fold_peers(x, lo, hi, peers, self._tmp, code, push)
                 if failed:
                     raise PeerAccessError(*failed)
