@@ -44,7 +44,7 @@ def available(directory):
 
 def launch_mode(path):
     """"mpi" or "self" for the bench file at `path` (its LAUNCH constant, else whether it builds
-    an mpiexec command itself or through bench/_common.py's worker_job)."""
+    an mpiexec command itself or through bench/_common.py's worker_job / run_worker_job)."""
     with open(path) as f:
         tree = ast.parse(f.read(), path)
     for node in tree.body:
@@ -55,7 +55,8 @@ def launch_mode(path):
             return value
     builds_mpiexec = any(isinstance(n, ast.List) and any(
         isinstance(e, ast.Constant) and e.value == "mpiexec" for e in n.elts) or (
-        isinstance(n, ast.Call) and getattr(n.func, "id", None) == "worker_job")  # bench/_common.py
+        isinstance(n, ast.Call)  # bench/_common.py's job launchers
+        and getattr(n.func, "id", None) in ("worker_job", "run_worker_job"))
         for n in ast.walk(tree))
     return "self" if builds_mpiexec else "mpi"
 

@@ -310,7 +310,8 @@ static int move(pid_t pid, int read, char *local, uintptr_t remote, Py_ssize_t n
         struct iovec l = {local, (size_t)nbytes}, r = {(void *)remote, (size_t)nbytes};
         ssize_t got = read ? process_vm_readv(pid, &l, 1, &r, 1, 0)
                            : process_vm_writev(pid, &l, 1, &r, 1, 0);
-        if (got <= 0) return errno ? errno : EIO;
+        if (got < 0) return errno ? errno : EIO;
+        if (got == 0) return EIO;  /* nothing moved and no error: not a live mapping */
         local += got;
         remote += (uintptr_t)got;
         nbytes -= got;
@@ -366,11 +367,11 @@ static PyObject *fold_peers(PyObject *module, PyObject *const *args, Py_ssize_t 
     Py_ssize_t itemsize = x.itemsize, count = itemsize ? x.len / itemsize : 0;
     Py_ssize_t step = itemsize ? tmp.len / itemsize : 0;
     if (type < 0 || lo < 0 || hi > count || lo > hi || step < 1) {
-        PyBuffer_Release(&x);
-        PyBuffer_Release(&tmp);
         PyErr_Format(PyExc_ValueError, "fold_peers: bad arguments (format '%s', range [%zd, %zd) "
                      "of %zd elements, scratch of %zd bytes)", x.format ? x.format : "B", lo, hi,
-                     count, tmp.len);
+                     count, tmp.len);  /* before the release: x.format belongs to the exporter */
+        PyBuffer_Release(&x);
+        PyBuffer_Release(&tmp);
         return NULL;
     }
     char *base = x.buf, *scratch = tmp.buf;
