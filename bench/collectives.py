@@ -244,7 +244,7 @@ def cell_result(op, size_bytes, n, iters, names, times):
             "impls": impls, "busbw_ratio_rtxmpi_raw": ratio}
 
 
-def op_table(cells, has_gloo):
+def op_table(cells, has_gloo, g):
     header = ["size", "iters", "rtxmpi us", "raw us", "rtxmpi min us", "raw min us",
               "rtxmpi algbw", "raw algbw", "rtxmpi busbw", "raw busbw", "rtxmpi/raw"]
     if has_gloo:
@@ -260,8 +260,8 @@ def op_table(cells, has_gloo):
             gl = c["impls"].get("gloo")
             row += ([fmt(gl["median_us"], 1), fmt(gl["busbw_gbps"], 3),
                      fmt(gl["median_us"] / r["median_us"], 2)] if gl else ["n/a"] * 3)
-        rows.append(row)
-    return markdown_table(header, rows)
+        rows.append(row + [op_path(g, c["op"], c["size_bytes"])])
+    return markdown_table(header + ["rtxmpi path"], rows)
 
 
 def summary(cells, ops):
@@ -324,13 +324,22 @@ def ratio_target(verdicts, lines, key, peer, ratios, target, from_bytes):
                    f"{format_bytes(worst_size)})")
 
 
-def all_reduce_path(g, size_bytes):
-    """Which algorithm rtxmpi's blocking all_reduce ran for `size_bytes` (rtxmpi/comm/mpi.py)."""
+def op_path(g, op, size_bytes):
+    """Which algorithm rtxmpi's blocking `op` ran for `size_bytes` (rtxmpi/comm/mpi.py)."""
+    from rtxmpi.comm.mpi import ALL_GATHER_FACTOR
+
     engine, threshold = g.backend._shm, g.backend.shm_config.threshold
-    if engine and size_bytes <= engine.small_bytes:
-        return "shm mailbox"
-    if engine and size_bytes >= threshold:
-        return f"shm ({engine.mode})"
+    if not engine:
+        return "MPI"
+    if op == "all_reduce":
+        if size_bytes <= engine.small_bytes:
+            return "shm mailbox"
+        return f"shm ({engine.mode})" if size_bytes >= threshold else "MPI"
+    cma = engine.mode == "cma"
+    if op == "reduce_scatter" and cma and size_bytes >= threshold:
+        return "shm (cma)" if engine.nodes == 1 else "shm (cma, hierarchical)"
+    if op == "all_gather" and cma and engine.nodes == 1 and size_bytes >= threshold * ALL_GATHER_FACTOR:
+        return "shm (cma)"
     return "MPI"
 
 
@@ -339,7 +348,7 @@ def side_by_side(cells, g):
     rows = []
     for c in cells:
         r, w, gl = c["impls"]["rtxmpi"], c["impls"]["raw"], c["impls"].get("gloo")
-        path = all_reduce_path(g, c["size_bytes"])
+        path = op_path(g, "all_reduce", c["size_bytes"])
         rows.append([format_bytes(c["size_bytes"]), fmt(r["busbw_gbps"], 3), fmt(w["busbw_gbps"], 3),
                      fmt(gl["busbw_gbps"], 3) if gl else "n/a",
                      fmt(c["busbw_ratio_rtxmpi_raw"], 2),
@@ -516,7 +525,7 @@ def main(argv=None):
     for op in args.ops:
         lines += [f"#### {op} (busbw factor {busbw_factor(op, n):.3g}; times in us, "
                   "bandwidths in GB/s)", "",
-                  op_table([c for c in cells if c["op"] == op], "gloo" in impls), ""]
+                  op_table([c for c in cells if c["op"] == op], "gloo" in impls, g), ""]
     if "all_reduce" in args.ops:
         lines += ["#### all_reduce busbw side by side (GB/s; ratios of busbw; path: what rtxmpi ran)",
                   "", side_by_side([c for c in cells if c["op"] == "all_reduce"], g), ""]
