@@ -27,7 +27,8 @@ Cross-memory (mode "cma", large messages; `min_bytes`): the reduce-scatter + all
 (Rabenseifner, "Optimization of collective reduction operations", ICCS 2004; Thakur, Rabenseifner
 and Gropp, IJHPCA 2005) with the local ranks reading and writing each other's arrays through Linux
 cross-memory attach (`process_vm_readv` / `process_vm_writev`, the single-copy mechanism of Open
-MPI's smsc/cma, called through ctypes). The elements are split into `local_size` contiguous
+MPI's smsc/cma; step 2's loop runs in C without the GIL, `_mailbox.fold_peers`, with a ctypes
+and numpy fallback). The elements are split into `local_size` contiguous
 segments; local rank i owns segment i.
   1. every rank of the group sends the address of its array (one all_gather of one int64 over
      the group: also the arrival check, with the deadline);
