@@ -119,15 +119,16 @@ class MPIBackend:
             return
         engine = self._shm
         if engine and buf.nbytes <= engine.small_bytes:  # the mailbox, with the fewest calls
+            # engine.small_all_reduce inlined for the compiled mailbox: no closure unless a peer
+            # is late (call != 0), one Python layer less per call
             mailbox = engine.mailbox
-            if mailbox is None:
-                engine.small_all_reduce(
-                    buf, mpi_op, lambda poll: self._wait_fast(poll, "all_reduce", seq, timeout_s))
-                return
-            call = mailbox.all_reduce(buf, mpi_op, shm.SPIN_NS)  # compiled: done, or a late peer
-            if call:
-                engine.small_finish(
-                    buf, mpi_op, call, lambda poll: self._wait_fast(poll, "all_reduce", seq, timeout_s))
+            call = None if mailbox is None else mailbox.all_reduce(buf, mpi_op, shm.SPIN_NS)
+            if call != 0:
+                wait = lambda poll: self._wait_fast(poll, "all_reduce", seq, timeout_s)  # noqa: E731
+                if call is None:
+                    engine.small_all_reduce(buf, mpi_op, wait)
+                else:
+                    engine.small_finish(buf, mpi_op, call, wait)
             return
         try:
             if engine is None and self._shm_wanted(buf.nbytes):
