@@ -334,7 +334,7 @@ def op_path(g, op, size_bytes):
     if op == "all_reduce":
         if size_bytes <= engine.small_bytes:
             return "shm mailbox"
-        return f"shm ({engine.mode})" if size_bytes >= threshold else "MPI"
+        return f"shm ({engine.mode})" if size_bytes >= engine.all_reduce_from else "MPI"
     cma = engine.mode == "cma"
     if op == "reduce_scatter" and cma and size_bytes >= threshold:
         return "shm (cma)" if engine.nodes == 1 else "shm (cma, hierarchical)"

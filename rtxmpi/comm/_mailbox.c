@@ -2,8 +2,9 @@
  * call, no MPI call, a few hundred nanoseconds of work for a small message.
  *
  * Layout of the mailbox mapping (owned and described by shm.py): per local rank j, a region of
- * `region` bytes at j * region: a 64-byte flag line whose first int64 is the mailbox call number,
- * then two slots of `slot_bytes` (call parity 0 and 1).
+ * `region` bytes at j * region: a 64-byte flag line (int64 [0] the mailbox call number; for the
+ * cross-memory all_reduce, [1] its arrival call, [2] this call's array address, [3] its done
+ * call), then two slots of `slot_bytes` (call parity 0 and 1).
  *
  * all_reduce(x, op, spin_ns): number this call (1, 2, ...), copy x into this rank's slot of the
  * call's parity, store the flag with release order, and spin (acquire loads) until every local
@@ -24,6 +25,10 @@
  * fold it into x (x op peer, peers in the given order); with push, write the reduced piece into
  * every peer's array (process_vm_writev) while it is in cache. peers: ((pid, address), ...).
  * Returns None, or (errno, pid, what) for the first transfer that failed.
+ *
+ * Mailbox.cross(x, op, call, tmp, spin_ns, resume): that all_reduce on one node, whole: the
+ * address exchange and arrival, the piece loop, and the closing barrier on the flag lines, in one
+ * call (see Mailbox_cross).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -54,6 +59,8 @@ typedef struct {
     int local_size, local_rank;
     int64_t calls;          /* calls numbered so far */
     PyObject *ops[4];       /* sum, max, min, prod (mpi4py Op objects) */
+    pid_t *peer_pids;       /* the other local ranks' pids, in local-rank order (for cross()) */
+    uintptr_t *peer_addrs;  /* cross(): their arrays' addresses in the current call */
 } Mailbox;
 
 static inline int64_t *flag_of(Mailbox *b, int j) {
@@ -64,9 +71,12 @@ static inline char *slot_of(Mailbox *b, int j, int64_t call) {
     return b->base + (Py_ssize_t)j * b->region + 64 + (call & 1) * b->slot_bytes;
 }
 
-static int all_arrived(Mailbox *b, int64_t call) {
+/* Every other local rank's flag line has reached `call` in int64 `column` (0: mailbox posted,
+ * 1: cross-memory arrival, 3: cross-memory done). */
+static int all_reached(Mailbox *b, int column, int64_t call) {
     for (int j = 0; j < b->local_size; j++)
-        if (j != b->local_rank && __atomic_load_n(flag_of(b, j), __ATOMIC_ACQUIRE) < call)
+        if (j != b->local_rank
+                && __atomic_load_n(flag_of(b, j) + column, __ATOMIC_ACQUIRE) < call)
             return 0;
     return 1;
 }
@@ -75,6 +85,20 @@ static int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* all_reached, polled for up to spin_ns. */
+static int spin_until(Mailbox *b, int column, int64_t call, int64_t spin_ns) {
+    int done = all_reached(b, column, call);
+    if (!done && spin_ns > 0) {
+        int64_t end = now_ns() + spin_ns;
+        unsigned polls = 0;
+        while (!(done = all_reached(b, column, call))) {
+            CPU_RELAX();
+            if ((++polls & 63) == 0 && now_ns() > end) break;
+        }
+    }
+    return done;
 }
 
 static int type_code(const char *fmt, Py_ssize_t itemsize) {
@@ -168,7 +192,9 @@ static int op_of(Mailbox *b, PyObject *op) {
     return -1;
 }
 
-static int get_arg(Mailbox *b, PyObject *x, int op, Arg *a) {
+/* x as a writable C-contiguous numeric buffer of at most max_bytes, for op (-1: an error is
+ * set already); 0, or -1 with an exception set. */
+static int get_arg(Mailbox *b, PyObject *x, int op, Arg *a, Py_ssize_t max_bytes) {
     if (!b->open) {
         PyErr_SetString(PyExc_ValueError, "mailbox is closed");
         return -1;
@@ -177,11 +203,11 @@ static int get_arg(Mailbox *b, PyObject *x, int op, Arg *a) {
     if (PyObject_GetBuffer(x, &a->view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
         return -1;
     a->type = type_code(a->view.format, a->view.itemsize);
-    if (a->type < 0 || a->view.len > b->slot_bytes) {
+    if (a->type < 0 || a->view.len > max_bytes) {
         PyErr_Format(PyExc_ValueError,
                      "mailbox: array of format '%s' and %zd bytes does not fit (largest %zd bytes, "
                      "numeric dtypes only)", a->view.format ? a->view.format : "B", a->view.len,
-                     b->slot_bytes);
+                     max_bytes);
         PyBuffer_Release(&a->view);
         return -1;
     }
@@ -198,19 +224,11 @@ static PyObject *Mailbox_all_reduce(Mailbox *b, PyObject *const *args, Py_ssize_
     if (spin_ns == -1 && PyErr_Occurred()) return NULL;
     int op = op_of(b, args[1]);
     Arg a;
-    if (get_arg(b, args[0], op, &a) < 0) return NULL;
+    if (get_arg(b, args[0], op, &a, b->slot_bytes) < 0) return NULL;
     int64_t call = ++b->calls;
     memcpy(slot_of(b, b->local_rank, call), a.view.buf, a.view.len);
     __atomic_store_n(flag_of(b, b->local_rank), call, __ATOMIC_RELEASE);
-    int done = all_arrived(b, call);
-    if (!done && spin_ns > 0) {
-        int64_t end = now_ns() + spin_ns;
-        unsigned polls = 0;
-        while (!(done = all_arrived(b, call))) {
-            CPU_RELAX();
-            if ((++polls & 63) == 0 && now_ns() > end) break;
-        }
-    }
+    int done = spin_until(b, 0, call, spin_ns);
     if (done) reduce_into(b, a.view.buf, a.view.len, a.count, a.type, op, call);
     PyBuffer_Release(&a.view);
     return PyLong_FromLongLong(done ? 0 : call);
@@ -223,7 +241,7 @@ static PyObject *Mailbox_arrived(Mailbox *b, PyObject *arg) {
         PyErr_SetString(PyExc_ValueError, "mailbox is closed");
         return NULL;
     }
-    return PyBool_FromLong(all_arrived(b, call));
+    return PyBool_FromLong(all_reached(b, 0, call));
 }
 
 static PyObject *Mailbox_finish(Mailbox *b, PyObject *const *args, Py_ssize_t nargs) {
@@ -235,8 +253,8 @@ static PyObject *Mailbox_finish(Mailbox *b, PyObject *const *args, Py_ssize_t na
     if (call == -1 && PyErr_Occurred()) return NULL;
     int op = op_of(b, args[1]);
     Arg a;
-    if (get_arg(b, args[0], op, &a) < 0) return NULL;
-    if (!all_arrived(b, call)) {
+    if (get_arg(b, args[0], op, &a, b->slot_bytes) < 0) return NULL;
+    if (!all_reached(b, 0, call)) {
         PyBuffer_Release(&a.view);
         PyErr_Format(PyExc_RuntimeError, "mailbox: finish(call %lld) before every peer arrived",
                      (long long)call);
@@ -256,14 +274,52 @@ static PyObject *Mailbox_close(Mailbox *b, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* *out = the pids of `pids` (local_size ints) but local_rank's, and *addrs room for as many
+ * addresses, both PyMem-allocated; 0 or -1. */
+static int set_peer_pids(pid_t **out, uintptr_t **addrs, PyObject *pids, int local_size,
+                         int local_rank) {
+    PyObject *seq = PySequence_Fast(pids, "mailbox: pids must be a sequence");
+    if (seq == NULL) return -1;
+    if (PySequence_Fast_GET_SIZE(seq) != local_size) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "mailbox: %d pids expected (one per local rank)",
+                     local_size);
+        return -1;
+    }
+    pid_t *p = PyMem_Calloc(local_size, sizeof(pid_t));
+    *addrs = PyMem_Calloc(local_size, sizeof(uintptr_t));
+    if (p == NULL || *addrs == NULL) {
+        Py_DECREF(seq);
+        PyMem_Free(p);
+        PyMem_Free(*addrs);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int j = 0, k = 0; j < local_size; j++) {
+        long pid = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, j));
+        if (pid == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            PyMem_Free(p);
+            PyMem_Free(*addrs);
+            return -1;
+        }
+        if (j != local_rank) p[k++] = (pid_t)pid;
+    }
+    Py_DECREF(seq);
+    *out = p;
+    return 0;
+}
+
 static int Mailbox_init(Mailbox *b, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"mapping", "local_size", "local_rank", "slot_bytes", "ops", NULL};
-    PyObject *mapping;
+    static char *names[] = {"mapping", "local_size", "local_rank", "slot_bytes", "ops", "pids",
+                            NULL};
+    PyObject *mapping, *pids = Py_None;
     int local_size, local_rank;
     Py_ssize_t slot_bytes;
     PyObject *ops[4];
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oiin(OOOO)", names, &mapping, &local_size,
-                                     &local_rank, &slot_bytes, &ops[0], &ops[1], &ops[2], &ops[3]))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oiin(OOOO)|O", names, &mapping, &local_size,
+                                     &local_rank, &slot_bytes, &ops[0], &ops[1], &ops[2], &ops[3],
+                                     &pids))
         return -1;
     if (b->open) {
         PyErr_SetString(PyExc_ValueError, "mailbox already initialized");
@@ -276,14 +332,29 @@ static int Mailbox_init(Mailbox *b, PyObject *args, PyObject *kwds) {
                                           "the mailbox's size a Py_ssize_t)");
         return -1;
     }
-    if (PyObject_GetBuffer(mapping, &b->map, PyBUF_WRITABLE) < 0) return -1;
+    pid_t *peer_pids = NULL;
+    uintptr_t *peer_addrs = NULL;
+    if (pids != Py_None
+            && set_peer_pids(&peer_pids, &peer_addrs, pids, local_size, local_rank) < 0)
+        return -1;
+    if (PyObject_GetBuffer(mapping, &b->map, PyBUF_WRITABLE) < 0) {
+        PyMem_Free(peer_pids);
+        PyMem_Free(peer_addrs);
+        return -1;
+    }
     Py_ssize_t region = 64 + 2 * slot_bytes;
     if (b->map.len < region * local_size || ((uintptr_t)b->map.buf) % 64) {
         PyBuffer_Release(&b->map);
         PyErr_Format(PyExc_ValueError, "mailbox: mapping of %zd bytes is smaller than %d x %zd "
                      "or not 64-byte aligned", b->map.len, local_size, region);
+        PyMem_Free(peer_pids);
+        PyMem_Free(peer_addrs);
         return -1;
     }
+    PyMem_Free(b->peer_pids);  /* __init__ again after close() */
+    PyMem_Free(b->peer_addrs);
+    b->peer_pids = peer_pids;
+    b->peer_addrs = peer_addrs;
     b->open = 1;
     b->calls = 0;
     for (int i = 0; i < 4; i++) {  /* __init__ again after close(): drop the previous ops */
@@ -301,6 +372,8 @@ static int Mailbox_init(Mailbox *b, PyObject *args, PyObject *kwds) {
 static void Mailbox_dealloc(Mailbox *b) {
     if (b->open) PyBuffer_Release(&b->map);
     for (int i = 0; i < 4; i++) Py_XDECREF(b->ops[i]);
+    PyMem_Free(b->peer_pids);
+    PyMem_Free(b->peer_addrs);
     Py_TYPE(b)->tp_free((PyObject *)b);
 }
 
@@ -320,6 +393,45 @@ static int move(pid_t pid, int read, char *local, uintptr_t remote, Py_ssize_t n
 }
 
 #define MAX_PEERS 1024
+
+typedef struct {
+    int err, read;  /* errno (0: none); the failed transfer was a read */
+    pid_t pid;
+} Failure;
+
+/* The cross-memory piece loop (see the header): elements [lo, hi) of base, pieces of `step`
+ * elements through scratch. Runs without the GIL. */
+static Failure fold_loop(char *base, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t itemsize, int type,
+                         int op, const pid_t *pids, const uintptr_t *addrs, Py_ssize_t npeers,
+                         char *scratch, Py_ssize_t step, int push) {
+    Failure f = {0, 0, 0};
+    for (Py_ssize_t start = lo; start < hi; start += step) {
+        Py_ssize_t stop = start + step < hi ? start + step : hi;
+        Py_ssize_t off = start * itemsize, nbytes = (stop - start) * itemsize;
+        for (Py_ssize_t j = 0; j < npeers; j++) {
+            if ((f.err = move(pids[j], 1, scratch, addrs[j] + (uintptr_t)off, nbytes))) {
+                f.pid = pids[j];
+                f.read = 1;
+                return f;
+            }
+            fold(type, base + off, base + off, scratch, stop - start, op);
+        }
+        for (Py_ssize_t j = 0; push && j < npeers; j++)
+            if ((f.err = move(pids[j], 0, base + off, addrs[j] + (uintptr_t)off, nbytes))) {
+                f.pid = pids[j];
+                return f;
+            }
+    }
+    return f;
+}
+
+/* None, or the (errno, pid, what) tuple of a failed transfer. */
+static PyObject *failure_value(Failure f) {
+    if (f.err)
+        return Py_BuildValue("(ils)", f.err, (long)f.pid,
+                             f.read ? "process_vm_readv from" : "process_vm_writev to");
+    Py_RETURN_NONE;
+}
 
 static PyObject *fold_peers(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
@@ -374,32 +486,97 @@ static PyObject *fold_peers(PyObject *module, PyObject *const *args, Py_ssize_t 
         PyBuffer_Release(&tmp);
         return NULL;
     }
-    char *base = x.buf, *scratch = tmp.buf;
-    int err = 0, failed_read = 0;
-    pid_t failed = 0;
+    Failure f;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t start = lo; start < hi && !err; start += step) {
-        Py_ssize_t stop = start + step < hi ? start + step : hi;
-        Py_ssize_t off = start * itemsize, nbytes = (stop - start) * itemsize;
-        for (Py_ssize_t j = 0; j < npeers && !err; j++) {
-            if ((err = move(pids[j], 1, scratch, addrs[j] + (uintptr_t)off, nbytes))) {
-                failed = pids[j];
-                failed_read = 1;
-                break;
-            }
-            fold(type, base + off, base + off, scratch, stop - start, op);
-        }
-        for (Py_ssize_t j = 0; push && j < npeers && !err; j++)
-            if ((err = move(pids[j], 0, base + off, addrs[j] + (uintptr_t)off, nbytes)))
-                failed = pids[j];
-    }
+    f = fold_loop(x.buf, lo, hi, itemsize, type, op, pids, addrs, npeers, tmp.buf, step, push);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&x);
     PyBuffer_Release(&tmp);
-    if (err)
-        return Py_BuildValue("(ils)", err, (long)failed,
-                             failed_read ? "process_vm_readv from" : "process_vm_writev to");
-    Py_RETURN_NONE;
+    return failure_value(f);
+}
+
+/* cross(x, op, call, tmp, spin_ns, resume): the whole cross-memory all_reduce of shm.py (one
+ * node, every local rank's pid given at construction) in one call. Publish x's address in flag
+ * line int64 [2] and raise [1] to `call` (unless resume), spin up to spin_ns until every peer has;
+ * then, without the GIL, this rank's segment [count * r / n, count * (r + 1) / n) of x: each
+ * piece read from every peer into tmp, folded into x, written back into every peer's x; then
+ * raise [3] to `call` and spin up to spin_ns until every peer has (no rank returns while a peer
+ * still reads or writes its array). Returns 0 (done), 1 (a peer has not arrived: wait on
+ * cross_reached(1, call), then call again with resume=True), 2 (folded; a peer is not done:
+ * wait on cross_reached(3, call)) or the (errno, pid, what) tuple of a failed transfer. */
+static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "cross(x, op, call, tmp, spin_ns, resume)");
+        return NULL;
+    }
+    int64_t call = PyLong_AsLongLong(args[2]), spin_ns = PyLong_AsLongLong(args[4]);
+    int resume = PyObject_IsTrue(args[5]);
+    if (PyErr_Occurred() || resume < 0) return NULL;
+    if (b->peer_pids == NULL) {
+        PyErr_SetString(PyExc_ValueError, "mailbox: cross() needs the local ranks' pids");
+        return NULL;
+    }
+    int op = op_of(b, args[1]);
+    Arg a;
+    if (get_arg(b, args[0], op, &a, PY_SSIZE_T_MAX) < 0) return NULL;
+    Py_buffer tmp;
+    if (PyObject_GetBuffer(args[3], &tmp, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&a.view);
+        return NULL;
+    }
+    Py_ssize_t itemsize = a.view.itemsize, step = itemsize ? tmp.len / itemsize : 0;
+    if (step < 1) {
+        PyErr_Format(PyExc_ValueError, "mailbox: scratch of %zd bytes holds no element", tmp.len);
+        PyBuffer_Release(&a.view);
+        PyBuffer_Release(&tmp);
+        return NULL;
+    }
+    int me = b->local_rank, n = b->local_size;
+    int64_t *mine = flag_of(b, me);
+    if (!resume) {
+        __atomic_store_n(mine + 2, (int64_t)(uintptr_t)a.view.buf, __ATOMIC_RELAXED);
+        __atomic_store_n(mine + 1, call, __ATOMIC_RELEASE);
+    }
+    long status = 0;
+    Failure f = {0, 0, 0};
+    if (!spin_until(b, 1, call, spin_ns)) {
+        status = 1;
+    } else {
+        for (int j = 0, k = 0; j < n; j++)
+            if (j != me)
+                b->peer_addrs[k++] = (uintptr_t)__atomic_load_n(flag_of(b, j) + 2,
+                                                                __ATOMIC_RELAXED);
+        Py_ssize_t count = a.count, q = count / n, r = count % n;  /* floor(count * i / n) */
+        Py_ssize_t lo = q * me + r * me / n, hi = q * (me + 1) + r * (me + 1) / n;
+        Py_BEGIN_ALLOW_THREADS
+        f = fold_loop(a.view.buf, lo, hi, itemsize, a.type, op, b->peer_pids, b->peer_addrs,
+                      n - 1, tmp.buf, step, 1);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&a.view);
+    PyBuffer_Release(&tmp);
+    if (f.err) return failure_value(f);
+    if (status == 0) {
+        __atomic_store_n(mine + 3, call, __ATOMIC_RELEASE);
+        status = spin_until(b, 3, call, spin_ns) ? 0 : 2;
+    }
+    return PyLong_FromLong(status);
+}
+
+static PyObject *Mailbox_cross_reached(Mailbox *b, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "cross_reached(column, call)");
+        return NULL;
+    }
+    long column = PyLong_AsLong(args[0]);
+    int64_t call = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (!b->open || (column != 1 && column != 3)) {
+        PyErr_SetString(PyExc_ValueError, b->open ? "mailbox: cross_reached column is 1 or 3"
+                                                  : "mailbox is closed");
+        return NULL;
+    }
+    return PyBool_FromLong(all_reached(b, (int)column, call));
 }
 
 static PyMethodDef module_methods[] = {
@@ -416,6 +593,13 @@ static PyMethodDef Mailbox_methods[] = {
      "arrived(call) -> bool: every local rank has posted call number `call`."},
     {"finish", (PyCFunction)(void (*)(void))Mailbox_finish, METH_FASTCALL,
      "finish(x, op, call): reduce the posted terms of `call` into x (after arrived(call))."},
+    {"cross", (PyCFunction)(void (*)(void))Mailbox_cross, METH_FASTCALL,
+     "cross(x, op, call, tmp, spin_ns, resume) -> int or (errno, pid, what): the one-node "
+     "cross-memory all_reduce of x in place (0 done; 1: wait on cross_reached(1, call), call "
+     "again with resume=True; 2: wait on cross_reached(3, call))."},
+    {"cross_reached", (PyCFunction)(void (*)(void))Mailbox_cross_reached, METH_FASTCALL,
+     "cross_reached(column, call) -> bool: every local rank's cross-memory arrival (column 1) or "
+     "done (3) flag has reached `call`."},
     {"close", (PyCFunction)Mailbox_close, METH_NOARGS,
      "close(): release the mapping (every later call raises ValueError)."},
     {NULL, NULL, 0, NULL}};
@@ -425,9 +609,9 @@ static PyTypeObject MailboxType = {
     .tp_name = "rtxmpi.comm._mailbox.Mailbox",
     .tp_basicsize = sizeof(Mailbox),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Mailbox(mapping, local_size, local_rank, slot_bytes, ops): this rank's view of "
-              "the shared mailbox (see rtxmpi/comm/shm.py); ops: the (sum, max, min, prod) op "
-              "objects.",
+    .tp_doc = "Mailbox(mapping, local_size, local_rank, slot_bytes, ops, pids=None): this "
+              "rank's view of the shared mailbox (see rtxmpi/comm/shm.py); ops: the (sum, max, "
+              "min, prod) op objects; pids: every local rank's pid, by local rank (for cross()).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Mailbox_init,
     .tp_dealloc = (destructor)Mailbox_dealloc,

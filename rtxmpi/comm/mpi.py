@@ -148,7 +148,7 @@ class MPIBackend:
         path (fast or general) each rank came by, with one synchronization where possible:
         - up to the mailbox size (comm/shm.py, one node): the mailbox;
         - up to NONBLOCKING_MAX_BYTES: MPI's Iallreduce (the transfer is the arrival check);
-        - from the shared-memory threshold: comm/shm.py's cross-memory path, whose address
+        - from the engine's all_reduce_from: comm/shm.py's cross-memory path, whose address
           exchange is the arrival check;
         - otherwise `arrive()`, then MPI's blocking Allreduce inside `guard()` (Open MPI's
           nonblocking algorithms are slower there).
@@ -158,7 +158,7 @@ class MPIBackend:
             if nbytes <= engine.small_bytes:
                 engine.small_all_reduce(buf, mpi_op, wait)
                 return
-            if nbytes >= self.shm_min_bytes:
+            if nbytes >= engine.all_reduce_from:
                 engine.all_reduce(buf, mpi_op, wait, guard)
                 return
         if nbytes <= NONBLOCKING_MAX_BYTES:

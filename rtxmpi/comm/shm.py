@@ -28,10 +28,12 @@ Cross-memory (mode "cma", large messages; `min_bytes`): the reduce-scatter + all
 and Gropp, IJHPCA 2005) with the local ranks reading and writing each other's arrays through Linux
 cross-memory attach (`process_vm_readv` / `process_vm_writev`, the single-copy mechanism of Open
 MPI's smsc/cma; step 2's loop runs in C without the GIL, `_mailbox.fold_peers`, with a ctypes
-and numpy fallback). The elements are split into `local_size` contiguous
-segments; local rank i owns segment i.
-  1. every rank of the group sends the address of its array (one all_gather of one int64 over
-     the group: also the arrival check, with the deadline);
+and numpy fallback; on one node with the compiled extension, steps 1, 2 and 4 are one C call,
+`Mailbox.cross`, spinning up to SPIN_NS on each flag before the caller's deadline-aware wait).
+The elements are split into `local_size` contiguous segments; local rank i owns segment i.
+  1. every rank of the group publishes the address of its array (on one node in its flag line,
+     then it raises its arrival flag; across nodes one all_gather of one int64 over the group:
+     also the arrival check, with the deadline);
   2. for each piece of `chunk_bytes` of segment i: rank i reads that piece of every peer's array
      into a scratch buffer that stays in cache, folds it into its own array in place (its own
      value first, then the peers in ascending local-rank order) and, while the piece is still in
@@ -72,13 +74,16 @@ rank order.
 
 Selection (MPIBackend, blocking calls; the same on every rank whichever of its paths a rank took):
 all_reduce up to `small_bytes` on a group whose ranks all share one node takes the mailbox; from
-`min_bytes` on a group whose ranks share nodes (the same number on each) the cross-memory path
-(or the arena); in between, and for nonblocking calls and groups with one rank per node, MPI's
-algorithms. reduce_scatter takes the cross-memory path from `min_bytes`, all_gather from 16 times it.
+`NodeAllReduce.all_reduce_from` on a group whose ranks share nodes (the same number on each) the
+cross-memory path (or the arena); in between, and for nonblocking calls and groups with one rank
+per node, MPI's algorithms. all_reduce_from is `min_bytes` (default DEFAULT_MIN_BYTES), or, when
+it is not set and the compiled cross-memory call runs (one node), just above the mailbox, which then
+stops at CROSS_SMALL_BYTES by default. reduce_scatter takes the cross-memory path from `min_bytes`,
+all_gather from 16 times it.
 Configuration, read on rank 0 by `configure()` at `rtxmpi.init()` and used on every rank:
 `RTXMPI_SHM=0` turns every path off; `RTXMPI_SHM_CMA=0` forces the arena mode;
-`RTXMPI_SHM_MIN_BYTES` (default `DEFAULT_MIN_BYTES`); `RTXMPI_SHM_SMALL_BYTES` (default
-`DEFAULT_SMALL_BYTES`, 0 turns the mailbox off); `RTXMPI_SHM_CHUNK_BYTES` (default
+`RTXMPI_SHM_MIN_BYTES` (default: see Selection); `RTXMPI_SHM_SMALL_BYTES` (default
+`DEFAULT_SMALL_BYTES` or CROSS_SMALL_BYTES, see Selection; 0 turns the mailbox off); `RTXMPI_SHM_CHUNK_BYTES` (default
 `DEFAULT_CHUNK_BYTES`); `RTXMPI_SHM_NODE_SIZE=k` splits every node into pretend nodes of k
 consecutive local ranks, to exercise the hierarchical path on one machine (tests). Groups take
 the settings current when they are created.
@@ -109,6 +114,11 @@ except ImportError:
 # messages up to DEFAULT_SMALL_BYTES take the one-synchronization mailbox (one node only); sizes
 # in between use MPI. Crossovers measured with bench/collectives.py (bench/RESULTS.md).
 DEFAULT_MIN_BYTES = 2 << 20
+# With the compiled cross-memory all_reduce (Mailbox.cross: arrival, piece loop and closing barrier
+# in one C call) that path beats the mailbox and MPI from about 32-64 KiB at 2 local ranks, so by
+# default the mailbox stops at CROSS_SMALL_BYTES and the cross-memory path takes every larger
+# all_reduce (RTXMPI_SHM_MIN_BYTES / RTXMPI_SHM_SMALL_BYTES, when set, are used as given).
+CROSS_SMALL_BYTES = 32 << 10
 NUMPY_SMALL_BYTES = 32 << 10  # the numpy mailbox's largest message (its Python costs grow with it)
 DEFAULT_SMALL_BYTES = (1 << 20) if _mailbox is not None else NUMPY_SMALL_BYTES
 # every rank of the mailbox reads every rank's slot: local_size x the message per rank and call,
@@ -133,25 +143,31 @@ SPIN_NS = 20_000  # the compiled mailbox's spin on the peers' flags before the P
 class ShmConfig:
     """Shared-memory path settings of one group (see the module docstring).
 
-    enabled (bool), min_bytes (int, smallest message that takes the cross-memory path),
-    small_bytes (int, largest message that takes the mailbox; 0: never; None: DEFAULT_SMALL_BYTES,
-    at most MAILBOX_READ_BYTES / local_size), chunk_bytes (int,
+    enabled (bool), min_bytes (int, smallest message that takes the cross-memory path; None:
+    DEFAULT_MIN_BYTES, or for all_reduce with the compiled cross-memory path just above the
+    mailbox), small_bytes (int, largest message that takes the mailbox; 0: never; None:
+    DEFAULT_SMALL_BYTES, at most MAILBOX_READ_BYTES / local_size, and CROSS_SMALL_BYTES with the
+    compiled cross-memory path), chunk_bytes (int,
     pipeline chunk; a multiple of 8), node_size (int or None: pretend nodes of this many local
     ranks), cma (bool: cross-memory access allowed).
     """
 
     __slots__ = ("enabled", "min_bytes", "chunk_bytes", "node_size", "cma", "small_bytes")
 
-    def __init__(self, enabled=True, min_bytes=DEFAULT_MIN_BYTES, chunk_bytes=DEFAULT_CHUNK_BYTES,
+    def __init__(self, enabled=True, min_bytes=None, chunk_bytes=DEFAULT_CHUNK_BYTES,
                  node_size=None, cma=True, small_bytes=None):
-        self.enabled, self.min_bytes = bool(enabled), int(min_bytes)
+        self.enabled = bool(enabled)
+        self.min_bytes = None if min_bytes is None else int(min_bytes)
         self.chunk_bytes, self.node_size, self.cma = int(chunk_bytes), node_size, bool(cma)
         self.small_bytes = None if small_bytes is None else int(small_bytes)
 
     @property
     def threshold(self):
-        """Smallest message (bytes) that takes the shared-memory path; NEVER when off."""
-        return self.min_bytes if self.enabled else NEVER
+        """Smallest message (bytes) that takes the shared-memory path (all_reduce: see
+        NodeAllReduce.all_reduce_from); NEVER when off."""
+        if not self.enabled:
+            return NEVER
+        return DEFAULT_MIN_BYTES if self.min_bytes is None else self.min_bytes
 
     @property
     def small_threshold(self):
@@ -193,7 +209,7 @@ class ShmConfig:
         chunk = integer("RTXMPI_SHM_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES,
                         MAX_BUFFER_BYTES)
         return cls(enabled=flag("RTXMPI_SHM"), cma=flag("RTXMPI_SHM_CMA"),
-                   min_bytes=integer("RTXMPI_SHM_MIN_BYTES", DEFAULT_MIN_BYTES, 0),
+                   min_bytes=integer("RTXMPI_SHM_MIN_BYTES", None, 0),
                    small_bytes=integer("RTXMPI_SHM_SMALL_BYTES", None, 0, MAX_BUFFER_BYTES),
                    chunk_bytes=chunk - chunk % 8,
                    node_size=integer("RTXMPI_SHM_NODE_SIZE", None, 1))
@@ -461,7 +477,9 @@ def describe(backend, size=str):
     kind = "compiled" if engine.mailbox is not None else "numpy"
     mailbox = (f"mailbox ({kind}) up to {size(engine.small_bytes)}" if engine.small_bytes > 0
                else f"no mailbox ({engine.mailbox_off})")
-    return (f"{mailbox}; {engine.mode} from {size(config.min_bytes)} (between: MPI); "
+    start = engine.all_reduce_from
+    between = " (between: MPI)" if start > max(engine.small_bytes, 0) + 1 else ""
+    return (f"{mailbox}; {engine.mode} from {size(start)}{between}; "
             f"chunk {size(config.chunk_bytes)}; {engine.local_size} local ranks x "
             f"{engine.nodes} node(s); RTXMPI_SHM=0 turns it off")
 
@@ -481,7 +499,7 @@ class NodeAllReduce:
     """
 
     def __init__(self, comm, node, cross, chunk_bytes, *, members=None, mm=None, peers=None,
-                 box=None, small_bytes=0, compiled=False):
+                 box=None, small_bytes=0, compiled=False, min_bytes=DEFAULT_MIN_BYTES):
         self.comm, self.node, self.cross, self._mm, self._box_mm = comm, node, cross, mm, box
         self.local_size, self.local_rank = node.Get_size(), node.Get_rank()
         self.nodes = 1 if cross is None else cross.Get_size()
@@ -503,6 +521,7 @@ class NodeAllReduce:
         # array address, [3] cross-memory done call.
         self.small_bytes = small_bytes if box is not None and small_bytes > 0 else -1
         self.mailbox_off = None  # create(): why there is no mailbox (None: there is one)
+        self.all_reduce_from = min_bytes  # smallest all_reduce of the cross-memory path / arena
         self._lines = self.mailbox = None
         if box is not None:
             region = FLAG_BYTES + 2 * small_bytes
@@ -517,7 +536,9 @@ class NodeAllReduce:
             self._box_calls = 0
             self._box_views = {}  # (dtype, count, parity) -> [typed view of each rank's slot]
             self.mailbox = (_mailbox.Mailbox(box, self.local_size, self.local_rank, small_bytes,
-                                           tuple(op for op, _ in _UFUNCS)) if compiled else None)
+                                             tuple(op for op, _ in _UFUNCS),
+                                             peers[1] if peers is not None else None)
+                            if compiled else None)
         if peers is not None:
             self._reader, self._pids = peers
             self._tmp = np.zeros(chunk_bytes, np.uint8)  # touched once, reused
@@ -552,11 +573,13 @@ class NodeAllReduce:
         # installed extension) are its own
         ordered = comm.allreduce(ordered, op=MPI.LAND)
         compiled = comm.allreduce(ordered and _mailbox is not None, op=MPI.LAND)
+        peers = _probe_peers(node, comm, config.cma)
         # slots in whole cache lines, so every rank's flag line starts one (FLAG_BYTES)
         small = max(config.small_threshold, 0) // FLAG_BYTES * FLAG_BYTES if ordered else 0
         small = comm.allreduce(small if compiled else min(small, NUMPY_SMALL_BYTES), op=MPI.MIN)
         if config.small_bytes is None:  # the default: less per message as local ranks add reads
-            small = min(small, MAILBOX_READ_BYTES // local_size // FLAG_BYTES * FLAG_BYTES)
+            small = min(small, MAILBOX_READ_BYTES // local_size // FLAG_BYTES * FLAG_BYTES,
+                        CROSS_SMALL_BYTES if compiled and peers is not None else NEVER)
         total = local_size * (FLAG_BYTES + 2 * small)
         box = _map_arena(node, comm, total) if ordered else None
         if ordered and box is None and comm.Get_rank() == 0:  # the same on every rank
@@ -575,11 +598,13 @@ class NodeAllReduce:
                else "not possible on another rank" if not ordered
                else "RTXMPI_SHM_SMALL_BYTES=0" if small == 0
                else "/dev/shm too small" if box is None else None)
-        peers = _probe_peers(node, comm, config.cma)
         if peers is not None:
             engine = cls(comm, node, cross, config.chunk_bytes, members=members, peers=peers,
-                         box=box, small_bytes=small, compiled=compiled)
+                         box=box, small_bytes=small, compiled=compiled,
+                         min_bytes=config.threshold)
             engine.mailbox_off = off
+            if config.min_bytes is None and engine.mailbox is not None:  # the compiled path
+                engine.all_reduce_from = max(engine.small_bytes, 0) + 1
             return engine
         mm = _map_arena(node, comm, local_size * BUFFERS * config.chunk_bytes)
         if mm is None:
@@ -590,7 +615,7 @@ class NodeAllReduce:
                 box.close()
             return None
         engine = cls(comm, node, cross, config.chunk_bytes, members=members, mm=mm, box=box,
-                     small_bytes=small, compiled=compiled)
+                     small_bytes=small, compiled=compiled, min_bytes=config.threshold)
         engine.mailbox_off = off
         mine = engine._arena[local_rank * engine.slot_bytes:(local_rank + 1) * engine.slot_bytes]
         mine.fill(0)  # first touch here, by the rank that writes it, not inside a timed call
@@ -745,6 +770,10 @@ class NodeAllReduce:
         write the reduced piece straight into every peer's array (one node; across nodes the
         segment is first all_reduced among the ranks with this local index); then one node
         barrier (no rank returns while a peer still reads or writes its array)."""
+        mailbox = self.mailbox
+        if mailbox is not None and x.dtype.isnative and x.dtype.char in _FOLD_CHARS:
+            self._cross_compiled(mailbox, x, mpi_op, wait)
+            return
         peers = self._exchange(x, wait)
         n, me = self.local_size, self.local_rank
         total, itemsize = x.size, x.itemsize
@@ -779,6 +808,21 @@ class NodeAllReduce:
         except PeerAccessError as exc:
             raise self._peer_error("all_reduce", exc) from exc
         self._done(wait)
+
+    def _cross_compiled(self, mailbox, x, mpi_op, wait):
+        """_all_reduce_cma on one node in one C call (_mailbox.c, Mailbox.cross: the same flag
+        lines, steps and piece loop); a peer later than the spin is waited for here, with the
+        caller's deadline."""
+        self._cma_calls += 1
+        call = self._cma_calls
+        status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, False)
+        if status == 1:
+            wait(self._watched(lambda: mailbox.cross_reached(1, call)))
+            status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, True)
+        if type(status) is tuple:
+            raise self._peer_error("all_reduce", PeerAccessError(*status))
+        if status == 2:
+            wait(self._watched(lambda: mailbox.cross_reached(3, call)))
 
     # -- reduce_scatter ---------------------------------------------------------------------
     def reduce_scatter(self, x, out, counts, mpi_op, wait=_wait_all, guard=contextlib.nullcontext):

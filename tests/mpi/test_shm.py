@@ -74,8 +74,11 @@ def mailbox_possible(local_size, compiled=shm._mailbox is not None):
 
 
 def mailbox_bytes(local_size):
-    """The default mailbox size of a node of `local_size` ranks."""
-    return min(shm.DEFAULT_SMALL_BYTES, shm.MAILBOX_READ_BYTES // local_size // 64 * 64)
+    """The default mailbox size of a node of `local_size` ranks (on Linux the cross-memory path
+    is available, and with the compiled one the mailbox stops at CROSS_SMALL_BYTES)."""
+    size = min(shm.DEFAULT_SMALL_BYTES, shm.MAILBOX_READ_BYTES // local_size // 64 * 64)
+    fast = shm._mailbox is not None and sys.platform.startswith("linux")
+    return min(size, shm.CROSS_SMALL_BYTES) if fast else size
 
 
 def expected_engine(group, layout):
@@ -313,8 +316,11 @@ def test_messages_below_the_threshold_use_mpi(world):
 
 
 def test_default_sizes_choose_mailbox_mpi_and_cross_memory_paths(world):
-    """Default settings: up to small_bytes the mailbox, from min_bytes the cross-memory path,
-    MPI in between (each path spied on; the results exact on every path)."""
+    """Default settings: up to small_bytes the mailbox, from all_reduce_from the cross-memory
+    path, MPI in between. With the compiled cross-memory path the mailbox stops at
+    CROSS_SMALL_BYTES and the cross-memory path takes every larger message (no MPI band); else
+    the mailbox's size and DEFAULT_MIN_BYTES. Each path spied on; the results exact on every
+    path."""
     saved = shm.CONFIG
     shm.CONFIG = shm.ShmConfig()
     try:
@@ -322,16 +328,18 @@ def test_default_sizes_choose_mailbox_mpi_and_cross_memory_paths(world):
     finally:
         shm.CONFIG = saved
     group.check = False
-    small, large = shm.DEFAULT_SMALL_BYTES // 4, shm.DEFAULT_MIN_BYTES // 4
-    x, expected = inputs(group, small, "float32", "sum")
+    x, expected = inputs(group, 16, "float32", "sum")
     assert_exact(group.all_reduce(x), expected)
     engine = group.backend._shm
     if group.world_size == 1:
         assert engine is None
         return
     mailbox = mailbox_possible(group.world_size)
+    fast = mailbox and shm._mailbox is not None  # the compiled cross-memory path
     box = mailbox_bytes(group.world_size)
-    assert (engine.small_bytes, engine.mode) == (box if mailbox else -1, "cma")
+    start = box + 1 if fast else shm.DEFAULT_MIN_BYTES
+    assert (engine.small_bytes, engine.mode, engine.all_reduce_from) == (
+        box if mailbox else -1, "cma", start)
     taken = []
 
     def spy(real, name):
@@ -341,12 +349,14 @@ def test_default_sizes_choose_mailbox_mpi_and_cross_memory_paths(world):
         def __init__(self, real):
             self.real, self.all_reduce = real, spy(real.all_reduce, "small_all_reduce")
             self.arrived, self.finish = real.arrived, real.finish
+            self.cross, self.cross_reached = real.cross, real.cross_reached
 
     compiled = engine.mailbox
     engine.small_all_reduce = spy(engine.small_all_reduce, "small_all_reduce")
     engine.all_reduce = spy(engine.all_reduce, "all_reduce")
     if compiled is not None:
         engine.mailbox = Mailbox(compiled)
+    small, large = max(engine.small_bytes, 16) // 4, shm.DEFAULT_MIN_BYTES // 4
     try:
         for length, salt in ((small, 1), (small + 1, 2), (large - 1, 3), (large, 4)):
             x, expected = inputs(group, length, "float32", "sum", salt=salt)
@@ -354,7 +364,10 @@ def test_default_sizes_choose_mailbox_mpi_and_cross_memory_paths(world):
     finally:
         del engine.small_all_reduce, engine.all_reduce
         engine.mailbox = compiled
-    assert taken == ["small_all_reduce", "all_reduce"] if mailbox else ["all_reduce"]
+    if fast:  # no MPI band: cross-memory from small + 1
+        assert taken == ["small_all_reduce", "all_reduce", "all_reduce", "all_reduce"]
+    else:
+        assert taken == ["small_all_reduce", "all_reduce"] if mailbox else ["all_reduce"]
 
 
 @pytest.mark.parametrize("env,message", [

@@ -185,3 +185,105 @@ def test_init_again_keeps_the_op_references_balanced():
     assert after == before
     b.close()
     mapping.close()
+
+
+# -- Mailbox.cross: the whole one-node cross-memory all_reduce in one call ----------------------
+def cross_boxes(k, pids=None):
+    """k views of one flag mapping (no slots), every "local rank" this process, so each view's
+    process_vm_readv / writev reach the others' arrays here."""
+    import os
+
+    mapping = mmap.mmap(-1, k * shm.FLAG_BYTES)
+    pids = pids or [os.getpid()] * k
+    return mapping, [shm._mailbox.Mailbox(mapping, k, j, 0, OP_OBJECTS, pids) for j in range(k)]
+
+
+def cross_expected(xs, ufunc):
+    """Segment i (elements [n * i // k, n * (i + 1) // k)) is folded by local rank i: its own
+    value first, then the others in local-rank order."""
+    k, n = len(xs), xs[0].size
+    out = np.empty_like(xs[0])
+    for i in range(k):
+        lo, hi = n * i // k, n * (i + 1) // k
+        acc = xs[i][lo:hi].copy()
+        for j in range(k):
+            if j != i:
+                acc = ufunc(acc, xs[j][lo:hi])
+        out[lo:hi] = acc
+    return out
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int16", "uint64"])
+@pytest.mark.parametrize("name", list(OPS))
+def test_cross_reduces_every_segment_and_pushes_it_to_every_peer(k, dtype, name):
+    """Views post one after another, so every status runs: 1 (a peer has not arrived: resume
+    later), 2 (folded and pushed, a peer not done) and 0; pieces (tmp of 7 elements) smaller than
+    the segments; sizes that do not divide by k."""
+    op, ufunc = OPS[name]
+    rng = np.random.default_rng(k)
+    mapping, views = cross_boxes(k)
+    tmp = np.zeros(7 * np.dtype(dtype).itemsize, np.uint8)
+    for call, n in ((1, 1000), (2, 37), (3, 2)):
+        xs = [values(rng, dtype, n) for _ in range(k)]
+        expected = cross_expected(xs, ufunc)
+        first = [view.cross(x, op, call, tmp, 0, False) for view, x in zip(views, xs)]
+        assert first == [1] * (k - 1) + [2]  # only the last found every peer arrived
+        resumed = [view.cross(x, op, call, tmp, 0, True) for view, x in zip(views[:-1], xs)]
+        assert resumed == [2] * (k - 2) + [0]  # the last to fold finds every peer done
+        assert all(view.cross_reached(3, call) and view.cross_reached(1, call) for view in views)
+        for x in xs:
+            np.testing.assert_array_equal(x.view(np.uint8), expected.view(np.uint8))
+    for view in views:
+        view.close()
+    mapping.close()
+
+
+def test_cross_errors_are_typed():
+    import os
+
+    mapping, (a, b) = cross_boxes(2)
+    x, tmp = np.arange(8, dtype=np.float64), np.zeros(64, np.uint8)
+    with pytest.raises(ValueError, match="none of sum"):
+        a.cross(x, MPI.BAND, 1, tmp, 0, False)
+    with pytest.raises(ValueError, match="numeric dtypes only"):
+        a.cross(np.zeros(2, np.complex64), MPI.SUM, 1, tmp, 0, False)
+    with pytest.raises(ValueError, match="holds no element"):
+        a.cross(x, MPI.SUM, 1, np.zeros(4, np.uint8), 0, False)
+    with pytest.raises(ValueError, match="column is 1 or 3"):
+        a.cross_reached(2, 1)
+    with pytest.raises(ValueError, match="2 pids expected"):
+        shm._mailbox.Mailbox(mapping, 2, 0, 0, OP_OBJECTS, [os.getpid()])
+    no_pids = shm._mailbox.Mailbox(mapping, 2, 0, 0, OP_OBJECTS)
+    with pytest.raises(ValueError, match="needs the local ranks' pids"):
+        no_pids.cross(x, MPI.SUM, 1, tmp, 0, False)
+    assert not a.cross_reached(1, 1)  # no error above raised a flag
+    np.testing.assert_array_equal(x, np.arange(8))
+    a.close()
+    with pytest.raises(ValueError, match="closed"):
+        a.cross(x, MPI.SUM, 1, tmp, 0, False)
+    for view in (b, no_pids):
+        view.close()
+    mapping.close()
+
+
+def test_cross_from_a_dead_peer_reports_it_and_raises_no_done_flag():
+    import errno
+    import os
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=30)  # reaped: its pid no longer names a process
+    mapping = mmap.mmap(-1, 2 * shm.FLAG_BYTES)
+    a = shm._mailbox.Mailbox(mapping, 2, 0, 0, OP_OBJECTS, [os.getpid(), child.pid])
+    b = shm._mailbox.Mailbox(mapping, 2, 1, 0, OP_OBJECTS, [os.getpid(), os.getpid()])
+    x, y, tmp = np.ones(8, np.float32), np.ones(8, np.float32), np.zeros(64, np.uint8)
+    assert b.cross(y, MPI.SUM, 1, tmp, 0, False) == 1
+    assert a.cross(x, MPI.SUM, 1, tmp, 0, False) == (errno.ESRCH, child.pid,
+                                                     "process_vm_readv from")
+    np.testing.assert_array_equal(x, 1)  # nothing folded
+    assert not b.cross_reached(3, 1)
+    a.close()
+    b.close()
+    mapping.close()

@@ -117,6 +117,7 @@ def test_cross_memory_fold_reads_folds_and_pushes_in_pieces(compiled, monkeypatc
         addr = int(child.stdout.readline())
         engine = object.__new__(shm.NodeAllReduce)  # only what _all_reduce_cma's loop reads
         engine.local_size, engine.local_rank, engine.cross = 2, 1, None
+        engine.mailbox = None  # the piece loop of fold_peers, not Mailbox.cross (test_mailbox)
         engine._tmp = np.zeros(64 * 4, np.uint8)  # 64 float32 per piece: 8 pieces of the half
         engine._reader = shm._PeerReader(shm._load_cma())
         engine._exchange = lambda x, wait: [(child.pid, addr)]
@@ -169,7 +170,7 @@ def test_cross_memory_fold_of_any_dtype_the_engine_supports(dtype):
     x = rng.standard_normal(300).astype(dtype)
     peer = rng.standard_normal(300).astype(dtype)
     engine = object.__new__(shm.NodeAllReduce)
-    engine.local_size, engine.local_rank, engine.cross = 2, 0, None
+    engine.local_size, engine.local_rank, engine.cross, engine.mailbox = 2, 0, None, None
     engine._tmp = np.zeros(40 * 8, np.uint8)
     engine._reader = shm._PeerReader(shm._load_cma())
     engine._exchange = lambda x, wait: [(os.getpid(), peer.ctypes.data)]
