@@ -478,8 +478,9 @@ def describe(backend, size=str):
     mailbox = (f"mailbox ({kind}) up to {size(engine.small_bytes)}" if engine.small_bytes > 0
                else f"no mailbox ({engine.mailbox_off})")
     start = engine.all_reduce_from
-    between = " (between: MPI)" if start > max(engine.small_bytes, 0) + 1 else ""
-    return (f"{mailbox}; {engine.mode} from {size(start)}{between}; "
+    larger = (f"{engine.mode} for every larger message" if start == max(engine.small_bytes, 0) + 1
+              else f"{engine.mode} from {size(start)} (between: MPI)")
+    return (f"{mailbox}; {larger}; "
             f"chunk {size(config.chunk_bytes)}; {engine.local_size} local ranks x "
             f"{engine.nodes} node(s); RTXMPI_SHM=0 turns it off")
 
