@@ -50,7 +50,8 @@ A `HardwareProfile` holds the numbers the planner's cost model (rtxmpi/parallel/
                    reference run, all ranks busy, at most 20 ms): they arrive at different
                    moments, and the early ones wait (scheduling jitter when ranks outnumber
                    cores); measured as the mean time a rank spends inside an 8-byte all_reduce
-                   after computing, median of 5 rounds (_measure_sync)
+                   after computing, the median of rounds spread over the calibration
+                   (_sync_rounds: the scheduler's state holds for seconds)
   communication, alpha-beta fits t(bytes) = alpha_s + factor(op, n) * bytes / bw_bytes_per_s per
   operation and group size n, measured with every group of that size in the world communicating
   at once (as the dp/tp groups of a layout do): factor is 2(n-1)/n for all_reduce, (n-1)/n for
@@ -78,6 +79,7 @@ import numpy as np
 from ..errors import ConfigError
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+SYNC_ROUNDS = 5  # sync-wait rounds at the end of the calibration (one more after each phase)
 PROFILE_VERSION = 1
 
 
@@ -590,6 +592,17 @@ def _measure_sync(comm, ranks_of_node, cfg, segment_s, reps, rounds=5):
     collective adds to the step beyond its alpha-beta time; alpha of an 8-byte all_reduce (a few
     us) is not subtracted. Measured directly, not as the difference of two loop timings, whose
     noise is as large as the wait itself on a loaded machine."""
+    return _sync_median(_sync_rounds(comm, ranks_of_node, cfg, segment_s, reps, rounds),
+                        segment_s)
+
+
+def _sync_median(rounds, segment_s):
+    """{n: seconds} from _sync_rounds' {n: [seconds per round]}: the median, in [0, segment_s]."""
+    return {n: float(min(max(0.0, np.median(v)), segment_s)) for n, v in rounds.items()}
+
+
+def _sync_rounds(comm, ranks_of_node, cfg, segment_s, reps, rounds):
+    """{str(n): [seconds, one per round]}: _measure_sync's rounds, before the median."""
     from mpi4py import MPI
 
     C = cfg.n_embd
@@ -608,24 +621,50 @@ def _measure_sync(comm, ranks_of_node, cfg, segment_s, reps, rounds=5):
     R = max(len(r) for r in ranks_of_node)
     rank = comm.Get_rank()
     for n in sorted({2, R}):
-        groups = _pairs_within(ranks_of_node, n) if 2 <= n <= R else None
-        if not groups:
+        partitions = _sync_partitions(ranks_of_node, n) if 2 <= n <= R else None
+        if not partitions:
             continue
-        sub = comm.Split(next(i for i, g in enumerate(groups) if rank in g), key=rank)
+        subs = [comm.Split(next(i for i, g in enumerate(groups) if rank in g), key=rank)
+                for groups in partitions]
         waits = []
         for _ in range(rounds):
             comm.Barrier()
             waited = 0.0
-            for _ in range(reps):
-                for _ in range(loops):
-                    a @ w
-                t = time.perf_counter()
-                sub.Allreduce(MPI.IN_PLACE, flag)
-                waited += time.perf_counter() - t
-            waits.append(comm.allreduce(waited, op=MPI.SUM) / (comm.Get_size() * reps))
-        out[str(n)] = float(min(max(0.0, np.median(waits)), segment_s))
-        sub.Free()
+            for sub in subs:  # every pairing in each round: the mean over placements
+                for _ in range(reps):
+                    for _ in range(loops):
+                        a @ w
+                    t = time.perf_counter()
+                    sub.Allreduce(MPI.IN_PLACE, flag)
+                    waited += time.perf_counter() - t
+            waits.append(comm.allreduce(waited, op=MPI.SUM)
+                         / (comm.Get_size() * reps * len(subs)))
+        out[str(n)] = waits
+        for sub in subs:
+            sub.Free()
     return out
+
+
+def _sync_partitions(ranks_of_node, n):
+    """Ways to split every node's ranks into groups of n for the sync-wait rounds (None when n
+    does not divide a node's ranks). n = 2: the R - 1 rounds of a round-robin tournament (the
+    circle method), so every pair of a node's ranks is a group exactly once and the mean wait
+    does not depend on where the scheduler put the ranks (R = 4: {0,1}{2,3}, {0,2}{3,1},
+    {0,3}{1,2}); two ranks that share a core wait for each other's time slices, two on
+    different cores hardly at all, and one fixed pairing measured 1.6-7.7 ms at R = 4 on
+    2 cores from one calibration to the next. Otherwise consecutive groups of n (n = R: the
+    node)."""
+    if any(len(ranks) % n for ranks in ranks_of_node):
+        return None
+    R = len(ranks_of_node[0])
+    if n != 2 or R == 2:
+        local = [[list(range(i, i + n)) for i in range(0, R, n)]]
+    else:
+        others = list(range(1, R))
+        local = [[[0, others[r]]] + [[others[(r + i) % (R - 1)], others[(r - i) % (R - 1)]]
+                                     for i in range(1, R // 2)] for r in range(R - 1)]
+    return [[[ranks[i] for i in g] for ranks in ranks_of_node for g in groups]
+            for groups in local]
 
 
 def _pairs_within(ranks_of_node, n):
@@ -757,6 +796,18 @@ def _calibrate(comm, cfg, micro_batch, sizes, reps, group=None):
                      f"{cores} cores, wait_weight 0.5; calibrate with the ranks per node you "
                      f"will train with")
     contention = max(1.0, busy_ms[ranks_per_node] / ref_ms)
+    # one block's forward + backward with every rank busy: the compute between collectives
+    segment = min(0.02, busy_ms[ranks_per_node] * 1e-3 / max(1, 2 * cfg.n_layer))
+    # the sync wait changes with the scheduler's state, which holds for seconds: its rounds are
+    # spread over the whole calibration (one after the compute and after each link measurement,
+    # SYNC_ROUNDS at the end), so one state does not decide it
+    sync_rounds = {}
+
+    def sample_sync(rounds=1):
+        for n, waits in _sync_rounds(comm, ranks_of_node, cfg, segment, 2, rounds).items():
+            sync_rounds.setdefault(n, []).extend(waits)
+
+    sample_sync()
     links = {"intra": {}, "inter": {}}
     for n in sorted({2, 4, ranks_per_node}):
         groups = _pairs_within(ranks_of_node, n) if n <= ranks_per_node else None
@@ -769,6 +820,7 @@ def _calibrate(comm, cfg, micro_batch, sizes, reps, group=None):
                 continue
             links["intra"].setdefault(op, {})[str(n)] = _fit(
                 _measure_op(sub, op, sizes, reps, sub_group), op, n)
+            sample_sync()
         if sub_group is None:
             sub.Free()
     if len(names) > 1 and all(len(r) == ranks_per_node for r in ranks_of_node):
@@ -789,9 +841,8 @@ def _calibrate(comm, cfg, micro_batch, sizes, reps, group=None):
     if not links["intra"]:
         links["intra"] = default_profile().links["intra"]
         notes.append("intra-node links not measured (one rank per node): defaults used")
-    # one block's forward + backward with every rank busy: the compute between collectives
-    segment = min(0.02, busy_ms[ranks_per_node] * 1e-3 / max(1, 2 * cfg.n_layer))
-    sync = _measure_sync(comm, ranks_of_node, cfg, segment, reps=5)
+    sample_sync(SYNC_ROUNDS)
+    sync = _sync_median(sync_rounds, segment)
     notes.append(f"calibration took {time.perf_counter() - t_start:.1f} s")
     facts = _machine_facts(comm, len(names)) if rank == 0 else None
     facts = comm.bcast(facts, root=0)

@@ -530,3 +530,24 @@ def test_balanced_subsets_see_every_placement_alike(R, P):
         assert shared.pop() == pytest.approx(len(subsets) * (k - 1) * (R / P - 1) / (R - 1))
     assert balanced_subsets(4, 2) == [(0, 1), (0, 2), (0, 3)]
     assert balanced_subsets(4, 1) == [(0,)] and balanced_subsets(4, 4) == [(0, 1, 2, 3)]
+
+
+@pytest.mark.parametrize("R", [2, 4, 6, 8])
+def test_sync_pairings_put_every_pair_of_a_node_together_once(R):
+    """The 2-rank sync-wait rounds: each pairing covers every rank of every node once, and over
+    the pairings every pair of a node's ranks is a group exactly once, so the mean wait is the
+    same for every placement of the ranks on the cores."""
+    import itertools
+
+    from rtxmpi.parallel.calibrate import _sync_partitions
+
+    nodes = [list(range(R)), list(range(R, 2 * R))]
+    partitions = _sync_partitions(nodes, 2)
+    assert len(partitions) == R - 1
+    for groups in partitions:
+        assert sorted(r for g in groups for r in g) == list(range(2 * R))
+        assert all(len(g) == 2 and g[0] // R == g[1] // R for g in groups)  # within a node
+    pairs = sorted(tuple(sorted(g)) for groups in partitions for g in groups)
+    assert pairs == sorted(p for ranks in nodes for p in itertools.combinations(ranks, 2))
+    assert _sync_partitions(nodes, R) == [[list(range(R)), list(range(R, 2 * R))]]
+    assert _sync_partitions([[0, 1, 2]], 2) is None
