@@ -653,18 +653,23 @@ def _sync_partitions(ranks_of_node, n):
     {0,3}{1,2}); two ranks that share a core wait for each other's time slices, two on
     different cores hardly at all, and one fixed pairing measured 1.6-7.7 ms at R = 4 on
     2 cores from one calibration to the next. Otherwise consecutive groups of n (n = R: the
-    node)."""
+    node). Nodes of different sizes: each node has its own rounds, and a node with fewer rounds
+    than the largest repeats them, so every partition still holds every rank of every node."""
     if any(len(ranks) % n for ranks in ranks_of_node):
         return None
-    R = len(ranks_of_node[0])
+    local = [_node_rounds(len(ranks), n) for ranks in ranks_of_node]
+    return [[[ranks[i] for i in g] for ranks, rounds in zip(ranks_of_node, local)
+             for g in rounds[p % len(rounds)]]
+            for p in range(max(len(rounds) for rounds in local))]
+
+
+def _node_rounds(R, n):
+    """_sync_partitions for one node of R ranks (local indices): a list of partitions."""
     if n != 2 or R == 2:
-        local = [[list(range(i, i + n)) for i in range(0, R, n)]]
-    else:
-        others = list(range(1, R))
-        local = [[[0, others[r]]] + [[others[(r + i) % (R - 1)], others[(r - i) % (R - 1)]]
-                                     for i in range(1, R // 2)] for r in range(R - 1)]
-    return [[[ranks[i] for i in g] for ranks in ranks_of_node for g in groups]
-            for groups in local]
+        return [[list(range(i, i + n)) for i in range(0, R, n)]]
+    others = list(range(1, R))
+    return [[[0, others[r]]] + [[others[(r + i) % (R - 1)], others[(r - i) % (R - 1)]]
+                                for i in range(1, R // 2)] for r in range(R - 1)]
 
 
 def _pairs_within(ranks_of_node, n):

@@ -551,3 +551,26 @@ def test_sync_pairings_put_every_pair_of_a_node_together_once(R):
     assert pairs == sorted(p for ranks in nodes for p in itertools.combinations(ranks, 2))
     assert _sync_partitions(nodes, R) == [[list(range(R)), list(range(R, 2 * R))]]
     assert _sync_partitions([[0, 1, 2]], 2) is None
+
+
+@pytest.mark.parametrize("sizes", [[4, 2], [2, 4], [6, 4, 2]])
+def test_sync_pairings_of_nodes_with_different_rank_counts(sizes):
+    """Nodes of different sizes (the calibration allows them): every pairing still puts every rank
+    of every node in exactly one group of its own node (else the Split colors of the ranks left
+    out do not exist and the others wait forever in comm.Split), and every pair of a node's ranks
+    is a group in some pairing."""
+    import itertools
+
+    from rtxmpi.parallel.calibrate import _sync_partitions
+
+    starts = list(itertools.accumulate([0] + sizes))
+    nodes = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
+    node_of = {r: k for k, ranks in enumerate(nodes) for r in ranks}
+    partitions = _sync_partitions(nodes, 2)
+    assert len(partitions) == max(sizes) - 1
+    for groups in partitions:
+        assert sorted(r for g in groups for r in g) == list(range(sum(sizes)))
+        assert all(len(g) == 2 and node_of[g[0]] == node_of[g[1]] for g in groups)
+    pairs = {tuple(sorted(g)) for groups in partitions for g in groups}
+    assert pairs == {p for ranks in nodes for p in itertools.combinations(ranks, 2)}
+    assert _sync_partitions(nodes, max(sizes)) is None  # the largest size divides no other node
