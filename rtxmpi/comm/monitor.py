@@ -45,6 +45,13 @@ MAX_PROBE_S = 2.0
 ABORT_GRACE_S = 10.0  # abort(): end this rank (SIGALRM, SIGKILL) if MPI_Abort has not by then
 
 
+# Progress functions every wait calls between its polls (comm/shm.py registers one while it has
+# queued nonblocking all_reduces, which advance only when their rank runs them): a rank waiting
+# here for a peer keeps that peer's pending transfers with it moving, as MPI's progress engine
+# does for MPI requests. Each takes no argument, never waits, and may raise RankFailure.
+PROGRESS = []
+
+
 class Monitor:
     """Per-process deadline enforcer (one per process; created by `rtxmpi.init`)."""
 
@@ -87,6 +94,9 @@ class Monitor:
             while True:
                 if done():
                     return
+                if PROGRESS:
+                    for progress in tuple(PROGRESS):  # a progress() may end its registration
+                        progress()
                 now = time.monotonic()
                 if now >= next_service:
                     self.service()

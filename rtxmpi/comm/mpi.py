@@ -55,8 +55,10 @@ class MPIBackend:
 
     # -- waiting ---------------------------------------------------------------------------
     def test(self, requests):
+        """True once `requests` (MPI requests, or a shared-memory poll()) completed; never
+        blocks."""
         try:
-            return MPI.Request.Testall(requests)
+            return requests() if callable(requests) else MPI.Request.Testall(requests)
         except MPI.Exception as exc:
             raise self._translate(exc, "test") from None
 
@@ -187,6 +189,12 @@ class MPIBackend:
     # -- transfers: each returns a list of requests when nonblocking, else None -------------
     def all_reduce(self, buf, mpi_op, nonblocking):
         if nonblocking:
+            # from the cross-memory size on one node, the shared-memory engine's queued
+            # nonblocking path (once a blocking call built the engine: the same on every rank)
+            engine = self._shm
+            if (engine and buf.nbytes > engine.small_bytes and buf.nbytes >= engine.all_reduce_from
+                    and engine.supports_nonblocking(buf, mpi_op)):
+                return engine.start_all_reduce(buf, mpi_op)
             return [self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op)]
         if self.size == 1:
             return None

@@ -88,6 +88,7 @@ Configuration, read on rank 0 by `configure()` at `rtxmpi.init()` and used on ev
 consecutive local ranks, to exercise the hierarchical path on one machine (tests). Groups take
 the settings current when they are created.
 """
+import collections
 import contextlib
 import ctypes
 import errno
@@ -102,6 +103,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import CollectiveError, ConfigError, RankFailure
+from . import monitor
 from .failure import ulfm_enabled
 
 try:  # the compiled mailbox (_mailbox.c, built at install); numpy and plain stores without it
@@ -540,6 +542,7 @@ class NodeAllReduce:
                                              tuple(op for op, _ in _UFUNCS),
                                              peers[1] if peers is not None else None)
                             if compiled else None)
+        self._queue = collections.deque()  # nonblocking cross-memory all_reduces, launch order
         if peers is not None:
             self._reader, self._pids = peers
             self._tmp = np.zeros(chunk_bytes, np.uint8)  # touched once, reused
@@ -640,6 +643,7 @@ class NodeAllReduce:
         and polls the peers' flags (the deadline-aware `wait` after a short spin); a peer cannot
         start its next call, and overwrite its address, before this rank has finished (`_done`).
         Otherwise one all_gather of one int64 over the group."""
+        self._drain(wait)
         me, pids = self.local_rank, self._pids
         lines = self._lines if TSO else None
         if lines is None:
@@ -814,6 +818,7 @@ class NodeAllReduce:
         """_all_reduce_cma on one node in one C call (_mailbox.c, Mailbox.cross: the same flag
         lines, steps and piece loop); a peer later than the spin is waited for here, with the
         caller's deadline."""
+        self._drain(wait)
         self._cma_calls += 1
         call = self._cma_calls
         status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, False)
@@ -824,6 +829,69 @@ class NodeAllReduce:
             raise self._peer_error("all_reduce", PeerAccessError(*status))
         if status == 2:
             wait(self._watched(lambda: mailbox.cross_reached(3, call)))
+
+    # -- nonblocking all_reduce --------------------------------------------------------------
+    def supports_nonblocking(self, x, mpi_op):
+        """Whether start_all_reduce(x, mpi_op) runs here: one node with the compiled cross-memory
+        call (Mailbox.cross), x supported and of a dtype it folds. Local; the same answer on
+        every rank for the same call."""
+        return (self.mailbox is not None and self.mode == "cma" and self.supports(x, mpi_op)
+                and x.dtype.isnative and x.dtype.char in _FOLD_CHARS)
+
+    def start_all_reduce(self, x, mpi_op):
+        """Start the cross-memory all_reduce of `x` without waiting (the caller checked
+        supports_nonblocking); returns poll() -> bool, True once x holds the result. Every rank
+        must start the same calls in the same order (as for MPI's nonblocking collectives); x
+        must not be read or written until poll() is True.
+
+        The calls queue in launch order, and only the head is in flight (the flag lines hold one
+        call's addresses). progress() advances the queue as far as it can without waiting: poll()
+        runs it, every rtxmpi wait of this process runs it between its polls (monitor.PROGRESS,
+        so a rank waiting for a peer elsewhere still serves this transfer, as MPI's progress
+        engine does), and every blocking cross-memory call first drains the queue. A peer
+        transfer that fails raises RankFailure from whichever call ran progress()."""
+        self._cma_calls += 1
+        entry = [x, mpi_op, self._cma_calls, None, False]  # array, op, call, status, done
+        self._queue.append(entry)
+        if len(self._queue) == 1:
+            monitor.PROGRESS.append(self.progress)
+        self.progress()
+        return self._watched(lambda: entry[4] or (self.progress() or entry[4]))
+
+    def progress(self):
+        """Advance the queued nonblocking all_reduces in launch order as far as possible without
+        waiting (Mailbox.cross with no spin: 1, a peer has not arrived; 2, this rank's segment is
+        reduced and pushed, a peer is not done). Local; raises RankFailure when a transfer with
+        a local peer fails."""
+        queue, mailbox = self._queue, self.mailbox
+        while queue:
+            entry = queue[0]
+            x, mpi_op, call, status, _ = entry
+            if status != 2:
+                status = entry[3] = mailbox.cross(x, mpi_op, call, self._tmp, 0, status == 1)
+                if type(status) is tuple:
+                    self._end_queue()
+                    raise self._peer_error("all_reduce", PeerAccessError(*status))
+                if status == 1:
+                    return
+            if status == 2 and not mailbox.cross_reached(3, call):
+                return
+            entry[4] = True
+            entry[0] = None  # the array: no longer held here
+            queue.popleft()
+        self._end_queue()
+
+    def _end_queue(self):
+        """Stop the waits' progress calls for this engine (its queue is empty or failed)."""
+        self._queue.clear()
+        if self.progress in monitor.PROGRESS:
+            monitor.PROGRESS.remove(self.progress)
+
+    def _drain(self, wait):
+        """Before a blocking cross-memory call: finish the queued nonblocking ones (they hold
+        the lower call numbers), waiting through `wait` (the caller's deadline)."""
+        if self._queue:
+            wait(self._watched(lambda: self.progress() or not self._queue))
 
     # -- reduce_scatter ---------------------------------------------------------------------
     def reduce_scatter(self, x, out, counts, mpi_op, wait=_wait_all, guard=contextlib.nullcontext):
@@ -952,6 +1020,7 @@ class NodeAllReduce:
 
     def close(self):
         """Release the arena and the communicators (local; the group must not use it after)."""
+        self._end_queue()
         self._views.clear()
         self._arena = None
         self._boxes = self._flags = self._lines = None  # views of the mailbox: dropped first,

@@ -10,6 +10,7 @@ reduction is exact whatever the order of the terms.
 import os
 import platform
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -268,6 +269,86 @@ def test_async_all_reduce_matches_blocking(groups):
     group = groups[False]
     x, expected = inputs(group, 5000, "float32", "sum")
     assert_exact(group.all_reduce(x, async_op=True).wait(), expected)
+
+
+def queued(group):
+    """Whether the group's nonblocking all_reduce takes the shared-memory queue (one node, the
+    compiled cross-memory call): the engine's start_all_reduce, spied on. Returns the list of
+    calls seen (append-only), or None when the path is not there."""
+    engine = group.backend._shm
+    if not engine or engine.mailbox is None or engine.mode != "cma":
+        return None
+    seen, real = [], engine.start_all_reduce
+    engine.start_all_reduce = lambda x, op: seen.append(x.size) or real(x, op)
+    return seen
+
+
+def test_async_all_reduces_in_flight_complete_in_any_wait_order(world):
+    """Several nonblocking all_reduces in flight (sizes on both sides of the mailbox, dtypes the
+    compiled fold has and float16, which it has not), waited for in reverse order or polled
+    with test(), with blocking all_reduce, reduce_scatter and all_gather between launches and
+    waits (each drains the queue first): every result exact, the queue empty at the end."""
+    group = forced_group(world, False)
+    seen = queued(group)
+    try:
+        for trial in range(3):
+            specs = [(100_000, "float32", "sum"), (17, "int32", "max"), (3000, "float16", "sum"),
+                     (70_001, "float64", "min"), (5000, "int64", "prod")]
+            pending = []
+            for k, (n, dtype, op) in enumerate(specs):
+                x, expected = inputs(group, n, dtype, op, salt=10 * trial + k)
+                pending.append((x, expected, group.all_reduce(x, op=op, async_op=True)))
+            if trial == 1:
+                y, want = inputs(group, 40_000, "float32", "sum", salt=99)
+                assert_exact(group.all_reduce(y), want)
+                z, want = inputs(group, 4096 * group.world_size, "int32", "sum", salt=98)
+                assert_exact(group.reduce_scatter(z), np.split(want, group.world_size)[group.rank])
+                assert_exact(group.all_gather(np.full(4096, group.rank, np.int32)),
+                             np.repeat(np.arange(group.world_size, dtype=np.int32), 4096))
+            for x, expected, work in reversed(pending):
+                if trial == 2:
+                    while not work.test():
+                        pass
+                    assert_exact(work.result, expected)
+                else:
+                    assert_exact(work.wait(), expected)
+                assert_exact(x, expected)
+        if seen is not None:  # float16 widens to float32 (the general path): queued too
+            assert len(seen) == 15 and 17 in seen
+            assert not group.backend._shm._queue
+            assert group.backend._shm.progress not in shm.monitor.PROGRESS
+    finally:
+        if seen is not None:
+            del group.backend._shm.start_all_reduce
+
+
+def test_a_rank_waiting_elsewhere_keeps_the_peers_transfer_moving(world):
+    """Rank 0 waits for its nonblocking all_reduce; the other ranks first run blocking
+    collectives on another group, which need rank 0 after its wait. The transfer completes only
+    if their waits run the queue's progress (monitor.PROGRESS), as MPI's progress engine runs
+    MPI requests: without it, this is a deadlock until the deadline."""
+    group = forced_group(world, False)
+    other = world.split(0)
+    other.check = False
+    old = group.timeout_s
+    group.timeout_s = other.timeout_s = 20.0
+    try:
+        for rep in range(5):
+            x, expected = inputs(group, 60_000, "float32", "sum", salt=rep)
+            if group.rank == 0:  # launch last: the others' launches find rank 0 missing, so
+                time.sleep(0.05)  # their part of the transfer runs only after they moved on
+            work = group.all_reduce(x, async_op=True)
+            if group.rank == 0:
+                work.wait()
+                other.all_reduce(np.ones(4))
+                other.barrier()
+            else:
+                other.all_reduce(np.ones(4))
+                other.barrier()
+                work.wait()
+            assert_exact(x, expected)
+    finally:
+        group.timeout_s = other.timeout_s = old
 
 
 def test_mismatched_shapes_raise_on_every_rank_and_group_stays_usable(
