@@ -2,6 +2,7 @@
 
     mpiexec -n N python bench/collectives.py [--sizes 8,4K:256M] [--ops all_reduce,reduce_scatter,
         all_gather,broadcast] [--iters auto|K] [--json out.json] [--dtype float32] [--check]
+        [--async-op]
 
 Every rank must run it (it is one MPI job). For each message size and operation it times
 rtxmpi's ProcessGroup collective and the raw mpi4py buffer call it wraps (`Allreduce(IN_PLACE)`,
@@ -18,6 +19,10 @@ with factor 2(N-1)/N for all_reduce, (N-1)/N for reduce_scatter and all_gather, 
 rtxmpi/raw is the ratio of busbw (higher is better; 1.0 = no cost). rtxmpi's reduce_scatter and
 all_gather return new arrays, so their time includes that allocation; the raw calls write into
 preallocated outputs.
+
+--async-op times the nonblocking forms instead (rtxmpi's async_op=True then Work.wait(), raw
+mpi4py's Iallreduce / Ireduce_scatter_block / Iallgather / Ibcast then Wait(), as osu_iallreduce
+does; gloo's async_op=True then wait()).
 
 Rank 0 prints markdown tables, the per-call overhead at 8 bytes and the command that reproduces the
 run on stdout; progress goes to stderr. --json writes every number and the machine facts.
@@ -86,15 +91,14 @@ class Buffers:
         return self.src[:count // n], self.big[:count]  # all_gather
 
 
-def rtxmpi_calls(g):
+def rtxmpi_calls(g, nonblocking=False):
+    """nonblocking: each call is the op with async_op=True, then Work.wait()."""
     def make(op, inp, out):
-        if op == "all_reduce":
-            return lambda: g.all_reduce(inp)
-        if op == "reduce_scatter":
-            return lambda: g.reduce_scatter(inp)
-        if op == "all_gather":
-            return lambda: g.all_gather(inp)
-        return lambda: g.broadcast(inp, 0)
+        call = {"all_reduce": lambda **k: g.all_reduce(inp, **k),
+                "reduce_scatter": lambda **k: g.reduce_scatter(inp, **k),
+                "all_gather": lambda **k: g.all_gather(inp, **k),
+                "broadcast": lambda **k: g.broadcast(inp, 0, **k)}[op]
+        return (lambda: call(async_op=True).wait()) if nonblocking else call
 
     def result(op, inp, out, returned):
         return returned
@@ -102,8 +106,15 @@ def rtxmpi_calls(g):
     return make, result
 
 
-def raw_calls(comm):
+def raw_calls(comm, nonblocking=False):
+    """nonblocking: the I-form of each call (Iallreduce, ...), then Wait() (osu_iallreduce)."""
     def make(op, inp, out):
+        if nonblocking:
+            start = {"all_reduce": lambda: comm.Iallreduce(MPI.IN_PLACE, inp, MPI.SUM),
+                     "reduce_scatter": lambda: comm.Ireduce_scatter_block(inp, out, MPI.SUM),
+                     "all_gather": lambda: comm.Iallgather(inp, out),
+                     "broadcast": lambda: comm.Ibcast(inp, root=0)}[op]
+            return lambda: start().Wait()
         if op == "all_reduce":
             return lambda: comm.Allreduce(MPI.IN_PLACE, inp, MPI.SUM)
         if op == "reduce_scatter":
@@ -118,16 +129,15 @@ def raw_calls(comm):
     return make, result
 
 
-def gloo_calls(dist, torch):
+def gloo_calls(dist, torch, nonblocking=False):
+    """nonblocking: each call with async_op=True, then wait()."""
     def make(op, inp, out):
         t_in, t_out = torch.from_numpy(inp), torch.from_numpy(out)
-        if op == "all_reduce":
-            return lambda: dist.all_reduce(t_in)
-        if op == "reduce_scatter":
-            return lambda: dist.reduce_scatter_tensor(t_out, t_in)
-        if op == "all_gather":
-            return lambda: dist.all_gather_into_tensor(t_out, t_in)
-        return lambda: dist.broadcast(t_in, 0)
+        call = {"all_reduce": lambda **k: dist.all_reduce(t_in, **k),
+                "reduce_scatter": lambda **k: dist.reduce_scatter_tensor(t_out, t_in, **k),
+                "all_gather": lambda **k: dist.all_gather_into_tensor(t_out, t_in, **k),
+                "broadcast": lambda **k: dist.broadcast(t_in, 0, **k)}[op]
+        return (lambda: call(async_op=True).wait()) if nonblocking else call
 
     def result(op, inp, out, returned):
         return out
@@ -244,7 +254,7 @@ def cell_result(op, size_bytes, n, iters, names, times):
             "impls": impls, "busbw_ratio_rtxmpi_raw": ratio}
 
 
-def op_table(cells, has_gloo, g):
+def op_table(cells, has_gloo, g, nonblocking=False):
     header = ["size", "iters", "rtxmpi us", "raw us", "rtxmpi min us", "raw min us",
               "rtxmpi algbw", "raw algbw", "rtxmpi busbw", "raw busbw", "rtxmpi/raw"]
     if has_gloo:
@@ -260,7 +270,7 @@ def op_table(cells, has_gloo, g):
             gl = c["impls"].get("gloo")
             row += ([fmt(gl["median_us"], 1), fmt(gl["busbw_gbps"], 3),
                      fmt(gl["median_us"] / r["median_us"], 2)] if gl else ["n/a"] * 3)
-        rows.append(row + [op_path(g, c["op"], c["size_bytes"])])
+        rows.append(row + [op_path(g, c["op"], c["size_bytes"], nonblocking)])
     return markdown_table(header + ["rtxmpi path"], rows)
 
 
@@ -324,13 +334,18 @@ def ratio_target(verdicts, lines, key, peer, ratios, target, from_bytes):
                    f"{format_bytes(worst_size)})")
 
 
-def op_path(g, op, size_bytes):
-    """Which algorithm rtxmpi's blocking `op` ran for `size_bytes` (rtxmpi/comm/mpi.py)."""
+def op_path(g, op, size_bytes, nonblocking=False):
+    """Which algorithm rtxmpi's `op` (blocking, or async_op=True) ran for `size_bytes`
+    (rtxmpi/comm/mpi.py)."""
     from rtxmpi.comm.mpi import ALL_GATHER_FACTOR
 
     engine, threshold = g.backend._shm, g.backend.shm_config.threshold
     if not engine:
         return "MPI"
+    if nonblocking:  # only all_reduce has a shared-memory nonblocking path: the queued cma call
+        queued = (op == "all_reduce" and engine.mailbox is not None and engine.mode == "cma"
+                  and engine.small_bytes < size_bytes and size_bytes >= engine.all_reduce_from)
+        return "shm (cma, queued)" if queued else "MPI"
     if op == "all_reduce":
         if size_bytes <= engine.small_bytes:
             return "shm mailbox"
@@ -343,12 +358,12 @@ def op_path(g, op, size_bytes):
     return "MPI"
 
 
-def side_by_side(cells, g):
+def side_by_side(cells, g, nonblocking=False):
     """size | rtxmpi, raw, gloo busbw | rtxmpi/raw | rtxmpi/gloo | path (mailbox, shm or MPI)."""
     rows = []
     for c in cells:
         r, w, gl = c["impls"]["rtxmpi"], c["impls"]["raw"], c["impls"].get("gloo")
-        path = op_path(g, "all_reduce", c["size_bytes"])
+        path = op_path(g, "all_reduce", c["size_bytes"], nonblocking)
         rows.append([format_bytes(c["size_bytes"]), fmt(r["busbw_gbps"], 3), fmt(w["busbw_gbps"], 3),
                      fmt(gl["busbw_gbps"], 3) if gl else "n/a",
                      fmt(c["busbw_ratio_rtxmpi_raw"], 2),
@@ -438,6 +453,9 @@ def parse_args(argv):
     p.add_argument("--json", metavar="FILE", help="write all numbers and the machine facts here")
     p.add_argument("--check", action="store_true", help="rtxmpi checking mode (fingerprints)")
     p.add_argument("--no-gloo", action="store_true", help="skip torch gloo even if importable")
+    p.add_argument("--async-op", action="store_true",
+                   help="time the nonblocking forms: rtxmpi with async_op=True then Work.wait(), "
+                        "raw Iallreduce/... then Wait() (osu_iallreduce), gloo async_op=True")
     p.add_argument("--paths", action="store_true",
                    help="all_reduce only: time each rtxmpi algorithm (mailbox, cross-memory, MPI) "
                         "forced at every size against raw, to place the thresholds")
@@ -475,9 +493,13 @@ def main(argv=None):
         return main_paths(args, g, comm, dtype, started)
     torch, dist, gloo_note = start_gloo(comm, not args.no_gloo)
     info = machine_info({"torch": torch.__version__} if torch is not None else None)
-    impls = {"rtxmpi": rtxmpi_calls(g), "raw": raw_calls(comm)}
+    nb = args.async_op
+    # a group's shared-memory engine is built by its first blocking all_reduce (as DataParallel's
+    # batch check does at the first forward); the nonblocking path starts from there
+    g.all_reduce(np.zeros(1, dtype))
+    impls = {"rtxmpi": rtxmpi_calls(g, nb), "raw": raw_calls(comm, nb)}
     if dist is not None:
-        impls["gloo"] = gloo_calls(dist, torch)
+        impls["gloo"] = gloo_calls(dist, torch, nb)
 
     max_count = max(element_count(op, s, dtype.itemsize, n) for op in args.ops for s in args.sizes)
     buffers = Buffers(max(max_count, element_count("all_gather", 4096, 1, n)), dtype, n)
@@ -512,7 +534,8 @@ def main(argv=None):
         return 0
 
     command = launch_command(n)
-    lines = [f"### Collectives, n={n}, {dtype}, rtxmpi check={'on' if args.check else 'off'}", "",
+    mode = ", nonblocking (async_op=True / I-calls, then wait)" if nb else ""
+    lines = [f"### Collectives, n={n}, {dtype}, rtxmpi check={'on' if args.check else 'off'}{mode}", "",
              f"Command: `{command}`", "", f"Machine: {machine_line(info)}", "",
              f"rtxmpi shared-memory all_reduce: {shm_line(g)}", ""]
     if gloo_note:
@@ -525,10 +548,10 @@ def main(argv=None):
     for op in args.ops:
         lines += [f"#### {op} (busbw factor {busbw_factor(op, n):.3g}; times in us, "
                   "bandwidths in GB/s)", "",
-                  op_table([c for c in cells if c["op"] == op], "gloo" in impls, g), ""]
+                  op_table([c for c in cells if c["op"] == op], "gloo" in impls, g, nb), ""]
     if "all_reduce" in args.ops:
         lines += ["#### all_reduce busbw side by side (GB/s; ratios of busbw; path: what rtxmpi ran)",
-                  "", side_by_side([c for c in cells if c["op"] == "all_reduce"], g), ""]
+                  "", side_by_side([c for c in cells if c["op"] == "all_reduce"], g, nb), ""]
     summary_lines, overhead, verdicts = summary(cells, args.ops)
     lines += [f"- {line}" for line in summary_lines]
     lines += ["", f"Total run time {time.perf_counter() - started:.1f} s."]
@@ -538,6 +561,7 @@ def main(argv=None):
             "benchmark": "collectives", "command": command, "machine": info,
             "config": {"world_size": n, "dtype": str(dtype), "sizes_bytes": args.sizes,
                        "ops": args.ops, "iters": args.iters or "auto", "check": args.check,
+                       "nonblocking": nb,
                        "implementations": list(impls), "gloo_note": gloo_note,
                        "gloo_unsupported": unsupported,
                        "timing": "per repetition: max over ranks of one call after a barrier; "

@@ -75,8 +75,9 @@ rank order.
 Selection (MPIBackend, blocking calls; the same on every rank whichever of its paths a rank took):
 all_reduce up to `small_bytes` on a group whose ranks all share one node takes the mailbox; from
 `NodeAllReduce.all_reduce_from` on a group whose ranks share nodes (the same number on each) the
-cross-memory path (or the arena); in between, and for nonblocking calls and groups with one rank
-per node, MPI's algorithms. all_reduce_from is `min_bytes` (default DEFAULT_MIN_BYTES), or, when
+cross-memory path (or the arena); in between, and for groups with one rank per node, MPI's
+algorithms. Nonblocking all_reduce from the same size on one node with the compiled call takes
+the queued cross-memory path (start_all_reduce), other nonblocking calls MPI's. all_reduce_from is `min_bytes` (default DEFAULT_MIN_BYTES), or, when
 it is not set and the compiled cross-memory call runs (one node), just above the mailbox, which then
 stops at CROSS_SMALL_BYTES by default. reduce_scatter takes the cross-memory path from `min_bytes`,
 all_gather from 16 times it.

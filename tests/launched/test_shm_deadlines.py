@@ -2,8 +2,9 @@
 
 The path is forced for every size (RTXMPI_SHM_MIN_BYTES=0, 4 KiB chunks), so the all_reduce that
 a rank misses, or arrives late to, is one the shared-memory (or, at 4 ranks with pretend nodes of
-2, the hierarchical) path would run. Every test asserts the runtime fired first, not the outer
-timeout; bad RTXMPI_SHM* settings are refused on every rank.
+2, the hierarchical) path would run, blocking or (queued cross-memory path) async_op=True. Every
+test asserts the runtime fired first, not the outer timeout; bad RTXMPI_SHM* settings are refused
+on every rank.
 """
 import ast
 import re
@@ -34,7 +35,12 @@ if world.rank in {late}:
 start = time.monotonic()
 y = np.full(50_000, 1.0, np.float32)
 try:
-    world.all_reduce(y)
+    if {async_op}:  # the queued cross-memory path: launched, then waited for
+        work = world.all_reduce(y, async_op=True)
+        print(f"QUEUED rank={{world.rank}} pending={{len(engine._queue)}}", flush=True)
+        work.wait()
+    else:
+        world.all_reduce(y)
 except rtxmpi.CollectiveTimeout as exc:
     print(f"TIMEOUT rank={{world.rank}} elapsed_s={{time.monotonic() - start:.3f}} op={{exc.op}} "
           f"seq={{exc.seq}} missing={{exc.missing}}", flush=True)
@@ -44,18 +50,23 @@ print(f"COMPLETED rank={{world.rank}}", flush=True)
 """
 
 
-def job(*, check, late, sleep_s):
-    return JOB.format(check=check, timeout_s=TIMEOUT_S, late=late, sleep_s=sleep_s)
+def job(*, check, late, sleep_s, async_op=False):
+    return JOB.format(check=check, timeout_s=TIMEOUT_S, late=late, sleep_s=sleep_s,
+                      async_op=async_op)
 
 
 def engines(launch):
     return sorted(launch.lines("ENGINE "))
 
 
-@pytest.mark.parametrize("check,env", [(True, SHM_ENV), (False, SHM_ENV), (False, MAILBOX_ENV)],
-                         ids=["checking", "unchecked", "mailbox"])
-def test_missing_rank_times_out_on_the_other_rank(run_mpi, check, env):
-    launch = run_mpi(job(check=check, late=[1], sleep_s=60), n=2, **env)
+@pytest.mark.parametrize("check,env,async_op", [(True, SHM_ENV, False), (False, SHM_ENV, False),
+                                                (False, MAILBOX_ENV, False),
+                                                (False, SHM_ENV, True)],
+                         ids=["checking", "unchecked", "mailbox", "async-queued"])
+def test_missing_rank_times_out_on_the_other_rank(run_mpi, check, env, async_op):
+    launch = run_mpi(job(check=check, late=[1], sleep_s=60, async_op=async_op), n=2, **env)
+    if async_op:  # rank 0 launched and found rank 1 missing: its call waits in the queue
+        assert launch.lines("QUEUED") == ["QUEUED rank=0 pending=1"], launch
     assert not launch.outer_timeout and launch.returncode != 0, launch
     assert engines(launch) == [f"ENGINE rank={r} local_size=2 nodes=1" for r in (0, 1)], launch
     assert not launch.lines("COMPLETED"), launch
