@@ -172,8 +172,12 @@ class MPIBackend:
 
     def _shm_wanted(self, nbytes):
         """Whether a message of `nbytes` may take a shared-memory path (the engine is then
-        built); the same answer on every rank."""
-        return nbytes >= self.shm_min_bytes or nbytes <= self.shm_config.small_threshold
+        built); the same answer on every rank. With the cross-memory start left automatic
+        (RTXMPI_SHM_MIN_BYTES unset) every size may: the compiled cross-memory path starts just
+        above the mailbox."""
+        config = self.shm_config
+        return (nbytes >= self.shm_min_bytes or nbytes <= config.small_threshold
+                or (config.enabled and config.min_bytes is None))
 
     def _shm_engine(self):
         """The group's NodeAllReduce, built on first use (collective: every rank gets here at the

@@ -78,8 +78,8 @@ all_reduce up to `small_bytes` on a group whose ranks all share one node takes t
 cross-memory path (or the arena); in between, and for groups with one rank per node, MPI's
 algorithms. Nonblocking all_reduce from the same size on one node with the compiled call takes
 the queued cross-memory path (start_all_reduce), other nonblocking calls MPI's. all_reduce_from is `min_bytes` (default DEFAULT_MIN_BYTES), or, when
-it is not set and the compiled cross-memory call runs (one node), just above the mailbox, which then
-stops at CROSS_SMALL_BYTES by default. reduce_scatter takes the cross-memory path from `min_bytes`,
+it is not set and the compiled cross-memory call runs (one node), just above the mailbox and
+CROSS_SMALL_BYTES (the mailbox then stops there by default). reduce_scatter takes the cross-memory path from `min_bytes`,
 all_gather from 16 times it.
 Configuration, read on rank 0 by `configure()` at `rtxmpi.init()` and used on every rank:
 `RTXMPI_SHM=0` turns every path off; `RTXMPI_SHM_CMA=0` forces the arena mode;
@@ -609,7 +609,8 @@ class NodeAllReduce:
                          min_bytes=config.threshold)
             engine.mailbox_off = off
             if config.min_bytes is None and engine.mailbox is not None:  # the compiled path
-                engine.all_reduce_from = max(engine.small_bytes, 0) + 1
+                # just above the mailbox; MPI below CROSS_SMALL_BYTES when the mailbox is off
+                engine.all_reduce_from = max(engine.small_bytes, CROSS_SMALL_BYTES) + 1
             return engine
         mm = _map_arena(node, comm, local_size * BUFFERS * config.chunk_bytes)
         if mm is None:

@@ -451,6 +451,47 @@ def test_default_sizes_choose_mailbox_mpi_and_cross_memory_paths(world):
         assert taken == ["small_all_reduce", "all_reduce"] if mailbox else ["all_reduce"]
 
 
+def test_a_first_all_reduce_of_any_size_builds_the_engine_by_default(world):
+    """With RTXMPI_SHM_MIN_BYTES unset, a group whose first (and only) all_reduces lie between
+    the 1 MiB mailbox default and 2 MiB still gets its engine, and with the compiled call the
+    cross-memory path for them."""
+    saved = shm.CONFIG
+    shm.CONFIG = shm.ShmConfig()
+    try:
+        group = world.split(0)
+    finally:
+        shm.CONFIG = saved
+    group.check = False
+    x, expected = inputs(group, (3 << 20) // 8, "float32", "sum")  # 1.5 MiB
+    assert_exact(group.all_reduce(x), expected)
+    engine = group.backend._shm
+    if group.world_size == 1:
+        assert engine is None
+        return
+    assert isinstance(engine, shm.NodeAllReduce)
+    if engine.mailbox is not None:
+        assert engine.all_reduce_from <= x.nbytes
+
+
+def test_mailbox_off_leaves_small_messages_to_mpi(world):
+    """RTXMPI_SHM_SMALL_BYTES=0 with the start left automatic: MPI up to CROSS_SMALL_BYTES (not
+    the cross-memory path down to one byte, where its two synchronizations cost more)."""
+    saved = shm.CONFIG
+    shm.CONFIG = shm.ShmConfig(small_bytes=0)
+    try:
+        group = world.split(0)
+    finally:
+        shm.CONFIG = saved
+    group.check = False
+    x, expected = inputs(group, 100_000, "float32", "sum")
+    assert_exact(group.all_reduce(x), expected)
+    engine = group.backend._shm
+    if group.world_size > 1:
+        assert engine.small_bytes == -1
+        want = shm.CROSS_SMALL_BYTES + 1 if engine.mailbox is not None else shm.DEFAULT_MIN_BYTES
+        assert engine.all_reduce_from == want
+
+
 @pytest.mark.parametrize("env,message", [
     ({"RTXMPI_SHM": "maybe"}, "RTXMPI_SHM='maybe'"),
     ({"RTXMPI_SHM_CMA": "2"}, "RTXMPI_SHM_CMA='2'"),
