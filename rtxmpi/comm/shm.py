@@ -76,17 +76,19 @@ Selection (MPIBackend, blocking calls; the same on every rank whichever of its p
 all_reduce up to `small_bytes` on a group whose ranks all share one node takes the mailbox; from
 `NodeAllReduce.all_reduce_from` on a group whose ranks share nodes (the same number on each) the
 cross-memory path (or the arena); in between, and for groups with one rank per node, MPI's
-algorithms. Nonblocking all_reduce from the same size on one node with the compiled call takes
-the queued cross-memory path (start_all_reduce), other nonblocking calls MPI's. all_reduce_from is `min_bytes` (default DEFAULT_MIN_BYTES), or, when
-it is not set and the compiled cross-memory call runs (one node), just above the mailbox and
-CROSS_SMALL_BYTES (the mailbox then stops there by default). reduce_scatter takes the cross-memory path from `min_bytes`,
-all_gather from 16 times it.
+algorithms. all_reduce_from is `min_bytes` (default DEFAULT_MIN_BYTES), or, when that is not set
+and the compiled cross-memory call runs (one node), just above the mailbox and CROSS_SMALL_BYTES
+(the mailbox then stops there by default). Nonblocking all_reduce from the same size on one node
+with the compiled call takes the queued cross-memory path (start_all_reduce); other nonblocking
+calls take MPI's. reduce_scatter takes the cross-memory path from `min_bytes`, all_gather from 16
+times it.
 Configuration, read on rank 0 by `configure()` at `rtxmpi.init()` and used on every rank:
 `RTXMPI_SHM=0` turns every path off; `RTXMPI_SHM_CMA=0` forces the arena mode;
 `RTXMPI_SHM_MIN_BYTES` (default: see Selection); `RTXMPI_SHM_SMALL_BYTES` (default
-`DEFAULT_SMALL_BYTES` or CROSS_SMALL_BYTES, see Selection; 0 turns the mailbox off); `RTXMPI_SHM_CHUNK_BYTES` (default
-`DEFAULT_CHUNK_BYTES`); `RTXMPI_SHM_NODE_SIZE=k` splits every node into pretend nodes of k
-consecutive local ranks, to exercise the hierarchical path on one machine (tests). Groups take
+`DEFAULT_SMALL_BYTES` or CROSS_SMALL_BYTES, see Selection; 0 turns the mailbox off);
+`RTXMPI_SHM_CHUNK_BYTES` (default `DEFAULT_CHUNK_BYTES`); `RTXMPI_SHM_NODE_SIZE=k` splits every
+node into pretend nodes of k consecutive local ranks, to exercise the hierarchical path on one
+machine (tests). Groups take
 the settings current when they are created.
 """
 import collections
