@@ -88,8 +88,7 @@ Configuration, read on rank 0 by `configure()` at `rtxmpi.init()` and used on ev
 `DEFAULT_SMALL_BYTES` or CROSS_SMALL_BYTES, see Selection; 0 turns the mailbox off);
 `RTXMPI_SHM_CHUNK_BYTES` (default `DEFAULT_CHUNK_BYTES`); `RTXMPI_SHM_NODE_SIZE=k` splits every
 node into pretend nodes of k consecutive local ranks, to exercise the hierarchical path on one
-machine (tests). Groups take
-the settings current when they are created.
+machine (tests). Groups take the settings current when they are created.
 """
 import collections
 import contextlib
