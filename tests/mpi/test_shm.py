@@ -44,6 +44,19 @@ def forced_group(world, check, compiled=True, **config):
     return group
 
 
+def group_with(world, **config):
+    """A copy of `world` made with these shared-memory settings (ShmConfig; the defaults when
+    none), checking mode off."""
+    saved = shm.CONFIG
+    shm.CONFIG = shm.ShmConfig(**config)
+    try:
+        group = world.split(0)
+    finally:
+        shm.CONFIG = saved
+    group.check = False
+    return group
+
+
 @pytest.fixture(scope="module", params=["node-cma", "node-copy", "hierarchical-cma",
                                         "hierarchical-copy", "node-mailbox",
                                         "node-mailbox-numpy"])
@@ -402,13 +415,7 @@ def test_default_sizes_choose_mailbox_mpi_and_cross_memory_paths(world):
     CROSS_SMALL_BYTES and the cross-memory path takes every larger message (no MPI band); else
     the mailbox's size and DEFAULT_MIN_BYTES. Each path spied on; the results exact on every
     path."""
-    saved = shm.CONFIG
-    shm.CONFIG = shm.ShmConfig()
-    try:
-        group = world.split(0)
-    finally:
-        shm.CONFIG = saved
-    group.check = False
+    group = group_with(world)
     x, expected = inputs(group, 16, "float32", "sum")
     assert_exact(group.all_reduce(x), expected)
     engine = group.backend._shm
@@ -455,13 +462,7 @@ def test_a_first_all_reduce_of_any_size_builds_the_engine_by_default(world):
     """With RTXMPI_SHM_MIN_BYTES unset, a group whose first (and only) all_reduces lie between
     the 1 MiB mailbox default and 2 MiB still gets its engine, and with the compiled call the
     cross-memory path for them."""
-    saved = shm.CONFIG
-    shm.CONFIG = shm.ShmConfig()
-    try:
-        group = world.split(0)
-    finally:
-        shm.CONFIG = saved
-    group.check = False
+    group = group_with(world)
     x, expected = inputs(group, (3 << 20) // 8, "float32", "sum")  # 1.5 MiB
     assert_exact(group.all_reduce(x), expected)
     engine = group.backend._shm
@@ -476,13 +477,7 @@ def test_a_first_all_reduce_of_any_size_builds_the_engine_by_default(world):
 def test_mailbox_off_leaves_small_messages_to_mpi(world):
     """RTXMPI_SHM_SMALL_BYTES=0 with the start left automatic: MPI up to CROSS_SMALL_BYTES (not
     the cross-memory path down to one byte, where its two synchronizations cost more)."""
-    saved = shm.CONFIG
-    shm.CONFIG = shm.ShmConfig(small_bytes=0)
-    try:
-        group = world.split(0)
-    finally:
-        shm.CONFIG = saved
-    group.check = False
+    group = group_with(world, small_bytes=0)
     x, expected = inputs(group, 100_000, "float32", "sum")
     assert_exact(group.all_reduce(x), expected)
     engine = group.backend._shm
