@@ -121,7 +121,8 @@ DEFAULT_MIN_BYTES = 2 << 20
 # With the compiled cross-memory all_reduce (Mailbox.cross: arrival, piece loop and closing barrier
 # in one C call) that path beats the mailbox and MPI from about 32-64 KiB at 2 local ranks, so by
 # default the mailbox stops at CROSS_SMALL_BYTES and the cross-memory path takes every larger
-# all_reduce (RTXMPI_SHM_MIN_BYTES / RTXMPI_SHM_SMALL_BYTES, when set, are used as given).
+# all_reduce (RTXMPI_SHM_MIN_BYTES / RTXMPI_SHM_SMALL_BYTES, when set, are used as given; with
+# RTXMPI_SHM_MIN_BYTES set, the mailbox keeps its DEFAULT_SMALL_BYTES default below it).
 CROSS_SMALL_BYTES = 32 << 10
 NUMPY_SMALL_BYTES = 32 << 10  # the numpy mailbox's largest message (its Python costs grow with it)
 DEFAULT_SMALL_BYTES = (1 << 20) if _mailbox is not None else NUMPY_SMALL_BYTES
@@ -366,6 +367,18 @@ def watch_peers(poll, pids, ranks, me, every=LIVENESS_POLLS):
     return watched
 
 
+def fail_queued(error):
+    """End every engine's queue of nonblocking all_reduces with `error`: each queued call's
+    poll() raises it and no wait runs those queues again. For rtxmpi.comm.replace_world (elastic
+    shrink): the old world's groups are revoked, so their queued transfers never complete, and a
+    wait of the new world must not run them (a dead peer's transfer would raise RankFailure out
+    of it). Local."""
+    for progress in tuple(monitor.PROGRESS):
+        engine = getattr(progress, "__self__", None)
+        if isinstance(engine, NodeAllReduce):
+            engine._fail(error)
+
+
 def _probe_peers(node, comm, enabled):
     """Collective over `comm` (node: this rank's node communicator): a _PeerReader and every
     local rank's pid when every rank of `comm` can read and write its local peers' memory, else
@@ -584,8 +597,9 @@ class NodeAllReduce:
         small = max(config.small_threshold, 0) // FLAG_BYTES * FLAG_BYTES if ordered else 0
         small = comm.allreduce(small if compiled else min(small, NUMPY_SMALL_BYTES), op=MPI.MIN)
         if config.small_bytes is None:  # the default: less per message as local ranks add reads
+            fast = compiled and peers is not None and config.min_bytes is None
             small = min(small, MAILBOX_READ_BYTES // local_size // FLAG_BYTES * FLAG_BYTES,
-                        CROSS_SMALL_BYTES if compiled and peers is not None else NEVER)
+                        CROSS_SMALL_BYTES if fast else NEVER)
         total = local_size * (FLAG_BYTES + 2 * small)
         box = _map_arena(node, comm, total) if ordered else None
         if ordered and box is None and comm.Get_rank() == 0:  # the same on every rank
@@ -852,20 +866,33 @@ class NodeAllReduce:
         runs it, every rtxmpi wait of this process runs it between its polls (monitor.PROGRESS,
         so a rank waiting for a peer elsewhere still serves this transfer, as MPI's progress
         engine does), and every blocking cross-memory call first drains the queue. A peer
-        transfer that fails raises RankFailure from whichever call ran progress()."""
+        transfer that fails raises RankFailure (CollectiveError) from whichever call ran
+        progress(), and every queued call fails with it: their poll() raises it too. So does a
+        local peer found dead while a poll() waits (the queue can never complete)."""
         self._cma_calls += 1
-        entry = [x, mpi_op, self._cma_calls, None, False]  # array, op, call, status, done
+        entry = [x, mpi_op, self._cma_calls, None, False]  # array, op, call, status, outcome
+
+        def poll():  # outcome: False (queued), True (done) or the error that ended the queue
+            if entry[4] is False:
+                self.progress()
+            if entry[4] is True:
+                return True
+            if entry[4] is not False:
+                raise entry[4]
+            return False
+
         self._queue.append(entry)
         if len(self._queue) == 1:
             monitor.PROGRESS.append(self.progress)
         self.progress()
-        return self._watched(lambda: entry[4] or (self.progress() or entry[4]))
+        return self._failing(self._watched(poll))
 
     def progress(self):
         """Advance the queued nonblocking all_reduces in launch order as far as possible without
         waiting (Mailbox.cross with no spin: 1, a peer has not arrived; 2, this rank's segment is
         reduced and pushed, a peer is not done). Local; raises RankFailure when a transfer with
-        a local peer fails."""
+        a local peer fails (CollectiveError for another failure), and every queued call then
+        fails with it (_fail)."""
         queue, mailbox = self._queue, self.mailbox
         while queue:
             entry = queue[0]
@@ -873,8 +900,9 @@ class NodeAllReduce:
             if status != 2:
                 status = entry[3] = mailbox.cross(x, mpi_op, call, self._tmp, 0, status == 1)
                 if type(status) is tuple:
-                    self._end_queue()
-                    raise self._peer_error("all_reduce", PeerAccessError(*status))
+                    error = self._peer_error("all_reduce", PeerAccessError(*status))
+                    self._fail(error)
+                    raise error
                 if status == 1:
                     return
             if status == 2 and not mailbox.cross_reached(3, call):
@@ -883,6 +911,24 @@ class NodeAllReduce:
             entry[0] = None  # the array: no longer held here
             queue.popleft()
         self._end_queue()
+
+    def _fail(self, error):
+        """End the queue with `error` (a transfer failed, or a local peer died): each queued
+        call's poll() raises it, and the waits stop running progress()."""
+        for entry in self._queue:
+            entry[4] = error
+        self._end_queue()
+
+    def _failing(self, poll):
+        """`poll` that ends the queue (_fail) when it raises RankFailure (a local peer died: the
+        watch_peers check), so no later wait of this process runs a queue that cannot finish."""
+        def failing():
+            try:
+                return poll()
+            except RankFailure as exc:
+                self._fail(exc)
+                raise
+        return failing
 
     def _end_queue(self):
         """Stop the waits' progress calls for this engine (its queue is empty or failed)."""
@@ -894,7 +940,7 @@ class NodeAllReduce:
         """Before a blocking cross-memory call: finish the queued nonblocking ones (they hold
         the lower call numbers), waiting through `wait` (the caller's deadline)."""
         if self._queue:
-            wait(self._watched(lambda: self.progress() or not self._queue))
+            wait(self._failing(self._watched(lambda: self.progress() or not self._queue)))
 
     # -- reduce_scatter ---------------------------------------------------------------------
     def reduce_scatter(self, x, out, counts, mpi_op, wait=_wait_all, guard=contextlib.nullcontext):

@@ -487,6 +487,19 @@ def test_mailbox_off_leaves_small_messages_to_mpi(world):
         assert engine.all_reduce_from == want
 
 
+def test_a_set_cross_memory_start_keeps_the_mailbox_up_to_its_default(world):
+    """RTXMPI_SHM_MIN_BYTES set (1 MiB here): the cross-memory path starts there, and the mailbox
+    keeps its 1 MiB default below it (not the 32 KiB it stops at when the start is automatic)."""
+    group = group_with(world, min_bytes=1 << 20)
+    x, expected = inputs(group, 100, "float32", "sum")
+    assert_exact(group.all_reduce(x), expected)
+    engine = group.backend._shm
+    if group.world_size > 1:
+        box = min(shm.DEFAULT_SMALL_BYTES, shm.MAILBOX_READ_BYTES // group.world_size // 64 * 64)
+        assert engine.small_bytes == (box if mailbox_possible(group.world_size) else -1)
+        assert engine.all_reduce_from == 1 << 20
+
+
 @pytest.mark.parametrize("env,message", [
     ({"RTXMPI_SHM": "maybe"}, "RTXMPI_SHM='maybe'"),
     ({"RTXMPI_SHM_CMA": "2"}, "RTXMPI_SHM_CMA='2'"),
