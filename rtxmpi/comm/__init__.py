@@ -4,7 +4,7 @@ import os
 from mpi4py import MPI
 
 from ..backend import env_flag, select_device
-from ..errors import ConfigError
+from ..errors import ConfigError, RankFailure
 from .group import ProcessGroup, validate_timeout
 from .heartbeat import Heartbeat
 from .launch import check_launch, check_slurm_ranks
@@ -92,10 +92,14 @@ def replace_world(comm):
 
     The new group numbers ranks 0..comm size-1 and keeps the old world's device, timeout_s and
     check; it has its own Monitor (control communicator, watchdog). Objects built on the old
-    world keep the old group: rebuild them. Collective over `comm`. Raises ConfigError before init().
+    world keep the old group: rebuild them; their nonblocking all_reduces still queued on one
+    node's shared-memory path fail with RankFailure (Work.wait raises it). Collective over
+    `comm`. Raises ConfigError before init().
     """
     global _world
     old = world()
+    shm.fail_queued(RankFailure("a nonblocking all_reduce of the old world had not completed "
+                                "when the world was replaced (elastic shrink)", ranks=[]))
     rank, size = comm.Get_rank(), comm.Get_size()
     monitor = Monitor(comm)
     monitor.start_watchdog()

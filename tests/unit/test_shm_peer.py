@@ -180,3 +180,108 @@ def test_cross_memory_fold_of_any_dtype_the_engine_supports(dtype):
     engine._all_reduce_cma(x, np.add, None, None, None)
     assert x.tobytes() == want.tobytes()
     assert peer[:150].tobytes() == want[:150].tobytes()  # pushed
+
+
+class _Cross:
+    """Stand-in for the compiled Mailbox's cross-memory calls: cross() returns the scripted
+    statuses, then 1 (a peer has not arrived) for ever."""
+
+    def __init__(self):
+        self.statuses = []
+
+    def cross(self, x, op, call, tmp, spin_ns, resume):
+        return self.statuses.pop(0) if self.statuses else 1
+
+    def cross_reached(self, column, call):
+        return False
+
+
+class _Comm:
+    def Get_rank(self):
+        return 0
+
+
+@pytest.fixture
+def queue_engine():
+    """A NodeAllReduce with only what the nonblocking queue reads: local rank 0 (this process,
+    world rank 0) and one peer (world rank 5) whose pid the test sets; monitor.PROGRESS is
+    restored after the test."""
+    import collections
+
+    import numpy as np
+
+    saved = list(shm.monitor.PROGRESS)
+    engine = object.__new__(shm.NodeAllReduce)
+    engine.mailbox, engine._queue, engine._cma_calls = _Cross(), collections.deque(), 0
+    engine._tmp = np.zeros(64, np.uint8)
+    engine._members, engine._local_group, engine.comm = [0, 5], [0, 1], _Comm()
+    engine.peer = lambda pid: setattr(engine, "_pids", [0, pid]) or setattr(
+        engine, "_node_pids", [0, pid])
+    yield engine
+    shm.monitor.PROGRESS[:] = saved
+
+
+def test_a_failed_queued_transfer_fails_every_queued_all_reduce(queue_engine):
+    """Two nonblocking all_reduces queued; the head's transfer fails inside another wait's
+    progress call (monitor.PROGRESS): that wait raises, and so does every queued call's poll
+    (before: they returned False until their deadline, a CollectiveTimeout hiding the error)."""
+    import errno
+    import os
+
+    import numpy as np
+
+    engine = queue_engine
+    engine.peer(os.getppid())  # alive: the failure is a CollectiveError
+    first = engine.start_all_reduce(np.ones(8, np.float32), None)
+    second = engine.start_all_reduce(np.ones(8, np.float32), None)
+    assert first() is False and second() is False
+    assert engine.progress in shm.monitor.PROGRESS
+    engine.mailbox.statuses = [(errno.EPERM, os.getppid(), "process_vm_readv from")]
+    with pytest.raises(CollectiveError):
+        for progress in tuple(shm.monitor.PROGRESS):  # what monitor.wait runs between polls
+            progress()
+    assert engine.progress not in shm.monitor.PROGRESS and not engine._queue
+    for poll in (first, second):
+        with pytest.raises(CollectiveError, match="cross-memory transfer"):
+            poll()
+
+
+def test_a_peer_found_dead_by_a_poll_ends_the_queue(queue_engine, peer):
+    """The peer dies with two calls queued; the first's poll finds it (watch_peers) and raises
+    RankFailure naming it: the queue ends there (before: the engine stayed in monitor.PROGRESS,
+    so every later wait of the process, of any group, ran a queue that could never finish), and
+    the second call's poll raises the same RankFailure at once."""
+    import numpy as np
+
+    child, _ = peer
+    engine = queue_engine
+    engine.peer(child.pid)
+    first = engine.start_all_reduce(np.ones(8, np.float32), None)
+    second = engine.start_all_reduce(np.ones(8, np.float32), None)
+    child.kill()
+    child.wait(timeout=10)
+    with pytest.raises(RankFailure) as info:
+        for _ in range(2 * shm.LIVENESS_POLLS):
+            first()
+    assert info.value.ranks == [5]
+    assert engine.progress not in shm.monitor.PROGRESS and not engine._queue
+    with pytest.raises(RankFailure) as again:
+        second()
+    assert again.value is info.value
+
+
+def test_replacing_the_world_fails_the_queued_all_reduces(queue_engine):
+    """shm.fail_queued (rtxmpi.comm.replace_world, elastic shrink): every engine's queued calls
+    fail with the error given, and the waits of the new world no longer run the old queues."""
+    import os
+
+    import numpy as np
+
+    engine = queue_engine
+    engine.peer(os.getppid())
+    poll = engine.start_all_reduce(np.ones(8, np.float32), None)
+    assert poll() is False and engine.progress in shm.monitor.PROGRESS
+    shm.fail_queued(RankFailure("replaced", ranks=[]))
+    assert engine.progress not in shm.monitor.PROGRESS and not engine._queue
+    with pytest.raises(RankFailure, match="replaced"):
+        poll()
