@@ -80,7 +80,9 @@ class Monitor:
         requests: list of mpi4py Request, or a callable poll() -> bool (True once done) for a
         wait that is not on MPI requests (the shared-memory flags of comm/shm.py). members: world
         ranks of the group (for the diagnosis).
-        Raises CollectiveTimeout (on this and, through the NOTICE, on every waiting member).
+        Raises CollectiveTimeout (on this and, through the NOTICE, on every waiting member), and
+        what a PROGRESS function raises: RankFailure or CollectiveError of a queued nonblocking
+        all_reduce, possibly of another group (comm/shm.py start_all_reduce).
         """
         done = requests if callable(requests) else functools.partial(MPI.Request.Testall,
                                                                      requests)
