@@ -1068,7 +1068,11 @@ class NodeAllReduce:
         return [comm for comm in (self.node, self.cross) if comm is not None]
 
     def close(self):
-        """Release the arena and the communicators (local; the group must not use it after)."""
+        """Release the arena and the communicators (local; the group must not use it after).
+        Queued nonblocking all_reduces fail: their Work.wait raises CollectiveError."""
+        if self._queue:
+            self._fail(CollectiveError("the group's shared-memory engine was closed with "
+                                       f"{len(self._queue)} nonblocking all_reduce(s) queued"))
         self._end_queue()
         self._views.clear()
         self._arena = None

@@ -285,3 +285,21 @@ def test_replacing_the_world_fails_the_queued_all_reduces(queue_engine):
     assert engine.progress not in shm.monitor.PROGRESS and not engine._queue
     with pytest.raises(RankFailure, match="replaced"):
         poll()
+
+
+def test_closing_the_engine_fails_its_queued_all_reduces(queue_engine):
+    """close() with a call queued: its poll raises CollectiveError (it can never complete), and
+    the engine leaves monitor.PROGRESS."""
+    import os
+
+    import numpy as np
+
+    engine = queue_engine
+    engine.peer(os.getppid())
+    engine._views, engine._box_mm, engine._mm, engine.node, engine.cross = {}, None, None, None, None
+    poll = engine.start_all_reduce(np.ones(8, np.float32), None)
+    engine.mailbox.close = lambda: None
+    engine.close()
+    assert engine.progress not in shm.monitor.PROGRESS and not engine._queue
+    with pytest.raises(CollectiveError, match="closed with 1 nonblocking"):
+        poll()
