@@ -1,10 +1,11 @@
 """rtxmpi: a distributed-training runtime launched with mpiexec or srun."""
-from .comm import ProcessGroup, Work, init, is_initialized, world
+from .comm import ProcessGroup, Work, init, is_initialized, shared_zeros, world
 from .errors import (CheckpointError, CollectiveError, CollectiveMismatch, CollectiveTimeout,
                      ConfigError, RankFailure, RtxmpiError)
 
 __version__ = "0.1.0"
 
-__all__ = ["init", "world", "is_initialized", "ProcessGroup", "Work", "RtxmpiError", "ConfigError",
+__all__ = ["init", "world", "is_initialized", "ProcessGroup", "Work", "shared_zeros", "RtxmpiError",
+           "ConfigError",
            "CollectiveError", "CollectiveTimeout", "CollectiveMismatch", "RankFailure",
            "CheckpointError", "__version__"]

@@ -127,5 +127,7 @@ def is_initialized():
     return _world is not None
 
 
+shared_zeros = shm.shared_zeros
+
 __all__ = ["init", "world", "replace_world", "is_initialized", "ProcessGroup", "DeviceGroup",
-           "Work"]
+           "Work", "shared_zeros"]

@@ -33,10 +33,15 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <time.h>
+#include <unistd.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -61,7 +66,22 @@ typedef struct {
     PyObject *ops[4];       /* sum, max, min, prod (mpi4py Op objects) */
     pid_t *peer_pids;       /* the other local ranks' pids, in local-rank order (for cross()) */
     uintptr_t *peer_addrs;  /* cross(): their arrays' addresses in the current call */
+    struct PeerMap *maps;   /* cross(): peers' shared regions mapped here, MAPS_PER_PEER each */
+    char **peer_ptrs;       /* cross(): their arrays in those mappings, in the current call */
+    uint64_t map_clock;     /* least-recently-used eviction of `maps` */
+    int64_t direct_calls;   /* cross() calls that took the shared-region path */
 } Mailbox;
+
+#define MAPS_PER_PEER 8
+
+struct PeerMap {  /* one peer region mapped here */
+    int64_t fd, ino;
+    char *base;      /* NULL: free entry */
+    size_t size;
+    uint64_t used;   /* b->map_clock when last used */
+};
+
+static void unmap_peers(Mailbox *b);
 
 static inline int64_t *flag_of(Mailbox *b, int j) {
     return (int64_t *)(b->base + (Py_ssize_t)j * b->region);
@@ -271,7 +291,13 @@ static PyObject *Mailbox_close(Mailbox *b, PyObject *unused) {
         b->open = 0;
         PyBuffer_Release(&b->map);
     }
+    unmap_peers(b);  /* the peers' regions it mapped: their memory is freed with them */
     Py_RETURN_NONE;
+}
+
+static PyObject *Mailbox_direct_calls(Mailbox *b, PyObject *unused) {
+    (void)unused;
+    return PyLong_FromLongLong(b->direct_calls);
 }
 
 /* *out = the pids of `pids` (local_size ints) but local_rank's, and *addrs room for as many
@@ -353,10 +379,22 @@ static int Mailbox_init(Mailbox *b, PyObject *args, PyObject *kwds) {
     }
     PyMem_Free(b->peer_pids);  /* __init__ again after close() */
     PyMem_Free(b->peer_addrs);
+    PyMem_Free(b->peer_ptrs);
+    unmap_peers(b);
     b->peer_pids = peer_pids;
     b->peer_addrs = peer_addrs;
+    b->peer_ptrs = NULL;
+    if (peer_pids) {
+        b->peer_ptrs = PyMem_Calloc(local_size, sizeof(char *));
+        b->maps = PyMem_Calloc((size_t)local_size * MAPS_PER_PEER, sizeof(struct PeerMap));
+        if (b->peer_ptrs == NULL || b->maps == NULL) {
+            PyBuffer_Release(&b->map);
+            PyErr_NoMemory();
+            return -1;  /* dealloc frees what was allocated */
+        }
+    }
     b->open = 1;
-    b->calls = 0;
+    b->calls = b->direct_calls = 0;
     for (int i = 0; i < 4; i++) {  /* __init__ again after close(): drop the previous ops */
         Py_INCREF(ops[i]);
         Py_XSETREF(b->ops[i], ops[i]);
@@ -374,6 +412,8 @@ static void Mailbox_dealloc(Mailbox *b) {
     for (int i = 0; i < 4; i++) Py_XDECREF(b->ops[i]);
     PyMem_Free(b->peer_pids);
     PyMem_Free(b->peer_addrs);
+    PyMem_Free(b->peer_ptrs);
+    unmap_peers(b);
     Py_TYPE(b)->tp_free((PyObject *)b);
 }
 
@@ -397,6 +437,7 @@ static int move(pid_t pid, int read, char *local, uintptr_t remote, Py_ssize_t n
 typedef struct {
     int err, read;  /* errno (0: none); the failed transfer was a read */
     pid_t pid;
+    const char *what;  /* NULL: "process_vm_readv from" / "process_vm_writev to" by `read` */
 } Failure;
 
 /* The cross-memory piece loop (see the header): elements [lo, hi) of base, pieces of `step`
@@ -404,7 +445,7 @@ typedef struct {
 static Failure fold_loop(char *base, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t itemsize, int type,
                          int op, const pid_t *pids, const uintptr_t *addrs, Py_ssize_t npeers,
                          char *scratch, Py_ssize_t step, int push) {
-    Failure f = {0, 0, 0};
+    Failure f = {0, 0, 0, NULL};
     for (Py_ssize_t start = lo; start < hi; start += step) {
         Py_ssize_t stop = start + step < hi ? start + step : hi;
         Py_ssize_t off = start * itemsize, nbytes = (stop - start) * itemsize;
@@ -429,7 +470,8 @@ static Failure fold_loop(char *base, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t it
 static PyObject *failure_value(Failure f) {
     if (f.err)
         return Py_BuildValue("(ils)", f.err, (long)f.pid,
-                             f.read ? "process_vm_readv from" : "process_vm_writev to");
+                             f.what ? f.what
+                                    : f.read ? "process_vm_readv from" : "process_vm_writev to");
     Py_RETURN_NONE;
 }
 
@@ -495,6 +537,155 @@ static PyObject *fold_peers(PyObject *module, PyObject *const *args, Py_ssize_t 
     return failure_value(f);
 }
 
+/* -- shared regions (shm.shared_zeros): arrays whose memory local peers can map ----------------
+ * Each is a whole memfd mapping of this process, registered here by its start address with the
+ * memfd's descriptor number and inode. cross() looks its array up: when every local rank's array
+ * lies in such a region, each rank maps its peers' regions (/proc/PID/fd/FD, checked by inode,
+ * cached) and folds straight from their memory, and writes the result straight into it: no
+ * system call and no scratch copy per piece. Touched only with the GIL held. */
+typedef struct {
+    uintptr_t start;
+    Py_ssize_t size;
+    int64_t fd, ino;
+} Region;
+
+static Region *regions;
+static Py_ssize_t nregions, cap_regions;
+
+/* The index of the last region starting at or below addr, or -1. */
+static Py_ssize_t region_below(uintptr_t addr) {
+    Py_ssize_t lo = 0, hi = nregions;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (regions[mid].start <= addr) lo = mid + 1; else hi = mid;
+    }
+    return lo - 1;
+}
+
+/* The region holding [addr, addr + len), or NULL. */
+static const Region *region_of(uintptr_t addr, Py_ssize_t len) {
+    Py_ssize_t i = region_below(addr);
+    if (i < 0 || addr + (uintptr_t)len > regions[i].start + (uintptr_t)regions[i].size)
+        return NULL;
+    return &regions[i];
+}
+
+static PyObject *register_region(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    unsigned long long start;
+    Py_ssize_t size;
+    long long fd, ino;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "register_region(start, size, fd, inode)");
+        return NULL;
+    }
+    start = PyLong_AsUnsignedLongLong(args[0]);
+    size = PyLong_AsSsize_t(args[1]);
+    fd = PyLong_AsLongLong(args[2]);
+    ino = PyLong_AsLongLong(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    Py_ssize_t i = region_below((uintptr_t)start);
+    if (size <= 0 || fd < 0
+            || (i >= 0 && regions[i].start + (uintptr_t)regions[i].size > (uintptr_t)start)
+            || (i + 1 < nregions && (uintptr_t)start + (uintptr_t)size > regions[i + 1].start)) {
+        PyErr_SetString(PyExc_ValueError, "register_region: empty, or overlapping a registered "
+                                          "region");
+        return NULL;
+    }
+    if (nregions == cap_regions) {
+        Py_ssize_t cap = cap_regions ? 2 * cap_regions : 16;
+        Region *grown = PyMem_Realloc(regions, cap * sizeof(Region));
+        if (grown == NULL) return PyErr_NoMemory();
+        regions = grown;
+        cap_regions = cap;
+    }
+    memmove(regions + i + 2, regions + i + 1, (nregions - i - 1) * sizeof(Region));
+    regions[i + 1] = (Region){(uintptr_t)start, size, fd, ino};
+    nregions++;
+    Py_RETURN_NONE;
+}
+
+static PyObject *unregister_region(PyObject *module, PyObject *arg) {
+    (void)module;
+    unsigned long long start = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    Py_ssize_t i = region_below((uintptr_t)start);
+    if (i < 0 || regions[i].start != (uintptr_t)start) {
+        PyErr_SetString(PyExc_KeyError, "unregister_region: no region starts there");
+        return NULL;
+    }
+    memmove(regions + i, regions + i + 1, (nregions - i - 1) * sizeof(Region));
+    nregions--;
+    Py_RETURN_NONE;
+}
+
+static PyObject *regions_registered(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    return PyLong_FromSsize_t(nregions);
+}
+
+static void unmap_peers(Mailbox *b) {
+    if (b->maps == NULL) return;
+    for (Py_ssize_t i = 0; i < (Py_ssize_t)(b->local_size - 1) * MAPS_PER_PEER; i++)
+        if (b->maps[i].base) munmap(b->maps[i].base, b->maps[i].size);
+    PyMem_Free(b->maps);
+    b->maps = NULL;
+}
+
+/* Peer k's region (fd, ino) of process pid mapped here, at least `need` bytes: from the cache,
+ * or opened through /proc/PID/fd/FD (its inode must match: the descriptor is the peer's live
+ * memfd) and mapped, evicting the least recently used entry. NULL with errno on failure. */
+static char *map_peer(Mailbox *b, int k, pid_t pid, int64_t fd, int64_t ino, size_t need) {
+    struct PeerMap *maps = b->maps + (Py_ssize_t)k * MAPS_PER_PEER, *victim = maps;
+    b->map_clock++;
+    for (int i = 0; i < MAPS_PER_PEER; i++) {
+        if (maps[i].base && maps[i].fd == fd && maps[i].ino == ino && maps[i].size >= need) {
+            maps[i].used = b->map_clock;
+            return maps[i].base;
+        }
+        if (maps[i].used < victim->used) victim = &maps[i];
+    }
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%ld/fd/%lld", (long)pid, (long long)fd);
+    int f = open(path, O_RDWR | O_CLOEXEC);
+    if (f < 0) return NULL;
+    struct stat st;
+    int err = 0;
+    if (fstat(f, &st) < 0)
+        err = errno;
+    else if ((int64_t)st.st_ino != ino)
+        err = ESTALE;  /* the descriptor names another file now */
+    else if ((size_t)st.st_size < need)
+        err = EINVAL;
+    if (err) {
+        close(f);
+        errno = err;
+        return NULL;
+    }
+    char *base = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0);
+    close(f);
+    if (base == MAP_FAILED) return NULL;
+    if (victim->base) munmap(victim->base, victim->size);
+    *victim = (struct PeerMap){fd, ino, base, (size_t)st.st_size, b->map_clock};
+    return base;
+}
+
+/* fold_loop on shared regions: each piece of [lo, hi) folded straight from the peers' arrays
+ * (peers[j], mapped here) into base, own value first, then the peers in order (the same order
+ * as fold_loop, so the same bits), then written into every peer's array while in cache. */
+static void fold_direct(char *base, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t itemsize, int type,
+                        int op, char *const *peers, Py_ssize_t npeers, Py_ssize_t step) {
+    for (Py_ssize_t start = lo; start < hi; start += step) {
+        Py_ssize_t stop = start + step < hi ? start + step : hi;
+        Py_ssize_t off = start * itemsize, nbytes = (stop - start) * itemsize;
+        for (Py_ssize_t j = 0; j < npeers; j++)
+            fold(type, base + off, base + off, peers[j] + off, stop - start, op);
+        for (Py_ssize_t j = 0; j < npeers; j++)
+            memcpy(peers[j] + off, base + off, (size_t)nbytes);
+    }
+}
+
 /* cross(x, op, call, tmp, spin_ns, resume): the whole cross-memory all_reduce of shm.py (one
  * node, every local rank's pid given at construction) in one call. Publish x's address in flag
  * line int64 [2] and raise [1] to `call` (unless resume), spin up to spin_ns until every peer has;
@@ -533,25 +724,53 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
     }
     int me = b->local_rank, n = b->local_size;
     int64_t *mine = flag_of(b, me);
-    if (!resume) {
+    if (!resume) {  /* [4] region fd (-1: none), [5] offset in it, [6] its inode */
+        const Region *reg = region_of((uintptr_t)a.view.buf, a.view.len);
         __atomic_store_n(mine + 2, (int64_t)(uintptr_t)a.view.buf, __ATOMIC_RELAXED);
+        __atomic_store_n(mine + 4, reg ? reg->fd : -1, __ATOMIC_RELAXED);
+        __atomic_store_n(mine + 5, reg ? (int64_t)((uintptr_t)a.view.buf - reg->start) : 0,
+                         __ATOMIC_RELAXED);
+        __atomic_store_n(mine + 6, reg ? reg->ino : 0, __ATOMIC_RELAXED);
         __atomic_store_n(mine + 1, call, __ATOMIC_RELEASE);
     }
     long status = 0;
-    Failure f = {0, 0, 0};
+    Failure f = {0, 0, 0, NULL};
     if (!spin_until(b, 1, call, spin_ns)) {
         status = 1;
     } else {
-        for (int j = 0, k = 0; j < n; j++)
-            if (j != me)
-                b->peer_addrs[k++] = (uintptr_t)__atomic_load_n(flag_of(b, j) + 2,
-                                                                __ATOMIC_RELAXED);
+        /* the same choice on every rank: every rank's published region, or the system calls */
+        int direct = 1;
+        for (int j = 0; j < n && direct; j++)
+            direct = __atomic_load_n(flag_of(b, j) + 4, __ATOMIC_RELAXED) >= 0;
+        for (int j = 0, k = 0; j < n && !f.err; j++) {
+            if (j == me) continue;
+            int64_t *line = flag_of(b, j);
+            b->peer_addrs[k] = (uintptr_t)__atomic_load_n(line + 2, __ATOMIC_RELAXED);
+            if (direct) {
+                int64_t off = __atomic_load_n(line + 5, __ATOMIC_RELAXED);
+                char *mapped = map_peer(b, k, b->peer_pids[k],
+                                        __atomic_load_n(line + 4, __ATOMIC_RELAXED),
+                                        __atomic_load_n(line + 6, __ATOMIC_RELAXED),
+                                        (size_t)off + (size_t)a.view.len);
+                if (mapped == NULL)
+                    f = (Failure){errno ? errno : EIO, 1, b->peer_pids[k], "shared array of"};
+                else
+                    b->peer_ptrs[k] = mapped + off;
+            }
+            k++;
+        }
         Py_ssize_t count = a.count, q = count / n, r = count % n;  /* floor(count * i / n) */
         Py_ssize_t lo = q * me + r * me / n, hi = q * (me + 1) + r * (me + 1) / n;
-        Py_BEGIN_ALLOW_THREADS
-        f = fold_loop(a.view.buf, lo, hi, itemsize, a.type, op, b->peer_pids, b->peer_addrs,
-                      n - 1, tmp.buf, step, 1);
-        Py_END_ALLOW_THREADS
+        if (!f.err) {
+            b->direct_calls += direct;
+            Py_BEGIN_ALLOW_THREADS
+            if (direct)
+                fold_direct(a.view.buf, lo, hi, itemsize, a.type, op, b->peer_ptrs, n - 1, step);
+            else
+                f = fold_loop(a.view.buf, lo, hi, itemsize, a.type, op, b->peer_pids,
+                              b->peer_addrs, n - 1, tmp.buf, step, 1);
+            Py_END_ALLOW_THREADS
+        }
     }
     PyBuffer_Release(&a.view);
     PyBuffer_Release(&tmp);
@@ -580,6 +799,13 @@ static PyObject *Mailbox_cross_reached(Mailbox *b, PyObject *const *args, Py_ssi
 }
 
 static PyMethodDef module_methods[] = {
+    {"register_region", (PyCFunction)(void (*)(void))register_region, METH_FASTCALL,
+     "register_region(start, size, fd, inode): a memfd mapping of this process that local peers "
+     "may map (shm.shared_zeros)."},
+    {"unregister_region", (PyCFunction)unregister_region, METH_O,
+     "unregister_region(start): forget the region that starts there (before it is unmapped)."},
+    {"regions_registered", (PyCFunction)regions_registered, METH_NOARGS,
+     "regions_registered() -> int: how many regions are registered."},
     {"fold_peers", (PyCFunction)(void (*)(void))fold_peers, METH_FASTCALL,
      "fold_peers(x, lo, hi, peers, tmp, op, push) -> None or (errno, pid, what): the piece loop "
      "of the cross-memory all_reduce (op: 0 sum, 1 max, 2 min, 3 prod)."},
@@ -600,6 +826,8 @@ static PyMethodDef Mailbox_methods[] = {
     {"cross_reached", (PyCFunction)(void (*)(void))Mailbox_cross_reached, METH_FASTCALL,
      "cross_reached(column, call) -> bool: every local rank's cross-memory arrival (column 1) or "
      "done (3) flag has reached `call`."},
+    {"direct_calls", (PyCFunction)Mailbox_direct_calls, METH_NOARGS,
+     "direct_calls() -> int: cross() calls that folded straight from the peers' shared regions."},
     {"close", (PyCFunction)Mailbox_close, METH_NOARGS,
      "close(): release the mapping (every later call raises ValueError)."},
     {NULL, NULL, 0, NULL}};

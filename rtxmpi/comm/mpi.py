@@ -67,6 +67,11 @@ class MPIBackend:
         return rank_failure(exc, self.comm, op=op, group=self.group_name) if is_process_failure(exc, self.comm) else exc
 
     def wait(self, requests, *, op, seq, timeout_s):
+        """Complete `requests` (MPI requests, or a shared-memory poll(): it yields the core
+        between polls, as ranks may outnumber cores and the peer it waits for may need this
+        one) within the deadline."""
+        if callable(requests):
+            requests = shm.yielding(requests)
         self.monitor.wait(requests, op=op, seq=seq, group=self.group_name,
                           members=self.members, timeout_s=timeout_s)
 
@@ -101,9 +106,7 @@ class MPIBackend:
         the deadline-aware wait costs more per poll than that). requests: MPI requests, or a
         callable poll() -> bool (the shared-memory mailbox flags)."""
         try:
-            if callable(requests):  # a shared-memory flag, already spun on: yield while waiting
-                requests = shm.yielding(requests)
-            else:
+            if not callable(requests):  # a shared-memory flag was already spun on
                 for _ in range(ARRIVE_SPIN_TESTS):
                     if MPI.Request.Testall(requests):
                         return

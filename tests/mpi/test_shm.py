@@ -500,6 +500,39 @@ def test_a_set_cross_memory_start_keeps_the_mailbox_up_to_its_default(world):
         assert engine.all_reduce_from == 1 << 20
 
 
+def test_shared_arrays_fold_straight_from_the_peers_memory(world):
+    """Arrays from rtxmpi.shared_zeros on every rank: blocking and nonblocking all_reduce of the
+    whole array and of slices (buckets) fold straight from the peers' memory (direct_calls), with
+    exact results; when one rank passes a plain array, every rank takes the system-call path,
+    still exact."""
+    group = group_with(world)
+    x, expected = inputs(group, 100, "float32", "sum")
+    assert_exact(group.all_reduce(x), expected)  # builds the engine
+    engine = group.backend._shm
+    direct = engine.mailbox.direct_calls if engine and engine.mailbox is not None else None
+    for salt, (n, dtype, op) in enumerate([(300_001, "float32", "sum"), (70_000, "int64", "max"),
+                                           (50_000, "float64", "prod")]):
+        x, expected = inputs(group, n, dtype, op, salt=salt)
+        shared = shm.shared_zeros(n, dtype)
+        shared[:] = x
+        before = direct() if direct else 0
+        assert_exact(group.all_reduce(shared, op=op), expected)
+        y, want = inputs(group, 20_000, dtype, op, salt=salt + 10)
+        bucket = shared[n // 4: n // 4 + 20_000]
+        bucket[:] = y
+        assert_exact(group.all_reduce(bucket, op=op, async_op=True).wait(), want)
+        if direct:
+            assert direct() == before + 2
+    plain = group.rank == group.world_size - 1
+    x, expected = inputs(group, 60_000, "float32", "sum", salt=99)
+    mixed = x if plain else shm.shared_zeros(60_000, "float32")
+    mixed[:] = x
+    before = direct() if direct else 0
+    assert_exact(group.all_reduce(mixed), expected)
+    if direct:
+        assert direct() == before  # the same choice on every rank
+
+
 @pytest.mark.parametrize("env,message", [
     ({"RTXMPI_SHM": "maybe"}, "RTXMPI_SHM='maybe'"),
     ({"RTXMPI_SHM_CMA": "2"}, "RTXMPI_SHM_CMA='2'"),

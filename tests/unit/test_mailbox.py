@@ -287,3 +287,105 @@ def test_cross_from_a_dead_peer_reports_it_and_raises_no_done_flag():
     a.close()
     b.close()
     mapping.close()
+
+
+# -- shared regions (shm.shared_zeros): cross() folds straight from the peers' memory ------------
+def test_shared_zeros_is_a_registered_zero_array_freed_with_its_views():
+    import gc
+
+    before = shm._mailbox.regions_registered()
+    a = shm.shared_zeros((3, 5), "float64")
+    assert a.shape == (3, 5) and a.dtype == np.float64 and a.flags.c_contiguous
+    assert a.flags.writeable and not a.any()
+    assert shm._mailbox.regions_registered() == before + 1
+    view = a[1]
+    del a
+    gc.collect()
+    assert shm._mailbox.regions_registered() == before + 1  # the view keeps the memory
+    view[:] = 7
+    del view
+    gc.collect()
+    assert shm._mailbox.regions_registered() == before
+    empty = shm.shared_zeros(0, "int32")  # nothing to share: plain numpy
+    assert empty.shape == (0,) and shm._mailbox.regions_registered() == before
+
+
+def test_regions_must_not_overlap():
+    start = 1 << 40  # an address nothing maps here: the registry only records it
+    shm._mailbox.register_region(start, 8192, 3, 1)
+    try:
+        for bad in ((start + 4096, 8192, 3, 1), (start - 4096, 8192, 3, 1), (start + 8192, 0, 3, 1),
+                    (start + 8192, 4096, -1, 1)):
+            with pytest.raises(ValueError, match="overlapping"):
+                shm._mailbox.register_region(*bad)
+    finally:
+        shm._mailbox.unregister_region(start)
+    with pytest.raises(KeyError):
+        shm._mailbox.unregister_region(start)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("name", list(OPS))
+def test_cross_on_shared_arrays_folds_directly_with_the_same_bits(k, name):
+    """Every view's array from shared_zeros (this process maps its own memfds again through
+    /proc/self/fd, as a peer would): cross() takes the direct path (direct_calls) and computes
+    exactly what the system-call path computes; a slice of a shared array (a bucket) too."""
+    op, ufunc = OPS[name]
+    rng = np.random.default_rng(k)
+    mapping, views = cross_boxes(k)
+    tmp = np.zeros(7 * 4, np.uint8)
+    for call, (n, cut) in enumerate(((1000, None), (601, slice(100, 400))), start=1):
+        bases = [shm.shared_zeros(n, "float32") for _ in range(k)]
+        for base in bases:
+            base[:] = values(rng, "float32", n)
+        xs = [base[cut] if cut else base for base in bases]
+        plain = [x.copy() for x in xs]
+        expected = cross_expected(plain, ufunc)
+        before = [view.direct_calls() for view in views]
+        first = [view.cross(x, op, call, tmp, 0, False) for view, x in zip(views, xs)]
+        resumed = [view.cross(x, op, call, tmp, 0, True) for view, x in zip(views[:-1], xs)]
+        assert first == [1] * (k - 1) + [2] and resumed == [2] * (k - 2) + [0]
+        assert [view.direct_calls() - b for view, b in zip(views, before)] == [1] * k
+        for x in xs:
+            np.testing.assert_array_equal(x.view(np.uint8), expected.view(np.uint8))
+    for view in views:
+        view.close()
+    mapping.close()
+
+
+def test_cross_with_one_plain_array_takes_the_system_calls_on_every_view():
+    mapping, (a, b) = cross_boxes(2)
+    tmp = np.zeros(64, np.uint8)
+    x, y = shm.shared_zeros(100, "float32"), np.zeros(100, np.float32)
+    x[:], y[:] = 1, 2
+    assert a.cross(x, MPI.SUM, 1, tmp, 0, False) == 1
+    assert b.cross(y, MPI.SUM, 1, tmp, 0, False) == 2
+    assert a.cross(x, MPI.SUM, 1, tmp, 0, True) == 0
+    assert a.direct_calls() == b.direct_calls() == 0
+    np.testing.assert_array_equal(x, 3)
+    np.testing.assert_array_equal(y, 3)
+    a.close()
+    b.close()
+    mapping.close()
+
+
+def test_cross_reports_a_peer_region_it_cannot_map():
+    """A peer's published region whose descriptor no longer names that file (inode mismatch):
+    the (errno, pid, what) of the failure, nothing folded, no done flag."""
+    import errno
+
+    mapping, (a, b) = cross_boxes(2)
+    tmp = np.zeros(64, np.uint8)
+    x, y = shm.shared_zeros(100, "float32"), shm.shared_zeros(100, "float32")
+    x[:], y[:] = 1, 2
+    assert b.cross(y, MPI.SUM, 1, tmp, 0, False) == 1
+    line = np.frombuffer(mapping, np.int64, 8, offset=shm.FLAG_BYTES)  # view b's flag line
+    line[6] += 1  # its region's inode, as if the descriptor had been reused
+    status = a.cross(x, MPI.SUM, 1, tmp, 0, False)
+    assert status[0] == errno.ESTALE and status[2] == "shared array of"
+    np.testing.assert_array_equal(x, 1)
+    assert not b.cross_reached(3, 1)
+    del line
+    a.close()
+    b.close()
+    mapping.close()
