@@ -2,7 +2,7 @@
 
     mpiexec -n N python bench/collectives.py [--sizes 8,4K:256M] [--ops all_reduce,reduce_scatter,
         all_gather,broadcast] [--iters auto|K] [--json out.json] [--dtype float32] [--check]
-        [--async-op]
+        [--async-op] [--shared]
 
 Every rank must run it (it is one MPI job). For each message size and operation it times
 rtxmpi's ProcessGroup collective and the raw mpi4py buffer call it wraps (`Allreduce(IN_PLACE)`,
@@ -22,7 +22,9 @@ preallocated outputs.
 
 --async-op times the nonblocking forms instead (rtxmpi's async_op=True then Work.wait(), raw
 mpi4py's Iallreduce / Ireduce_scatter_block / Iallgather / Ibcast then Wait(), as osu_iallreduce
-does; gloo's async_op=True then wait()).
+does; gloo's async_op=True then wait()). --shared allocates the buffers (for every implementation
+alike) with rtxmpi.shared_zeros, whose memory the node's peers can map: rtxmpi's all_reduce then
+folds straight from the peers' arrays.
 
 Rank 0 prints markdown tables, the per-call overhead at 8 bytes and the command that reproduces the
 run on stdout; progress goes to stderr. --json writes every number and the machine facts.
@@ -68,16 +70,18 @@ def element_count(op, size_bytes, itemsize, n):
 
 # -- the implementations under test ---------------------------------------------------------------
 class Buffers:
-    """Allocated and touched once, sized for the largest message; each cell uses prefix views.
+    """Allocated and touched once, sized for the largest message; each cell uses prefix views
+    (with shared=True from rtxmpi.shared_zeros, for every implementation alike).
 
     big: all_reduce / broadcast buffer and the all_gather output; src: reduce_scatter input and
     all_gather input; shard: reduce_scatter output of the raw call.
     """
 
-    def __init__(self, max_count, dtype, n):
-        self.big = np.empty(max_count, dtype)
-        self.src = np.empty(max_count, dtype)
-        self.shard = np.empty(max(1, max_count // n), dtype)
+    def __init__(self, max_count, dtype, n, shared=False):
+        alloc = rtxmpi.shared_zeros if shared else np.empty  # --shared: memory peers can map
+        self.big = alloc(max_count, dtype)
+        self.src = alloc(max_count, dtype)
+        self.shard = alloc(max(1, max_count // n), dtype)
         for a in (self.big, self.src, self.shard):
             a.fill(0)  # touch every page now, not inside a timed call
         self.nbytes = self.big.nbytes + self.src.nbytes + self.shard.nbytes
@@ -254,7 +258,7 @@ def cell_result(op, size_bytes, n, iters, names, times):
             "impls": impls, "busbw_ratio_rtxmpi_raw": ratio}
 
 
-def op_table(cells, has_gloo, g, nonblocking=False):
+def op_table(cells, has_gloo, g, nonblocking=False, shared=False):
     header = ["size", "iters", "rtxmpi us", "raw us", "rtxmpi min us", "raw min us",
               "rtxmpi algbw", "raw algbw", "rtxmpi busbw", "raw busbw", "rtxmpi/raw"]
     if has_gloo:
@@ -270,12 +274,13 @@ def op_table(cells, has_gloo, g, nonblocking=False):
             gl = c["impls"].get("gloo")
             row += ([fmt(gl["median_us"], 1), fmt(gl["busbw_gbps"], 3),
                      fmt(gl["median_us"] / r["median_us"], 2)] if gl else ["n/a"] * 3)
-        rows.append(row + [op_path(g, c["op"], c["size_bytes"], nonblocking)])
+        rows.append(row + [op_path(g, c["op"], c["size_bytes"], nonblocking, shared)])
     return markdown_table(header + ["rtxmpi path"], rows)
 
 
-def summary(cells, ops):
-    """Overhead at each op's smallest size (8 B by default) and the two targets, measured."""
+def summary(cells, ops, nonblocking=False):
+    """Overhead at each op's smallest size (8 B by default) and the targets, measured (the
+    targets are for blocking calls: not judged with nonblocking=True)."""
     lines, verdicts, overhead = [], {}, {}
     for op in ops:
         c = min((c for c in cells if c["op"] == op), key=lambda c: c["size_bytes"], default=None)
@@ -291,6 +296,9 @@ def summary(cells, ops):
                          f"({o['min_us']:+.1f})" for op, o in overhead.items()))
     ar = [c for c in cells if c["op"] == "all_reduce"]
     raw = {c["size_bytes"]: c["busbw_ratio_rtxmpi_raw"] for c in ar}
+    if nonblocking:
+        cells, ar, raw = [], [], {}  # the per-size ratios are in the tables above
+        lines.append("--async-op: the targets are defined for blocking calls; not judged here")
     for key, target, from_bytes in (("all_reduce_busbw_ratio", TARGET_RATIO, TARGET_RATIO_FROM_BYTES),
                                     ("all_reduce_shm_busbw_ratio", TARGET_SHM_RATIO,
                                      TARGET_SHM_FROM_BYTES),
@@ -306,7 +314,7 @@ def summary(cells, ops):
             for c in ar if "gloo" in c["impls"]}
     ratio_target(verdicts, lines, "all_reduce_gloo_busbw_ratio", "PyTorch gloo", gloo,
                  TARGET_GLOO_RATIO, TARGET_GLOO_FROM_BYTES)
-    if "all_reduce" in overhead and overhead["all_reduce"]["size_bytes"] <= 8:
+    if "all_reduce" in overhead and overhead["all_reduce"]["size_bytes"] <= 8 and not nonblocking:
         o, o_min = overhead["all_reduce"]["median_us"], overhead["all_reduce"]["min_us"]
         verdicts["all_reduce_overhead_8b"] = {"target_us": TARGET_OVERHEAD_US, "measured_us": o,
                                               "measured_min_us": o_min,
@@ -334,9 +342,9 @@ def ratio_target(verdicts, lines, key, peer, ratios, target, from_bytes):
                    f"{format_bytes(worst_size)})")
 
 
-def op_path(g, op, size_bytes, nonblocking=False):
-    """Which algorithm rtxmpi's `op` (blocking, or async_op=True) ran for `size_bytes`
-    (rtxmpi/comm/mpi.py)."""
+def op_path(g, op, size_bytes, nonblocking=False, shared=False):
+    """Which algorithm rtxmpi's `op` (blocking, or async_op=True; on shared_zeros buffers or not)
+    ran for `size_bytes` (rtxmpi/comm/mpi.py)."""
     from rtxmpi.comm.mpi import ALL_GATHER_FACTOR
 
     engine, threshold = g.backend._shm, g.backend.shm_config.threshold
@@ -345,11 +353,13 @@ def op_path(g, op, size_bytes, nonblocking=False):
     if nonblocking:  # only all_reduce has a shared-memory nonblocking path: the queued cma call
         queued = (op == "all_reduce" and engine.mailbox is not None and engine.mode == "cma"
                   and engine.small_bytes < size_bytes and size_bytes >= engine.all_reduce_from)
-        return "shm (cma, queued)" if queued else "MPI"
+        return f"shm (cma, queued{', shared' if shared else ''})" if queued else "MPI"
     if op == "all_reduce":
         if size_bytes <= engine.small_bytes:
             return "shm mailbox"
-        return f"shm ({engine.mode})" if size_bytes >= engine.all_reduce_from else "MPI"
+        direct = shared and engine.mailbox is not None and engine.mode == "cma"
+        return (f"shm ({engine.mode}{', shared' if direct else ''})"
+                if size_bytes >= engine.all_reduce_from else "MPI")
     cma = engine.mode == "cma"
     if op == "reduce_scatter" and cma and size_bytes >= threshold:
         return "shm (cma)" if engine.nodes == 1 else "shm (cma, hierarchical)"
@@ -358,12 +368,12 @@ def op_path(g, op, size_bytes, nonblocking=False):
     return "MPI"
 
 
-def side_by_side(cells, g, nonblocking=False):
+def side_by_side(cells, g, nonblocking=False, shared=False):
     """size | rtxmpi, raw, gloo busbw | rtxmpi/raw | rtxmpi/gloo | path (mailbox, shm or MPI)."""
     rows = []
     for c in cells:
         r, w, gl = c["impls"]["rtxmpi"], c["impls"]["raw"], c["impls"].get("gloo")
-        path = op_path(g, "all_reduce", c["size_bytes"], nonblocking)
+        path = op_path(g, "all_reduce", c["size_bytes"], nonblocking, shared)
         rows.append([format_bytes(c["size_bytes"]), fmt(r["busbw_gbps"], 3), fmt(w["busbw_gbps"], 3),
                      fmt(gl["busbw_gbps"], 3) if gl else "n/a",
                      fmt(c["busbw_ratio_rtxmpi_raw"], 2),
@@ -456,6 +466,9 @@ def parse_args(argv):
     p.add_argument("--async-op", action="store_true",
                    help="time the nonblocking forms: rtxmpi with async_op=True then Work.wait(), "
                         "raw Iallreduce/... then Wait() (osu_iallreduce), gloo async_op=True")
+    p.add_argument("--shared", action="store_true",
+                   help="allocate the buffers with rtxmpi.shared_zeros (memory the node's peers "
+                        "can map; every implementation uses the same buffers)")
     p.add_argument("--paths", action="store_true",
                    help="all_reduce only: time each rtxmpi algorithm (mailbox, cross-memory, MPI) "
                         "forced at every size against raw, to place the thresholds")
@@ -502,7 +515,8 @@ def main(argv=None):
         impls["gloo"] = gloo_calls(dist, torch, nb)
 
     max_count = max(element_count(op, s, dtype.itemsize, n) for op in args.ops for s in args.sizes)
-    buffers = Buffers(max(max_count, element_count("all_gather", 4096, 1, n)), dtype, n)
+    buffers = Buffers(max(max_count, element_count("all_gather", 4096, 1, n)), dtype, n,
+                      args.shared)
     unsupported = {}
     for op in args.ops:
         for name, (make, result) in list(impls.items()):
@@ -534,7 +548,8 @@ def main(argv=None):
         return 0
 
     command = launch_command(n)
-    mode = ", nonblocking (async_op=True / I-calls, then wait)" if nb else ""
+    mode = (", nonblocking (async_op=True / I-calls, then wait)" if nb else "") + (
+        ", buffers from rtxmpi.shared_zeros" if args.shared else "")
     lines = [f"### Collectives, n={n}, {dtype}, rtxmpi check={'on' if args.check else 'off'}{mode}", "",
              f"Command: `{command}`", "", f"Machine: {machine_line(info)}", "",
              f"rtxmpi shared-memory all_reduce: {shm_line(g)}", ""]
@@ -548,11 +563,13 @@ def main(argv=None):
     for op in args.ops:
         lines += [f"#### {op} (busbw factor {busbw_factor(op, n):.3g}; times in us, "
                   "bandwidths in GB/s)", "",
-                  op_table([c for c in cells if c["op"] == op], "gloo" in impls, g, nb), ""]
+                  op_table([c for c in cells if c["op"] == op], "gloo" in impls, g, nb,
+                           args.shared), ""]
     if "all_reduce" in args.ops:
         lines += ["#### all_reduce busbw side by side (GB/s; ratios of busbw; path: what rtxmpi ran)",
-                  "", side_by_side([c for c in cells if c["op"] == "all_reduce"], g, nb), ""]
-    summary_lines, overhead, verdicts = summary(cells, args.ops)
+                  "", side_by_side([c for c in cells if c["op"] == "all_reduce"], g, nb,
+                                   args.shared), ""]
+    summary_lines, overhead, verdicts = summary(cells, args.ops, nb)
     lines += [f"- {line}" for line in summary_lines]
     lines += ["", f"Total run time {time.perf_counter() - started:.1f} s."]
     print("\n".join(lines), flush=True)
@@ -561,7 +578,7 @@ def main(argv=None):
             "benchmark": "collectives", "command": command, "machine": info,
             "config": {"world_size": n, "dtype": str(dtype), "sizes_bytes": args.sizes,
                        "ops": args.ops, "iters": args.iters or "auto", "check": args.check,
-                       "nonblocking": nb,
+                       "nonblocking": nb, "shared_buffers": args.shared,
                        "implementations": list(impls), "gloo_note": gloo_note,
                        "gloo_unsupported": unsupported,
                        "timing": "per repetition: max over ranks of one call after a barrier; "
