@@ -413,17 +413,22 @@ def path_groups(world, max_bytes):
 
 
 def measure_paths(world, comm, sizes, iters, dtype):
-    """Interleaved: raw Allreduce and rtxmpi's all_reduce with each algorithm forced. The mailbox
-    runs only up to 64 MiB (its shared buffers are twice the message per rank)."""
+    """Interleaved: raw Allreduce and rtxmpi's all_reduce with each algorithm forced, on one plain
+    numpy array; and the cross-memory path on an rtxmpi.shared_zeros array ("shared": folding
+    straight from the peers' memory) against the same raw column. The mailbox runs only up to
+    64 MiB (its shared buffers are twice the message per rank)."""
     groups = path_groups(world, max(sizes))
     for group in groups.values():  # build each group's engine before timing
         group.all_reduce(np.zeros(1, dtype))
     cells = []
     for size in sizes:
-        x = np.zeros(element_count("all_reduce", size, dtype.itemsize, comm.Get_size()), dtype)
+        count = element_count("all_reduce", size, dtype.itemsize, comm.Get_size())
+        x, shared = np.zeros(count, dtype), rtxmpi.shared_zeros(count, dtype)
         names = ["raw"] + [name for name in groups if name != "mailbox" or size <= MAILBOX_MAX_BYTES]
         calls = [(lambda: comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM))] + [
             (lambda g=groups[name]: g.all_reduce(x)) for name in names[1:]]
+        names.append("shared")
+        calls.append(lambda g=groups["cross-memory"]: g.all_reduce(shared))
         n_iters, times = measure_cell(calls, iters, comm)
         cells.append({"size_bytes": x.nbytes, "iters": n_iters, "impls": {
             name: summarize_s(list(t)) for name, t in zip(names, times)}})
@@ -431,7 +436,7 @@ def measure_paths(world, comm, sizes, iters, dtype):
 
 
 def paths_table(cells):
-    names = ["mailbox", "cross-memory", "MPI"]
+    names = ["mailbox", "cross-memory", "MPI", "shared"]
     rows = []
     for c in cells:
         raw = c["impls"]["raw"]["median_us"]
@@ -601,6 +606,8 @@ def main_paths(args, g, comm, dtype, started):
         f"### all_reduce algorithms of rtxmpi, each forced at every size, n={comm.Get_size()}, "
         f"{dtype}", "", f"Command: `{command}`", "", f"Machine: {machine_line(info)}", "",
         "Median us per call, interleaved with raw `Allreduce`; raw/x > 1: x is faster than raw. "
+        "Every column but `shared` runs on one plain numpy array; `shared` is the cross-memory "
+        "path on an rtxmpi.shared_zeros array (raw stays on the plain one). "
         f"Current defaults: {shm_line(g)}.", "", paths_table(cells), "",
         f"Total run time {time.perf_counter() - started:.1f} s."]), flush=True)
     if args.json:
