@@ -237,20 +237,25 @@ def shared_zeros(shape, dtype=np.float32):
     fast path needs the peers' arrays to be shared too (checked at each call, the same decision
     on every rank). Raises what np.zeros and os.memfd_create raise (OSError: out of memory)."""
     dtype = np.dtype(dtype)
+    try:  # np.zeros' checks of the shape, nothing allocated
+        shape = np.broadcast_to(np.zeros((), dtype), shape).shape
+    except (TypeError, ValueError):
+        return np.zeros(shape, dtype)  # raises np.zeros' own error
     count = int(np.prod(shape, dtype=np.int64))
-    if _mailbox is None or not hasattr(os, "memfd_create") or count * dtype.itemsize == 0:
+    if (_mailbox is None or not hasattr(os, "memfd_create") or count * dtype.itemsize == 0
+            or dtype.hasobject):  # objects: pointers, nothing another process could read
         return np.zeros(shape, dtype)
     size = -(-count * dtype.itemsize // mmap.PAGESIZE) * mmap.PAGESIZE
     fd = os.memfd_create("rtxmpi-shared", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
         mapping = mmap.mmap(fd, size)
+        array = np.frombuffer(mapping, dtype, count).reshape(shape)
+        start = array.ctypes.data
+        _mailbox.register_region(start, size, fd, os.fstat(fd).st_ino)
     except BaseException:
         os.close(fd)
         raise
-    array = np.frombuffer(mapping, dtype, count).reshape(shape)
-    start = array.ctypes.data
-    _mailbox.register_region(start, size, fd, os.fstat(fd).st_ino)
     # on the mapping, not the array: numpy views may hold the mapping's buffer without `array`
     weakref.finalize(mapping, _release_region, start, fd)
     return array

@@ -389,3 +389,26 @@ def test_cross_reports_a_peer_region_it_cannot_map():
     a.close()
     b.close()
     mapping.close()
+
+
+@pytest.mark.parametrize("shape,dtype,error", [
+    ((-2, -3), "float32", ValueError),  # a positive element count from negative dimensions
+    ((-1,), "float32", ValueError),
+    (2.5, "float32", TypeError),
+])
+def test_shared_zeros_rejects_what_np_zeros_rejects_and_leaks_no_descriptor(shape, dtype, error):
+    import os
+
+    with pytest.raises(error) as plain:
+        np.zeros(shape, dtype)
+    fds, regions = len(os.listdir("/proc/self/fd")), shm._mailbox.regions_registered()
+    with pytest.raises(error) as shared:
+        shm.shared_zeros(shape, dtype)
+    assert str(shared.value) == str(plain.value)
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert shm._mailbox.regions_registered() == regions
+
+
+def test_shared_zeros_of_objects_is_plain_numpy():
+    a = shm.shared_zeros(3, object)  # nothing another process could map: np.zeros' array
+    assert a.dtype == object and a.shape == (3,) and a[0] == 0
