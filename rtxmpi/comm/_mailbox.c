@@ -437,7 +437,6 @@ static int move(pid_t pid, int read, char *local, uintptr_t remote, Py_ssize_t n
 typedef struct {
     int err, read;  /* errno (0: none); the failed transfer was a read */
     pid_t pid;
-    const char *what;  /* NULL: "process_vm_readv from" / "process_vm_writev to" by `read` */
 } Failure;
 
 /* The cross-memory piece loop (see the header): elements [lo, hi) of base, pieces of `step`
@@ -445,7 +444,7 @@ typedef struct {
 static Failure fold_loop(char *base, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t itemsize, int type,
                          int op, const pid_t *pids, const uintptr_t *addrs, Py_ssize_t npeers,
                          char *scratch, Py_ssize_t step, int push) {
-    Failure f = {0, 0, 0, NULL};
+    Failure f = {0, 0, 0};
     for (Py_ssize_t start = lo; start < hi; start += step) {
         Py_ssize_t stop = start + step < hi ? start + step : hi;
         Py_ssize_t off = start * itemsize, nbytes = (stop - start) * itemsize;
@@ -470,8 +469,7 @@ static Failure fold_loop(char *base, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t it
 static PyObject *failure_value(Failure f) {
     if (f.err)
         return Py_BuildValue("(ils)", f.err, (long)f.pid,
-                             f.what ? f.what
-                                    : f.read ? "process_vm_readv from" : "process_vm_writev to");
+                             f.read ? "process_vm_readv from" : "process_vm_writev to");
     Py_RETURN_NONE;
 }
 
@@ -734,7 +732,7 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
         __atomic_store_n(mine + 1, call, __ATOMIC_RELEASE);
     }
     long status = 0;
-    Failure f = {0, 0, 0, NULL};
+    Failure f = {0, 0, 0};
     if (!spin_until(b, 1, call, spin_ns)) {
         status = 1;
     } else {
@@ -742,7 +740,11 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
         int direct = 1;
         for (int j = 0; j < n && direct; j++)
             direct = __atomic_load_n(flag_of(b, j) + 4, __ATOMIC_RELAXED) >= 0;
-        for (int j = 0, k = 0; j < n && !f.err; j++) {
+        /* A region this rank cannot map (no descriptor left, no address space, a stale
+         * descriptor): it folds its segment through the system calls instead, the same bits,
+         * and the peers, which cannot see that failure, are not left waiting for its done flag
+         * until their deadline. */
+        for (int j = 0, k = 0; j < n; j++) {
             if (j == me) continue;
             int64_t *line = flag_of(b, j);
             b->peer_addrs[k] = (uintptr_t)__atomic_load_n(line + 2, __ATOMIC_RELAXED);
@@ -753,7 +755,7 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
                                         __atomic_load_n(line + 6, __ATOMIC_RELAXED),
                                         (size_t)off + (size_t)a.view.len);
                 if (mapped == NULL)
-                    f = (Failure){errno ? errno : EIO, 1, b->peer_pids[k], "shared array of"};
+                    direct = 0;
                 else
                     b->peer_ptrs[k] = mapped + off;
             }
@@ -761,16 +763,14 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
         }
         Py_ssize_t count = a.count, q = count / n, r = count % n;  /* floor(count * i / n) */
         Py_ssize_t lo = q * me + r * me / n, hi = q * (me + 1) + r * (me + 1) / n;
-        if (!f.err) {
-            b->direct_calls += direct;
-            Py_BEGIN_ALLOW_THREADS
-            if (direct)
-                fold_direct(a.view.buf, lo, hi, itemsize, a.type, op, b->peer_ptrs, n - 1, step);
-            else
-                f = fold_loop(a.view.buf, lo, hi, itemsize, a.type, op, b->peer_pids,
-                              b->peer_addrs, n - 1, tmp.buf, step, 1);
-            Py_END_ALLOW_THREADS
-        }
+        b->direct_calls += direct;
+        Py_BEGIN_ALLOW_THREADS
+        if (direct)
+            fold_direct(a.view.buf, lo, hi, itemsize, a.type, op, b->peer_ptrs, n - 1, step);
+        else
+            f = fold_loop(a.view.buf, lo, hi, itemsize, a.type, op, b->peer_pids,
+                          b->peer_addrs, n - 1, tmp.buf, step, 1);
+        Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&a.view);
     PyBuffer_Release(&tmp);
