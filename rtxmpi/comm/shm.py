@@ -250,22 +250,34 @@ def shared_zeros(shape, dtype=np.float32):
     try:
         os.ftruncate(fd, size)
         mapping = mmap.mmap(fd, size)
-        array = np.frombuffer(mapping, dtype, count).reshape(shape)
-        start = array.ctypes.data
+        start = np.frombuffer(mapping, np.uint8, 1).ctypes.data  # no buffer export kept
+        owner = _SharedRegion(start, size)
+        array = np.asarray(owner)[:count * dtype.itemsize].view(dtype).reshape(shape)
         _mailbox.register_region(start, size, fd, os.fstat(fd).st_ino)
     except BaseException:
         os.close(fd)
         raise
-    # on the mapping, not the array: numpy views may hold the mapping's buffer without `array`
-    weakref.finalize(mapping, _release_region, start, fd)
+    # every array over the memory (views too) holds `owner` (their base chain), not the mapping
+    weakref.finalize(owner, _release_region, start, fd, mapping).atexit = False
     return array
 
 
-def _release_region(start, fd):
-    """shared_zeros' array is gone: forget its region (before its pages can be mapped again at
-    that address) and close the memfd (the peers' mappings keep their pages until they drop
-    them)."""
+class _SharedRegion:
+    """The memory of one shared_zeros mapping as numpy sees it (bytes, __array_interface__): the
+    arrays over it hold this object, and its finalizer unmaps the memory."""
+
+    def __init__(self, start, size):
+        self.__array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (start, False),
+                                    "version": 3}
+
+
+def _release_region(start, fd, mapping):
+    """shared_zeros' arrays are gone: forget their region while it is still mapped (once it is
+    unmapped, another thread may get that address for a new array, which must not look shared),
+    then unmap it and close the memfd (the peers' mappings keep their pages until they drop
+    them). Not at exit: arrays may still be in use then."""
     _mailbox.unregister_region(start)
+    mapping.close()
     os.close(fd)
 
 

@@ -414,3 +414,36 @@ def test_shared_zeros_rejects_what_np_zeros_rejects_and_leaks_no_descriptor(shap
 def test_shared_zeros_of_objects_is_plain_numpy():
     a = shm.shared_zeros(3, object)  # nothing another process could map: np.zeros' array
     assert a.dtype == object and a.shape == (3,) and a[0] == 0
+
+
+def test_a_freed_shared_array_leaves_the_registry_before_its_memory_is_unmapped(monkeypatch):
+    """Between the unmapping and the registry's update, another thread could get that address
+    for a new array and have cross() publish the old memfd (its peers would fold the freed
+    memory, silently): the region is forgotten while still mapped, and only then unmapped."""
+    import gc
+
+    real = shm._mailbox
+    seen = []
+
+    class Registry:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def unregister_region(self, start):
+            address = "%x" % start
+            with open("/proc/self/maps") as maps:
+                seen.append((start, any(line.split("-")[0] == address for line in maps)))
+            return real.unregister_region(start)
+
+    gc.collect()  # earlier tests' arrays
+    monkeypatch.setattr(shm, "_mailbox", Registry())
+    a = shm.shared_zeros((64, 1024), "float64")
+    start = a.ctypes.data
+    bucket = a[3:5].reshape(-1)
+    del a
+    gc.collect()
+    assert (start, True) not in seen and (start, False) not in seen  # the slice keeps it
+    bucket[:] = 1
+    del bucket
+    gc.collect()
+    assert [mapped for address, mapped in seen if address == start] == [True]
