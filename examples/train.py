@@ -786,7 +786,10 @@ def train(args):
                                     params, lr=args.lr, weight_decay=args.weight_decay,
                                     decay_mask=mask))
     hybrid = hybrid or pipeline  # an engine on a DeviceMesh: model, data slice, eval from it
-    model = engine.model if hybrid else GPT(cfg, seed=args.seed, xp=xp)
+    # on CPU the gradient lives in memory the node's peers can map: the data-parallel all_reduce
+    # of its buckets folds straight from it (rtxmpi.shared_zeros, docs/comm.md)
+    model = engine.model if hybrid else GPT(
+        cfg, seed=args.seed, xp=xp, grad_alloc=rtxmpi.shared_zeros if xp is np else None)
     engine = engine or build_engine(args, model, world)
     data_rank, data_size = (engine.mesh.dp_rank, engine.mesh.dp) if hybrid else (rank, world_size)
     rng = np.random.default_rng([args.seed, rank])  # per-rank randomness (dropout, ...), checkpointed

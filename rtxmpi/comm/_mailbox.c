@@ -389,8 +389,12 @@ static int Mailbox_init(Mailbox *b, PyObject *args, PyObject *kwds) {
         b->maps = PyMem_Calloc((size_t)local_size * MAPS_PER_PEER, sizeof(struct PeerMap));
         if (b->peer_ptrs == NULL || b->maps == NULL) {
             PyBuffer_Release(&b->map);
+            PyMem_Free(b->maps);  /* nothing mapped in it yet; b->local_size is still the old */
+            PyMem_Free(b->peer_ptrs);
+            b->maps = NULL;
+            b->peer_ptrs = NULL;
             PyErr_NoMemory();
-            return -1;  /* dealloc frees what was allocated */
+            return -1;
         }
     }
     b->open = 1;

@@ -180,14 +180,18 @@ class GPT:
 
     cfg: GPTConfig; seed: int, initialization is a function of (cfg, seed) only (same values on
     numpy and cupy, any dtype being a cast of the float64 draw); xp: numpy or cupy; dtype: float
-    dtype of parameters, gradients and activations.
+    dtype of parameters, gradients and activations; grad_alloc: callable(n, dtype) returning a
+    zeroed 1-D C-contiguous array of n elements of `dtype` for flat_grad (default xp.zeros; e.g.
+    rtxmpi.shared_zeros, whose memory the node's peers can map, so that the data-parallel
+    all_reduce of the gradient buckets folds straight from it). Raises ConfigError for a bad cfg,
+    dtype or grad_alloc result.
 
     Attributes: cfg, xp, dtype, params (list[Param] in index order), flat_data, flat_grad (1-D
     contiguous, length num_params), num_params, units (list of (first, stop) parameter-index
     ranges: embeddings, each block, head), provider (FlatParams(self) unless use_provider()).
     """
 
-    def __init__(self, cfg, seed=0, xp=np, dtype=np.float32):
+    def __init__(self, cfg, seed=0, xp=np, dtype=np.float32, grad_alloc=None):
         if not isinstance(cfg, GPTConfig):
             raise ConfigError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
         dtype = np.dtype(dtype)
@@ -197,7 +201,14 @@ class GPT:
         specs = param_layout(cfg)
         self.num_params = specs[-1].stop
         self.flat_data = xp.asarray(_init_flat(cfg, specs, seed).astype(dtype))
-        self.flat_grad = xp.zeros(self.num_params, dtype=dtype)
+        self.flat_grad = (grad_alloc or xp.zeros)(self.num_params, dtype=dtype)
+        grad = self.flat_grad
+        if (getattr(grad, "shape", None) != (self.num_params,) or grad.dtype != dtype
+                or not grad.flags.c_contiguous or type(grad) is not type(self.flat_data)):
+            raise ConfigError(f"grad_alloc returned {type(grad).__name__} "
+                              f"{getattr(grad, 'shape', None)} {getattr(grad, 'dtype', None)}; "
+                              f"expected a C-contiguous {type(self.flat_data).__name__} "
+                              f"({self.num_params},) {dtype}")
         self.params = bind(specs, self.flat_data, self.flat_grad)
         self._by_name = {p.name: p for p in self.params}
         self._ln_f = self.params[2 + 12 * cfg.n_layer: 4 + 12 * cfg.n_layer]

@@ -126,3 +126,37 @@ def test_uneven_batches_finish_together_with_equal_weights(world):
     weights = world.all_gather(model.flat_data.copy()).reshape(world.world_size, -1)
     for r in range(1, world.world_size):
         np.testing.assert_array_equal(weights[r], weights[0])
+
+
+def test_dp_gradients_in_shared_memory_fold_straight_from_the_peers(world):
+    """GPT(grad_alloc=rtxmpi.shared_zeros): the same gradients as the one-process reference, and
+    on one node with the compiled extension the buckets' all_reduces fold straight from the
+    peers' gradient memory (direct_calls)."""
+    from rtxmpi import shared_zeros
+
+    x, y = global_batch(0)
+    reference = make_model()
+    _, cache = reference.forward(x, y)
+    reference.backward(cache)
+    model = GPT(GPTConfig.named("tiny", seq_len=T), seed=0, grad_alloc=shared_zeros)
+    ddp = DataParallel(model, world, bucket_bytes=small_buckets(model) // 4)
+    world.all_reduce(np.zeros(1, np.float32))  # the group's shared-memory engine exists from here
+    engine = world.backend._shm if world.world_size > 1 else None
+    direct = engine.mailbox.direct_calls if engine and engine.mailbox is not None else None
+    before = direct() if direct else 0
+    _, cache = ddp.forward(local_slice(world, x), local_slice(world, y))
+    ddp.backward(cache)
+    np.testing.assert_allclose(model.flat_grad, reference.flat_grad, rtol=1e-5, atol=1e-7)
+    if direct:  # the buckets above the mailbox size
+        big = sum(1 for b in ddp.buckets if (b.stop - b.start) * 4 > engine.small_bytes)
+        assert big and direct() - before == big
+
+
+def test_grad_alloc_must_return_a_fitting_array():
+    from rtxmpi.errors import ConfigError
+
+    cfg = GPTConfig.named("tiny", seq_len=T)
+    with pytest.raises(ConfigError, match="grad_alloc returned"):
+        GPT(cfg, grad_alloc=lambda n, dtype: np.zeros(n + 1, dtype))
+    with pytest.raises(ConfigError, match="grad_alloc returned"):
+        GPT(cfg, grad_alloc=lambda n, dtype: np.zeros(n, np.float64))
