@@ -37,8 +37,10 @@ def init(backend="auto", timeout_s=None, check=None):
         return _world
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    timeout_s = validate_timeout(os.environ.get("RTXMPI_TIMEOUT_S", DEFAULT_TIMEOUT_S)
-                                 if timeout_s is None else timeout_s)
+    if timeout_s is None:
+        timeout_s = validate_timeout(os.environ.get("RTXMPI_TIMEOUT_S", DEFAULT_TIMEOUT_S),
+                                     "RTXMPI_TIMEOUT_S")
+    timeout_s = validate_timeout(timeout_s)
     check = env_flag("RTXMPI_CHECK") if check is None else bool(check)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

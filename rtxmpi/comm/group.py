@@ -518,12 +518,13 @@ def _parent_ranks(comm, parent):
     return list(comm.Get_group().Translate_ranks(list(range(comm.Get_size())), parent.Get_group()))
 
 
-def validate_timeout(timeout_s):
-    """Check a user-given deadline; returns it as float seconds."""
+def validate_timeout(timeout_s, name="timeout_s"):
+    """Check a user-given deadline (`name`: what the message calls it, e.g. the environment
+    variable it came from); returns it as float seconds. Raises ConfigError."""
     try:
         value = float(timeout_s)
     except (TypeError, ValueError):
-        raise ConfigError(f"timeout_s must be a number of seconds, got {timeout_s!r}") from None
+        raise ConfigError(f"{name} must be a number of seconds, got {timeout_s!r}") from None
     if not value > 0:
-        raise ConfigError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        raise ConfigError(f"{name} must be > 0 seconds, got {timeout_s!r}")
     return value

@@ -209,7 +209,8 @@ class ShmConfig:
         def flag(name):
             text = environ.get(name, "1").strip().lower()
             if text not in ("0", "1", "false", "true", "no", "yes", "off", "on", ""):
-                raise ConfigError(f"{name}={environ[name]!r}: use 1 (on, default) or 0 (off)")
+                raise ConfigError(f"{name}={environ[name]!r}: use 1 (on, default) or 0 (off); "
+                                  "true/yes/on and false/no/off are accepted too")
             return text not in ("0", "false", "no", "off")
 
         chunk = integer("RTXMPI_SHM_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES,

@@ -95,6 +95,15 @@ def test_init_refuses_bad_timeout_with_config_error():
     assert not rtxmpi.is_initialized()
 
 
+@pytest.mark.parametrize("value", ["-5", "abc"])
+def test_init_names_a_bad_rtxmpi_timeout_s(monkeypatch, value):
+    _skip_if_initialized()
+    monkeypatch.setenv("RTXMPI_TIMEOUT_S", value)
+    with pytest.raises(errors.ConfigError, match=f"RTXMPI_TIMEOUT_S must be .*{value}"):
+        rtxmpi.init(backend="mpi")
+    assert not rtxmpi.is_initialized()
+
+
 def test_world_before_init_is_a_config_error():
     _skip_if_initialized()
     with pytest.raises(errors.ConfigError, match="init"):
