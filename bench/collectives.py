@@ -2,7 +2,7 @@
 
     mpiexec -n N python bench/collectives.py [--sizes 8,4K:256M] [--ops all_reduce,reduce_scatter,
         all_gather,broadcast] [--iters auto|K] [--json out.json] [--dtype float32] [--check]
-        [--async-op] [--shared]
+        [--async-op] [--shared] [--paths]
 
 Every rank must run it (it is one MPI job). For each message size and operation it times
 rtxmpi's ProcessGroup collective and the raw mpi4py buffer call it wraps (`Allreduce(IN_PLACE)`,
@@ -475,8 +475,9 @@ def parse_args(argv):
                    help="allocate the buffers with rtxmpi.shared_zeros (memory the node's peers "
                         "can map; every implementation uses the same buffers)")
     p.add_argument("--paths", action="store_true",
-                   help="all_reduce only: time each rtxmpi algorithm (mailbox, cross-memory, MPI) "
-                        "forced at every size against raw, to place the thresholds")
+                   help="all_reduce only: time each rtxmpi algorithm (mailbox, cross-memory, MPI, "
+                        "and cross-memory on a shared_zeros array) forced at every size against "
+                        "raw, to place the thresholds")
     args = p.parse_args(argv)
     try:
         args.sizes = parse_sizes(args.sizes)
@@ -486,6 +487,9 @@ def parse_args(argv):
     bad = [op for op in args.ops if op not in OPS]
     if bad or not args.ops:
         p.error(f"--ops: unknown {bad}; choose from {', '.join(OPS)}")
+    if args.paths and (args.shared or args.async_op):
+        p.error("--paths has its own 'shared' column and times blocking calls: use it without "
+                "--shared and --async-op")
     if args.iters == "auto":
         args.iters = None
     else:

@@ -236,7 +236,8 @@ def shared_zeros(shape, dtype=np.float32):
     behaves like np.zeros; it is freed when it and its views are. Where there is no memfd or no
     compiled extension, returns np.zeros(shape, dtype). Local: any rank may call it any time; the
     fast path needs the peers' arrays to be shared too (checked at each call, the same decision
-    on every rank). Raises what np.zeros and os.memfd_create raise (OSError: out of memory)."""
+    on every rank). Raises what np.zeros raises for a bad shape or dtype, and MemoryError when
+    the array is larger than this machine's memory plus swap or the memory cannot be had."""
     dtype = np.dtype(dtype)
     try:  # np.zeros' checks of the shape, nothing allocated
         shape = np.broadcast_to(np.zeros((), dtype), shape).shape
@@ -247,10 +248,25 @@ def shared_zeros(shape, dtype=np.float32):
             or dtype.hasobject):  # objects: pointers, nothing another process could read
         return np.zeros(shape, dtype)
     size = -(-count * dtype.itemsize // mmap.PAGESIZE) * mmap.PAGESIZE
-    fd = os.memfd_create("rtxmpi-shared", os.MFD_CLOEXEC)
+    if size > _memory_bytes():  # a memfd is sparse: it would only fail when touched
+        raise MemoryError(f"Unable to allocate {size / 2**30:.3g} GiB for an array with shape "
+                          f"{shape} and data type {dtype} (more than this machine's memory)")
+    try:
+        fd = os.memfd_create("rtxmpi-shared", os.MFD_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ENOMEM:
+            raise MemoryError(f"Unable to allocate a shared array with shape {shape} and data "
+                              f"type {dtype}: {exc.strerror}") from None
+        raise
     try:
         os.ftruncate(fd, size)
-        mapping = mmap.mmap(fd, size)
+        try:
+            mapping = mmap.mmap(fd, size)
+        except OSError as exc:
+            if exc.errno != errno.ENOMEM:
+                raise
+            raise MemoryError(f"Unable to allocate {size / 2**30:.3g} GiB for an array with "
+                              f"shape {shape} and data type {dtype}: {exc.strerror}") from None
         start = np.frombuffer(mapping, np.uint8, 1).ctypes.data  # no buffer export kept
         owner = _SharedRegion(start, size)
         array = np.asarray(owner)[:count * dtype.itemsize].view(dtype).reshape(shape)
@@ -261,6 +277,19 @@ def shared_zeros(shape, dtype=np.float32):
     # every array over the memory (views too) holds `owner` (their base chain), not the mapping
     weakref.finalize(owner, _release_region, start, fd, mapping).atexit = False
     return array
+
+
+def _memory_bytes():
+    """This machine's physical memory plus swap, in bytes (sysconf and /proc/meminfo)."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("SwapTotal:"):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total
 
 
 class _SharedRegion:
@@ -556,7 +585,10 @@ def describe(backend, size=str):
     start = engine.all_reduce_from
     larger = (f"{engine.mode} for every larger message" if start == max(engine.small_bytes, 0) + 1
               else f"{engine.mode} from {size(start)} (between: MPI)")
-    return (f"{mailbox}; {larger}; "
+    shared = ("shared_zeros arrays folded from the peers' memory" if engine.mailbox is not None
+              and engine.mode == "cma" else f"shared_zeros arrays as plain memory "
+              f"({engine.mailbox_off or 'no cross-memory access'})")
+    return (f"{mailbox}; {larger}; {shared}; "
             f"chunk {size(config.chunk_bytes)}; {engine.local_size} local ranks x "
             f"{engine.nodes} node(s); RTXMPI_SHM=0 turns it off")
 

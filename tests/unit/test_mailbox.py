@@ -447,3 +447,10 @@ def test_a_freed_shared_array_leaves_the_registry_before_its_memory_is_unmapped(
     del bucket
     gc.collect()
     assert [mapped for address, mapped in seen if address == start] == [True]
+
+
+def test_shared_zeros_larger_than_memory_is_a_memory_error_like_np_zeros():
+    before = shm._mailbox.regions_registered()
+    with pytest.raises(MemoryError, match="Unable to allocate"):
+        shm.shared_zeros(10**13, "float32")  # a memfd is sparse: it must not "succeed"
+    assert shm._mailbox.regions_registered() == before
