@@ -61,6 +61,7 @@ Sources: Narayanan et al. 2021 (Megatron-LM, the bubble and 1F1B memory), Rajbha
 (ZeRO), Korthikanti et al. 2022 (activation memory per layer).
 Pure: nothing here communicates.
 """
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -687,13 +688,28 @@ def estimate(cfg, layout, global_batch, profile, ranks_per_node=None, device="cp
     world = L.dp * L.tp * L.pp * L.sp
     R = min(world, ranks_per_node or p.ranks_per_node)
     stage_params, stage_blocks = _stage_params(cfg, L.pp)
-    costs = _Costs(cfg, L, global_batch, p, R,
-                   model_factor(p, activation_bytes(cfg, L, global_batch)[0], max(stage_blocks)))
+    factor = model_factor(p, activation_bytes(cfg, L, global_batch)[0], max(stage_blocks))
+    costs = _Costs(cfg, L, global_batch, p, R, factor)
     tasks = [_stage_tasks(costs, stage_blocks[s], s, L.pp) for s in range(L.pp)]
     ranks_per_stage_on_node = R / L.pp  # the stages' ranks spread evenly over the nodes
     speed = _sharing(p, R, ranks_per_stage_on_node)
 
     pipe_s, busy = simulate_pipeline(tasks, L.schedule, L.micro_batches, costs.p2p, speed)
+    share = 1.0
+    if L.pp > 1 and (L.tp > 1 or L.sp > 1) and p.sync_s:
+        # the tp/sp sync wait inside the stages, measured with every rank of the node busy,
+        # comes from ranks outnumbering cores: a pipeline keeps only R (1 - bubble) ranks busy
+        # on average, so it is charged in proportion to the oversubscription left
+        C = p.effective_cores
+        busy_ranks = R * sum(busy) / (L.pp * pipe_s) if pipe_s > 0 else R
+        share = min(1.0, max(0.0, (busy_ranks - C) / (R - C))) if R > C else 1.0
+        if share < 1.0:
+            scaled = copy.copy(p)
+            scaled.sync_s = {n: v * share for n, v in p.sync_s.items()}
+            costs = _Costs(cfg, L, global_batch, scaled, R, factor)
+            tasks = [_stage_tasks(costs, stage_blocks[s], s, L.pp) for s in range(L.pp)]
+            pipe_s, busy = simulate_pipeline(tasks, L.schedule, L.micro_batches, costs.p2p,
+                                             speed)
     all_speed = speed(L.pp)
     # compute alone: the same work at the busy-all speed, for the compute column
     compute_s = max(L.micro_batches * (t[0] + t[2]) for t in tasks) / all_speed
@@ -714,7 +730,7 @@ def estimate(cfg, layout, global_batch, profile, ranks_per_node=None, device="cp
     comm_ms = (comm_pipe_s + dp_s + small_s) * 1e3
     detail = {"pipeline_ms": pipe_s * 1e3, "bubble_ms": max(0.0, pipe_s - ideal) * 1e3,
               "dp_ms": dp_s * 1e3, "optimizer_ms": opt_s * 1e3, "tp_sp_pp_ms": comm_pipe_s * 1e3,
-              "speed_all_busy": all_speed, "memory": memory}
+              "speed_all_busy": all_speed, "sync_share": share, "memory": memory}
     return Estimate(L, compute_s * 1e3 + opt_s * 1e3, comm_ms, bubble, memory["total"],
                     total_s * 1e3, detail)
 

@@ -574,3 +574,26 @@ def test_sync_pairings_of_nodes_with_different_rank_counts(sizes):
     pairs = {tuple(sorted(g)) for groups in partitions for g in groups}
     assert pairs == {p for ranks in nodes for p in itertools.combinations(ranks, 2)}
     assert _sync_partitions(nodes, max(sizes)) is None  # the largest size divides no other node
+
+
+def test_tp_sync_inside_a_pipeline_is_charged_for_the_oversubscription_left():
+    """The tp/sp sync wait (measured with every rank of the node busy) is charged inside a
+    pipeline in proportion to the oversubscription its bubble leaves: 4 ranks on 2 effective
+    cores, tp 2 x pp 2 with 2 micro-batches keeps fewer ranks busy on average, so only part of
+    it; a layout without a pipeline, or a node with a core per rank, pays it whole."""
+    import copy
+
+    cfg = GPTConfig.named("small", seq_len=128)
+    profile = copy.copy(default_profile())
+    profile.sync_s = {"2": 0.005, "4": 0.005}
+    quiet = copy.copy(profile)
+    quiet.sync_s = {"2": 0.0, "4": 0.0}
+    piped = Layout(dp=1, tp=2, pp=2, sp=1, micro_batches=2, schedule="gpipe")
+    flat = Layout(dp=2, tp=2, pp=1, sp=1, micro_batches=1)
+    e = estimate(cfg, piped, 32, profile, 4)
+    assert 0.0 < e.detail["sync_share"] < 1.0
+    assert estimate(cfg, piped, 32, quiet, 4).total_ms < e.total_ms
+    assert estimate(cfg, flat, 32, profile, 4).detail["sync_share"] == 1.0
+    roomy = copy.copy(profile)
+    roomy.effective_cores = 4.0
+    assert estimate(cfg, piped, 32, roomy, 4).detail["sync_share"] == 1.0
