@@ -227,16 +227,24 @@ def test_cross_reduces_every_segment_and_pushes_it_to_every_peer(k, dtype, name)
     for call, n in ((1, 1000), (2, 37), (3, 2)):
         xs = [values(rng, dtype, n) for _ in range(k)]
         expected = cross_expected(xs, ufunc)
-        first = [view.cross(x, op, call, tmp, 0, False) for view, x in zip(views, xs)]
-        assert first == [1] * (k - 1) + [2]  # only the last found every peer arrived
-        resumed = [view.cross(x, op, call, tmp, 0, True) for view, x in zip(views[:-1], xs)]
-        assert resumed == [2] * (k - 2) + [0]  # the last to fold finds every peer done
-        assert all(view.cross_reached(3, call) and view.cross_reached(1, call) for view in views)
-        for x in xs:
-            np.testing.assert_array_equal(x.view(np.uint8), expected.view(np.uint8))
+        run_cross(views, xs, op, call, tmp, expected)
     for view in views:
         view.close()
     mapping.close()
+
+
+def run_cross(views, xs, op, call, tmp, expected):
+    """Every view posts call `call` in turn (no spin), then all but the last resume: the first
+    k - 1 find a peer missing (1), the last folds and finds one not done (2), and the resumed
+    ones fold in turn, the last of them finding every peer done (0). Then every array holds
+    `expected`, bit for bit."""
+    k = len(views)
+    first = [view.cross(x, op, call, tmp, 0, False) for view, x in zip(views, xs)]
+    resumed = [view.cross(x, op, call, tmp, 0, True) for view, x in zip(views[:-1], xs)]
+    assert first == [1] * (k - 1) + [2] and resumed == [2] * (k - 2) + [0]
+    assert all(view.cross_reached(3, call) and view.cross_reached(1, call) for view in views)
+    for x in xs:
+        np.testing.assert_array_equal(x.view(np.uint8), expected.view(np.uint8))
 
 
 def test_cross_errors_are_typed():
@@ -342,12 +350,8 @@ def test_cross_on_shared_arrays_folds_directly_with_the_same_bits(k, name):
         plain = [x.copy() for x in xs]
         expected = cross_expected(plain, ufunc)
         before = [view.direct_calls() for view in views]
-        first = [view.cross(x, op, call, tmp, 0, False) for view, x in zip(views, xs)]
-        resumed = [view.cross(x, op, call, tmp, 0, True) for view, x in zip(views[:-1], xs)]
-        assert first == [1] * (k - 1) + [2] and resumed == [2] * (k - 2) + [0]
+        run_cross(views, xs, op, call, tmp, expected)
         assert [view.direct_calls() - b for view, b in zip(views, before)] == [1] * k
-        for x in xs:
-            np.testing.assert_array_equal(x.view(np.uint8), expected.view(np.uint8))
     for view in views:
         view.close()
     mapping.close()
