@@ -1164,7 +1164,6 @@ class NodeAllReduce:
         if self._queue:
             self._fail(CollectiveError("the group's shared-memory engine was closed with "
                                        f"{len(self._queue)} nonblocking all_reduce(s) queued"))
-        self._end_queue()
         self._views.clear()
         self._arena = None
         self._boxes = self._flags = self._lines = None  # views of the mailbox: dropped first,
