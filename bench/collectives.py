@@ -350,10 +350,12 @@ def op_path(g, op, size_bytes, nonblocking=False, shared=False):
     engine, threshold = g.backend._shm, g.backend.shm_config.threshold
     if not engine:
         return "MPI"
-    if nonblocking:  # only all_reduce has a shared-memory nonblocking path: the queued cma call
-        queued = (op == "all_reduce" and engine.mailbox is not None and engine.mode == "cma"
-                  and engine.small_bytes < size_bytes and size_bytes >= engine.all_reduce_from)
-        return f"shm (cma, queued{', shared' if shared else ''})" if queued else "MPI"
+    if nonblocking:  # only all_reduce has a shared-memory nonblocking path: the queue
+        if op != "all_reduce" or not engine.queues(size_bytes):
+            return "MPI"
+        if size_bytes <= engine.small_bytes:
+            return "shm mailbox (queued)"
+        return f"shm (cma, queued{', shared' if shared else ''})"
     if op == "all_reduce":
         if size_bytes <= engine.small_bytes:
             return "shm mailbox"

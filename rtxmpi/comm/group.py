@@ -235,18 +235,29 @@ class ProcessGroup:
         current). Collective: every rank of the group must call, in the same order.
         Raises CollectiveMismatch (checking mode), CollectiveTimeout, TypeError (dtype/op).
         """
-        if type(x) is np.ndarray and type(op) is str and not (async_op or self.check):
+        if type(x) is np.ndarray and type(op) is str and not self.check:
             mpi_op = _DIRECT_REDUCE.get(op, _NONE).get(x.dtype)
             if mpi_op is not None and x.flags.carray:  # C-contiguous, aligned, writeable
                 # Fast path (the common case), same steps as the general path below: Python
                 # costs per call are paid again, cold, after every large transfer.
                 self._seq += 1
-                self.backend.all_reduce_now(x if x.ndim == 1 else x.reshape(-1), mpi_op,
-                                            self._seq, self.timeout_s)
+                flat = x if x.ndim == 1 else x.reshape(-1)
+                if async_op:
+                    return Work(self, "all_reduce", self._seq,
+                                self.backend.all_reduce_start(flat, mpi_op),
+                                self._averaged(x) if op == "avg" else lambda: x, keep=x)
+                self.backend.all_reduce_now(flat, mpi_op, self._seq, self.timeout_s)
                 if op == "avg":
                     np.divide(x, self.world_size, out=x)
                 return x
         return self._all_reduce(x, op, async_op=async_op, stream=stream)
+
+    def _averaged(self, x):
+        """The completion step of an async "avg" all_reduce on the fast path: x / world_size."""
+        def finish():
+            np.divide(x, self.world_size, out=x)
+            return x
+        return finish
 
     @_host_staged
     def _all_reduce(self, x, op, *, async_op=False, stream=None):

@@ -125,9 +125,10 @@ class MPIBackend:
         engine = self._shm
         if engine and buf.nbytes <= engine.small_bytes:  # the mailbox, with the fewest calls
             # engine.small_all_reduce inlined for the compiled mailbox: no closure unless a peer
-            # is late (call != 0), one Python layer less per call
+            # is late (call != 0) or nonblocking calls are queued, one Python layer less per call
             mailbox = engine.mailbox
-            call = None if mailbox is None else mailbox.all_reduce(buf, mpi_op, shm.SPIN_NS)
+            call = (None if mailbox is None or engine._queue
+                    else mailbox.all_reduce(buf, mpi_op, shm.SPIN_NS))
             if call != 0:
                 wait = lambda poll: self._wait_fast(poll, "all_reduce", seq, timeout_s)  # noqa: E731
                 if call is None:
@@ -173,6 +174,16 @@ class MPIBackend:
         with guard():
             self.comm.Allreduce(MPI.IN_PLACE, buf, mpi_op)
 
+    def all_reduce_start(self, buf, mpi_op):
+        """all_reduce(buf, mpi_op, nonblocking=True) for the arrays of ProcessGroup.all_reduce's
+        fast path (contiguous 1-D numpy of a dtype MPI reduces natively; sum, max, min or prod),
+        which the shared-memory engine supports whatever their size: its queued path when
+        `queues(nbytes)`, else MPI's Iallreduce. Returns a poll() or a list of MPI requests."""
+        engine = self._shm
+        if engine and engine.queues(buf.nbytes):
+            return engine.start_all_reduce(buf, mpi_op)
+        return [self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op)]
+
     def _shm_wanted(self, nbytes):
         """Whether a message of `nbytes` may take a shared-memory path (the engine is then
         built); the same answer on every rank. With the cross-memory start left automatic
@@ -196,11 +207,11 @@ class MPIBackend:
     # -- transfers: each returns a list of requests when nonblocking, else None -------------
     def all_reduce(self, buf, mpi_op, nonblocking):
         if nonblocking:
-            # from the cross-memory size on one node, the shared-memory engine's queued
-            # nonblocking path (once a blocking call built the engine: the same on every rank)
+            # at the mailbox's and the cross-memory path's sizes on one node, the shared-memory
+            # engine's queued nonblocking path (once a blocking call built the engine: the same
+            # on every rank)
             engine = self._shm
-            if (engine and buf.nbytes > engine.small_bytes and buf.nbytes >= engine.all_reduce_from
-                    and engine.supports_nonblocking(buf, mpi_op)):
+            if engine and engine.supports_nonblocking(buf, mpi_op):
                 return engine.start_all_reduce(buf, mpi_op)
             return [self.comm.Iallreduce(MPI.IN_PLACE, buf, mpi_op)]
         if self.size == 1:

@@ -144,6 +144,9 @@ BOX_VIEWS = 256  # cached mailbox views (dtype, size, parity); cleared when full
 LIVENESS_POLLS = 1000  # flag polls between checks that the local peers are alive
 SPIN_POLLS = 64  # polls of a mailbox flag (a few microseconds) before yielding the core
 SPIN_NS = 20_000  # the compiled mailbox's spin on the peers' flags before the Python wait
+# a nonblocking mailbox all_reduce's spin when it posts: peers already in the call (a few us
+# apart, as ranks leave a barrier) complete it there, with no queue entry or later poll
+START_SPIN_NS = 3_000
 
 
 class ShmConfig:
@@ -445,14 +448,19 @@ def watch_peers(poll, pids, ranks, me, every=LIVENESS_POLLS):
             return True
         calls += 1
         if calls % every == 0:
-            for pid, rank in zip(pids, ranks):
-                if rank != me and process_gone(pid):
-                    raise RankFailure(f"rank {rank} (pid {pid}, on this node) exited while rank "
-                                      f"{me} waited for it in a shared-memory collective",
-                                      ranks=[rank])
+            check_alive(pids, ranks, me)
         return False
 
     return watched
+
+
+def check_alive(pids, ranks, me):
+    """Raise RankFailure naming the first local peer process (pids / ranks, as for watch_peers)
+    that has exited. Local."""
+    for pid, rank in zip(pids, ranks):
+        if rank != me and process_gone(pid):
+            raise RankFailure(f"rank {rank} (pid {pid}, on this node) exited while rank {me} "
+                              "waited for it in a shared-memory collective", ranks=[rank])
 
 
 def fail_queued(error):
@@ -560,6 +568,11 @@ def _yield():
     return False
 
 
+def _finished():
+    """The poll() of a nonblocking call that completed when it started."""
+    return True
+
+
 def _wait_all(requests):
     """Complete MPI requests, or poll a callable until it returns True (no deadline: callers run
     under the backend's watchdog entry)."""
@@ -616,10 +629,13 @@ class NodeAllReduce:
         self.slot_bytes = BUFFERS * chunk_bytes
         self.mode = "copy" if peers is None else "cma"
         size = comm.Get_size()
-        self._members = list(members) if members is not None else list(range(size))
+        members = list(members) if members is not None else list(range(size))
         # group ranks of the local ranks (by local rank), and of the cross ranks (by cross rank)
         self._local_group = [int(r) for r in node.allgather(comm.Get_rank())]
         self._node_pids = [int(p) for p in node.allgather(os.getpid())]
+        # world ranks of the local ranks (by local rank), and this rank's (RankFailure)
+        self._local_ranks = [members[g] for g in self._local_group]
+        self._rank = members[comm.Get_rank()]
         self._cross_group = ([comm.Get_rank()] if cross is None else
                              [int(r) for r in cross.allgather(comm.Get_rank())])
         self._arena = None if mm is None else np.frombuffer(mm, np.uint8)
@@ -648,7 +664,7 @@ class NodeAllReduce:
                                              tuple(op for op, _ in _UFUNCS),
                                              peers[1] if peers is not None else None)
                             if compiled else None)
-        self._queue = collections.deque()  # nonblocking cross-memory all_reduces, launch order
+        self._queue = collections.deque()  # nonblocking mailbox and cross-memory all_reduces
         if peers is not None:
             self._reader, self._pids = peers
             self._tmp = np.zeros(chunk_bytes, np.uint8)  # touched once, reused
@@ -795,13 +811,10 @@ class NodeAllReduce:
         wait(self._watched(poll))
 
     def _watched(self, poll):
-        members = self._members
-        return watch_peers(poll, self._node_pids, [members[g] for g in self._local_group],
-                           members[self.comm.Get_rank()])
+        return watch_peers(poll, self._node_pids, self._local_ranks, self._rank)
 
     def _peer_error(self, op, exc):
-        return peer_failure(op, exc, self._pids, [self._members[g] for g in self._local_group],
-                            self._members[self.comm.Get_rank()])
+        return peer_failure(op, exc, self._pids, self._local_ranks, self._rank)
 
     # -- all_reduce -------------------------------------------------------------------------
     def small_all_reduce(self, x, mpi_op, wait=_wait_all):
@@ -812,6 +825,7 @@ class NodeAllReduce:
         (a rank can be at most one call ahead of a peer, whose slot of the previous call it then
         no longer reads). Same contract as all_reduce; the caller checks
         `x.nbytes <= small_bytes` and supports() (both the same on every rank)."""
+        self._drain(wait)
         if self.mailbox is not None:  # compiled: post, spin and reduce in one call (_mailbox.c)
             call = self.mailbox.all_reduce(x, mpi_op, SPIN_NS)
             if call:
@@ -940,64 +954,102 @@ class NodeAllReduce:
 
     # -- nonblocking all_reduce --------------------------------------------------------------
     def supports_nonblocking(self, x, mpi_op):
-        """Whether start_all_reduce(x, mpi_op) runs here: one node with the compiled cross-memory
-        call (Mailbox.cross), x supported and of a dtype it folds. Local; the same answer on
-        every rank for the same call."""
-        return (self.mailbox is not None and self.mode == "cma" and self.supports(x, mpi_op)
-                and x.dtype.isnative and x.dtype.char in _FOLD_CHARS)
+        """Whether start_all_reduce(x, mpi_op) runs here: the compiled mailbox (_mailbox.c), x
+        supported and of a dtype it folds, and x of the mailbox's size (small_bytes at most) or
+        of the cross-memory call's (from all_reduce_from, mode "cma"): the sizes whose blocking
+        all_reduce takes those paths. Local; the same answer on every rank for the same call."""
+        return (self.supports(x, mpi_op) and x.dtype.isnative and x.dtype.char in _FOLD_CHARS
+                and self.queues(x.nbytes))
+
+    def queues(self, nbytes):
+        """Whether a nonblocking all_reduce of `nbytes` takes start_all_reduce, for an array and
+        op it supports (supports_nonblocking's size condition). Local, the same on every rank."""
+        return self.mailbox is not None and (
+            nbytes <= self.small_bytes or (self.mode == "cma" and nbytes >= self.all_reduce_from))
 
     def start_all_reduce(self, x, mpi_op):
-        """Start the cross-memory all_reduce of `x` without waiting (the caller checked
-        supports_nonblocking); returns poll() -> bool, True once x holds the result. Every rank
-        must start the same calls in the same order (as for MPI's nonblocking collectives); x
-        must not be read or written until poll() is True.
+        """Start the all_reduce of `x` without waiting (the caller checked supports_nonblocking):
+        through the mailbox up to small_bytes, else the cross-memory call. Returns poll() ->
+        bool, True once x holds the result. Every rank must start the same calls in the same
+        order (as for MPI's nonblocking collectives); x must not be read or written until poll()
+        is True.
 
         The calls queue in launch order, and only the head is in flight (the flag lines hold one
-        call's addresses). progress() advances the queue as far as it can without waiting: poll()
+        call's addresses; a mailbox slot is rewritten two calls later, once every peer has
+        reduced it). progress() advances the queue as far as it can without waiting: poll()
         runs it, every rtxmpi wait of this process runs it between its polls (monitor.PROGRESS,
         so a rank waiting for a peer elsewhere still serves this transfer, as MPI's progress
-        engine does), and every blocking cross-memory call first drains the queue. A peer
-        transfer that fails raises RankFailure (CollectiveError) from whichever call ran
+        engine does), and every blocking mailbox or cross-memory call first drains the queue. A
+        peer transfer that fails raises RankFailure (CollectiveError) from whichever call ran
         progress(), and every queued call fails with it: their poll() raises it too. So does a
         local peer found dead while a poll() waits (the queue can never complete)."""
-        self._cma_calls += 1
-        entry = [x, mpi_op, self._cma_calls, None, False]  # array, op, call, status, outcome
+        small = x.nbytes <= self.small_bytes
+        if small:  # numbered by the mailbox when posted: now (a short spin, START_SPIN_NS), when
+            # nothing is queued before it
+            call = self.mailbox.all_reduce(x, mpi_op, START_SPIN_NS) if not self._queue else None
+            if call == 0:  # every peer had posted it: reduced already
+                return _finished
+        else:
+            self._cma_calls += 1
+            call = self._cma_calls
+        entry = [x, mpi_op, call, None, False, small]  # array, op, call, status, outcome, mailbox
+        polls = 0
 
         def poll():  # outcome: False (queued), True (done) or the error that ended the queue
+            nonlocal polls
             if entry[4] is False:
                 self.progress()
             if entry[4] is True:
                 return True
             if entry[4] is not False:
                 raise entry[4]
+            polls += 1
+            if polls % LIVENESS_POLLS == 0:  # as watch_peers; a dead peer ends the queue
+                try:
+                    check_alive(self._node_pids, self._local_ranks, self._rank)
+                except RankFailure as exc:
+                    self._fail(exc)
+                    raise
             return False
 
         self._queue.append(entry)
         if len(self._queue) == 1:
             monitor.PROGRESS.append(self.progress)
         self.progress()
-        return self._failing(self._watched(poll))
+        return poll
 
     def progress(self):
         """Advance the queued nonblocking all_reduces in launch order as far as possible without
-        waiting (Mailbox.cross with no spin: 1, a peer has not arrived; 2, this rank's segment is
-        reduced and pushed, a peer is not done). Local; raises RankFailure when a transfer with
-        a local peer fails (CollectiveError for another failure), and every queued call then
-        fails with it (_fail)."""
+        waiting. A mailbox call is posted (Mailbox.all_reduce with no spin: 0, done; else its
+        call number) and then finished once every peer has posted it. A cross-memory call runs
+        Mailbox.cross with no spin (1: a peer has not arrived; 2: this rank's segment is reduced
+        and pushed, a peer is not done). Local; raises RankFailure when a transfer with a local
+        peer fails (CollectiveError for another failure), and every queued call then fails with
+        it (_fail)."""
         queue, mailbox = self._queue, self.mailbox
         while queue:
             entry = queue[0]
-            x, mpi_op, call, status, _ = entry
-            if status != 2:
-                status = entry[3] = mailbox.cross(x, mpi_op, call, self._tmp, 0, status == 1)
-                if type(status) is tuple:
-                    error = self._peer_error("all_reduce", PeerAccessError(*status))
-                    self._fail(error)
-                    raise error
-                if status == 1:
+            x, mpi_op, call, status, _, small = entry
+            if small:
+                if call is None:
+                    call = entry[2] = mailbox.all_reduce(x, mpi_op, 0)
+                    if call:
+                        return
+                elif mailbox.arrived(call):
+                    mailbox.finish(x, mpi_op, call)
+                else:
                     return
-            if status == 2 and not mailbox.cross_reached(3, call):
-                return
+            else:
+                if status != 2:
+                    status = entry[3] = mailbox.cross(x, mpi_op, call, self._tmp, 0, status == 1)
+                    if type(status) is tuple:
+                        error = self._peer_error("all_reduce", PeerAccessError(*status))
+                        self._fail(error)
+                        raise error
+                    if status == 1:
+                        return
+                if status == 2 and not mailbox.cross_reached(3, call):
+                    return
             entry[4] = True
             entry[0] = None  # the array: no longer held here
             queue.popleft()
@@ -1028,8 +1080,8 @@ class NodeAllReduce:
             monitor.PROGRESS.remove(self.progress)
 
     def _drain(self, wait):
-        """Before a blocking cross-memory call: finish the queued nonblocking ones (they hold
-        the lower call numbers), waiting through `wait` (the caller's deadline)."""
+        """Before a blocking mailbox or cross-memory call: finish the queued nonblocking ones
+        (they take the lower call numbers), waiting through `wait` (the caller's deadline)."""
         if self._queue:
             wait(self._failing(self._watched(lambda: self.progress() or not self._queue)))
 

@@ -1,5 +1,7 @@
 """`Work`: the handle of an asynchronous collective (Horovod / torch.distributed style)."""
 
+SPIN_POLLS = 64  # polls of a shared-memory completion in wait() before the deadline-aware wait
+
 
 class Work:
     """Handle of a collective started with `async_op=True`.
@@ -43,6 +45,11 @@ class Work:
     def wait(self, timeout_s=None):
         """Block until done; return the result. Raises CollectiveTimeout past the deadline."""
         if not self._done:
+            requests = self._requests
+            if callable(requests):  # a shared-memory poll: the peers are usually microseconds away
+                for _ in range(SPIN_POLLS):
+                    if requests():
+                        return self._complete()
             self.group.backend.wait(
                 self._requests, op=self.op, seq=self.seq,
                 timeout_s=self.group.timeout_s if timeout_s is None else float(timeout_s))

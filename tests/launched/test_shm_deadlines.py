@@ -2,7 +2,7 @@
 
 The path is forced for every size (RTXMPI_SHM_MIN_BYTES=0, 4 KiB chunks), so the all_reduce that
 a rank misses, or arrives late to, is one the shared-memory (or, at 4 ranks with pretend nodes of
-2, the hierarchical) path would run, blocking or (queued cross-memory path) async_op=True. Every
+2, the hierarchical) path would run, blocking or (queued path) async_op=True. Every
 test asserts the runtime fired first, not the outer timeout; bad RTXMPI_SHM* settings are refused
 on every rank.
 """
@@ -35,7 +35,7 @@ if world.rank in {late}:
 start = time.monotonic()
 y = np.full(50_000, 1.0, np.float32)
 try:
-    if {async_op}:  # the queued cross-memory path: launched, then waited for
+    if {async_op}:  # the queued cross-memory (or mailbox) path: launched, then waited for
         work = world.all_reduce(y, async_op=True)
         print(f"QUEUED rank={{world.rank}} pending={{len(engine._queue)}}", flush=True)
         work.wait()
@@ -61,8 +61,9 @@ def engines(launch):
 
 @pytest.mark.parametrize("check,env,async_op", [(True, SHM_ENV, False), (False, SHM_ENV, False),
                                                 (False, MAILBOX_ENV, False),
-                                                (False, SHM_ENV, True)],
-                         ids=["checking", "unchecked", "mailbox", "async-queued"])
+                                                (False, SHM_ENV, True), (False, MAILBOX_ENV, True)],
+                         ids=["checking", "unchecked", "mailbox", "async-queued",
+                              "async-mailbox"])
 def test_missing_rank_times_out_on_the_other_rank(run_mpi, check, env, async_op):
     launch = run_mpi(job(check=check, late=[1], sleep_s=60, async_op=async_op), n=2, **env)
     if async_op:  # rank 0 launched and found rank 1 missing: its call waits in the queue

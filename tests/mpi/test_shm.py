@@ -296,22 +296,34 @@ def queued(group):
     return seen
 
 
-def test_async_all_reduces_in_flight_complete_in_any_wait_order(world):
+@pytest.mark.parametrize("paths", ["cross-memory", "default"])
+def test_async_all_reduces_in_flight_complete_in_any_wait_order(world, paths):
     """Several nonblocking all_reduces in flight (sizes on both sides of the mailbox, dtypes the
     compiled fold has and float16, which it has not), waited for in reverse order or polled
-    with test(), with blocking all_reduce, reduce_scatter and all_gather between launches and
-    waits (each drains the queue first): every result exact, the queue empty at the end."""
-    group = forced_group(world, False)
+    with test(), with blocking all_reduces (mailbox and cross-memory sizes), reduce_scatter
+    and all_gather between launches and waits (each drains the queue first): every result
+    exact, the queue empty at the end. paths: every size through the cross-memory call, or the
+    defaults (the mailbox up to 32 KiB, so 17 int32 and 3000 float16 queue as mailbox calls
+    between cross-memory ones)."""
+    if paths == "default":
+        group = group_with(world)
+        group.all_reduce(np.zeros(1, np.float32))  # builds the engine
+    else:
+        group = forced_group(world, False)
     seen = queued(group)
     try:
         for trial in range(3):
             specs = [(100_000, "float32", "sum"), (17, "int32", "max"), (3000, "float16", "sum"),
-                     (70_001, "float64", "min"), (5000, "int64", "prod")]
+                     (70_001, "float64", "min"), (5000, "int64", "prod"), (33, "float64", "avg")]
             pending = []
             for k, (n, dtype, op) in enumerate(specs):
                 x, expected = inputs(group, n, dtype, op, salt=10 * trial + k)
                 pending.append((x, expected, group.all_reduce(x, op=op, async_op=True)))
             if trial == 1:
+                if group.rank == 0:  # the others reach the blocking call with calls queued
+                    time.sleep(0.02)
+                y, want = inputs(group, 10, "int64", "max", salt=97)
+                assert_exact(group.all_reduce(y, op="max"), want)
                 y, want = inputs(group, 40_000, "float32", "sum", salt=99)
                 assert_exact(group.all_reduce(y), want)
                 z, want = inputs(group, 4096 * group.world_size, "int32", "sum", salt=98)
@@ -327,7 +339,9 @@ def test_async_all_reduces_in_flight_complete_in_any_wait_order(world):
                     assert_exact(work.wait(), expected)
                 assert_exact(x, expected)
         if seen is not None:  # float16 widens to float32 (the general path): queued too
-            assert len(seen) == 15 and 17 in seen
+            assert len(seen) == 18 and 17 in seen
+            if paths == "default":  # 17 int32, 3000 float16 (as float32), 33 float64: the mailbox
+                assert group.backend._shm.small_bytes >= 3000 * 4
             assert not group.backend._shm._queue
             assert group.backend._shm.progress not in shm.monitor.PROGRESS
     finally:

@@ -183,11 +183,14 @@ def test_cross_memory_fold_of_any_dtype_the_engine_supports(dtype):
 
 
 class _Cross:
-    """Stand-in for the compiled Mailbox's cross-memory calls: cross() returns the scripted
-    statuses, then 1 (a peer has not arrived) for ever."""
+    """Stand-in for the compiled Mailbox: cross() returns the scripted statuses, then 1 (a peer
+    has not arrived) for ever; all_reduce() posts a mailbox call (numbered 1, 2, ...; done at
+    once, 0, when `done_at_post`), arrived(call) is True for the calls in `arrived_calls`, and
+    finish() records the calls it reduced."""
 
     def __init__(self):
         self.statuses = []
+        self.posted, self.finished, self.arrived_calls, self.done_at_post = [], [], set(), False
 
     def cross(self, x, op, call, tmp, spin_ns, resume):
         return self.statuses.pop(0) if self.statuses else 1
@@ -195,10 +198,15 @@ class _Cross:
     def cross_reached(self, column, call):
         return False
 
+    def all_reduce(self, x, op, spin_ns):
+        self.posted.append(len(self.posted) + 1)
+        return 0 if self.done_at_post else self.posted[-1]
 
-class _Comm:
-    def Get_rank(self):
-        return 0
+    def arrived(self, call):
+        return call in self.arrived_calls
+
+    def finish(self, x, op, call):
+        self.finished.append(call)
 
 
 @pytest.fixture
@@ -214,7 +222,8 @@ def queue_engine():
     engine = object.__new__(shm.NodeAllReduce)
     engine.mailbox, engine._queue, engine._cma_calls = _Cross(), collections.deque(), 0
     engine._tmp = np.zeros(64, np.uint8)
-    engine._members, engine._local_group, engine.comm = [0, 5], [0, 1], _Comm()
+    engine.small_bytes = -1  # no mailbox sizes: every call is a cross-memory one
+    engine._local_ranks, engine._rank = [0, 5], 0
     engine.peer = lambda pid: setattr(engine, "_pids", [0, pid]) or setattr(
         engine, "_node_pids", [0, pid])
     yield engine
@@ -303,3 +312,30 @@ def test_closing_the_engine_fails_its_queued_all_reduces(queue_engine):
     assert engine.progress not in shm.monitor.PROGRESS and not engine._queue
     with pytest.raises(CollectiveError, match="closed with 1 nonblocking"):
         poll()
+
+
+def test_a_mailbox_call_queued_behind_a_cross_memory_call_posts_when_that_completes(queue_engine):
+    """Nonblocking all_reduces of the mailbox's sizes share the queue: one launched behind a
+    pending cross-memory call is not posted (its mailbox call number would then differ between
+    ranks that had and had not completed the head); it posts once the head completes and
+    finishes once every peer has posted. With nothing queued, a call whose peers had all posted
+    completes as it starts, and leaves nothing in the queue."""
+    import os
+
+    import numpy as np
+
+    engine = queue_engine
+    engine.peer(os.getppid())
+    engine.small_bytes = 64  # up to 16 float32: the mailbox
+    box = engine.mailbox
+    big = engine.start_all_reduce(np.ones(100, np.float32), None)
+    small = engine.start_all_reduce(np.ones(8, np.float32), None)
+    assert big() is False and small() is False and box.posted == []
+    box.statuses = [0]  # the cross-memory call completes at the next progress()
+    assert big() is True and small() is False and box.posted == [1] and box.finished == []
+    box.arrived_calls.add(1)
+    assert small() is True and box.finished == [1]
+    assert not engine._queue and engine.progress not in shm.monitor.PROGRESS
+    box.done_at_post = True
+    done = engine.start_all_reduce(np.ones(8, np.float32), None)
+    assert done() is True and box.posted == [1, 2] and not engine._queue
