@@ -78,10 +78,10 @@ all_reduce up to `small_bytes` on a group whose ranks all share one node takes t
 cross-memory path (or the arena); in between, and for groups with one rank per node, MPI's
 algorithms. all_reduce_from is `min_bytes` (default DEFAULT_MIN_BYTES), or, when that is not set
 and the compiled cross-memory call runs (one node), just above the mailbox and CROSS_SMALL_BYTES
-(the mailbox then stops there by default). Nonblocking all_reduce from the same size on one node
-with the compiled call takes the queued cross-memory path (start_all_reduce); other nonblocking
-calls take MPI's. reduce_scatter takes the cross-memory path from `min_bytes`, all_gather from 16
-times it.
+(the mailbox then stops there by default). Nonblocking all_reduce on one node with the compiled
+mailbox takes the queue (start_all_reduce) at the mailbox's sizes and, in mode "cma", from
+all_reduce_from; other nonblocking calls take MPI's. reduce_scatter takes the cross-memory path
+from `min_bytes`, all_gather from 16 times it.
 Configuration, read on rank 0 by `configure()` at `rtxmpi.init()` and used on every rank:
 `RTXMPI_SHM=0` turns every path off; `RTXMPI_SHM_CMA=0` forces the arena mode;
 `RTXMPI_SHM_MIN_BYTES` (default: see Selection); `RTXMPI_SHM_SMALL_BYTES` (default
