@@ -4,7 +4,7 @@
  * Layout of the mailbox mapping (owned and described by shm.py): per local rank j, a region of
  * `region` bytes at j * region: a 64-byte flag line (int64 [0] the mailbox call number; for the
  * cross-memory all_reduce, [1] its arrival call, [2] this call's array address, [3] its done
- * call), then two slots of `slot_bytes` (call parity 0 and 1).
+ * call, [4]-[6] its shared region, [7] its bytes, type and op), then two slots of `slot_bytes` (call parity 0 and 1).
  *
  * all_reduce(x, op, spin_ns): number this call (1, 2, ...), copy x into this rank's slot of the
  * call's parity, store the flag with release order, and spin (acquire loads) until every local
@@ -688,6 +688,18 @@ static void fold_direct(char *base, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t ite
     }
 }
 
+/* Flag line int64 [7] of a cross-memory call: its array's bytes, type and op, which every local
+ * rank must share; arrays of different sizes would send a transfer past the end of one. */
+#define CALL_KEY(len, type, op) (((int64_t)(len) << 6) | ((int64_t)(type) << 2) | (int64_t)(op))
+
+/* Every local rank published the same key (after every peer's arrival flag was read). */
+static int same_call(Mailbox *b) {
+    int64_t key = __atomic_load_n(flag_of(b, b->local_rank) + 7, __ATOMIC_RELAXED);
+    for (int j = 0; j < b->local_size; j++)
+        if (__atomic_load_n(flag_of(b, j) + 7, __ATOMIC_RELAXED) != key) return 0;
+    return 1;
+}
+
 /* cross(x, op, call, tmp, spin_ns, resume): the whole cross-memory all_reduce of shm.py (one
  * node, every local rank's pid given at construction) in one call. Publish x's address in flag
  * line int64 [2] and raise [1] to `call` (unless resume), spin up to spin_ns until every peer has;
@@ -696,7 +708,8 @@ static void fold_direct(char *base, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t ite
  * raise [3] to `call` and spin up to spin_ns until every peer has (no rank returns while a peer
  * still reads or writes its array). Returns 0 (done), 1 (a peer has not arrived: wait on
  * cross_reached(1, call), then call again with resume=True), 2 (folded; a peer is not done:
- * wait on cross_reached(3, call)) or the (errno, pid, what) tuple of a failed transfer. */
+ * wait on cross_reached(3, call)), 3 (the ranks' arrays differ in bytes, dtype or op: nothing
+ * moved, on every rank; keys() says how) or the (errno, pid, what) tuple of a failed transfer. */
 static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError, "cross(x, op, call, tmp, spin_ns, resume)");
@@ -726,8 +739,9 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
     }
     int me = b->local_rank, n = b->local_size;
     int64_t *mine = flag_of(b, me);
-    if (!resume) {  /* [4] region fd (-1: none), [5] offset in it, [6] its inode */
+    if (!resume) {  /* [4] region fd (-1: none), [5] offset in it, [6] its inode, [7] the call */
         const Region *reg = region_of((uintptr_t)a.view.buf, a.view.len);
+        __atomic_store_n(mine + 7, CALL_KEY(a.view.len, a.type, op), __ATOMIC_RELAXED);
         __atomic_store_n(mine + 2, (int64_t)(uintptr_t)a.view.buf, __ATOMIC_RELAXED);
         __atomic_store_n(mine + 4, reg ? reg->fd : -1, __ATOMIC_RELAXED);
         __atomic_store_n(mine + 5, reg ? (int64_t)((uintptr_t)a.view.buf - reg->start) : 0,
@@ -739,6 +753,8 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
     Failure f = {0, 0, 0};
     if (!spin_until(b, 1, call, spin_ns)) {
         status = 1;
+    } else if (!same_call(b)) {
+        status = 3;  /* every rank sees every key: each returns 3, and nothing was moved */
     } else {
         /* the same choice on every rank: every rank's published region, or the system calls */
         int direct = 1;
@@ -786,6 +802,26 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
     return PyLong_FromLong(status);
 }
 
+static PyObject *Mailbox_keys(Mailbox *b, PyObject *unused) {
+    (void)unused;
+    if (!b->open) {
+        PyErr_SetString(PyExc_ValueError, "mailbox is closed");
+        return NULL;
+    }
+    PyObject *out = PyTuple_New(b->local_size);
+    for (int j = 0; out != NULL && j < b->local_size; j++) {
+        int64_t key = __atomic_load_n(flag_of(b, j) + 7, __ATOMIC_RELAXED);
+        PyObject *item = Py_BuildValue("(Lii)", (long long)(key >> 6), (int)((key >> 2) & 15),
+                                       (int)(key & 3));
+        if (item == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyTuple_SET_ITEM(out, j, item);
+    }
+    return out;
+}
+
 static PyObject *Mailbox_cross_reached(Mailbox *b, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "cross_reached(column, call)");
@@ -830,6 +866,8 @@ static PyMethodDef Mailbox_methods[] = {
     {"cross_reached", (PyCFunction)(void (*)(void))Mailbox_cross_reached, METH_FASTCALL,
      "cross_reached(column, call) -> bool: every local rank's cross-memory arrival (column 1) or "
      "done (3) flag has reached `call`."},
+    {"keys", (PyCFunction)Mailbox_keys, METH_NOARGS,
+     "keys() -> ((bytes, type, op), ...): what each local rank's last cross() call published."},
     {"direct_calls", (PyCFunction)Mailbox_direct_calls, METH_NOARGS,
      "direct_calls() -> int: cross() calls that folded straight from the peers' shared regions."},
     {"close", (PyCFunction)Mailbox_close, METH_NOARGS,

@@ -233,7 +233,9 @@ class ProcessGroup:
         bool, sum and max are logical or, min and prod logical and; "avg" needs a floating dtype.
         Returns x (or a Work whose wait() returns x). stream: CUDA stream for cupy arrays (None =
         current). Collective: every rank of the group must call, in the same order.
-        Raises CollectiveMismatch (checking mode), CollectiveTimeout, TypeError (dtype/op).
+        Raises CollectiveMismatch (checking mode; with checking off too, for arrays of
+        different sizes on the cross-memory path), CollectiveTimeout, TypeError (dtype, or "avg"
+        on an integer dtype), ValueError (unknown op, read-only x).
         """
         if type(x) is np.ndarray and type(op) is str and not self.check:
             mpi_op = _DIRECT_REDUCE.get(op, _NONE).get(x.dtype)

@@ -8,8 +8,8 @@ answer questions from peers while it waits. Past the deadline, the waiting rank:
 2. listens for a short probe window (min(timeout_s, 2 s)) while still answering its own queries;
    a peer that is itself waiting in rtxmpi answers with (group, seq, op) of its wait; a peer that is
    computing, sleeping or dead does not answer;
-3. classifies each member: arrived (waiting in the same group and sequence number), elsewhere (in
-   another collective), or silent; then sends a NOTICE with the diagnosis to every member and raises
+3. classifies each member: arrived (waiting in the same group, sequence number and op),
+   elsewhere (in another collective), or silent; then sends a NOTICE with the diagnosis to every member and raises
    `CollectiveTimeout`. Any rank that receives a NOTICE while waiting raises the same error, so every
    rank that reaches rtxmpi raises within the timeout plus the probe window (< 3x the timeout).
 
@@ -156,9 +156,11 @@ class Monitor:
             if reply is None:
                 missing.append(m)
                 notes.append(f"rank {m}: no answer (computing, blocked outside rtxmpi, or dead)")
-            elif reply[0] != group or reply[1] != seq:
+            elif reply[0] != group or reply[1] != seq or reply[2] != op:
                 missing.append(m)
-                notes.append(f"rank {m}: waiting in {reply[2]} #{reply[1]} on group '{reply[0]}'")
+                notes.append(f"rank {m}: waiting in {reply[2]} #{reply[1]} on group '{reply[0]}'"
+                             + (" (a different collective at the same position: the ranks' "
+                                "programs diverge)" if reply[:2] == (group, seq) else ""))
         text = (f"{op} #{seq} on group '{group}' did not complete within "
                 f"{timeout_s:g} s; ranks that did not arrive: {missing}"
                 + (" (" + "; ".join(notes) + ")" if notes else ""))

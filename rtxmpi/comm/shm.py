@@ -105,7 +105,7 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import CollectiveError, ConfigError, RankFailure
+from ..errors import CollectiveError, CollectiveMismatch, ConfigError, RankFailure
 from . import monitor
 from .failure import ulfm_enabled
 
@@ -584,8 +584,9 @@ def _wait_all(requests):
 
 
 def describe(backend, size=str):
-    """One line on what the blocking all_reduce of an MPI backend's group runs, after its first
-    all_reduce built the engine (rtxmpi info, bench/collectives.py). size(n): bytes as text."""
+    """One line on what the all_reduce of an MPI backend's group runs (blocking, then
+    async_op=True), after its first blocking all_reduce built the engine (rtxmpi info,
+    bench/collectives.py). size(n): bytes as text."""
     config, engine = backend.shm_config, backend._shm
     if not config.enabled:
         return "off (RTXMPI_SHM=0): MPI at every size"
@@ -601,7 +602,9 @@ def describe(backend, size=str):
     shared = ("shared_zeros arrays folded from the peers' memory" if engine.mailbox is not None
               and engine.mode == "cma" else f"shared_zeros arrays as plain memory "
               f"({engine.mailbox_off or 'no cross-memory access'})")
-    return (f"{mailbox}; {larger}; {shared}; "
+    queued = ("async_op=True: queued on the same paths" if engine.mailbox is not None
+              else f"async_op=True: MPI's Iallreduce ({engine.mailbox_off or 'no compiled mailbox'})")
+    return (f"{mailbox}; {larger}; {shared}; {queued}; "
             f"chunk {size(config.chunk_bytes)}; {engine.local_size} local ranks x "
             f"{engine.nodes} node(s); RTXMPI_SHM=0 turns it off")
 
@@ -635,6 +638,7 @@ class NodeAllReduce:
         self._node_pids = [int(p) for p in node.allgather(os.getpid())]
         # world ranks of the local ranks (by local rank), and this rank's (RankFailure)
         self._local_ranks = [members[g] for g in self._local_group]
+        self._group_ranks = members
         self._rank = members[comm.Get_rank()]
         self._cross_group = ([comm.Get_rank()] if cross is None else
                              [int(r) for r in cross.allgather(comm.Get_rank())])
@@ -668,8 +672,8 @@ class NodeAllReduce:
         if peers is not None:
             self._reader, self._pids = peers
             self._tmp = np.zeros(chunk_bytes, np.uint8)  # touched once, reused
-            self._my_addr = np.zeros(1, np.int64)
-            self._addrs = np.zeros(size, np.int64)
+            self._my_addr = np.zeros(2, np.int64)  # (address, key) of this call's array
+            self._addrs = np.zeros((size, 2), np.int64)
 
     @classmethod
     def create(cls, comm, config, members=None):
@@ -766,20 +770,28 @@ class NodeAllReduce:
         flag lines (see __init__): this rank publishes its address, then raises its arrival flag,
         and polls the peers' flags (the deadline-aware `wait` after a short spin); a peer cannot
         start its next call, and overwrite its address, before this rank has finished (`_done`).
-        Otherwise one all_gather of one int64 over the group."""
+        Otherwise one all_gather of two int64 over the group. Each rank publishes its array's
+        size and dtype with the address; CollectiveMismatch on every local rank when they
+        differ (checking off: a larger peer array would send transfers past the end of x)."""
         self._drain(wait)
         me, pids = self.local_rank, self._pids
         lines = self._lines if TSO else None
+        key = x.nbytes * 64 + _FOLD_CHARS.find(x.dtype.char) + 1  # what every rank must share
         if lines is None:
-            self._my_addr[0] = x.ctypes.data
+            self._my_addr[:] = x.ctypes.data, key
             wait([self.comm.Iallgather(self._my_addr, self._addrs)])
-            addrs = self._addrs
-            return [(pids[j], int(addrs[g])) for j, g in enumerate(self._local_group) if j != me]
-        self._cma_calls += 1
-        lines[me, 2] = x.ctypes.data
-        lines[me, 1] = self._cma_calls
-        self._await(1, wait)
-        return [(pids[j], int(lines[j, 2])) for j in range(self.local_size) if j != me]
+            keys, ranks = self._addrs[:, 1], self._group_ranks  # every rank of the group
+            table = self._addrs[self._local_group]  # (address, key) by local rank
+        else:
+            self._cma_calls += 1
+            lines[me, 2], lines[me, 7] = x.ctypes.data, key
+            lines[me, 1] = self._cma_calls
+            self._await(1, wait)
+            table = lines[:, [2, 7]]
+            keys, ranks = table[:, 1], self._local_ranks
+        if (keys != key).any():  # every rank sees every key: each raises, before any transfer
+            raise self._mismatch(ranks, [int(k) // 64 for k in keys])
+        return [(pids[j], int(table[j, 0])) for j in range(self.local_size) if j != me]
 
     def _done(self, wait):
         """The closing node barrier of a cross-memory call: no rank returns while a peer still
@@ -815,6 +827,16 @@ class NodeAllReduce:
 
     def _peer_error(self, op, exc):
         return peer_failure(op, exc, self._pids, self._local_ranks, self._rank)
+
+    def _mismatch(self, ranks, nbytes):
+        """The error when the ranks' arrays for one cross-memory call differ (ranks: world
+        ranks; nbytes: each one's array size): raised on every rank, as each sees every rank's
+        published size, dtype (and op) before any transfer."""
+        sizes = ", ".join(f"rank {r}: {n} bytes" for r, n in zip(ranks, nbytes))
+        return CollectiveMismatch(
+            f"the ranks of one collective passed arrays of different sizes, dtypes or ops "
+            f"({sizes}); nothing was transferred. Run with checking on (RTXMPI_CHECK=1, or "
+            f"rtxmpi.init(check=True)) to see each rank's call [rank {self._rank}]")
 
     # -- all_reduce -------------------------------------------------------------------------
     def small_all_reduce(self, x, mpi_op, wait=_wait_all):
@@ -949,6 +971,8 @@ class NodeAllReduce:
             status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, True)
         if type(status) is tuple:
             raise self._peer_error("all_reduce", PeerAccessError(*status))
+        if status == 3:
+            raise self._mismatch(self._local_ranks, [key[0] for key in mailbox.keys()])
         if status == 2:
             wait(self._watched(lambda: mailbox.cross_reached(3, call)))
 
@@ -1042,8 +1066,11 @@ class NodeAllReduce:
             else:
                 if status != 2:
                     status = entry[3] = mailbox.cross(x, mpi_op, call, self._tmp, 0, status == 1)
-                    if type(status) is tuple:
-                        error = self._peer_error("all_reduce", PeerAccessError(*status))
+                    if type(status) is tuple or status == 3:
+                        error = (self._peer_error("all_reduce", PeerAccessError(*status))
+                                 if status != 3 else
+                                 self._mismatch(self._local_ranks,
+                                                [key[0] for key in mailbox.keys()]))
                         self._fail(error)
                         raise error
                     if status == 1:

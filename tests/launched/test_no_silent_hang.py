@@ -76,6 +76,22 @@ def test_all_reduce_with_a_missing_rank_times_out_on_every_other_rank(run_mpi, c
     assert_every_waiting_rank_timed_out(launch, waiting=[0], op="all_reduce", seq=2, missing=[1])
 
 
+def test_ranks_in_different_collectives_at_the_same_position_are_named(run_mpi):
+    """Checking off, rank 0 calls all_reduce #3 (the shared-memory mailbox, built by #2) while
+    rank 1 calls barrier #3: both answer the probe with the same group and sequence number, so
+    before, each rank raised with "ranks that did not arrive: []" and no word of the other op.
+    Now the other rank is named, with the collective it is in."""
+    call = ("world.all_reduce(np.ones(4)); "
+            "world.all_reduce(np.ones(4)) if world.rank == 0 else world.barrier()")
+    launch = run_mpi(missing_rank_job(call=call, missing=[], check=False), n=2)
+    assert not launch.outer_timeout and launch.returncode != 0, launch
+    reports = timeout_reports(launch)
+    assert sorted(reports) == [0, 1], launch
+    for rank, (elapsed_s, op, seq, missing, group, text) in reports.items():
+        assert seq == 3 and missing and "a different collective at the same position" in text, text
+        assert elapsed_s < 3 * TIMEOUT_S, text
+
+
 def test_barrier_with_two_missing_ranks_times_out_on_the_others(run_mpi):
     launch = run_mpi(missing_rank_job(call="world.barrier()", missing=[2, 3]), n=4)
     assert_every_waiting_rank_timed_out(launch, waiting=[0, 1], op="barrier", seq=2,

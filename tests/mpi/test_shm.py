@@ -390,6 +390,41 @@ def test_mismatched_shapes_raise_on_every_rank_and_group_stays_usable(
     assert_exact(group.all_reduce(y), expected)
 
 
+@pytest.mark.parametrize("paths", ["compiled", "python"])
+@pytest.mark.parametrize("async_op", [False, True])
+def test_unchecked_size_mismatch_on_the_cross_memory_path_raises_and_moves_nothing(
+        world, assert_raised_on_every_rank, paths, async_op):
+    """Checking off, rank r passes 20000 + 8000 r float32 (all above the mailbox): before, the
+    ranks with the larger arrays wrote past the end of the smaller ones (a peer's memory
+    silently overwritten, no error). Each rank publishes its array's size with its address, so
+    every rank raises CollectiveMismatch naming the sizes, no byte past any array changes, and
+    the group stays usable. paths: the compiled one-call path (Mailbox.cross, blocking or
+    queued) or the Python one (flag lines, or an all_gather of addresses where the mailbox is
+    off)."""
+    group = forced_group(world, False, compiled=paths == "compiled")
+    if group.world_size == 1:
+        pytest.skip("needs two ranks to disagree")
+    engine = group.backend._shm
+    if async_op and not (engine and engine.queues(80_000)):
+        pytest.skip("no queued nonblocking path here")
+    n = 20_000 + 8_000 * group.rank
+    backing = np.full(n + 40_000, 7.0, np.float32)  # the guard: what follows x in memory
+    x = backing[:n]
+    x[:] = 1.0
+
+    def call():
+        if async_op:
+            group.all_reduce(x, async_op=True).wait()
+        else:
+            group.all_reduce(x)
+
+    error = assert_raised_on_every_rank(group, call, CollectiveMismatch)
+    assert "80000 bytes" in str(error) and "nothing was transferred" in str(error), error
+    assert (backing[n:] == 7.0).all() and (x == 1.0).all()
+    y, expected = inputs(group, 30_001, "float32", "sum")
+    assert_exact(group.all_reduce(y), expected)
+
+
 def test_groups_with_one_rank_per_node_use_mpi(world):
     group = forced_group(world, False, node_size=1)
     x, expected = inputs(group, 3000, "float32", "sum")
@@ -647,5 +682,7 @@ def test_info_says_which_all_reduce_paths_the_group_runs(world):
         assert text == "one rank: no transfer"
     elif mailbox_possible(group.world_size):
         assert text.startswith(f"mailbox (compiled) up to {mailbox_bytes(group.world_size)} bytes")
+        assert "async_op=True: queued on the same paths" in text, text
     else:
         assert text.startswith("no mailbox (more local ranks than cores)"), text
+        assert "async_op=True: MPI's Iallreduce (more local ranks than cores)" in text, text
