@@ -342,6 +342,17 @@ def ratio_target(verdicts, lines, key, peer, ratios, target, from_bytes):
                    f"{format_bytes(worst_size)})")
 
 
+def cma_kind(engine, size_bytes, shared):
+    """How the engine's cross-memory all_reduce moves `size_bytes`: "cma, shared" (folded from
+    the peers' shared_zeros memory), "bounce" (through the shared slots), "cma" (system calls),
+    or the arena's mode ("copy")."""
+    if engine.mode != "cma" or engine.mailbox is None:
+        return engine.mode
+    if shared:
+        return "cma, shared"
+    return "bounce" if size_bytes <= engine.bounce_bytes else "cma"
+
+
 def op_path(g, op, size_bytes, nonblocking=False, shared=False):
     """Which algorithm rtxmpi's `op` (blocking, or async_op=True; on shared_zeros buffers or not)
     ran for `size_bytes` (rtxmpi/comm/mpi.py)."""
@@ -355,12 +366,11 @@ def op_path(g, op, size_bytes, nonblocking=False, shared=False):
             return "MPI"
         if size_bytes <= engine.small_bytes:
             return "shm mailbox (queued)"
-        return f"shm (cma, queued{', shared' if shared else ''})"
+        return f"shm ({cma_kind(engine, size_bytes, shared)}, queued)"
     if op == "all_reduce":
         if size_bytes <= engine.small_bytes:
             return "shm mailbox"
-        direct = shared and engine.mailbox is not None and engine.mode == "cma"
-        return (f"shm ({engine.mode}{', shared' if direct else ''})"
+        return (f"shm ({cma_kind(engine, size_bytes, shared)})"
                 if size_bytes >= engine.all_reduce_from else "MPI")
     cma = engine.mode == "cma"
     if op == "reduce_scatter" and cma and size_bytes >= threshold:
@@ -401,7 +411,8 @@ def path_groups(world, max_bytes):
 
     mailbox = min(max_bytes, MAILBOX_MAX_BYTES)
     configs = {"mailbox": dict(min_bytes=shm.NEVER, small_bytes=mailbox),
-               "cross-memory": dict(min_bytes=0, small_bytes=0),
+               "bounce": dict(min_bytes=0, small_bytes=0, bounce_bytes=mailbox),
+               "cross-memory": dict(min_bytes=0, small_bytes=0, bounce_bytes=0),
                "MPI": dict(enabled=False)}
     groups = {}
     saved = shm.CONFIG
@@ -417,8 +428,8 @@ def path_groups(world, max_bytes):
 def measure_paths(world, comm, sizes, iters, dtype):
     """Interleaved: raw Allreduce and rtxmpi's all_reduce with each algorithm forced, on one plain
     numpy array; and the cross-memory path on an rtxmpi.shared_zeros array ("shared": folding
-    straight from the peers' memory) against the same raw column. The mailbox runs only up to
-    64 MiB (its shared buffers are twice the message per rank)."""
+    straight from the peers' memory) against the same raw column. The mailbox and the bounce
+    run only up to 64 MiB (their shared slots are one or two messages per rank)."""
     groups = path_groups(world, max(sizes))
     for group in groups.values():  # build each group's engine before timing
         group.all_reduce(np.zeros(1, dtype))
@@ -426,7 +437,8 @@ def measure_paths(world, comm, sizes, iters, dtype):
     for size in sizes:
         count = element_count("all_reduce", size, dtype.itemsize, comm.Get_size())
         x, shared = np.zeros(count, dtype), rtxmpi.shared_zeros(count, dtype)
-        names = ["raw"] + [name for name in groups if name != "mailbox" or size <= MAILBOX_MAX_BYTES]
+        names = ["raw"] + [name for name in groups
+                           if name not in ("mailbox", "bounce") or size <= MAILBOX_MAX_BYTES]
         calls = [(lambda: comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM))] + [
             (lambda g=groups[name]: g.all_reduce(x)) for name in names[1:]]
         names.append("shared")
@@ -438,7 +450,7 @@ def measure_paths(world, comm, sizes, iters, dtype):
 
 
 def paths_table(cells):
-    names = ["mailbox", "cross-memory", "MPI", "shared"]
+    names = ["mailbox", "bounce", "cross-memory", "MPI", "shared"]
     rows = []
     for c in cells:
         raw = c["impls"]["raw"]["median_us"]

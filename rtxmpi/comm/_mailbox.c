@@ -2,9 +2,10 @@
  * call, no MPI call, a few hundred nanoseconds of work for a small message.
  *
  * Layout of the mailbox mapping (owned and described by shm.py): per local rank j, a region of
- * `region` bytes at j * region: a 64-byte flag line (int64 [0] the mailbox call number; for the
+ * `region` bytes at j * region: a 128-byte flag line (int64 [0] the mailbox call number; for the
  * cross-memory all_reduce, [1] its arrival call, [2] this call's array address, [3] its done
- * call, [4]-[6] its shared region, [7] its bytes, type and op), then two slots of `slot_bytes` (call parity 0 and 1).
+ * call, [4]-[6] its shared region, [7] its bytes, type and op, [8] its bounce slot's call), then
+ * two slots of `slot_bytes` (call parity 0 and 1), then the bounce slot of `bounce_bytes`.
  *
  * all_reduce(x, op, spin_ns): number this call (1, 2, ...), copy x into this rank's slot of the
  * call's parity, store the flag with release order, and spin (acquire loads) until every local
@@ -70,7 +71,11 @@ typedef struct {
     char **peer_ptrs;       /* cross(): their arrays in those mappings, in the current call */
     uint64_t map_clock;     /* least-recently-used eviction of `maps` */
     int64_t direct_calls;   /* cross() calls that took the shared-region path */
+    Py_ssize_t bounce_bytes;  /* cross(): largest array that bounces through the slots below */
+    int64_t bounce_call;    /* cross(): the call in flight bounces (its number), else 0 */
 } Mailbox;
+
+#define LINE 128  /* a local rank's flag line: two cache lines of int64 columns */
 
 #define MAPS_PER_PEER 8
 
@@ -88,7 +93,12 @@ static inline int64_t *flag_of(Mailbox *b, int j) {
 }
 
 static inline char *slot_of(Mailbox *b, int j, int64_t call) {
-    return b->base + (Py_ssize_t)j * b->region + 64 + (call & 1) * b->slot_bytes;
+    return b->base + (Py_ssize_t)j * b->region + LINE + (call & 1) * b->slot_bytes;
+}
+
+/* Local rank j's bounce slot (bounce_bytes; after its two mailbox slots). */
+static inline char *bounce_of(Mailbox *b, int j) {
+    return b->base + (Py_ssize_t)j * b->region + LINE + 2 * b->slot_bytes;
 }
 
 /* Every other local rank's flag line has reached `call` in int64 `column` (0: mailbox posted,
@@ -338,24 +348,26 @@ static int set_peer_pids(pid_t **out, uintptr_t **addrs, PyObject *pids, int loc
 
 static int Mailbox_init(Mailbox *b, PyObject *args, PyObject *kwds) {
     static char *names[] = {"mapping", "local_size", "local_rank", "slot_bytes", "ops", "pids",
-                            NULL};
+                            "bounce_bytes", NULL};
     PyObject *mapping, *pids = Py_None;
     int local_size, local_rank;
-    Py_ssize_t slot_bytes;
+    Py_ssize_t slot_bytes, bounce_bytes = 0;
     PyObject *ops[4];
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oiin(OOOO)|O", names, &mapping, &local_size,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oiin(OOOO)|On", names, &mapping, &local_size,
                                      &local_rank, &slot_bytes, &ops[0], &ops[1], &ops[2], &ops[3],
-                                     &pids))
+                                     &pids, &bounce_bytes))
         return -1;
     if (b->open) {
         PyErr_SetString(PyExc_ValueError, "mailbox already initialized");
         return -1;
     }
     if (local_size < 2 || local_rank < 0 || local_rank >= local_size || slot_bytes < 0
-            || slot_bytes % 8 || slot_bytes > (PY_SSIZE_T_MAX / local_size - 64) / 2) {
+            || slot_bytes % 8 || bounce_bytes < 0 || bounce_bytes % 8
+            || slot_bytes > (PY_SSIZE_T_MAX / local_size - LINE) / 4
+            || bounce_bytes > (PY_SSIZE_T_MAX / local_size - LINE) / 2) {
         PyErr_SetString(PyExc_ValueError, "mailbox: bad layout (local_size >= 2, 0 <= local_rank "
-                                          "< local_size, slot_bytes a non-negative multiple of 8, "
-                                          "the mailbox's size a Py_ssize_t)");
+                                          "< local_size, slot_bytes and bounce_bytes non-negative "
+                                          "multiples of 8, the mailbox's size a Py_ssize_t)");
         return -1;
     }
     pid_t *peer_pids = NULL;
@@ -368,7 +380,7 @@ static int Mailbox_init(Mailbox *b, PyObject *args, PyObject *kwds) {
         PyMem_Free(peer_addrs);
         return -1;
     }
-    Py_ssize_t region = 64 + 2 * slot_bytes;
+    Py_ssize_t region = LINE + 2 * slot_bytes + bounce_bytes;
     if (b->map.len < region * local_size || ((uintptr_t)b->map.buf) % 64) {
         PyBuffer_Release(&b->map);
         PyErr_Format(PyExc_ValueError, "mailbox: mapping of %zd bytes is smaller than %d x %zd "
@@ -406,6 +418,8 @@ static int Mailbox_init(Mailbox *b, PyObject *args, PyObject *kwds) {
     b->base = b->map.buf;
     b->region = region;
     b->slot_bytes = slot_bytes;
+    b->bounce_bytes = bounce_bytes;
+    b->bounce_call = 0;
     b->local_size = local_size;
     b->local_rank = local_rank;
     return 0;
@@ -710,14 +724,82 @@ static int same_call(Mailbox *b) {
  * cross_reached(1, call), then call again with resume=True), 2 (folded; a peer is not done:
  * wait on cross_reached(3, call)), 3 (the ranks' arrays differ in bytes, dtype or op: nothing
  * moved, on every rank; keys() says how) or the (errno, pid, what) tuple of a failed transfer. */
+/* Elements [lo, hi) of rank j's segment of count elements over n ranks: floor(count * j / n). */
+static void segment(Py_ssize_t count, int n, int j, Py_ssize_t *lo, Py_ssize_t *hi) {
+    Py_ssize_t q = count / n, r = count % n;
+    *lo = q * j + r * j / n;
+    *hi = q * (j + 1) + r * (j + 1) / n;
+}
+
+/* The bounce's copy-in: every other rank's segment of x into this rank's bounce slot, at its
+ * offset in x. Without the GIL. */
+static void bounce_in(Mailbox *b, const char *x, Py_ssize_t count, Py_ssize_t itemsize) {
+    char *slot = bounce_of(b, b->local_rank);
+    for (int j = 0; j < b->local_size; j++) {
+        Py_ssize_t lo, hi;
+        segment(count, b->local_size, j, &lo, &hi);
+        if (j != b->local_rank) memcpy(slot + lo * itemsize, x + lo * itemsize, (hi - lo) * itemsize);
+    }
+}
+
+/* The bounce's fold: this rank's segment of x, own value first, then every peer's slot in rank
+ * order (the order of fold_loop and fold_direct: the same bits), in pieces of `step` elements,
+ * each copied into this rank's slot while in cache. Without the GIL. */
+static void bounce_fold(Mailbox *b, char *x, Py_ssize_t count, Py_ssize_t itemsize, int type,
+                        int op, Py_ssize_t step) {
+    int me = b->local_rank;
+    Py_ssize_t lo, hi;
+    segment(count, b->local_size, me, &lo, &hi);
+    for (Py_ssize_t start = lo; start < hi; start += step) {
+        Py_ssize_t stop = start + step < hi ? start + step : hi, off = start * itemsize;
+        for (int j = 0; j < b->local_size; j++)
+            if (j != me) fold(type, x + off, x + off, bounce_of(b, j) + off, stop - start, op);
+        memcpy(bounce_of(b, me) + off, x + off, (size_t)((stop - start) * itemsize));
+    }
+}
+
+/* The bounce's copy-out: every other rank's reduced segment from its slot into x. */
+static void bounce_out(Mailbox *b, char *x, Py_ssize_t count, Py_ssize_t itemsize) {
+    for (int j = 0; j < b->local_size; j++) {
+        Py_ssize_t lo, hi;
+        segment(count, b->local_size, j, &lo, &hi);
+        if (j != b->local_rank)
+            memcpy(x + lo * itemsize, bounce_of(b, j) + lo * itemsize, (hi - lo) * itemsize);
+    }
+}
+
+/* cross(x, op, call, tmp, spin_ns, stage): the whole cross-memory all_reduce of shm.py (one
+ * node, every local rank's pid given at construction) in one call. Stage 0: publish x's address,
+ * shared region and key in the flag line and raise [1] to `call`; then spin up to spin_ns until
+ * every peer has. After the arrival, this rank's segment [count * r / n, count * (r + 1) / n) of
+ * x is reduced by one of three algorithms, the same on every rank:
+ * - every rank's x in a registered shared region: folded straight from the peers' mappings,
+ *   written back into them ("direct");
+ * - else, x of bounce_bytes at most ("bounce": user-space copies through shared slots): each
+ *   rank copies the other ranks' segments of x into its bounce slot and raises [8]; once every
+ *   peer has, folds its segment from the peers' slots into x and its own slot, raises [3], and
+ *   once every peer has, copies the other segments out of the peers' slots into x;
+ * - else each piece read from every peer into tmp (process_vm_readv), folded into x, written
+ *   back into every peer's x (process_vm_writev).
+ * Then [3] is raised to `call`, and the call spins up to spin_ns until every peer has (no rank
+ * returns while a peer still reads or writes its array or slot). Returns 0 (done); 1: a peer has
+ * not arrived (wait on cross_reached(1, call), call again with stage 1); 4: bouncing, a peer's
+ * slot is not ready (wait on cross_reached(8, call), stage 2); 2: this rank's segment is done, a
+ * peer's is not (wait on cross_reached(3, call), stage 3); 3: the ranks' arrays differ in bytes,
+ * dtype or op (nothing moved, on every rank; keys() says how); or the (errno, pid, what) tuple of
+ * a failed transfer. */
 static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "cross(x, op, call, tmp, spin_ns, resume)");
+        PyErr_SetString(PyExc_TypeError, "cross(x, op, call, tmp, spin_ns, stage)");
         return NULL;
     }
     int64_t call = PyLong_AsLongLong(args[2]), spin_ns = PyLong_AsLongLong(args[4]);
-    int resume = PyObject_IsTrue(args[5]);
-    if (PyErr_Occurred() || resume < 0) return NULL;
+    long stage = PyLong_AsLong(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    if (stage < 0 || stage > 3) {
+        PyErr_Format(PyExc_ValueError, "mailbox: cross() stage %ld is none of 0-3", stage);
+        return NULL;
+    }
     if (b->peer_pids == NULL) {
         PyErr_SetString(PyExc_ValueError, "mailbox: cross() needs the local ranks' pids");
         return NULL;
@@ -739,7 +821,7 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
     }
     int me = b->local_rank, n = b->local_size;
     int64_t *mine = flag_of(b, me);
-    if (!resume) {  /* [4] region fd (-1: none), [5] offset in it, [6] its inode, [7] the call */
+    if (stage == 0) {  /* [4] region fd (-1: none), [5] offset in it, [6] its inode, [7] the call */
         const Region *reg = region_of((uintptr_t)a.view.buf, a.view.len);
         __atomic_store_n(mine + 7, CALL_KEY(a.view.len, a.type, op), __ATOMIC_RELAXED);
         __atomic_store_n(mine + 2, (int64_t)(uintptr_t)a.view.buf, __ATOMIC_RELAXED);
@@ -751,54 +833,84 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
     }
     long status = 0;
     Failure f = {0, 0, 0};
-    if (!spin_until(b, 1, call, spin_ns)) {
-        status = 1;
-    } else if (!same_call(b)) {
-        status = 3;  /* every rank sees every key: each returns 3, and nothing was moved */
-    } else {
-        /* the same choice on every rank: every rank's published region, or the system calls */
-        int direct = 1;
-        for (int j = 0; j < n && direct; j++)
-            direct = __atomic_load_n(flag_of(b, j) + 4, __ATOMIC_RELAXED) >= 0;
-        /* A region this rank cannot map (no descriptor left, no address space, a stale
-         * descriptor): it folds its segment through the system calls instead, the same bits,
-         * and the peers, which cannot see that failure, are not left waiting for its done flag
-         * until their deadline. */
-        for (int j = 0, k = 0; j < n; j++) {
-            if (j == me) continue;
-            int64_t *line = flag_of(b, j);
-            b->peer_addrs[k] = (uintptr_t)__atomic_load_n(line + 2, __ATOMIC_RELAXED);
-            if (direct) {
-                int64_t off = __atomic_load_n(line + 5, __ATOMIC_RELAXED);
-                char *mapped = map_peer(b, k, b->peer_pids[k],
-                                        __atomic_load_n(line + 4, __ATOMIC_RELAXED),
-                                        __atomic_load_n(line + 6, __ATOMIC_RELAXED),
-                                        (size_t)off + (size_t)a.view.len);
-                if (mapped == NULL)
-                    direct = 0;
+    if (stage <= 1) {
+        if (!spin_until(b, 1, call, spin_ns)) {
+            status = 1;
+        } else if (!same_call(b)) {
+            status = 3;  /* every rank sees every key: each returns 3, and nothing was moved */
+        } else {
+            /* the same choice on every rank: every rank's published region, or not */
+            int direct = 1;
+            for (int j = 0; j < n && direct; j++)
+                direct = __atomic_load_n(flag_of(b, j) + 4, __ATOMIC_RELAXED) >= 0;
+            b->bounce_call = !direct && a.view.len <= b->bounce_bytes ? call : 0;
+            if (b->bounce_call) {
+                Py_BEGIN_ALLOW_THREADS
+                bounce_in(b, a.view.buf, a.count, itemsize);
+                Py_END_ALLOW_THREADS
+                __atomic_store_n(mine + 8, call, __ATOMIC_RELEASE);
+                stage = 2;
+            } else {
+                /* A region this rank cannot map (no descriptor left, no address space, a stale
+                 * descriptor): it folds its segment through the system calls instead, the same
+                 * bits, and the peers, which cannot see that failure, are not left waiting for
+                 * its done flag until their deadline. */
+                for (int j = 0, k = 0; j < n; j++) {
+                    if (j == me) continue;
+                    int64_t *line = flag_of(b, j);
+                    b->peer_addrs[k] = (uintptr_t)__atomic_load_n(line + 2, __ATOMIC_RELAXED);
+                    if (direct) {
+                        int64_t off = __atomic_load_n(line + 5, __ATOMIC_RELAXED);
+                        char *mapped = map_peer(b, k, b->peer_pids[k],
+                                                __atomic_load_n(line + 4, __ATOMIC_RELAXED),
+                                                __atomic_load_n(line + 6, __ATOMIC_RELAXED),
+                                                (size_t)off + (size_t)a.view.len);
+                        if (mapped == NULL)
+                            direct = 0;
+                        else
+                            b->peer_ptrs[k] = mapped + off;
+                    }
+                    k++;
+                }
+                Py_ssize_t lo, hi;
+                segment(a.count, n, me, &lo, &hi);
+                b->direct_calls += direct;
+                Py_BEGIN_ALLOW_THREADS
+                if (direct)
+                    fold_direct(a.view.buf, lo, hi, itemsize, a.type, op, b->peer_ptrs, n - 1,
+                                step);
                 else
-                    b->peer_ptrs[k] = mapped + off;
+                    f = fold_loop(a.view.buf, lo, hi, itemsize, a.type, op, b->peer_pids,
+                                  b->peer_addrs, n - 1, tmp.buf, step, 1);
+                Py_END_ALLOW_THREADS
+                stage = 3;
+                if (!f.err) __atomic_store_n(mine + 3, call, __ATOMIC_RELEASE);
             }
-            k++;
         }
-        Py_ssize_t count = a.count, q = count / n, r = count % n;  /* floor(count * i / n) */
-        Py_ssize_t lo = q * me + r * me / n, hi = q * (me + 1) + r * (me + 1) / n;
-        b->direct_calls += direct;
-        Py_BEGIN_ALLOW_THREADS
-        if (direct)
-            fold_direct(a.view.buf, lo, hi, itemsize, a.type, op, b->peer_ptrs, n - 1, step);
-        else
-            f = fold_loop(a.view.buf, lo, hi, itemsize, a.type, op, b->peer_pids,
-                          b->peer_addrs, n - 1, tmp.buf, step, 1);
-        Py_END_ALLOW_THREADS
+    }
+    if (status == 0 && stage == 2) {  /* bouncing: every peer's slot holds its copy-in */
+        if (!spin_until(b, 8, call, spin_ns)) {
+            status = 4;
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            bounce_fold(b, a.view.buf, a.count, itemsize, a.type, op, step);
+            Py_END_ALLOW_THREADS
+            __atomic_store_n(mine + 3, call, __ATOMIC_RELEASE);
+        }
+    }
+    if (status == 0 && !f.err) {  /* stage 3: this rank's segment is done */
+        if (!spin_until(b, 3, call, spin_ns)) {
+            status = 2;
+        } else if (b->bounce_call == call) {
+            Py_BEGIN_ALLOW_THREADS
+            bounce_out(b, a.view.buf, a.count, itemsize);
+            Py_END_ALLOW_THREADS
+            b->bounce_call = 0;
+        }
     }
     PyBuffer_Release(&a.view);
     PyBuffer_Release(&tmp);
     if (f.err) return failure_value(f);
-    if (status == 0) {
-        __atomic_store_n(mine + 3, call, __ATOMIC_RELEASE);
-        status = spin_until(b, 3, call, spin_ns) ? 0 : 2;
-    }
     return PyLong_FromLong(status);
 }
 
@@ -830,8 +942,8 @@ static PyObject *Mailbox_cross_reached(Mailbox *b, PyObject *const *args, Py_ssi
     long column = PyLong_AsLong(args[0]);
     int64_t call = PyLong_AsLongLong(args[1]);
     if (PyErr_Occurred()) return NULL;
-    if (!b->open || (column != 1 && column != 3)) {
-        PyErr_SetString(PyExc_ValueError, b->open ? "mailbox: cross_reached column is 1 or 3"
+    if (!b->open || (column != 1 && column != 3 && column != 8)) {
+        PyErr_SetString(PyExc_ValueError, b->open ? "mailbox: cross_reached column is 1, 3 or 8"
                                                   : "mailbox is closed");
         return NULL;
     }
@@ -860,12 +972,12 @@ static PyMethodDef Mailbox_methods[] = {
     {"finish", (PyCFunction)(void (*)(void))Mailbox_finish, METH_FASTCALL,
      "finish(x, op, call): reduce the posted terms of `call` into x (after arrived(call))."},
     {"cross", (PyCFunction)(void (*)(void))Mailbox_cross, METH_FASTCALL,
-     "cross(x, op, call, tmp, spin_ns, resume) -> int or (errno, pid, what): the one-node "
-     "cross-memory all_reduce of x in place (0 done; 1: wait on cross_reached(1, call), call "
-     "again with resume=True; 2: wait on cross_reached(3, call))."},
+     "cross(x, op, call, tmp, spin_ns, stage) -> int or (errno, pid, what): the one-node "
+     "cross-memory all_reduce of x in place (0 done; 1, 4, 2: wait on cross_reached(1, 8, 3; "
+     "call), then call again at stage 1, 2, 3; 3: the ranks' arrays differ)."},
     {"cross_reached", (PyCFunction)(void (*)(void))Mailbox_cross_reached, METH_FASTCALL,
-     "cross_reached(column, call) -> bool: every local rank's cross-memory arrival (column 1) or "
-     "done (3) flag has reached `call`."},
+     "cross_reached(column, call) -> bool: every local rank's cross-memory arrival (column 1), "
+     "bounce slot (8) or done (3) flag has reached `call`."},
     {"keys", (PyCFunction)Mailbox_keys, METH_NOARGS,
      "keys() -> ((bytes, type, op), ...): what each local rank's last cross() call published."},
     {"direct_calls", (PyCFunction)Mailbox_direct_calls, METH_NOARGS,

@@ -46,7 +46,12 @@ The elements are split into `local_size` contiguous segments; local rank i owns 
   4. one node barrier (deadline-aware): no rank returns and reuses its array while a peer still
      reads or writes it.
   Two synchronizations per call; per rank, memory traffic of twice the message (read own and
-  peer half, write own and peer half). Availability is probed once per group (every local rank
+  peer half, write own and peer half). Up to `bounce_bytes` (the compiled call only, unless every
+  rank's array lies in a registered shared region, which is folded straight from the peers'
+  mappings), step 2 bounces through a shared slot per rank instead: each rank copies the other
+  ranks' segments into its slot and raises a flag; rank i folds segment i from the peers' slots
+  into its array and its slot; after the done flag every rank copies the other segments out of
+  the peers' slots. User-space copies (no page pinning, no system call), three synchronizations. Availability is probed once per group (every local rank
   reads and writes a peer's probe word); it needs ptrace-read permission on the peers (same user;
   not forbidden by Yama or seccomp). reduce_scatter (one node, or hierarchical: local rank i first
   reduces on its node the rows of every rank with local index i, then those ranks reduce-scatter
@@ -86,7 +91,8 @@ Configuration, read on rank 0 by `configure()` at `rtxmpi.init()` and used on ev
 `RTXMPI_SHM=0` turns every path off; `RTXMPI_SHM_CMA=0` forces the arena mode;
 `RTXMPI_SHM_MIN_BYTES` (default: see Selection); `RTXMPI_SHM_SMALL_BYTES` (default
 `DEFAULT_SMALL_BYTES` or CROSS_SMALL_BYTES, see Selection; 0 turns the mailbox off);
-`RTXMPI_SHM_CHUNK_BYTES` (default `DEFAULT_CHUNK_BYTES`); `RTXMPI_SHM_NODE_SIZE=k` splits every
+`RTXMPI_SHM_CHUNK_BYTES` (default `DEFAULT_CHUNK_BYTES`); `RTXMPI_SHM_BOUNCE_BYTES` (default
+`DEFAULT_BOUNCE_BYTES`; 0 turns the bounce off); `RTXMPI_SHM_NODE_SIZE=k` splits every
 node into pretend nodes of k consecutive local ranks, to exercise the hierarchical path on one
 machine (tests). Groups take the settings current when they are created.
 """
@@ -135,7 +141,10 @@ MIN_CHUNK_BYTES = 4 << 10
 MAX_BUFFER_BYTES = 256 << 20  # largest mailbox slot or chunk a setting may ask for
 BUFFERS = 3  # triple buffering: one barrier per chunk (see the module docstring)
 NEVER = sys.maxsize  # min_bytes when the path is off
-FLAG_BYTES = 64  # one cache line per local rank for its mailbox flag
+FLAG_BYTES = 128  # two cache lines per local rank for its flags (_mailbox.c's LINE)
+# the compiled cross-memory all_reduce bounces arrays up to this size through a shared slot per
+# rank (user-space copies: no page pinning, no system call) unless every rank's is shared memory
+DEFAULT_BOUNCE_BYTES = 1 << 20
 TSO_MACHINES = ("x86_64", "amd64", "i386", "i686")
 # numpy's plain stores to the flag lines (numpy mailbox, cross-memory arrival flags) rely on x86's
 # total store order; elsewhere only the compiled mailbox (atomics) uses the lines
@@ -158,17 +167,20 @@ class ShmConfig:
     DEFAULT_SMALL_BYTES, at most MAILBOX_READ_BYTES / local_size, and CROSS_SMALL_BYTES with the
     compiled cross-memory path), chunk_bytes (int,
     pipeline chunk; a multiple of 8), node_size (int or None: pretend nodes of this many local
-    ranks), cma (bool: cross-memory access allowed).
+    ranks), cma (bool: cross-memory access allowed), bounce_bytes (int, largest all_reduce the
+    compiled cross-memory path bounces through shared slots; 0: never; a multiple of 8).
     """
 
-    __slots__ = ("enabled", "min_bytes", "chunk_bytes", "node_size", "cma", "small_bytes")
+    __slots__ = ("enabled", "min_bytes", "chunk_bytes", "node_size", "cma", "small_bytes",
+                 "bounce_bytes")
 
     def __init__(self, enabled=True, min_bytes=None, chunk_bytes=DEFAULT_CHUNK_BYTES,
-                 node_size=None, cma=True, small_bytes=None):
+                 node_size=None, cma=True, small_bytes=None, bounce_bytes=DEFAULT_BOUNCE_BYTES):
         self.enabled = bool(enabled)
         self.min_bytes = None if min_bytes is None else int(min_bytes)
         self.chunk_bytes, self.node_size, self.cma = int(chunk_bytes), node_size, bool(cma)
         self.small_bytes = None if small_bytes is None else int(small_bytes)
+        self.bounce_bytes = int(bounce_bytes)
 
     @property
     def threshold(self):
@@ -186,12 +198,12 @@ class ShmConfig:
 
     def copy(self):
         return ShmConfig(self.enabled, self.min_bytes, self.chunk_bytes, self.node_size, self.cma,
-                         self.small_bytes)
+                         self.small_bytes, self.bounce_bytes)
 
     def __repr__(self):
         return (f"ShmConfig(enabled={self.enabled}, min_bytes={self.min_bytes}, "
                 f"small_bytes={self.small_bytes}, chunk_bytes={self.chunk_bytes}, "
-                f"node_size={self.node_size}, cma={self.cma})")
+                f"node_size={self.node_size}, cma={self.cma}, bounce_bytes={self.bounce_bytes})")
 
     @classmethod
     def from_env(cls, environ=os.environ):
@@ -222,7 +234,9 @@ class ShmConfig:
                    min_bytes=integer("RTXMPI_SHM_MIN_BYTES", None, 0),
                    small_bytes=integer("RTXMPI_SHM_SMALL_BYTES", None, 0, MAX_BUFFER_BYTES),
                    chunk_bytes=chunk - chunk % 8,
-                   node_size=integer("RTXMPI_SHM_NODE_SIZE", None, 1))
+                   node_size=integer("RTXMPI_SHM_NODE_SIZE", None, 1),
+                   bounce_bytes=integer("RTXMPI_SHM_BOUNCE_BYTES", DEFAULT_BOUNCE_BYTES, 0,
+                                        MAX_BUFFER_BYTES) // 8 * 8)
 
 
 CONFIG = ShmConfig()  # set by configure(); new groups take a copy
@@ -568,6 +582,10 @@ def _yield():
     return False
 
 
+# Mailbox.cross statuses that wait for the peers: status -> (flag column, stage to resume at)
+_CROSS_WAITS = {1: (1, 1), 4: (8, 2), 2: (3, 3)}
+
+
 def _finished():
     """The poll() of a nonblocking call that completed when it started."""
     return True
@@ -599,11 +617,14 @@ def describe(backend, size=str):
     start = engine.all_reduce_from
     larger = (f"{engine.mode} for every larger message" if start == max(engine.small_bytes, 0) + 1
               else f"{engine.mode} from {size(start)} (between: MPI)")
+    if engine.bounce_bytes:
+        larger += f", bounced through shared slots up to {size(engine.bounce_bytes)}"
     shared = ("shared_zeros arrays folded from the peers' memory" if engine.mailbox is not None
               and engine.mode == "cma" else f"shared_zeros arrays as plain memory "
               f"({engine.mailbox_off or 'no cross-memory access'})")
+    why = engine.mailbox_off or "no compiled mailbox"
     queued = ("async_op=True: queued on the same paths" if engine.mailbox is not None
-              else f"async_op=True: MPI's Iallreduce ({engine.mailbox_off or 'no compiled mailbox'})")
+              else f"async_op=True: MPI's Iallreduce ({why})")
     return (f"{mailbox}; {larger}; {shared}; {queued}; "
             f"chunk {size(config.chunk_bytes)}; {engine.local_size} local ranks x "
             f"{engine.nodes} node(s); RTXMPI_SHM=0 turns it off")
@@ -624,7 +645,8 @@ class NodeAllReduce:
     """
 
     def __init__(self, comm, node, cross, chunk_bytes, *, members=None, mm=None, peers=None,
-                 box=None, small_bytes=0, compiled=False, min_bytes=DEFAULT_MIN_BYTES):
+                 box=None, small_bytes=0, compiled=False, min_bytes=DEFAULT_MIN_BYTES,
+                 bounce_bytes=0):
         self.comm, self.node, self.cross, self._mm, self._box_mm = comm, node, cross, mm, box
         self.local_size, self.local_rank = node.Get_size(), node.Get_rank()
         self.nodes = 1 if cross is None else cross.Get_size()
@@ -645,15 +667,17 @@ class NodeAllReduce:
         self._arena = None if mm is None else np.frombuffer(mm, np.uint8)
         self._views = {}  # dtype -> [1-D view of each local rank's buffers]
         self._stage = np.zeros(0, np.uint8)  # hierarchical reduce_scatter: grown, reused
-        # the mailbox (one node): per local rank a flag line and two slots of small_bytes (maybe
-        # 0). Flag line (int64): [0] mailbox call, [1] cross-memory arrival call, [2] this call's
-        # array address, [3] cross-memory done call.
+        # the mailbox (one node): per local rank a flag line, two slots of small_bytes (maybe 0)
+        # and the compiled cross-memory path's bounce slot of bounce_bytes (maybe 0). Flag line
+        # (int64): [0] mailbox call, [1] cross-memory arrival call, [2] this call's array address,
+        # [3] cross-memory done call, [4]-[6] shared region, [7] size, dtype and op, [8] bounce.
         self.small_bytes = small_bytes if box is not None and small_bytes > 0 else -1
+        self.bounce_bytes = bounce_bytes if box is not None and compiled else 0
         self.mailbox_off = None  # create(): why there is no mailbox (None: there is one)
         self.all_reduce_from = min_bytes  # smallest all_reduce of the cross-memory path / arena
         self._lines = self.mailbox = None
         if box is not None:
-            region = FLAG_BYTES + 2 * small_bytes
+            region = FLAG_BYTES + 2 * small_bytes + bounce_bytes
             raw = np.frombuffer(box, np.uint8)
             self._lines = raw.view(np.int64).reshape(self.local_size, region // 8)
             self._flags = self._lines[:, 0]
@@ -666,7 +690,8 @@ class NodeAllReduce:
             self._box_views = {}  # (dtype, count, parity) -> [typed view of each rank's slot]
             self.mailbox = (_mailbox.Mailbox(box, self.local_size, self.local_rank, small_bytes,
                                              tuple(op for op, _ in _UFUNCS),
-                                             peers[1] if peers is not None else None)
+                                             peers[1] if peers is not None else None,
+                                             self.bounce_bytes)
                             if compiled else None)
         self._queue = collections.deque()  # nonblocking mailbox and cross-memory all_reduces
         if peers is not None:
@@ -711,8 +736,14 @@ class NodeAllReduce:
             fast = compiled and peers is not None and config.min_bytes is None
             small = min(small, MAILBOX_READ_BYTES // local_size // FLAG_BYTES * FLAG_BYTES,
                         CROSS_SMALL_BYTES if fast else NEVER)
-        total = local_size * (FLAG_BYTES + 2 * small)
+        # the bounce slots: only for the compiled cross-memory path; dropped if /dev/shm cannot
+        # hold them (the mailbox matters more)
+        bounce = config.bounce_bytes if compiled and peers is not None else 0
+        total = local_size * (FLAG_BYTES + 2 * small + bounce)
         box = _map_arena(node, comm, total) if ordered else None
+        if ordered and box is None and bounce:
+            bounce, total = 0, local_size * (FLAG_BYTES + 2 * small)
+            box = _map_arena(node, comm, total)
         if ordered and box is None and comm.Get_rank() == 0:  # the same on every rank
             warnings.warn(f"rtxmpi: /dev/shm could not hold the all_reduce mailbox ({total} bytes "
                           f"for {local_size} local ranks); all_reduce up to {small} bytes uses "
@@ -732,7 +763,7 @@ class NodeAllReduce:
         if peers is not None:
             engine = cls(comm, node, cross, config.chunk_bytes, members=members, peers=peers,
                          box=box, small_bytes=small, compiled=compiled,
-                         min_bytes=config.threshold)
+                         min_bytes=config.threshold, bounce_bytes=bounce)
             engine.mailbox_off = off
             if config.min_bytes is None and engine.mailbox is not None:  # the compiled path
                 # just above the mailbox; MPI below CROSS_SMALL_BYTES when the mailbox is off
@@ -965,16 +996,15 @@ class NodeAllReduce:
         self._drain(wait)
         self._cma_calls += 1
         call = self._cma_calls
-        status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, False)
-        if status == 1:
-            wait(self._watched(lambda: mailbox.cross_reached(1, call)))
-            status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, True)
+        status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, 0)
+        while status in _CROSS_WAITS:  # a peer later than the spin: wait, then the next stage
+            column, stage = _CROSS_WAITS[status]
+            wait(self._watched(lambda: mailbox.cross_reached(column, call)))
+            status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, stage)
         if type(status) is tuple:
             raise self._peer_error("all_reduce", PeerAccessError(*status))
         if status == 3:
             raise self._mismatch(self._local_ranks, [key[0] for key in mailbox.keys()])
-        if status == 2:
-            wait(self._watched(lambda: mailbox.cross_reached(3, call)))
 
     # -- nonblocking all_reduce --------------------------------------------------------------
     def supports_nonblocking(self, x, mpi_op):
@@ -1046,8 +1076,9 @@ class NodeAllReduce:
         """Advance the queued nonblocking all_reduces in launch order as far as possible without
         waiting. A mailbox call is posted (Mailbox.all_reduce with no spin: 0, done; else its
         call number) and then finished once every peer has posted it. A cross-memory call runs
-        Mailbox.cross with no spin (1: a peer has not arrived; 2: this rank's segment is reduced
-        and pushed, a peer is not done). Local; raises RankFailure when a transfer with a local
+        Mailbox.cross with no spin, at the stage its last status waited for (_CROSS_WAITS: 1, a
+        peer has not arrived; 4, a peer's bounce slot is not filled; 2, this rank's segment is
+        done, a peer's is not). Local; raises RankFailure when a transfer with a local
         peer fails (CollectiveError for another failure), and every queued call then fails with
         it (_fail)."""
         queue, mailbox = self._queue, self.mailbox
@@ -1063,19 +1094,16 @@ class NodeAllReduce:
                     mailbox.finish(x, mpi_op, call)
                 else:
                     return
-            else:
-                if status != 2:
-                    status = entry[3] = mailbox.cross(x, mpi_op, call, self._tmp, 0, status == 1)
-                    if type(status) is tuple or status == 3:
-                        error = (self._peer_error("all_reduce", PeerAccessError(*status))
-                                 if status != 3 else
-                                 self._mismatch(self._local_ranks,
-                                                [key[0] for key in mailbox.keys()]))
-                        self._fail(error)
-                        raise error
-                    if status == 1:
-                        return
-                if status == 2 and not mailbox.cross_reached(3, call):
+            else:  # the next stage of the call (0 at first), after the flag its status awaits
+                stage = 0 if status is None else _CROSS_WAITS[status][1]
+                status = entry[3] = mailbox.cross(x, mpi_op, call, self._tmp, 0, stage)
+                if type(status) is tuple or status == 3:
+                    error = (self._peer_error("all_reduce", PeerAccessError(*status))
+                             if status != 3 else
+                             self._mismatch(self._local_ranks, [key[0] for key in mailbox.keys()]))
+                    self._fail(error)
+                    raise error
+                if status:
                     return
             entry[4] = True
             entry[0] = None  # the array: no longer held here

@@ -57,8 +57,8 @@ def group_with(world, **config):
     return group
 
 
-@pytest.fixture(scope="module", params=["node-cma", "node-copy", "hierarchical-cma",
-                                        "hierarchical-copy", "node-mailbox",
+@pytest.fixture(scope="module", params=["node-cma", "node-bounce", "node-copy",
+                                        "hierarchical-cma", "hierarchical-copy", "node-mailbox",
                                         "node-mailbox-numpy"])
 def layout(request):
     return request.param
@@ -67,16 +67,19 @@ def layout(request):
 @pytest.fixture(scope="module")
 def groups(world, layout):
     """{check: group}; layout 'hierarchical-*' pretends nodes of 2 ranks; '*-copy' turns
-    cross-memory access off (the shared arena); 'node-mailbox' sends every all_reduce up to 1 MiB
-    through the one-synchronization mailbox (compiled), 'node-mailbox-numpy' up to its 32 KiB
-    through the numpy one (the fallback without the extension)."""
+    cross-memory access off (the shared arena); 'node-cma' moves every all_reduce through the
+    system calls, 'node-bounce' (the default up to 1 MiB) through the shared bounce slots;
+    'node-mailbox' sends every all_reduce up to 1 MiB through the one-synchronization mailbox
+    (compiled), 'node-mailbox-numpy' up to its 32 KiB through the numpy one (the fallback
+    without the extension)."""
     if layout.startswith("node-mailbox"):
         compiled = layout == "node-mailbox"
         return {check: forced_group(world, check, compiled, min_bytes=shm.NEVER,
                                     small_bytes=1 << 20) for check in (True, False)}
     node_size = 2 if layout.startswith("hierarchical") else None
-    cma = layout.endswith("cma")
-    return {check: forced_group(world, check, node_size=node_size, cma=cma)
+    cma = not layout.endswith("copy")
+    bounce = shm.DEFAULT_BOUNCE_BYTES if layout == "node-bounce" else 0
+    return {check: forced_group(world, check, node_size=node_size, cma=cma, bounce_bytes=bounce)
             for check in (True, False)}
 
 
@@ -100,7 +103,7 @@ def expected_engine(group, layout):
     is used."""
     n = group.world_size
     linux = sys.platform.startswith("linux")
-    mode = "cma" if not layout.endswith("copy") and linux else "copy"
+    mode = "copy" if layout.endswith("copy") or not linux else "cma"
     compiled = layout == "node-mailbox" and shm._mailbox is not None
     mailbox = layout.startswith("node-mailbox") and mailbox_possible(n, compiled)
     if layout.startswith("node"):
@@ -117,6 +120,9 @@ def assert_path(group, layout):
     else:
         assert isinstance(engine, shm.NodeAllReduce), engine
         assert (engine.local_size, engine.nodes, engine.mode, engine.small_bytes) == want
+        if layout in ("node-cma", "node-bounce"):  # the bounce needs the compiled mailbox
+            bounce = layout == "node-bounce" and engine.mailbox is not None
+            assert engine.bounce_bytes == (shm.DEFAULT_BOUNCE_BYTES if bounce else 0), engine
 
 
 def inputs(group, length, dtype, op, salt=0):
@@ -590,6 +596,7 @@ def test_shared_arrays_fold_straight_from_the_peers_memory(world):
     ({"RTXMPI_SHM_NODE_SIZE": "0"}, "RTXMPI_SHM_NODE_SIZE='0' must be >= 1"),
     ({"RTXMPI_SHM_SMALL_BYTES": "999999999999999999999"}, "must be >= 0 and <= 268435456"),
     ({"RTXMPI_SHM_CHUNK_BYTES": "1e6"}, "RTXMPI_SHM_CHUNK_BYTES='1e6' is not an integer"),
+    ({"RTXMPI_SHM_BOUNCE_BYTES": "-1"}, "RTXMPI_SHM_BOUNCE_BYTES='-1' must be >= 0"),
 ])
 def test_bad_settings_raise_config_error(env, message):
     from rtxmpi.errors import ConfigError
@@ -602,13 +609,15 @@ def test_bad_settings_raise_config_error(env, message):
 def test_settings_from_environment():
     config = shm.ShmConfig.from_env({"RTXMPI_SHM": "0", "RTXMPI_SHM_MIN_BYTES": "4096",
                                      "RTXMPI_SHM_CHUNK_BYTES": "65539", "RTXMPI_SHM_NODE_SIZE": "2",
-                                     "RTXMPI_SHM_CMA": "off", "RTXMPI_SHM_SMALL_BYTES": "0"})
+                                     "RTXMPI_SHM_CMA": "off", "RTXMPI_SHM_SMALL_BYTES": "0",
+                                     "RTXMPI_SHM_BOUNCE_BYTES": "1001"})
     assert (config.enabled, config.min_bytes, config.chunk_bytes, config.node_size, config.cma,
-            config.small_bytes) == (False, 4096, 65536, 2, False, 0)
+            config.small_bytes, config.bounce_bytes) == (False, 4096, 65536, 2, False, 0, 1000)
     assert config.threshold == shm.NEVER
     default = shm.ShmConfig.from_env({})
     assert default.enabled and default.cma and default.threshold == shm.DEFAULT_MIN_BYTES
     assert default.small_threshold == shm.DEFAULT_SMALL_BYTES
+    assert default.bounce_bytes == shm.DEFAULT_BOUNCE_BYTES
 
 
 class _Tagged(np.ndarray):

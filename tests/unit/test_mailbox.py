@@ -188,14 +188,16 @@ def test_init_again_keeps_the_op_references_balanced():
 
 
 # -- Mailbox.cross: the whole one-node cross-memory all_reduce in one call ----------------------
-def cross_boxes(k, pids=None):
-    """k views of one flag mapping (no slots), every "local rank" this process, so each view's
-    process_vm_readv / writev reach the others' arrays here."""
+def cross_boxes(k, pids=None, bounce=0):
+    """k views of one flag mapping (no mailbox slots; a bounce slot of `bounce` bytes each),
+    every "local rank" this process, so each view's process_vm_readv / writev reach the others'
+    arrays here."""
     import os
 
-    mapping = mmap.mmap(-1, k * shm.FLAG_BYTES)
+    mapping = mmap.mmap(-1, k * (shm.FLAG_BYTES + bounce))
     pids = pids or [os.getpid()] * k
-    return mapping, [shm._mailbox.Mailbox(mapping, k, j, 0, OP_OBJECTS, pids) for j in range(k)]
+    return mapping, [shm._mailbox.Mailbox(mapping, k, j, 0, OP_OBJECTS, pids, bounce)
+                     for j in range(k)]
 
 
 def cross_expected(xs, ufunc):
@@ -247,6 +249,48 @@ def run_cross(views, xs, op, call, tmp, expected):
         np.testing.assert_array_equal(x.view(np.uint8), expected.view(np.uint8))
 
 
+def drive_cross(views, xs, op, call, tmp):
+    """Run call `call` on every view round-robin, each resuming at the stage its last status
+    waits for (shm._CROSS_WAITS), until every view returned 0. Returns the statuses seen."""
+    seen, stage, pending = [], [0] * len(views), list(range(len(views)))
+    for _ in range(10 * len(views)):
+        for j in list(pending):
+            status = views[j].cross(xs[j], op, call, tmp, 0, stage[j])
+            seen.append(status)
+            if status == 0:
+                pending.remove(j)
+            else:
+                stage[j] = shm._CROSS_WAITS[status][1]
+        if not pending:
+            return seen
+    raise AssertionError(f"cross() did not complete: statuses {seen}")
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int16", "uint64"])
+@pytest.mark.parametrize("name", list(OPS))
+def test_cross_bounces_arrays_up_to_its_slot_through_the_slots(k, dtype, name):
+    """With a bounce slot of 2000 bytes, arrays up to it take the bounce (status 4 shows: a
+    view waits for a peer's slot), larger ones the system calls; either way every array holds
+    the same bits as cross_expected (own segment first, then the peers in order), over calls
+    of both kinds in a row, with pieces (tmp of 7 elements) smaller than the segments."""
+    op, ufunc = OPS[name]
+    rng = np.random.default_rng(k + 10)
+    mapping, views = cross_boxes(k, bounce=2000)
+    tmp = np.zeros(7 * np.dtype(dtype).itemsize, np.uint8)
+    itemsize = np.dtype(dtype).itemsize
+    for call, n in enumerate((1000, 37, 2000 // itemsize, 2000 // itemsize + 1, 2, 1), start=1):
+        xs = [values(rng, dtype, n) for _ in range(k)]
+        expected = cross_expected(xs, ufunc)
+        seen = drive_cross(views, xs, op, call, tmp)
+        assert (4 in seen) == (n * itemsize <= 2000), (n, seen)
+        for x in xs:
+            np.testing.assert_array_equal(x.view(np.uint8), expected.view(np.uint8))
+    for view in views:
+        view.close()
+    mapping.close()
+
+
 def test_cross_errors_are_typed():
     import os
 
@@ -258,7 +302,7 @@ def test_cross_errors_are_typed():
         a.cross(np.zeros(2, np.complex64), MPI.SUM, 1, tmp, 0, False)
     with pytest.raises(ValueError, match="holds no element"):
         a.cross(x, MPI.SUM, 1, np.zeros(4, np.uint8), 0, False)
-    with pytest.raises(ValueError, match="column is 1 or 3"):
+    with pytest.raises(ValueError, match="column is 1, 3 or 8"):
         a.cross_reached(2, 1)
     with pytest.raises(ValueError, match="2 pids expected"):
         shm._mailbox.Mailbox(mapping, 2, 0, 0, OP_OBJECTS, [os.getpid()])
