@@ -9,9 +9,10 @@ answer questions from peers while it waits. Past the deadline, the waiting rank:
    a peer that is itself waiting in rtxmpi answers with (group, seq, op) of its wait; a peer that is
    computing, sleeping or dead does not answer;
 3. classifies each member: arrived (waiting in the same group, sequence number and op),
-   elsewhere (in another collective), or silent; then sends a NOTICE with the diagnosis to every member and raises
-   `CollectiveTimeout`. Any rank that receives a NOTICE while waiting raises the same error, so every
-   rank that reaches rtxmpi raises within the timeout plus the probe window (< 3x the timeout).
+   elsewhere (in another collective, or in another op at the same sequence number), or silent;
+   then sends a NOTICE with the diagnosis to every member and raises `CollectiveTimeout`. Any
+   rank that receives a NOTICE while waiting raises the same error, so every rank that reaches
+   rtxmpi raises within the timeout plus the probe window (< 3x the timeout).
 
 Blocking data transfers (the fast MPI algorithms) run only after every rank has arrived, so they
 cannot wait for a rank that is not there. As a backstop for what no arrival check catches (mismatched
