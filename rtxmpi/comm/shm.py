@@ -51,7 +51,8 @@ The elements are split into `local_size` contiguous segments; local rank i owns 
   mappings), step 2 bounces through a shared slot per rank instead: each rank copies the other
   ranks' segments into its slot and raises a flag; rank i folds segment i from the peers' slots
   into its array and its slot; after the done flag every rank copies the other segments out of
-  the peers' slots. User-space copies (no page pinning, no system call), three synchronizations. Availability is probed once per group (every local rank
+  the peers' slots. User-space copies (no page pinning, no system call), three
+  synchronizations. Availability is probed once per group (every local rank
   reads and writes a peer's probe word); it needs ptrace-read permission on the peers (same user;
   not forbidden by Yama or seccomp). reduce_scatter (one node, or hierarchical: local rank i first
   reduces on its node the rows of every rank with local index i, then those ranks reduce-scatter
