@@ -73,6 +73,7 @@ typedef struct {
     int64_t direct_calls;   /* cross() calls that took the shared-region path */
     Py_ssize_t bounce_bytes;  /* cross(): largest array that bounces through the slots below */
     int64_t bounce_call;    /* cross(): the call in flight bounces (its number), else 0 */
+    int64_t mismatch_call;  /* cross(): the call whose ranks' keys differ (its number), else 0 */
 } Mailbox;
 
 #define LINE 128  /* a local rank's flag line: two cache lines of int64 columns */
@@ -420,6 +421,7 @@ static int Mailbox_init(Mailbox *b, PyObject *args, PyObject *kwds) {
     b->slot_bytes = slot_bytes;
     b->bounce_bytes = bounce_bytes;
     b->bounce_call = 0;
+    b->mismatch_call = 0;
     b->local_size = local_size;
     b->local_rank = local_rank;
     return 0;
@@ -714,16 +716,6 @@ static int same_call(Mailbox *b) {
     return 1;
 }
 
-/* cross(x, op, call, tmp, spin_ns, resume): the whole cross-memory all_reduce of shm.py (one
- * node, every local rank's pid given at construction) in one call. Publish x's address in flag
- * line int64 [2] and raise [1] to `call` (unless resume), spin up to spin_ns until every peer has;
- * then, without the GIL, this rank's segment [count * r / n, count * (r + 1) / n) of x: each
- * piece read from every peer into tmp, folded into x, written back into every peer's x; then
- * raise [3] to `call` and spin up to spin_ns until every peer has (no rank returns while a peer
- * still reads or writes its array). Returns 0 (done), 1 (a peer has not arrived: wait on
- * cross_reached(1, call), then call again with resume=True), 2 (folded; a peer is not done:
- * wait on cross_reached(3, call)), 3 (the ranks' arrays differ in bytes, dtype or op: nothing
- * moved, on every rank; keys() says how) or the (errno, pid, what) tuple of a failed transfer. */
 /* Elements [lo, hi) of rank j's segment of count elements over n ranks: floor(count * j / n). */
 static void segment(Py_ssize_t count, int n, int j, Py_ssize_t *lo, Py_ssize_t *hi) {
     Py_ssize_t q = count / n, r = count % n;
@@ -786,8 +778,8 @@ static void bounce_out(Mailbox *b, char *x, Py_ssize_t count, Py_ssize_t itemsiz
  * not arrived (wait on cross_reached(1, call), call again with stage 1); 4: bouncing, a peer's
  * slot is not ready (wait on cross_reached(8, call), stage 2); 2: this rank's segment is done, a
  * peer's is not (wait on cross_reached(3, call), stage 3); 3: the ranks' arrays differ in bytes,
- * dtype or op (nothing moved, on every rank; keys() says how); or the (errno, pid, what) tuple of
- * a failed transfer. */
+ * dtype or op (nothing moved, on every rank; keys() says how; returned once every rank raised
+ * [3] for it, 2 until then); or the (errno, pid, what) tuple of a failed transfer. */
 static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError, "cross(x, op, call, tmp, spin_ns, stage)");
@@ -837,7 +829,12 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
         if (!spin_until(b, 1, call, spin_ns)) {
             status = 1;
         } else if (!same_call(b)) {
-            status = 3;  /* every rank sees every key: each returns 3, and nothing was moved */
+            /* every rank sees every key and returns 3, nothing moved; but only after the done
+             * flags: a rank that returned at once could publish its next call's key while a
+             * peer still compares this call's, and that peer would take it for a match */
+            b->mismatch_call = call;
+            stage = 3;
+            __atomic_store_n(mine + 3, call, __ATOMIC_RELEASE);
         } else {
             /* the same choice on every rank: every rank's published region, or not */
             int direct = 1;
@@ -907,6 +904,7 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
             Py_END_ALLOW_THREADS
             b->bounce_call = 0;
         }
+        if (status == 0 && b->mismatch_call == call) status = 3;
     }
     PyBuffer_Release(&a.view);
     PyBuffer_Release(&tmp);

@@ -822,7 +822,11 @@ class NodeAllReduce:
             table = lines[:, [2, 7]]
             keys, ranks = table[:, 1], self._local_ranks
         if (keys != key).any():  # every rank sees every key: each raises, before any transfer
-            raise self._mismatch(ranks, [int(k) // 64 for k in keys])
+            error = self._mismatch(ranks, [int(k) // 64 for k in keys])
+            # after the closing barrier: a rank gone on to its next call would overwrite its key
+            # while a peer still compares this call's, and might match it
+            self._done(wait)
+            raise error
         return [(pids[j], int(table[j, 0])) for j in range(self.local_size) if j != me]
 
     def _done(self, wait):

@@ -431,6 +431,46 @@ def test_unchecked_size_mismatch_on_the_cross_memory_path_raises_and_moves_nothi
     assert_exact(group.all_reduce(y), expected)
 
 
+@pytest.mark.parametrize("paths", ["compiled", "python"])
+def test_a_size_mismatch_holds_every_rank_until_the_slowest_has_seen_it(world, paths):
+    """Checking off, rank 0 arrives last with 28000 float32, the others with 20000, and rank 1
+    is slow to look (its wait sleeps 0.5 s once every rank has arrived); rank 0 then calls an
+    all_reduce of the others' size. Before, the ranks that saw the mismatch raised at once and
+    rank 0's next call published the others' size while rank 1 still compared this call's:
+    rank 1 took it for a match and moved this call's data into rank 0's next array (here it
+    then hung until the timeout). Now every rank raises CollectiveMismatch, and the next call
+    is exact."""
+    group = forced_group(world, False, compiled=paths == "compiled")
+    if group.world_size == 1:
+        pytest.skip("needs two ranks to disagree")
+    group.timeout_s = 20.0  # before: a CollectiveTimeout on every rank, not a hang of minutes
+    engine = group.backend._shm
+    x = np.ones(28_000 if group.rank == 0 else 20_000, np.float32)
+    y, expected = inputs(group, 20_000, "float32", "sum")
+    if group.rank == 0:
+        time.sleep(0.2)  # the others wait for it in the deadline-aware wait
+    elif group.rank == 1:
+        watched = engine._watched
+
+        def slow(poll):
+            inner = watched(poll)
+            return lambda: inner() and (time.sleep(0.5) or True)
+
+        engine._watched = slow
+    try:
+        group.all_reduce(x)
+        mismatch = None
+    except CollectiveMismatch as exc:
+        mismatch = exc
+    finally:
+        engine.__dict__.pop("_watched", None)
+    out = group.all_reduce(y)
+    flags = group.all_gather(np.array([mismatch is not None]))
+    assert flags.all(), f"CollectiveMismatch only on ranks {np.flatnonzero(flags).tolist()}"
+    assert (x == 1.0).all()
+    assert_exact(out, expected)
+
+
 def test_groups_with_one_rank_per_node_use_mpi(world):
     group = forced_group(world, False, node_size=1)
     x, expected = inputs(group, 3000, "float32", "sum")

@@ -291,6 +291,37 @@ def test_cross_bounces_arrays_up_to_its_slot_through_the_slots(k, dtype, name):
     mapping.close()
 
 
+@pytest.mark.parametrize("bounce", [0, 4096])
+@pytest.mark.parametrize("k", [2, 3])
+def test_cross_mismatch_returns_once_every_view_has_seen_it(k, bounce):
+    """The last view to arrive has 40 elements, the others 100: the views that see the keys
+    differ return 2 (wait for the done flags) until every view has compared them, then 3, and
+    nothing moves. Before, the first to see it returned 3 at once, could publish its next call
+    (here a call of the others' size) while a slower view still compared this call's keys, and
+    that view took it for a match and moved its call-1 data into the next call's array."""
+    mapping, views = cross_boxes(k, bounce=bounce)
+    tmp = np.zeros(64, np.uint8)
+    xs = [np.full(40 if j == k - 1 else 100, j + 1.0, np.float32) for j in range(k)]
+    first = [view.cross(x, MPI.SUM, 1, tmp, 0, 0) for view, x in zip(views, xs)]
+    assert first == [1] * (k - 1) + [2]
+    assert [view.cross(x, MPI.SUM, 1, tmp, 0, 1) for view, x in zip(views[:-1], xs)] == \
+        [2] * (k - 2) + [3]
+    assert views[-1].cross(xs[-1], MPI.SUM, 1, tmp, 0, 3) == 3
+    assert [view.cross(x, MPI.SUM, 1, tmp, 0, 3) for view, x in zip(views[:-2], xs)] == \
+        [3] * (k - 2)
+    assert [key[0] for key in views[0].keys()] == [400] * (k - 1) + [160]
+    for j, x in enumerate(xs):
+        assert (x == j + 1.0).all()
+    ys = [values(np.random.default_rng(k), "float32", 100) for _ in range(k)]
+    expected = cross_expected(ys, np.add)
+    drive_cross(views, ys, MPI.SUM, 2, tmp)
+    for y in ys:
+        np.testing.assert_array_equal(y.view(np.uint8), expected.view(np.uint8))
+    for view in views:
+        view.close()
+    mapping.close()
+
+
 def test_cross_errors_are_typed():
     import os
 
