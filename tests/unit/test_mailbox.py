@@ -291,6 +291,37 @@ def test_cross_bounces_arrays_up_to_its_slot_through_the_slots(k, dtype, name):
     mapping.close()
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("k", [2, 3])
+def test_cross_views_a_call_apart_leave_every_slot_until_its_peers_read_it(k, seed):
+    """Each view runs its own calls (bounced or through the system calls, sizes that do not
+    divide by k) and starts the next as soon as one returned 0, the views stepped in a random
+    order: a view posts call c + 1 while a peer still has to copy call c's segments out of the
+    slots. No view rewrites its slot before its peers have read it, so every call's arrays hold
+    cross_expected's bits (a copy-in ahead of the arrival check fails most seeds)."""
+    rng = np.random.default_rng(seed)
+    mapping, views = cross_boxes(k, bounce=2000)
+    tmp = np.zeros(28, np.uint8)
+    sizes = [500, 250, 501, 37, 500, 1, 499, 500]  # float32: up to 500 elements bounce
+    calls = [[values(rng, "float32", n) for _ in range(k)] for n in sizes]
+    expected = [cross_expected(xs, np.add) for xs in calls]
+    index, stage, ahead = [0] * k, [0] * k, 0
+    while min(index) < len(calls):
+        j = int(rng.choice([j for j in range(k) if index[j] < len(calls)]))
+        c = index[j]
+        ahead += stage[j] == 0 and any(index[i] < c for i in range(k))
+        status = views[j].cross(calls[c][j], MPI.SUM, c + 1, tmp, 0, stage[j])
+        index[j] += status == 0
+        stage[j] = 0 if status == 0 else shm._CROSS_WAITS[status][1]
+    assert ahead  # the interleaving this test is about happened
+    for xs, want in zip(calls, expected):
+        for x in xs:
+            np.testing.assert_array_equal(x.view(np.uint8), want.view(np.uint8))
+    for view in views:
+        view.close()
+    mapping.close()
+
+
 @pytest.mark.parametrize("bounce", [0, 4096])
 @pytest.mark.parametrize("k", [2, 3])
 def test_cross_mismatch_returns_once_every_view_has_seen_it(k, bounce):
