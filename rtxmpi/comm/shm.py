@@ -737,9 +737,10 @@ class NodeAllReduce:
             fast = compiled and peers is not None and config.min_bytes is None
             small = min(small, MAILBOX_READ_BYTES // local_size // FLAG_BYTES * FLAG_BYTES,
                         CROSS_SMALL_BYTES if fast else NEVER)
-        # the bounce slots: only for the compiled cross-memory path; dropped if /dev/shm cannot
-        # hold them (the mailbox matters more)
-        bounce = config.bounce_bytes if compiled and peers is not None else 0
+        # the bounce slots: only for the compiled cross-memory path, in whole cache lines (as
+        # the slots); dropped if /dev/shm cannot hold them (the mailbox matters more)
+        bounce = (config.bounce_bytes // FLAG_BYTES * FLAG_BYTES if compiled and peers is not None
+                  else 0)
         total = local_size * (FLAG_BYTES + 2 * small + bounce)
         box = _map_arena(node, comm, total) if ordered else None
         if ordered and box is None and bounce:

@@ -722,6 +722,50 @@ def test_a_dev_shm_too_small_for_the_mailbox_warns_and_uses_mpi(world, monkeypat
     assert len(said) == (1 if group.rank == 0 else 0), said
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_dev_shm_too_small_for_the_bounce_slots_keeps_the_mailbox(world, monkeypatch):
+    """/dev/shm holds the mailbox but not the bounce slots too: the engine keeps the mailbox,
+    drops the bounce (no warning), and an all_reduce of a bounce size takes the system calls."""
+    import errno
+    import warnings
+
+    if not mailbox_possible(world.world_size, compiled=True) or shm._mailbox is None:
+        pytest.skip("no compiled mailbox on this node")
+    fallocate = shm.os.posix_fallocate
+
+    def no_room_for_the_slots(fd, offset, length):
+        if length >= shm.DEFAULT_BOUNCE_BYTES:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return fallocate(fd, offset, length)
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", no_room_for_the_slots)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        group = forced_group(world, False, small_bytes=1024)
+    engine = group.backend._shm
+    if engine.mode != "cma":
+        pytest.skip("no cross-memory access here: no bounce slots to drop")
+    assert engine.small_bytes == 1024 and engine.bounce_bytes == 0, engine
+    assert not [w for w in caught if "mailbox" in str(w.message)]
+    x, expected = inputs(group, 20_000, "float32", "sum")
+    assert_exact(group.all_reduce(x), expected)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bounce_slots_keep_every_flag_line_on_a_cache_line(world):
+    """A bounce size that is no multiple of the flag line (1000 bytes) is cut to one (896), so
+    every local rank's flag line starts a cache line of its own, as with the mailbox slots."""
+    group = forced_group(world, False, bounce_bytes=1000)
+    engine = group.backend._shm
+    if not engine or engine.mailbox is None or engine.mode != "cma":
+        pytest.skip("no compiled mailbox or no cross-memory access on this node")
+    assert engine.bounce_bytes == 896, engine
+    assert all(engine._lines[j].ctypes.data % 64 == 0 for j in range(engine.local_size))
+    for n in (224, 225):  # 896 bytes: bounced; one more: the system calls
+        x, expected = inputs(group, n, "float32", "sum")
+        assert_exact(group.all_reduce(x), expected)
+
+
 def test_info_says_which_all_reduce_paths_the_group_runs(world):
     from rtxmpi.cli import _all_reduce_paths
 
