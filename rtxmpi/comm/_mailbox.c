@@ -69,6 +69,7 @@ typedef struct {
     uintptr_t *peer_addrs;  /* cross(): their arrays' addresses in the current call */
     struct PeerMap *maps;   /* cross(): peers' shared regions mapped here, MAPS_PER_PEER each */
     char **peer_ptrs;       /* cross(): their arrays in those mappings, in the current call */
+    int64_t *seen_keys;     /* cross(): every local rank's key when a call found them differ */
     uint64_t map_clock;     /* least-recently-used eviction of `maps` */
     int64_t direct_calls;   /* cross() calls that took the shared-region path */
     Py_ssize_t bounce_bytes;  /* cross(): largest array that bounces through the slots below */
@@ -393,19 +394,24 @@ static int Mailbox_init(Mailbox *b, PyObject *args, PyObject *kwds) {
     PyMem_Free(b->peer_pids);  /* __init__ again after close() */
     PyMem_Free(b->peer_addrs);
     PyMem_Free(b->peer_ptrs);
+    PyMem_Free(b->seen_keys);
     unmap_peers(b);
     b->peer_pids = peer_pids;
     b->peer_addrs = peer_addrs;
     b->peer_ptrs = NULL;
+    b->seen_keys = NULL;
     if (peer_pids) {
         b->peer_ptrs = PyMem_Calloc(local_size, sizeof(char *));
+        b->seen_keys = PyMem_Calloc(local_size, sizeof(int64_t));
         b->maps = PyMem_Calloc((size_t)local_size * MAPS_PER_PEER, sizeof(struct PeerMap));
-        if (b->peer_ptrs == NULL || b->maps == NULL) {
+        if (b->peer_ptrs == NULL || b->seen_keys == NULL || b->maps == NULL) {
             PyBuffer_Release(&b->map);
             PyMem_Free(b->maps);  /* nothing mapped in it yet; b->local_size is still the old */
             PyMem_Free(b->peer_ptrs);
+            PyMem_Free(b->seen_keys);
             b->maps = NULL;
             b->peer_ptrs = NULL;
+            b->seen_keys = NULL;
             PyErr_NoMemory();
             return -1;
         }
@@ -433,6 +439,7 @@ static void Mailbox_dealloc(Mailbox *b) {
     PyMem_Free(b->peer_pids);
     PyMem_Free(b->peer_addrs);
     PyMem_Free(b->peer_ptrs);
+    PyMem_Free(b->seen_keys);
     unmap_peers(b);
     Py_TYPE(b)->tp_free((PyObject *)b);
 }
@@ -833,6 +840,8 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
              * flags: a rank that returned at once could publish its next call's key while a
              * peer still compares this call's, and that peer would take it for a match */
             b->mismatch_call = call;
+            for (int j = 0; j < n; j++)  /* for keys(): a peer may publish its next one soon */
+                b->seen_keys[j] = __atomic_load_n(flag_of(b, j) + 7, __ATOMIC_RELAXED);
             stage = 3;
             __atomic_store_n(mine + 3, call, __ATOMIC_RELEASE);
         } else {
@@ -918,9 +927,13 @@ static PyObject *Mailbox_keys(Mailbox *b, PyObject *unused) {
         PyErr_SetString(PyExc_ValueError, "mailbox is closed");
         return NULL;
     }
+    if (b->seen_keys == NULL) {
+        PyErr_SetString(PyExc_ValueError, "mailbox: keys() needs the local ranks' pids");
+        return NULL;
+    }
     PyObject *out = PyTuple_New(b->local_size);
     for (int j = 0; out != NULL && j < b->local_size; j++) {
-        int64_t key = __atomic_load_n(flag_of(b, j) + 7, __ATOMIC_RELAXED);
+        int64_t key = b->seen_keys[j];
         PyObject *item = Py_BuildValue("(Lii)", (long long)(key >> 6), (int)((key >> 2) & 15),
                                        (int)(key & 3));
         if (item == NULL) {
@@ -977,7 +990,8 @@ static PyMethodDef Mailbox_methods[] = {
      "cross_reached(column, call) -> bool: every local rank's cross-memory arrival (column 1), "
      "bounce slot (8) or done (3) flag has reached `call`."},
     {"keys", (PyCFunction)Mailbox_keys, METH_NOARGS,
-     "keys() -> ((bytes, type, op), ...): what each local rank's last cross() call published."},
+     "keys() -> ((bytes, type, op), ...): what each local rank had published when a cross() "
+     "call last found them differ (status 3)."},
     {"direct_calls", (PyCFunction)Mailbox_direct_calls, METH_NOARGS,
      "direct_calls() -> int: cross() calls that folded straight from the peers' shared regions."},
     {"close", (PyCFunction)Mailbox_close, METH_NOARGS,

@@ -93,7 +93,8 @@ def mailbox_possible(local_size, compiled=shm._mailbox is not None):
 def mailbox_bytes(local_size):
     """The default mailbox size of a node of `local_size` ranks (on Linux the cross-memory path
     is available, and with the compiled one the mailbox stops at CROSS_SMALL_BYTES)."""
-    size = min(shm.DEFAULT_SMALL_BYTES, shm.MAILBOX_READ_BYTES // local_size // 64 * 64)
+    size = min(shm.DEFAULT_SMALL_BYTES,
+               shm.MAILBOX_READ_BYTES // local_size // shm.FLAG_BYTES * shm.FLAG_BYTES)
     fast = shm._mailbox is not None and sys.platform.startswith("linux")
     return min(size, shm.CROSS_SMALL_BYTES) if fast else size
 
@@ -590,7 +591,8 @@ def test_a_set_cross_memory_start_keeps_the_mailbox_up_to_its_default(world):
     assert_exact(group.all_reduce(x), expected)
     engine = group.backend._shm
     if group.world_size > 1:
-        box = min(shm.DEFAULT_SMALL_BYTES, shm.MAILBOX_READ_BYTES // group.world_size // 64 * 64)
+        box = min(shm.DEFAULT_SMALL_BYTES,
+                  shm.MAILBOX_READ_BYTES // group.world_size // shm.FLAG_BYTES * shm.FLAG_BYTES)
         assert engine.small_bytes == (box if mailbox_possible(group.world_size) else -1)
         assert engine.all_reduce_from == 1 << 20
 
