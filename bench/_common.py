@@ -176,13 +176,16 @@ def markdown_table(header, rows, align=None):
 
 
 def fmt(value, digits=2):
-    """A number for a table cell; '-' for None."""
+    """A number for a table cell; '-' for None. Below 0.1, `digits` significant digits (a small
+    message's GB/s would otherwise print as 0.000)."""
     if value is None:
         return "-"
     if abs(value) >= 1000:
         return f"{value:,.0f}"
     if abs(value) >= 100:
         return f"{value:.0f}"
+    if 0 < abs(value) < 0.1:
+        return f"{value:.{digits}g}"
     return f"{value:.{digits}f}"
 
 
