@@ -489,9 +489,10 @@ def parse_args(argv):
                    help="allocate the buffers with rtxmpi.shared_zeros (memory the node's peers "
                         "can map; every implementation uses the same buffers)")
     p.add_argument("--paths", action="store_true",
-                   help="all_reduce only: time each rtxmpi algorithm (mailbox, cross-memory, MPI, "
-                        "and cross-memory on a shared_zeros array) forced at every size against "
-                        "raw, to place the thresholds")
+                   help="all_reduce only: time each rtxmpi algorithm (mailbox, bounce, "
+                        "cross-memory through the system calls, MPI, and the cross-memory call on "
+                        "a shared_zeros array) forced at every size against raw, to place the "
+                        "thresholds")
     args = p.parse_args(argv)
     try:
         args.sizes = parse_sizes(args.sizes)
@@ -624,8 +625,10 @@ def main_paths(args, g, comm, dtype, started):
         f"### all_reduce algorithms of rtxmpi, each forced at every size, n={comm.Get_size()}, "
         f"{dtype}", "", f"Command: `{command}`", "", f"Machine: {machine_line(info)}", "",
         "Median us per call, interleaved with raw `Allreduce`; raw/x > 1: x is faster than raw. "
-        "Every column but `shared` runs on one plain numpy array; `shared` is the cross-memory "
-        "path on an rtxmpi.shared_zeros array (raw stays on the plain one). "
+        "Every column but `shared` runs on one plain numpy array: `bounce` is the cross-memory "
+        "call through the shared bounce slots, `cross-memory` the same call through "
+        "process_vm_readv / writev (bounce off); `shared` is the cross-memory call on an "
+        "rtxmpi.shared_zeros array (raw stays on the plain one). "
         f"Current defaults: {shm_line(g)}.", "", paths_table(cells), "",
         f"Total run time {time.perf_counter() - started:.1f} s."]), flush=True)
     if args.json:

@@ -28,9 +28,15 @@ _REDUCE_CODES = {name: i for i, name in enumerate(REDUCE_OPS, start=1)}
 _MAX_DIMS = 10
 # all_reduce fast path (numpy, contiguous, checking off, blocking): op -> {dtype: MPI op} for the
 # dtypes MPI reduces in place with no staging ("avg" on integers is refused by the general path)
+# int8 / uint8 sum and prod reduce in int32, then wrap back like numpy: Open MPI's AVX op
+# component saturates 8-bit sums (127 + 1 = 127) where the shared-memory paths wrap, so the
+# result would depend on the path (rank count, size, async)
+WIDENED = {np.dtype(np.int8), np.dtype(np.uint8)}
+WIDENED_OPS = ("sum", "prod")
 _DIRECT_REDUCE = {op: {dtype: mpi_op for dtype in SUPPORTED_DTYPES
                        if dtype not in LOW_PRECISION and dtype.kind != "b"
-                       and not (op == "avg" and dtype.kind in "iu")}
+                       and not (op == "avg" and dtype.kind in "iu")
+                       and not (op in WIDENED_OPS and dtype in WIDENED)}
                   for op, mpi_op in REDUCE_OPS.items()}
 _NONE = {}
 _FP_LEN = 5 + _MAX_DIMS + 1  # seq, op, arg, dtype, ndim, dims..., overflow-hash
@@ -205,11 +211,15 @@ class ProcessGroup:
                              f"group size {self.world_size}")
 
     @staticmethod
-    def _reduce_buffer(x):
-        """(contiguous 1-D buffer MPI can reduce, write-back callable or None, MPI op table)."""
+    def _reduce_buffer(x, op):
+        """(contiguous 1-D buffer MPI can reduce, write-back callable or None, MPI op table) for
+        reduce op `op`: float16/bfloat16 widen to float32, int8/uint8 sum and prod to int32
+        (WIDENED; the write-back wraps like numpy)."""
         dtype = x.dtype
-        if dtype in LOW_PRECISION:
-            buf = x.astype(np.float32).reshape(-1)
+        wide = (np.float32 if dtype in LOW_PRECISION
+                else np.int32 if dtype in WIDENED and op in WIDENED_OPS else None)
+        if wide is not None:
+            buf = x.astype(wide).reshape(-1)
             return buf, lambda: x.__setitem__(..., buf.reshape(x.shape)), REDUCE_OPS
         contiguous = x if x.flags.c_contiguous else np.ascontiguousarray(x)
         buf = contiguous if contiguous.ndim == 1 else contiguous.reshape(-1)
@@ -267,7 +277,7 @@ class ProcessGroup:
         self._check_array(x, "all_reduce", writable=True)
         self._check_reduce_op(x, "all_reduce", op)
         seq, arrived = self._begin("all_reduce", x, _REDUCE_CODES[op])
-        buf, writeback, ops = self._reduce_buffer(x)
+        buf, writeback, ops = self._reduce_buffer(x, op)
         mpi_op, size = ops[op], self.world_size
 
         def finish():
@@ -315,7 +325,7 @@ class ProcessGroup:
         else:
             counts = self._check_counts(x, counts)
             rows = counts[self.rank]
-        buf, _, ops = self._reduce_buffer(x)  # read only: no write-back
+        buf, _, ops = self._reduce_buffer(x, op)  # read only: no write-back
         shard_shape = (rows,) + tuple(x.shape[1:])
         out = np.empty(shard_shape, buf.dtype)
         mpi_op, size, dtype = ops[op], self.world_size, x.dtype

@@ -472,6 +472,32 @@ def test_a_size_mismatch_holds_every_rank_until_the_slowest_has_seen_it(world, p
     assert_exact(out, expected)
 
 
+@pytest.mark.parametrize("paths", ["default", "mpi"])
+@pytest.mark.parametrize("dtype,op,base", [("int8", "sum", 100), ("uint8", "sum", 200),
+                                           ("int8", "prod", 3), ("uint8", "prod", 7)])
+def test_8_bit_sum_and_prod_wrap_like_numpy_on_every_path(world, paths, dtype, op, base):
+    """int8 / uint8 sums and products that overflow: every size (mailbox, bounce, system calls;
+    MPI's Iallreduce and Allreduce with the shared-memory paths off), blocking and async, and
+    reduce_scatter, give numpy's wrapped result. Before, Open MPI's AVX op component saturated
+    8-bit sums on the MPI paths (100 + 101 = 127 as int8) where the shared-memory ones wrapped."""
+    group = group_with(world, enabled=paths == "default")
+    group.all_reduce(np.zeros(1, np.float32))  # builds the engine, as a training step does
+    n = group.world_size
+    ufunc = np.add if op == "sum" else np.multiply
+    for count in (100, 50_000, 400_000):
+        terms = [np.full(count, base + r, dtype) for r in range(n)]
+        want = terms[0].copy()
+        for t in terms[1:]:
+            want = ufunc(want, t)  # numpy: wraps
+        for async_op in (False, True):
+            x = terms[group.rank].copy()
+            got = group.all_reduce(x, op=op, async_op=async_op)
+            got = got.wait() if async_op else got
+            assert_exact(got, want)
+        shard = group.reduce_scatter(np.tile(terms[group.rank], n), op=op)
+        assert_exact(shard, want)
+
+
 def test_groups_with_one_rank_per_node_use_mpi(world):
     group = forced_group(world, False, node_size=1)
     x, expected = inputs(group, 3000, "float32", "sum")
