@@ -162,6 +162,10 @@ class Monitor:
                 notes.append(f"rank {m}: waiting in {reply[2]} #{reply[1]} on group '{reply[0]}'"
                              + (" (a different collective at the same position: the ranks' "
                                 "programs diverge)" if reply[:2] == (group, seq) else ""))
+        if not missing:  # every member is in this very call, yet it did not complete
+            notes.append("every rank is in this call: their arguments took different algorithms "
+                         "(different sizes or dtypes, with checking off), or a transfer stalled; "
+                         "RTXMPI_CHECK=1 compares the calls")
         text = (f"{op} #{seq} on group '{group}' did not complete within "
                 f"{timeout_s:g} s; ranks that did not arrive: {missing}"
                 + (" (" + "; ".join(notes) + ")" if notes else ""))

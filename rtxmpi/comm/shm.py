@@ -583,6 +583,19 @@ def _yield():
     return False
 
 
+# the dtypes _mailbox.c folds, by the index of their character in _FOLD_CHARS, and its type
+# and op codes (T_* and OP_* in _mailbox.c), for the size-mismatch message
+_FOLD_NAMES = {i: np.dtype(c).name for i, c in enumerate(_FOLD_CHARS)}
+_TYPE_NAMES = ("float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
+               "uint64")
+_OP_NAMES = ("sum", "max", "min", "prod")
+
+
+def _described(keys):
+    """Mailbox.keys() as text: 'N bytes, dtype, op' per local rank."""
+    return [f"{n} bytes, {_TYPE_NAMES[t]}, {_OP_NAMES[op]}" for n, t, op in keys]
+
+
 # Mailbox.cross statuses that wait for the peers: status -> (flag column, stage to resume at)
 _CROSS_WAITS = {1: (1, 1), 4: (8, 2), 2: (3, 3)}
 
@@ -823,7 +836,9 @@ class NodeAllReduce:
             table = lines[:, [2, 7]]
             keys, ranks = table[:, 1], self._local_ranks
         if (keys != key).any():  # every rank sees every key: each raises, before any transfer
-            error = self._mismatch(ranks, [int(k) // 64 for k in keys])
+            error = self._mismatch(ranks, [f"{int(k) // 64} bytes, "
+                                           f"{_FOLD_NAMES.get(int(k) % 64 - 1, 'other dtype')}"
+                                           for k in keys])
             # after the closing barrier: a rank gone on to its next call would overwrite its key
             # while a peer still compares this call's, and might match it
             self._done(wait)
@@ -865,11 +880,11 @@ class NodeAllReduce:
     def _peer_error(self, op, exc):
         return peer_failure(op, exc, self._pids, self._local_ranks, self._rank)
 
-    def _mismatch(self, ranks, nbytes):
+    def _mismatch(self, ranks, calls):
         """The error when the ranks' arrays for one cross-memory call differ (ranks: world
-        ranks; nbytes: each one's array size): raised on every rank, as each sees every rank's
-        published size, dtype (and op) before any transfer."""
-        sizes = ", ".join(f"rank {r}: {n} bytes" for r, n in zip(ranks, nbytes))
+        ranks; calls: what each one published, as text): raised on every rank, as each sees
+        every rank's published size, dtype (and op) before any transfer."""
+        sizes = "; ".join(f"rank {r}: {call}" for r, call in zip(ranks, calls))
         return CollectiveMismatch(
             f"the ranks of one collective passed arrays of different sizes, dtypes or ops "
             f"({sizes}); nothing was transferred. Run with checking on (RTXMPI_CHECK=1, or "
@@ -1010,7 +1025,7 @@ class NodeAllReduce:
         if type(status) is tuple:
             raise self._peer_error("all_reduce", PeerAccessError(*status))
         if status == 3:
-            raise self._mismatch(self._local_ranks, [key[0] for key in mailbox.keys()])
+            raise self._mismatch(self._local_ranks, _described(mailbox.keys()))
 
     # -- nonblocking all_reduce --------------------------------------------------------------
     def supports_nonblocking(self, x, mpi_op):
@@ -1106,7 +1121,7 @@ class NodeAllReduce:
                 if type(status) is tuple or status == 3:
                     error = (self._peer_error("all_reduce", PeerAccessError(*status))
                              if status != 3 else
-                             self._mismatch(self._local_ranks, [key[0] for key in mailbox.keys()]))
+                             self._mismatch(self._local_ranks, _described(mailbox.keys())))
                     self._fail(error)
                     raise error
                 if status:

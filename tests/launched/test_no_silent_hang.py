@@ -92,6 +92,21 @@ def test_ranks_in_different_collectives_at_the_same_position_are_named(run_mpi):
         assert elapsed_s < 3 * TIMEOUT_S, text
 
 
+def test_ranks_in_one_call_with_different_algorithms_are_told_so(run_mpi):
+    """Checking off, rank 0 passes 32 KiB (the mailbox) and rank 1 32 KiB + 4 bytes (the
+    cross-memory path): both wait in the same all_reduce #2, in different algorithms, until the
+    deadline. Before, the message said only "ranks that did not arrive: []"; now it says every
+    rank is in the call and what to check."""
+    call = "world.all_reduce(np.ones(8192 + world.rank, np.float32))"
+    launch = run_mpi(missing_rank_job(call=call, missing=[], check=False), n=2)
+    assert not launch.outer_timeout and launch.returncode != 0, launch
+    reports = timeout_reports(launch)
+    assert reports, launch
+    for rank, (elapsed_s, op, seq, missing, group, text) in reports.items():
+        assert (op, seq, missing) == ("all_reduce", 2, []), text
+        assert "every rank is in this call" in text and "RTXMPI_CHECK=1" in text, text
+
+
 def test_barrier_with_two_missing_ranks_times_out_on_the_others(run_mpi):
     launch = run_mpi(missing_rank_job(call="world.barrier()", missing=[2, 3]), n=4)
     assert_every_waiting_rank_timed_out(launch, waiting=[0, 1], op="barrier", seq=2,
