@@ -143,9 +143,12 @@ MAX_BUFFER_BYTES = 256 << 20  # largest mailbox slot or chunk a setting may ask 
 BUFFERS = 3  # triple buffering: one barrier per chunk (see the module docstring)
 NEVER = sys.maxsize  # min_bytes when the path is off
 FLAG_BYTES = 128  # two cache lines per local rank for its flags (_mailbox.c's LINE)
-# the compiled cross-memory all_reduce bounces arrays up to this size through a shared slot per
-# rank (user-space copies: no page pinning, no system call) unless every rank's is shared memory
-DEFAULT_BOUNCE_BYTES = 1 << 20
+# the compiled cross-memory all_reduce can bounce arrays up to RTXMPI_SHM_BOUNCE_BYTES through
+# a shared slot per rank (user-space copies: no page pinning, no system call). Off by default:
+# on session 6's host it was 1.4-2.6x raw at 64 KiB-1 MiB in one placement regime of the two
+# vCPUs and 0.78-0.85x (the system calls: 1.4-2.8x) in the other (bench/RESULTS.md)
+DEFAULT_BOUNCE_BYTES = 0
+BOUNCE_BYTES = 1 << 20  # the size the benchmarks and tests turn it on with
 TSO_MACHINES = ("x86_64", "amd64", "i386", "i686")
 # numpy's plain stores to the flag lines (numpy mailbox, cross-memory arrival flags) rely on x86's
 # total store order; elsewhere only the compiled mailbox (atomics) uses the lines

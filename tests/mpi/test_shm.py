@@ -68,7 +68,7 @@ def layout(request):
 def groups(world, layout):
     """{check: group}; layout 'hierarchical-*' pretends nodes of 2 ranks; '*-copy' turns
     cross-memory access off (the shared arena); 'node-cma' moves every all_reduce through the
-    system calls, 'node-bounce' (the default up to 1 MiB) through the shared bounce slots;
+    system calls, 'node-bounce' (RTXMPI_SHM_BOUNCE_BYTES=1 MiB) through the shared bounce slots;
     'node-mailbox' sends every all_reduce up to 1 MiB through the one-synchronization mailbox
     (compiled), 'node-mailbox-numpy' up to its 32 KiB through the numpy one (the fallback
     without the extension)."""
@@ -78,7 +78,7 @@ def groups(world, layout):
                                     small_bytes=1 << 20) for check in (True, False)}
     node_size = 2 if layout.startswith("hierarchical") else None
     cma = not layout.endswith("copy")
-    bounce = shm.DEFAULT_BOUNCE_BYTES if layout == "node-bounce" else 0
+    bounce = shm.BOUNCE_BYTES if layout == "node-bounce" else 0
     return {check: forced_group(world, check, node_size=node_size, cma=cma, bounce_bytes=bounce)
             for check in (True, False)}
 
@@ -123,7 +123,7 @@ def assert_path(group, layout):
         assert (engine.local_size, engine.nodes, engine.mode, engine.small_bytes) == want
         if layout in ("node-cma", "node-bounce"):  # the bounce needs the compiled mailbox
             bounce = layout == "node-bounce" and engine.mailbox is not None
-            assert engine.bounce_bytes == (shm.DEFAULT_BOUNCE_BYTES if bounce else 0), engine
+            assert engine.bounce_bytes == (shm.BOUNCE_BYTES if bounce else 0), engine
 
 
 def inputs(group, length, dtype, op, salt=0):
@@ -397,7 +397,7 @@ def test_mismatched_shapes_raise_on_every_rank_and_group_stays_usable(
     assert_exact(group.all_reduce(y), expected)
 
 
-@pytest.mark.parametrize("paths", ["compiled", "python"])
+@pytest.mark.parametrize("paths", ["compiled", "bounce", "python"])
 @pytest.mark.parametrize("async_op", [False, True])
 def test_unchecked_size_mismatch_on_the_cross_memory_path_raises_and_moves_nothing(
         world, assert_raised_on_every_rank, paths, async_op):
@@ -406,9 +406,10 @@ def test_unchecked_size_mismatch_on_the_cross_memory_path_raises_and_moves_nothi
     silently overwritten, no error). Each rank publishes its array's size with its address, so
     every rank raises CollectiveMismatch naming the sizes, no byte past any array changes, and
     the group stays usable. paths: the compiled one-call path (Mailbox.cross, blocking or
-    queued) or the Python one (flag lines, or an all_gather of addresses where the mailbox is
-    off)."""
-    group = forced_group(world, False, compiled=paths == "compiled")
+    queued; through the system calls, or bounced through the shared slots) or the Python one
+    (flag lines, or an all_gather of addresses where the mailbox is off)."""
+    group = forced_group(world, False, compiled=paths != "python",
+                         bounce_bytes=shm.BOUNCE_BYTES if paths == "bounce" else 0)
     if group.world_size == 1:
         pytest.skip("needs two ranks to disagree")
     engine = group.backend._shm
@@ -432,7 +433,7 @@ def test_unchecked_size_mismatch_on_the_cross_memory_path_raises_and_moves_nothi
     assert_exact(group.all_reduce(y), expected)
 
 
-@pytest.mark.parametrize("paths", ["compiled", "python"])
+@pytest.mark.parametrize("paths", ["compiled", "bounce", "python"])
 def test_a_size_mismatch_holds_every_rank_until_the_slowest_has_seen_it(world, paths):
     """Checking off, rank 0 arrives last with 28000 float32, the others with 20000, and rank 1
     is slow to look (its wait sleeps 0.5 s once every rank has arrived); rank 0 then calls an
@@ -441,7 +442,8 @@ def test_a_size_mismatch_holds_every_rank_until_the_slowest_has_seen_it(world, p
     rank 1 took it for a match and moved this call's data into rank 0's next array (here it
     then hung until the timeout). Now every rank raises CollectiveMismatch, and the next call
     is exact."""
-    group = forced_group(world, False, compiled=paths == "compiled")
+    group = forced_group(world, False, compiled=paths != "python",
+                         bounce_bytes=shm.BOUNCE_BYTES if paths == "bounce" else 0)
     if group.world_size == 1:
         pytest.skip("needs two ranks to disagree")
     group.timeout_s = 20.0  # before: a CollectiveTimeout on every rank, not a hang of minutes
@@ -762,14 +764,14 @@ def test_a_dev_shm_too_small_for_the_bounce_slots_keeps_the_mailbox(world, monke
     fallocate = shm.os.posix_fallocate
 
     def no_room_for_the_slots(fd, offset, length):
-        if length >= shm.DEFAULT_BOUNCE_BYTES:
+        if length >= shm.BOUNCE_BYTES:
             raise OSError(errno.ENOSPC, "No space left on device")
         return fallocate(fd, offset, length)
 
     monkeypatch.setattr(shm.os, "posix_fallocate", no_room_for_the_slots)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        group = forced_group(world, False, small_bytes=1024)
+        group = forced_group(world, False, small_bytes=1024, bounce_bytes=shm.BOUNCE_BYTES)
     engine = group.backend._shm
     if engine.mode != "cma":
         pytest.skip("no cross-memory access here: no bounce slots to drop")
