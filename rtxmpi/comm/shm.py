@@ -1025,10 +1025,18 @@ class NodeAllReduce:
             column, stage = _CROSS_WAITS[status]
             wait(self._watched(lambda: mailbox.cross_reached(column, call)))
             status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, stage)
+        error = self._cross_error(status)
+        if error is not None:
+            raise error
+
+    def _cross_error(self, status):
+        """The error a Mailbox.cross status stands for (a failed transfer's tuple: RankFailure or
+        CollectiveError; 3: the ranks' arrays differ, CollectiveMismatch), else None."""
         if type(status) is tuple:
-            raise self._peer_error("all_reduce", PeerAccessError(*status))
+            return self._peer_error("all_reduce", PeerAccessError(*status))
         if status == 3:
-            raise self._mismatch(self._local_ranks, _described(mailbox.keys()))
+            return self._mismatch(self._local_ranks, _described(self.mailbox.keys()))
+        return None
 
     # -- nonblocking all_reduce --------------------------------------------------------------
     def supports_nonblocking(self, x, mpi_op):
@@ -1071,30 +1079,19 @@ class NodeAllReduce:
             self._cma_calls += 1
             call = self._cma_calls
         entry = [x, mpi_op, call, None, False, small]  # array, op, call, status, outcome, mailbox
-        polls = 0
 
-        def poll():  # outcome: False (queued), True (done) or the error that ended the queue
-            nonlocal polls
+        def done():  # outcome: False (queued), True (done) or the error that ended the queue
             if entry[4] is False:
                 self.progress()
-            if entry[4] is True:
-                return True
-            if entry[4] is not False:
+            if entry[4] is not True and entry[4] is not False:
                 raise entry[4]
-            polls += 1
-            if polls % LIVENESS_POLLS == 0:  # as watch_peers; a dead peer ends the queue
-                try:
-                    check_alive(self._node_pids, self._local_ranks, self._rank)
-                except RankFailure as exc:
-                    self._fail(exc)
-                    raise
-            return False
+            return entry[4] is True
 
         self._queue.append(entry)
         if len(self._queue) == 1:
             monitor.PROGRESS.append(self.progress)
         self.progress()
-        return poll
+        return self._queue_poll(done)
 
     def progress(self):
         """Advance the queued nonblocking all_reduces in launch order as far as possible without
@@ -1121,10 +1118,8 @@ class NodeAllReduce:
             else:  # the next stage of the call (0 at first), after the flag its status awaits
                 stage = 0 if status is None else _CROSS_WAITS[status][1]
                 status = entry[3] = mailbox.cross(x, mpi_op, call, self._tmp, 0, stage)
-                if type(status) is tuple or status == 3:
-                    error = (self._peer_error("all_reduce", PeerAccessError(*status))
-                             if status != 3 else
-                             self._mismatch(self._local_ranks, _described(mailbox.keys())))
+                error = self._cross_error(status)
+                if error is not None:
                     self._fail(error)
                     raise error
                 if status:
@@ -1141,16 +1136,25 @@ class NodeAllReduce:
             entry[4] = error
         self._end_queue()
 
-    def _failing(self, poll):
-        """`poll` that ends the queue (_fail) when it raises RankFailure (a local peer died: the
-        watch_peers check), so no later wait of this process runs a queue that cannot finish."""
-        def failing():
-            try:
-                return poll()
-            except RankFailure as exc:
-                self._fail(exc)
-                raise
-        return failing
+    def _queue_poll(self, done):
+        """poll() for a wait on the queue: done(), and every LIVENESS_POLLS polls the watch_peers
+        check; a local peer found dead ends the queue (_fail) before RankFailure is raised, so no
+        later wait of this process runs a queue that cannot finish."""
+        polls = 0
+
+        def poll():
+            nonlocal polls
+            if done():
+                return True
+            polls += 1
+            if polls % LIVENESS_POLLS == 0:
+                try:
+                    check_alive(self._node_pids, self._local_ranks, self._rank)
+                except RankFailure as exc:
+                    self._fail(exc)
+                    raise
+            return False
+        return poll
 
     def _end_queue(self):
         """Stop the waits' progress calls for this engine (its queue is empty or failed)."""
@@ -1162,7 +1166,7 @@ class NodeAllReduce:
         """Before a blocking mailbox or cross-memory call: finish the queued nonblocking ones
         (they take the lower call numbers), waiting through `wait` (the caller's deadline)."""
         if self._queue:
-            wait(self._failing(self._watched(lambda: self.progress() or not self._queue)))
+            wait(self._queue_poll(lambda: self.progress() or not self._queue))
 
     # -- reduce_scatter ---------------------------------------------------------------------
     def reduce_scatter(self, x, out, counts, mpi_op, wait=_wait_all, guard=contextlib.nullcontext):
