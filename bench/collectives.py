@@ -274,7 +274,8 @@ def op_table(cells, has_gloo, g, nonblocking=False, shared=False):
             gl = c["impls"].get("gloo")
             row += ([fmt(gl["median_us"], 1), fmt(gl["busbw_gbps"], 3),
                      fmt(gl["median_us"] / r["median_us"], 2)] if gl else ["n/a"] * 3)
-        rows.append(row + [op_path(g, c["op"], c["size_bytes"], nonblocking, shared)])
+        rows.append(row + [op_path(g, c["op"], c["size_bytes"], nonblocking, shared,
+                                   c.get("cross_algorithms"))])
     return markdown_table(header + ["rtxmpi path"], rows)
 
 
@@ -342,20 +343,39 @@ def ratio_target(verdicts, lines, key, peer, ratios, target, from_bytes):
                    f"{format_bytes(worst_size)})")
 
 
-def cma_kind(engine, size_bytes, shared):
-    """How the engine's cross-memory all_reduce moves `size_bytes`: "cma, shared" (folded from
+def cross_counts(g):
+    """{algorithm: calls so far} of the group's compiled cross-memory all_reduce (local rank 0
+    picks for every rank: its counts are the group's), or None without it."""
+    engine = g.backend._shm
+    if not engine or engine.mailbox is None or engine.mode != "cma":
+        return None
+    box = engine.mailbox
+    bounce, direct = box.bounce_calls(), box.direct_calls()
+    return {"bounce": bounce, "cma, shared": direct, "cma": engine._cma_calls - bounce - direct}
+
+
+def cma_kind(engine, size_bytes, shared, counts=None):
+    """How the engine's cross-memory all_reduce moved `size_bytes`: "cma, shared" (folded from
     the peers' shared_zeros memory), "bounce" (through the shared slots), "cma" (system calls),
-    or the arena's mode ("copy")."""
+    "bounce 80%, cma 20%" when the tuner (rtxmpi/comm/tuning.py) used both, from the calls
+    counted while the cell was timed (`counts`, cross_counts differences); or the arena's mode
+    ("copy")."""
     if engine.mode != "cma" or engine.mailbox is None:
         return engine.mode
+    if counts and sum(counts.values()):
+        total = sum(counts.values())
+        used = sorted(((v, k) for k, v in counts.items() if v), reverse=True)
+        if len(used) == 1:
+            return used[0][1]
+        return ", ".join(f"{k} {100 * v / total:.0f}%" for v, k in used)
     if shared:
         return "cma, shared"
-    return "bounce" if size_bytes <= engine.bounce_bytes else "cma"
+    return "bounce or cma (tuned)" if size_bytes <= engine.bounce_bytes else "cma"
 
 
-def op_path(g, op, size_bytes, nonblocking=False, shared=False):
+def op_path(g, op, size_bytes, nonblocking=False, shared=False, counts=None):
     """Which algorithm rtxmpi's `op` (blocking, or async_op=True; on shared_zeros buffers or not)
-    ran for `size_bytes` (rtxmpi/comm/mpi.py)."""
+    ran for `size_bytes` (rtxmpi/comm/mpi.py; counts: see cma_kind)."""
     from rtxmpi.comm.mpi import ALL_GATHER_FACTOR
 
     engine, threshold = g.backend._shm, g.backend.shm_config.threshold
@@ -366,11 +386,11 @@ def op_path(g, op, size_bytes, nonblocking=False, shared=False):
             return "MPI"
         if size_bytes <= engine.small_bytes:
             return "shm mailbox (queued)"
-        return f"shm ({cma_kind(engine, size_bytes, shared)}, queued)"
+        return f"shm ({cma_kind(engine, size_bytes, shared, counts)}, queued)"
     if op == "all_reduce":
         if size_bytes <= engine.small_bytes:
             return "shm mailbox"
-        return (f"shm ({cma_kind(engine, size_bytes, shared)})"
+        return (f"shm ({cma_kind(engine, size_bytes, shared, counts)})"
                 if size_bytes >= engine.all_reduce_from else "MPI")
     cma = engine.mode == "cma"
     if op == "reduce_scatter" and cma and size_bytes >= threshold:
@@ -385,7 +405,8 @@ def side_by_side(cells, g, nonblocking=False, shared=False):
     rows = []
     for c in cells:
         r, w, gl = c["impls"]["rtxmpi"], c["impls"]["raw"], c["impls"].get("gloo")
-        path = op_path(g, "all_reduce", c["size_bytes"], nonblocking, shared)
+        path = op_path(g, "all_reduce", c["size_bytes"], nonblocking, shared,
+                       c.get("cross_algorithms"))
         rows.append([format_bytes(c["size_bytes"]), fmt(r["busbw_gbps"], 3), fmt(w["busbw_gbps"], 3),
                      fmt(gl["busbw_gbps"], 3) if gl else "n/a",
                      fmt(c["busbw_ratio_rtxmpi_raw"], 2),
@@ -411,7 +432,7 @@ def path_groups(world, max_bytes):
 
     mailbox = min(max_bytes, MAILBOX_MAX_BYTES)
     configs = {"mailbox": dict(min_bytes=shm.NEVER, small_bytes=mailbox),
-               "bounce": dict(min_bytes=0, small_bytes=0, bounce_bytes=mailbox),
+               "bounce": dict(min_bytes=0, small_bytes=0, bounce_any_cpu=True),
                "cross-memory": dict(min_bytes=0, small_bytes=0, bounce_bytes=0),
                "MPI": dict(enabled=False)}
     groups = {}
@@ -438,7 +459,7 @@ def measure_paths(world, comm, sizes, iters, dtype):
         count = element_count("all_reduce", size, dtype.itemsize, comm.Get_size())
         x, shared = np.zeros(count, dtype), rtxmpi.shared_zeros(count, dtype)
         names = ["raw"] + [name for name in groups
-                           if name not in ("mailbox", "bounce") or size <= MAILBOX_MAX_BYTES]
+                           if name != "mailbox" or size <= MAILBOX_MAX_BYTES]
         calls = [(lambda: comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM))] + [
             (lambda g=groups[name]: g.all_reduce(x)) for name in names[1:]]
         names.append("shared")
@@ -561,8 +582,12 @@ def main(argv=None):
             inp, out = buffers.views(op, count, n)
             names = [name for name in impls if not (name == "gloo" and op in unsupported)]
             calls = [impls[name][0](op, inp, out) for name in names]
+            before = cross_counts(g)
             iters, times = measure_cell(calls, args.iters, comm)
             cells.append(cell_result(op, count * dtype.itemsize, n, iters, names, times))
+            if op == "all_reduce" and before is not None:
+                after = cross_counts(g)
+                cells[-1]["cross_algorithms"] = {k: after[k] - before[k] for k in after}
         say(f"[collectives] {format_bytes(size):>8} done in {time.perf_counter() - t_size:6.2f} s "
             f"(elapsed {time.perf_counter() - started:6.1f} s)")
 

@@ -4,8 +4,10 @@
  * Layout of the mailbox mapping (owned and described by shm.py): per local rank j, a region of
  * `region` bytes at j * region: a 128-byte flag line (int64 [0] the mailbox call number; for the
  * cross-memory all_reduce, [1] its arrival call, [2] this call's array address, [3] its done
- * call, [4]-[6] its shared region, [7] its bytes, type and op, [8] its bounce slot's call), then
- * two slots of `slot_bytes` (call parity 0 and 1), then the bounce slot of `bounce_bytes`.
+ * call, [4]-[6] its shared region, [7] its bytes, type and op, [8] and [9] the bounce's
+ * copy-in and fold round counters, [10] its CPU + 1 when it may bounce, else 0), then two slots
+ * of `slot_bytes` (call parity 0 and 1), then the bounce slot of `bounce_bytes` (three round
+ * parities x local_size pieces of piece_bytes).
  *
  * all_reduce(x, op, spin_ns): number this call (1, 2, ...), copy x into this rank's slot of the
  * call's parity, store the flag with release order, and spin (acquire loads) until every local
@@ -36,6 +38,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
+#include <sched.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -72,8 +75,21 @@ typedef struct {
     int64_t *seen_keys;     /* cross(): every local rank's key when a call found them differ */
     uint64_t map_clock;     /* least-recently-used eviction of `maps` */
     int64_t direct_calls;   /* cross() calls that took the shared-region path */
-    Py_ssize_t bounce_bytes;  /* cross(): largest array that bounces through the slots below */
+    int64_t bounce_calls;   /* cross() calls that bounced */
+    int64_t arrived_ns;     /* cross(): when the call in flight found every peer arrived */
+    int64_t last_ns;        /* cross(): the last finished call, arrival to done (-1: none) */
+    int algorithm;          /* cross(): the call in flight's: 0 system calls, 1 bounce, 2 direct */
+    int last_algorithm;     /* cross(): the last finished call's */
+    Py_ssize_t bounce_bytes;  /* cross(): this rank's bounce slot (0: no bounce) */
+    Py_ssize_t piece_bytes;   /* cross(): one piece of the slot (bounce_bytes / (3 local_size)) */
+    Py_ssize_t bounce_max;    /* cross(): largest array that may bounce */
+    int bounce_any_cpu;       /* cross(): bounce even when two local ranks share a CPU */
     int64_t bounce_call;    /* cross(): the call in flight bounces (its number), else 0 */
+    int64_t bounce_seq;     /* cross(): bounce rounds completed before the call in flight */
+    Py_ssize_t bounce_t, bounce_rounds, bounce_step;  /* its next round, rounds, piece elements */
+    int bounce_phase;       /* 0: round bounce_t's fold is next; 1: its copy-out */
+    int wait_column;        /* the flag column and value the last unfinished spin waited for */
+    int64_t wait_value;
     int64_t mismatch_call;  /* cross(): the call whose ranks' keys differ (its number), else 0 */
 } Mailbox;
 
@@ -98,13 +114,15 @@ static inline char *slot_of(Mailbox *b, int j, int64_t call) {
     return b->base + (Py_ssize_t)j * b->region + LINE + (call & 1) * b->slot_bytes;
 }
 
-/* Local rank j's bounce slot (bounce_bytes; after its two mailbox slots). */
-static inline char *bounce_of(Mailbox *b, int j) {
-    return b->base + (Py_ssize_t)j * b->region + LINE + 2 * b->slot_bytes;
+/* Local rank j's bounce piece for rank d's segment in bounce round g (its bounce slot, after
+ * its two mailbox slots, holds three round parities of local_size pieces). */
+static inline char *piece_of(Mailbox *b, int j, int64_t g, int d) {
+    return b->base + (Py_ssize_t)j * b->region + LINE + 2 * b->slot_bytes
+           + ((Py_ssize_t)(g % 3) * b->local_size + d) * b->piece_bytes;
 }
 
 /* Every other local rank's flag line has reached `call` in int64 `column` (0: mailbox posted,
- * 1: cross-memory arrival, 3: cross-memory done). */
+ * 1: cross-memory arrival, 3: cross-memory done, 8 and 9: bounce rounds copied in, folded). */
 static int all_reached(Mailbox *b, int column, int64_t call) {
     for (int j = 0; j < b->local_size; j++)
         if (j != b->local_rank
@@ -119,7 +137,7 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* all_reached, polled for up to spin_ns. */
+/* all_reached, polled for up to spin_ns; when it was not, the wait is recorded (cross_ready). */
 static int spin_until(Mailbox *b, int column, int64_t call, int64_t spin_ns) {
     int done = all_reached(b, column, call);
     if (!done && spin_ns > 0) {
@@ -129,6 +147,10 @@ static int spin_until(Mailbox *b, int column, int64_t call, int64_t spin_ns) {
             CPU_RELAX();
             if ((++polls & 63) == 0 && now_ns() > end) break;
         }
+    }
+    if (!done) {
+        b->wait_column = column;
+        b->wait_value = call;
     }
     return done;
 }
@@ -314,6 +336,17 @@ static PyObject *Mailbox_direct_calls(Mailbox *b, PyObject *unused) {
 
 /* *out = the pids of `pids` (local_size ints) but local_rank's, and *addrs room for as many
  * addresses, both PyMem-allocated; 0 or -1. */
+static PyObject *Mailbox_bounce_calls(Mailbox *b, PyObject *unused) {
+    (void)unused;
+    return PyLong_FromLongLong(b->bounce_calls);
+}
+
+static PyObject *Mailbox_last_call(Mailbox *b, PyObject *unused) {
+    (void)unused;
+    if (b->last_ns < 0) Py_RETURN_NONE;
+    return Py_BuildValue("(iL)", b->last_algorithm, (long long)b->last_ns);
+}
+
 static int set_peer_pids(pid_t **out, uintptr_t **addrs, PyObject *pids, int local_size,
                          int local_rank) {
     PyObject *seq = PySequence_Fast(pids, "mailbox: pids must be a sequence");
@@ -350,14 +383,14 @@ static int set_peer_pids(pid_t **out, uintptr_t **addrs, PyObject *pids, int loc
 
 static int Mailbox_init(Mailbox *b, PyObject *args, PyObject *kwds) {
     static char *names[] = {"mapping", "local_size", "local_rank", "slot_bytes", "ops", "pids",
-                            "bounce_bytes", NULL};
+                            "bounce_bytes", "bounce_max", "bounce_any_cpu", NULL};
     PyObject *mapping, *pids = Py_None;
-    int local_size, local_rank;
-    Py_ssize_t slot_bytes, bounce_bytes = 0;
+    int local_size, local_rank, bounce_any_cpu = 0;
+    Py_ssize_t slot_bytes, bounce_bytes = 0, bounce_max = PY_SSIZE_T_MAX;
     PyObject *ops[4];
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oiin(OOOO)|On", names, &mapping, &local_size,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oiin(OOOO)|On$np", names, &mapping, &local_size,
                                      &local_rank, &slot_bytes, &ops[0], &ops[1], &ops[2], &ops[3],
-                                     &pids, &bounce_bytes))
+                                     &pids, &bounce_bytes, &bounce_max, &bounce_any_cpu))
         return -1;
     if (b->open) {
         PyErr_SetString(PyExc_ValueError, "mailbox already initialized");
@@ -417,7 +450,7 @@ static int Mailbox_init(Mailbox *b, PyObject *args, PyObject *kwds) {
         }
     }
     b->open = 1;
-    b->calls = b->direct_calls = 0;
+    b->calls = b->direct_calls = b->bounce_calls = 0;
     for (int i = 0; i < 4; i++) {  /* __init__ again after close(): drop the previous ops */
         Py_INCREF(ops[i]);
         Py_XSETREF(b->ops[i], ops[i]);
@@ -426,7 +459,15 @@ static int Mailbox_init(Mailbox *b, PyObject *args, PyObject *kwds) {
     b->region = region;
     b->slot_bytes = slot_bytes;
     b->bounce_bytes = bounce_bytes;
-    b->bounce_call = 0;
+    /* whole cache-line pairs, so no two ranks' pieces share a line; too small a slot: no bounce */
+    b->piece_bytes = bounce_bytes / (3 * (Py_ssize_t)local_size) / LINE * LINE;
+    b->bounce_max = b->piece_bytes ? bounce_max : 0;
+    b->bounce_any_cpu = bounce_any_cpu;
+    b->bounce_call = b->bounce_seq = 0;
+    b->wait_column = -1;
+    b->wait_value = 0;
+    b->last_ns = -1;
+    b->algorithm = b->last_algorithm = 0;
     b->mismatch_call = 0;
     b->local_size = local_size;
     b->local_rank = local_rank;
@@ -730,70 +771,149 @@ static void segment(Py_ssize_t count, int n, int j, Py_ssize_t *lo, Py_ssize_t *
     *hi = q * (j + 1) + r * (j + 1) / n;
 }
 
-/* The bounce's copy-in: every other rank's segment of x into this rank's bounce slot, at its
- * offset in x. Without the GIL. */
-static void bounce_in(Mailbox *b, const char *x, Py_ssize_t count, Py_ssize_t itemsize) {
-    char *slot = bounce_of(b, b->local_rank);
-    for (int j = 0; j < b->local_size; j++) {
-        Py_ssize_t lo, hi;
-        segment(count, b->local_size, j, &lo, &hi);
-        if (j != b->local_rank) memcpy(slot + lo * itemsize, x + lo * itemsize, (hi - lo) * itemsize);
+/* Elements [*lo, *lo + *len) of x: piece t (of b->bounce_step elements) of rank d's segment. */
+static void piece_range(Mailbox *b, Py_ssize_t count, int d, Py_ssize_t t, Py_ssize_t *lo,
+                        Py_ssize_t *len) {
+    Py_ssize_t hi;
+    segment(count, b->local_size, d, lo, &hi);
+    *lo += t * b->bounce_step;
+    *len = hi - *lo < b->bounce_step ? hi - *lo : b->bounce_step;
+    if (*len < 0) *len = 0;
+}
+
+/* The bounce's copy-in of round t (counter g): piece t of every other rank's segment of x into
+ * this rank's slot. Without the GIL. */
+static void bounce_in(Mailbox *b, const char *x, Py_ssize_t count, Py_ssize_t itemsize,
+                      Py_ssize_t t, int64_t g) {
+    for (int d = 0; d < b->local_size; d++) {
+        Py_ssize_t lo, len;
+        piece_range(b, count, d, t, &lo, &len);
+        if (d != b->local_rank)
+            memcpy(piece_of(b, b->local_rank, g, d), x + lo * itemsize, len * itemsize);
     }
 }
 
-/* The bounce's fold: this rank's segment of x, own value first, then every peer's slot in rank
- * order (the order of fold_loop and fold_direct: the same bits), in pieces of `step` elements,
- * each copied into this rank's slot while in cache. Without the GIL. */
+/* The bounce's fold of round t: piece t of this rank's segment, own value first, then every
+ * peer's copy in rank order (the order of fold_loop and fold_direct: the same bits), copied into
+ * this rank's slot while in cache. Without the GIL. */
 static void bounce_fold(Mailbox *b, char *x, Py_ssize_t count, Py_ssize_t itemsize, int type,
-                        int op, Py_ssize_t step) {
+                        int op, Py_ssize_t t, int64_t g) {
     int me = b->local_rank;
-    Py_ssize_t lo, hi;
-    segment(count, b->local_size, me, &lo, &hi);
-    for (Py_ssize_t start = lo; start < hi; start += step) {
-        Py_ssize_t stop = start + step < hi ? start + step : hi, off = start * itemsize;
-        for (int j = 0; j < b->local_size; j++)
-            if (j != me) fold(type, x + off, x + off, bounce_of(b, j) + off, stop - start, op);
-        memcpy(bounce_of(b, me) + off, x + off, (size_t)((stop - start) * itemsize));
+    Py_ssize_t lo, len;
+    piece_range(b, count, me, t, &lo, &len);
+    char *own = x + lo * itemsize;
+    for (int j = 0; j < b->local_size; j++)
+        if (j != me) fold(type, own, own, piece_of(b, j, g, me), len, op);
+    memcpy(piece_of(b, me, g, me), own, (size_t)(len * itemsize));
+}
+
+/* The bounce's copy-out of round t: every other rank's reduced piece t from its slot into x. */
+static void bounce_out(Mailbox *b, char *x, Py_ssize_t count, Py_ssize_t itemsize, Py_ssize_t t,
+                       int64_t g) {
+    for (int d = 0; d < b->local_size; d++) {
+        Py_ssize_t lo, len;
+        piece_range(b, count, d, t, &lo, &len);
+        if (d != b->local_rank) memcpy(x + lo * itemsize, piece_of(b, d, g, d), len * itemsize);
     }
 }
 
-/* The bounce's copy-out: every other rank's reduced segment from its slot into x. */
-static void bounce_out(Mailbox *b, char *x, Py_ssize_t count, Py_ssize_t itemsize) {
-    for (int j = 0; j < b->local_size; j++) {
-        Py_ssize_t lo, hi;
-        segment(count, b->local_size, j, &lo, &hi);
-        if (j != b->local_rank)
-            memcpy(x + lo * itemsize, bounce_of(b, j) + lo * itemsize, (hi - lo) * itemsize);
+/* Whether this call bounces (after the arrival and the key check, the same answer on every
+ * rank): every rank published [10] (it may bounce: a stage-0 `bounce` argument, an array of
+ * bounce_max at most, a slot) and, unless bounce_any_cpu, on a CPU no other local rank was on
+ * at its arrival. The bounce's rounds need every rank running at once: ranks that share a CPU
+ * hand it over at every round, where the system calls let each rank fold its segment alone. */
+static int bounces(Mailbox *b) {
+    int n = b->local_size;
+    for (int j = 0; j < n; j++) {
+        int64_t cpu = __atomic_load_n(flag_of(b, j) + 10, __ATOMIC_RELAXED);
+        if (cpu <= 0) return 0;
+        for (int k = 0; k < j && !b->bounce_any_cpu; k++)
+            if (__atomic_load_n(flag_of(b, k) + 10, __ATOMIC_RELAXED) == cpu) return 0;
     }
+    return 1;
 }
 
-/* cross(x, op, call, tmp, spin_ns, stage): the whole cross-memory all_reduce of shm.py (one
- * node, every local rank's pid given at construction) in one call. Stage 0: publish x's address,
- * shared region and key in the flag line and raise [1] to `call`; then spin up to spin_ns until
- * every peer has. After the arrival, this rank's segment [count * r / n, count * (r + 1) / n) of
- * x is reduced by one of three algorithms, the same on every rank:
+/* Start the bounce of x (this call's rounds, the copy-in of round 0). */
+static void bounce_start(Mailbox *b, int64_t call, const char *x, Py_ssize_t count,
+                         Py_ssize_t itemsize) {
+    Py_ssize_t longest = (count + b->local_size - 1) / b->local_size;
+    b->bounce_call = call;
+    b->bounce_calls++;
+    b->bounce_step = b->piece_bytes / itemsize;
+    b->bounce_rounds = (longest + b->bounce_step - 1) / b->bounce_step;
+    b->bounce_t = 0;
+    b->bounce_phase = 0;
+    Py_BEGIN_ALLOW_THREADS
+    bounce_in(b, x, count, itemsize, 0, b->bounce_seq + 1);
+    Py_END_ALLOW_THREADS
+    __atomic_store_n(flag_of(b, b->local_rank) + 8, b->bounce_seq + 1, __ATOMIC_RELEASE);
+}
+
+/* Run the bounce's rounds from where it stopped: round t (counter g = bounce_seq + 1 + t) folds
+ * once every peer copied it in ([8] >= g), raises [9] to g, copies round t + 1 in (raising [8])
+ * and copies round t out once every peer folded it ([9] >= g). With three round parities no
+ * rank writes a piece a peer may still read: a rank copies round t + 1 in after every peer
+ * copied round t in, which each did after copying round t - 2 out. Returns 1 when every round is
+ * done, 0 when a flag was not reached within spin_ns (recorded for cross_ready; call again). */
+static int bounce_run(Mailbox *b, char *x, Py_ssize_t count, Py_ssize_t itemsize, int type,
+                      int op, int64_t spin_ns) {
+    int64_t *mine = flag_of(b, b->local_rank);
+    while (b->bounce_t < b->bounce_rounds) {
+        Py_ssize_t t = b->bounce_t;
+        int64_t g = b->bounce_seq + 1 + t;
+        if (b->bounce_phase == 0) {
+            if (!spin_until(b, 8, g, spin_ns)) return 0;
+            Py_BEGIN_ALLOW_THREADS
+            bounce_fold(b, x, count, itemsize, type, op, t, g);
+            __atomic_store_n(mine + 9, g, __ATOMIC_RELEASE);
+            if (t + 1 < b->bounce_rounds) {
+                bounce_in(b, x, count, itemsize, t + 1, g + 1);
+                __atomic_store_n(mine + 8, g + 1, __ATOMIC_RELEASE);
+            }
+            Py_END_ALLOW_THREADS
+            b->bounce_phase = 1;
+        }
+        if (!spin_until(b, 9, g, spin_ns)) return 0;
+        Py_BEGIN_ALLOW_THREADS
+        bounce_out(b, x, count, itemsize, t, g);
+        Py_END_ALLOW_THREADS
+        b->bounce_phase = 0;
+        b->bounce_t++;
+    }
+    b->bounce_seq += b->bounce_rounds;
+    b->bounce_call = 0;
+    return 1;
+}
+
+/* cross(x, op, call, tmp, spin_ns, stage, bounce): the whole cross-memory all_reduce of shm.py
+ * (one node, every local rank's pid given at construction) in one call. Stage 0: publish x's
+ * address, shared region, key and (bounce true, x of bounce_max at most) its CPU in the flag
+ * line and raise [1] to `call`; then spin up to spin_ns until every peer has. After the arrival,
+ * this rank's segment [count * r / n, count * (r + 1) / n) of x is reduced by one of three
+ * algorithms, the same on every rank:
  * - every rank's x in a registered shared region: folded straight from the peers' mappings,
  *   written back into them ("direct");
- * - else, x of bounce_bytes at most ("bounce": user-space copies through shared slots): each
- *   rank copies the other ranks' segments of x into its bounce slot and raises [8]; once every
- *   peer has, folds its segment from the peers' slots into x and its own slot, raises [3], and
- *   once every peer has, copies the other segments out of the peers' slots into x;
+ * - else, when bounces() ("bounce": user-space copies through shared slots, pipelined in
+ *   rounds of one piece per segment; bounce_run);
  * - else each piece read from every peer into tmp (process_vm_readv), folded into x, written
  *   back into every peer's x (process_vm_writev).
- * Then [3] is raised to `call`, and the call spins up to spin_ns until every peer has (no rank
- * returns while a peer still reads or writes its array or slot). Returns 0 (done); 1: a peer has
- * not arrived (wait on cross_reached(1, call), call again with stage 1); 4: bouncing, a peer's
- * slot is not ready (wait on cross_reached(8, call), stage 2); 2: this rank's segment is done, a
- * peer's is not (wait on cross_reached(3, call), stage 3); 3: the ranks' arrays differ in bytes,
- * dtype or op (nothing moved, on every rank; keys() says how; returned once every rank raised
- * [3] for it, 2 until then); or the (errno, pid, what) tuple of a failed transfer. */
+ * Then [3] is raised to `call`, and (but after a bounce, whose last round every peer folded:
+ * no peer reads or writes this rank's memory for this call any more) the call spins up to
+ * spin_ns until every peer has (no rank returns while a peer still reads or writes its array).
+ * Returns 0 (done); 1: a peer has not arrived (wait on cross_ready(), call again with stage 1);
+ * 4: bouncing, a peer's round is not ready (cross_ready(), stage 2); 2: this rank's segment is
+ * done, a peer's is not (cross_ready(), stage 3); 3: the ranks' arrays differ in bytes, dtype or
+ * op (nothing moved, on every rank; keys() says how; returned once every rank raised [3] for
+ * it, 2 until then); or the (errno, pid, what) tuple of a failed transfer. */
 static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "cross(x, op, call, tmp, spin_ns, stage)");
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "cross(x, op, call, tmp, spin_ns, stage, bounce)");
         return NULL;
     }
     int64_t call = PyLong_AsLongLong(args[2]), spin_ns = PyLong_AsLongLong(args[4]);
     long stage = PyLong_AsLong(args[5]);
+    int may_bounce = PyObject_IsTrue(args[6]);
+    if (may_bounce < 0) return NULL;
     if (PyErr_Occurred()) return NULL;
     if (stage < 0 || stage > 3) {
         PyErr_Format(PyExc_ValueError, "mailbox: cross() stage %ld is none of 0-3", stage);
@@ -801,6 +921,11 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
     }
     if (b->peer_pids == NULL) {
         PyErr_SetString(PyExc_ValueError, "mailbox: cross() needs the local ranks' pids");
+        return NULL;
+    }
+    if (stage == 2 && b->bounce_call != call) {
+        PyErr_Format(PyExc_ValueError, "mailbox: cross() stage 2, but call %lld does not bounce",
+                     (long long)call);
         return NULL;
     }
     int op = op_of(b, args[1]);
@@ -828,6 +953,8 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
         __atomic_store_n(mine + 5, reg ? (int64_t)((uintptr_t)a.view.buf - reg->start) : 0,
                          __ATOMIC_RELAXED);
         __atomic_store_n(mine + 6, reg ? reg->ino : 0, __ATOMIC_RELAXED);
+        int cpu = may_bounce && a.view.len <= b->bounce_max ? sched_getcpu() : -1;
+        __atomic_store_n(mine + 10, (int64_t)cpu + 1, __ATOMIC_RELAXED);
         __atomic_store_n(mine + 1, call, __ATOMIC_RELEASE);
     }
     long status = 0;
@@ -845,16 +972,14 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
             stage = 3;
             __atomic_store_n(mine + 3, call, __ATOMIC_RELEASE);
         } else {
+            b->arrived_ns = now_ns();
             /* the same choice on every rank: every rank's published region, or not */
             int direct = 1;
             for (int j = 0; j < n && direct; j++)
                 direct = __atomic_load_n(flag_of(b, j) + 4, __ATOMIC_RELAXED) >= 0;
-            b->bounce_call = !direct && a.view.len <= b->bounce_bytes ? call : 0;
-            if (b->bounce_call) {
-                Py_BEGIN_ALLOW_THREADS
-                bounce_in(b, a.view.buf, a.count, itemsize);
-                Py_END_ALLOW_THREADS
-                __atomic_store_n(mine + 8, call, __ATOMIC_RELEASE);
+            if (!direct && a.count > 0 && bounces(b)) {
+                b->algorithm = 1;
+                bounce_start(b, call, a.view.buf, a.count, itemsize);
                 stage = 2;
             } else {
                 /* A region this rank cannot map (no descriptor left, no address space, a stale
@@ -881,6 +1006,7 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
                 Py_ssize_t lo, hi;
                 segment(a.count, n, me, &lo, &hi);
                 b->direct_calls += direct;
+                b->algorithm = direct ? 2 : 0;
                 Py_BEGIN_ALLOW_THREADS
                 if (direct)
                     fold_direct(a.view.buf, lo, hi, itemsize, a.type, op, b->peer_ptrs, n - 1,
@@ -894,26 +1020,20 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
             }
         }
     }
-    if (status == 0 && stage == 2) {  /* bouncing: every peer's slot holds its copy-in */
-        if (!spin_until(b, 8, call, spin_ns)) {
+    if (status == 0 && stage == 2) {  /* bouncing */
+        if (!bounce_run(b, a.view.buf, a.count, itemsize, a.type, op, spin_ns))
             status = 4;
-        } else {
-            Py_BEGIN_ALLOW_THREADS
-            bounce_fold(b, a.view.buf, a.count, itemsize, a.type, op, step);
-            Py_END_ALLOW_THREADS
+        else
             __atomic_store_n(mine + 3, call, __ATOMIC_RELEASE);
-        }
-    }
-    if (status == 0 && !f.err) {  /* stage 3: this rank's segment is done */
-        if (!spin_until(b, 3, call, spin_ns)) {
+    } else if (status == 0 && !f.err) {  /* stage 3: this rank's segment is done */
+        if (!spin_until(b, 3, call, spin_ns))
             status = 2;
-        } else if (b->bounce_call == call) {
-            Py_BEGIN_ALLOW_THREADS
-            bounce_out(b, a.view.buf, a.count, itemsize);
-            Py_END_ALLOW_THREADS
-            b->bounce_call = 0;
-        }
-        if (status == 0 && b->mismatch_call == call) status = 3;
+        else if (b->mismatch_call == call)
+            status = 3;
+    }
+    if (status == 0 && !f.err && b->mismatch_call != call) {
+        b->last_ns = now_ns() - b->arrived_ns;
+        b->last_algorithm = b->algorithm;
     }
     PyBuffer_Release(&a.view);
     PyBuffer_Release(&tmp);
@@ -953,12 +1073,21 @@ static PyObject *Mailbox_cross_reached(Mailbox *b, PyObject *const *args, Py_ssi
     long column = PyLong_AsLong(args[0]);
     int64_t call = PyLong_AsLongLong(args[1]);
     if (PyErr_Occurred()) return NULL;
-    if (!b->open || (column != 1 && column != 3 && column != 8)) {
-        PyErr_SetString(PyExc_ValueError, b->open ? "mailbox: cross_reached column is 1, 3 or 8"
+    if (!b->open || (column != 1 && column != 3)) {
+        PyErr_SetString(PyExc_ValueError, b->open ? "mailbox: cross_reached column is 1 or 3"
                                                   : "mailbox is closed");
         return NULL;
     }
     return PyBool_FromLong(all_reached(b, (int)column, call));
+}
+
+static PyObject *Mailbox_cross_ready(Mailbox *b, PyObject *unused) {
+    (void)unused;
+    if (!b->open) {
+        PyErr_SetString(PyExc_ValueError, "mailbox is closed");
+        return NULL;
+    }
+    return PyBool_FromLong(b->wait_column < 0 || all_reached(b, b->wait_column, b->wait_value));
 }
 
 static PyMethodDef module_methods[] = {
@@ -983,17 +1112,25 @@ static PyMethodDef Mailbox_methods[] = {
     {"finish", (PyCFunction)(void (*)(void))Mailbox_finish, METH_FASTCALL,
      "finish(x, op, call): reduce the posted terms of `call` into x (after arrived(call))."},
     {"cross", (PyCFunction)(void (*)(void))Mailbox_cross, METH_FASTCALL,
-     "cross(x, op, call, tmp, spin_ns, stage) -> int or (errno, pid, what): the one-node "
-     "cross-memory all_reduce of x in place (0 done; 1, 4, 2: wait on cross_reached(1, 8, 3; "
-     "call), then call again at stage 1, 2, 3; 3: the ranks' arrays differ)."},
+     "cross(x, op, call, tmp, spin_ns, stage, bounce) -> int or (errno, pid, what): the one-node "
+     "cross-memory all_reduce of x in place (0 done; 1, 4, 2: wait on cross_ready(), then call "
+     "again at stage 1, 2, 3; 3: the ranks' arrays differ); bounce: this rank may bounce it."},
+    {"cross_ready", (PyCFunction)Mailbox_cross_ready, METH_NOARGS,
+     "cross_ready() -> bool: the flags the last unfinished cross() waited for are reached."},
     {"cross_reached", (PyCFunction)(void (*)(void))Mailbox_cross_reached, METH_FASTCALL,
-     "cross_reached(column, call) -> bool: every local rank's cross-memory arrival (column 1), "
-     "bounce slot (8) or done (3) flag has reached `call`."},
+     "cross_reached(column, call) -> bool: every local rank's cross-memory arrival (column 1) "
+     "or done (3) flag has reached `call`."},
     {"keys", (PyCFunction)Mailbox_keys, METH_NOARGS,
      "keys() -> ((bytes, type, op), ...): what each local rank had published when a cross() "
      "call last found them differ (status 3)."},
     {"direct_calls", (PyCFunction)Mailbox_direct_calls, METH_NOARGS,
      "direct_calls() -> int: cross() calls that folded straight from the peers' shared regions."},
+    {"bounce_calls", (PyCFunction)Mailbox_bounce_calls, METH_NOARGS,
+     "bounce_calls() -> int: cross() calls that bounced through the shared slots."},
+    {"last_call", (PyCFunction)Mailbox_last_call, METH_NOARGS,
+     "last_call() -> (algorithm, ns) or None: the last cross() call that finished: its "
+     "algorithm (0 system calls, 1 bounce, 2 direct) and its nanoseconds from every peer's "
+     "arrival to its end on this rank."},
     {"close", (PyCFunction)Mailbox_close, METH_NOARGS,
      "close(): release the mapping (every later call raises ValueError)."},
     {NULL, NULL, 0, NULL}};

@@ -113,7 +113,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import CollectiveError, CollectiveMismatch, ConfigError, RankFailure
-from . import monitor
+from . import monitor, tuning
 from .failure import ulfm_enabled
 
 try:  # the compiled mailbox (_mailbox.c, built at install); numpy and plain stores without it
@@ -143,12 +143,11 @@ MAX_BUFFER_BYTES = 256 << 20  # largest mailbox slot or chunk a setting may ask 
 BUFFERS = 3  # triple buffering: one barrier per chunk (see the module docstring)
 NEVER = sys.maxsize  # min_bytes when the path is off
 FLAG_BYTES = 128  # two cache lines per local rank for its flags (_mailbox.c's LINE)
-# the compiled cross-memory all_reduce can bounce arrays up to RTXMPI_SHM_BOUNCE_BYTES through
-# a shared slot per rank (user-space copies: no page pinning, no system call). Off by default:
-# on session 6's host it was 1.4-2.6x raw at 64 KiB-1 MiB in one placement regime of the two
-# vCPUs and 0.78-0.85x (the system calls: 1.4-2.8x) in the other (bench/RESULTS.md)
-DEFAULT_BOUNCE_BYTES = 0
-BOUNCE_BYTES = 1 << 20  # the size the benchmarks and tests turn it on with
+# the compiled cross-memory all_reduce bounces arrays up to RTXMPI_SHM_BOUNCE_BYTES (default:
+# every size) through shared slots, pipelined (user-space copies: no page pinning, no system
+# call), when the local ranks run on distinct CPUs; ranks that share one take the system calls
+DEFAULT_BOUNCE_BYTES = NEVER
+BOUNCE_SLOT_BYTES = 4 << 20  # largest bounce slot per rank: 3 round parities x local_size pieces
 TSO_MACHINES = ("x86_64", "amd64", "i386", "i686")
 # numpy's plain stores to the flag lines (numpy mailbox, cross-memory arrival flags) rely on x86's
 # total store order; elsewhere only the compiled mailbox (atomics) uses the lines
@@ -172,19 +171,21 @@ class ShmConfig:
     compiled cross-memory path), chunk_bytes (int,
     pipeline chunk; a multiple of 8), node_size (int or None: pretend nodes of this many local
     ranks), cma (bool: cross-memory access allowed), bounce_bytes (int, largest all_reduce the
-    compiled cross-memory path bounces through shared slots; 0: never; a multiple of 8).
+    compiled cross-memory path may bounce through shared slots; 0: never), bounce_any_cpu (bool:
+    bounce even when two local ranks share a CPU; tests and benchmarks).
     """
 
     __slots__ = ("enabled", "min_bytes", "chunk_bytes", "node_size", "cma", "small_bytes",
-                 "bounce_bytes")
+                 "bounce_bytes", "bounce_any_cpu")
 
     def __init__(self, enabled=True, min_bytes=None, chunk_bytes=DEFAULT_CHUNK_BYTES,
-                 node_size=None, cma=True, small_bytes=None, bounce_bytes=DEFAULT_BOUNCE_BYTES):
+                 node_size=None, cma=True, small_bytes=None, bounce_bytes=DEFAULT_BOUNCE_BYTES,
+                 bounce_any_cpu=False):
         self.enabled = bool(enabled)
         self.min_bytes = None if min_bytes is None else int(min_bytes)
         self.chunk_bytes, self.node_size, self.cma = int(chunk_bytes), node_size, bool(cma)
         self.small_bytes = None if small_bytes is None else int(small_bytes)
-        self.bounce_bytes = int(bounce_bytes)
+        self.bounce_bytes, self.bounce_any_cpu = int(bounce_bytes), bool(bounce_any_cpu)
 
     @property
     def threshold(self):
@@ -202,12 +203,13 @@ class ShmConfig:
 
     def copy(self):
         return ShmConfig(self.enabled, self.min_bytes, self.chunk_bytes, self.node_size, self.cma,
-                         self.small_bytes, self.bounce_bytes)
+                         self.small_bytes, self.bounce_bytes, self.bounce_any_cpu)
 
     def __repr__(self):
         return (f"ShmConfig(enabled={self.enabled}, min_bytes={self.min_bytes}, "
                 f"small_bytes={self.small_bytes}, chunk_bytes={self.chunk_bytes}, "
-                f"node_size={self.node_size}, cma={self.cma}, bounce_bytes={self.bounce_bytes})")
+                f"node_size={self.node_size}, cma={self.cma}, bounce_bytes={self.bounce_bytes}, "
+                f"bounce_any_cpu={self.bounce_any_cpu})")
 
     @classmethod
     def from_env(cls, environ=os.environ):
@@ -239,8 +241,7 @@ class ShmConfig:
                    small_bytes=integer("RTXMPI_SHM_SMALL_BYTES", None, 0, MAX_BUFFER_BYTES),
                    chunk_bytes=chunk - chunk % 8,
                    node_size=integer("RTXMPI_SHM_NODE_SIZE", None, 1),
-                   bounce_bytes=integer("RTXMPI_SHM_BOUNCE_BYTES", DEFAULT_BOUNCE_BYTES, 0,
-                                        MAX_BUFFER_BYTES) // 8 * 8)
+                   bounce_bytes=integer("RTXMPI_SHM_BOUNCE_BYTES", DEFAULT_BOUNCE_BYTES, 0))
 
 
 CONFIG = ShmConfig()  # set by configure(); new groups take a copy
@@ -599,8 +600,8 @@ def _described(keys):
     return [f"{n} bytes, {_TYPE_NAMES[t]}, {_OP_NAMES[op]}" for n, t, op in keys]
 
 
-# Mailbox.cross statuses that wait for the peers: status -> (flag column, stage to resume at)
-_CROSS_WAITS = {1: (1, 1), 4: (8, 2), 2: (3, 3)}
+# Mailbox.cross statuses that wait for the peers (on cross_ready()): status -> stage to resume at
+_CROSS_WAITS = {1: 1, 4: 2, 2: 3}
 
 
 def _finished():
@@ -635,7 +636,9 @@ def describe(backend, size=str):
     larger = (f"{engine.mode} for every larger message" if start == max(engine.small_bytes, 0) + 1
               else f"{engine.mode} from {size(start)} (between: MPI)")
     if engine.bounce_bytes:
-        larger += f", bounced through shared slots up to {size(engine.bounce_bytes)}"
+        upto = "" if engine.bounce_bytes == NEVER else f" up to {size(engine.bounce_bytes)}"
+        larger += (f", bounced through shared slots{upto} when the local ranks run on "
+                   + ("any CPUs" if engine.bounce_any_cpu else "distinct CPUs"))
     shared = ("shared_zeros arrays folded from the peers' memory" if engine.mailbox is not None
               and engine.mode == "cma" else f"shared_zeros arrays as plain memory "
               f"({engine.mailbox_off or 'no cross-memory access'})")
@@ -663,7 +666,7 @@ class NodeAllReduce:
 
     def __init__(self, comm, node, cross, chunk_bytes, *, members=None, mm=None, peers=None,
                  box=None, small_bytes=0, compiled=False, min_bytes=DEFAULT_MIN_BYTES,
-                 bounce_bytes=0):
+                 bounce_slot=0, bounce_bytes=0, bounce_any_cpu=False):
         self.comm, self.node, self.cross, self._mm, self._box_mm = comm, node, cross, mm, box
         self.local_size, self.local_rank = node.Get_size(), node.Get_rank()
         self.nodes = 1 if cross is None else cross.Get_size()
@@ -685,16 +688,23 @@ class NodeAllReduce:
         self._views = {}  # dtype -> [1-D view of each local rank's buffers]
         self._stage = np.zeros(0, np.uint8)  # hierarchical reduce_scatter: grown, reused
         # the mailbox (one node): per local rank a flag line, two slots of small_bytes (maybe 0)
-        # and the compiled cross-memory path's bounce slot of bounce_bytes (maybe 0). Flag line
+        # and the compiled cross-memory path's bounce slot of bounce_slot (maybe 0). Flag line
         # (int64): [0] mailbox call, [1] cross-memory arrival call, [2] this call's array address,
-        # [3] cross-memory done call, [4]-[6] shared region, [7] size, dtype and op, [8] bounce.
+        # [3] cross-memory done call, [4]-[6] shared region, [7] size, dtype and op, [8]-[10]
+        # bounce rounds and CPU (_mailbox.c). bounce_bytes: largest all_reduce that may bounce.
         self.small_bytes = small_bytes if box is not None and small_bytes > 0 else -1
-        self.bounce_bytes = bounce_bytes if box is not None and compiled else 0
+        bounce = box is not None and compiled and bounce_slot > 0
+        self.bounce_bytes = bounce_bytes if bounce else 0
+        self.bounce_any_cpu = bounce_any_cpu
+        # local rank 0 times both algorithms and picks (the others follow its flag line); with
+        # bounce_any_cpu every call that may bounce does
+        self._tuner = (tuning.OnlineChoice() if bounce and bounce_bytes and not bounce_any_cpu
+                       and self.local_rank == 0 else None)
         self.mailbox_off = None  # create(): why there is no mailbox (None: there is one)
         self.all_reduce_from = min_bytes  # smallest all_reduce of the cross-memory path / arena
         self._lines = self.mailbox = None
         if box is not None:
-            region = FLAG_BYTES + 2 * small_bytes + bounce_bytes
+            region = FLAG_BYTES + 2 * small_bytes + bounce_slot
             raw = np.frombuffer(box, np.uint8)
             self._lines = raw.view(np.int64).reshape(self.local_size, region // 8)
             self._flags = self._lines[:, 0]
@@ -708,7 +718,8 @@ class NodeAllReduce:
             self.mailbox = (_mailbox.Mailbox(box, self.local_size, self.local_rank, small_bytes,
                                              tuple(op for op, _ in _UFUNCS),
                                              peers[1] if peers is not None else None,
-                                             self.bounce_bytes)
+                                             bounce_slot, bounce_max=self.bounce_bytes,
+                                             bounce_any_cpu=bounce_any_cpu)
                             if compiled else None)
         self._queue = collections.deque()  # nonblocking mailbox and cross-memory all_reduces
         if peers is not None:
@@ -753,10 +764,12 @@ class NodeAllReduce:
             fast = compiled and peers is not None and config.min_bytes is None
             small = min(small, MAILBOX_READ_BYTES // local_size // FLAG_BYTES * FLAG_BYTES,
                         CROSS_SMALL_BYTES if fast else NEVER)
-        # the bounce slots: only for the compiled cross-memory path, in whole cache lines (as
-        # the slots); dropped if /dev/shm cannot hold them (the mailbox matters more)
-        bounce = (config.bounce_bytes // FLAG_BYTES * FLAG_BYTES if compiled and peers is not None
-                  else 0)
+        # the bounce slots: only for the compiled cross-memory path; three round parities of
+        # local_size pieces of whole cache lines (a chunk, less as local ranks add pieces);
+        # dropped if /dev/shm cannot hold them (the mailbox matters more)
+        piece = min(config.chunk_bytes, BOUNCE_SLOT_BYTES // (3 * local_size))
+        bounce = (3 * local_size * (piece // FLAG_BYTES * FLAG_BYTES)
+                  if compiled and peers is not None and config.bounce_bytes > 0 else 0)
         total = local_size * (FLAG_BYTES + 2 * small + bounce)
         box = _map_arena(node, comm, total) if ordered else None
         if ordered and box is None and bounce:
@@ -781,7 +794,8 @@ class NodeAllReduce:
         if peers is not None:
             engine = cls(comm, node, cross, config.chunk_bytes, members=members, peers=peers,
                          box=box, small_bytes=small, compiled=compiled,
-                         min_bytes=config.threshold, bounce_bytes=bounce)
+                         min_bytes=config.threshold, bounce_slot=bounce,
+                         bounce_bytes=config.bounce_bytes, bounce_any_cpu=config.bounce_any_cpu)
             engine.mailbox_off = off
             if config.min_bytes is None and engine.mailbox is not None:  # the compiled path
                 # just above the mailbox; MPI below CROSS_SMALL_BYTES when the mailbox is off
@@ -1019,15 +1033,20 @@ class NodeAllReduce:
         caller's deadline."""
         self._drain(wait)
         self._cma_calls += 1
-        call = self._cma_calls
-        status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, 0)
+        call, tuner = self._cma_calls, self._tuner
+        bounce = True if tuner is None else tuner.pick(x.nbytes) == 1
+        status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, 0, bounce)
         while status in _CROSS_WAITS:  # a peer later than the spin: wait, then the next stage
-            column, stage = _CROSS_WAITS[status]
-            wait(self._watched(lambda: mailbox.cross_reached(column, call)))
-            status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, stage)
+            wait(self._watched(mailbox.cross_ready))
+            status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, _CROSS_WAITS[status],
+                                   bounce)
         error = self._cross_error(status)
         if error is not None:
             raise error
+        if tuner is not None:
+            algorithm, ns = mailbox.last_call()
+            if algorithm < 2:  # 2: folded from the peers' shared regions, not a choice
+                tuner.record(x.nbytes, algorithm, ns * 1e-9)
 
     def _cross_error(self, status):
         """The error a Mailbox.cross status stands for (a failed transfer's tuple: RankFailure or
@@ -1116,8 +1135,8 @@ class NodeAllReduce:
                 else:
                     return
             else:  # the next stage of the call (0 at first), after the flag its status awaits
-                stage = 0 if status is None else _CROSS_WAITS[status][1]
-                status = entry[3] = mailbox.cross(x, mpi_op, call, self._tmp, 0, stage)
+                stage = 0 if status is None else _CROSS_WAITS[status]
+                status = entry[3] = mailbox.cross(x, mpi_op, call, self._tmp, 0, stage, False)
                 error = self._cross_error(status)
                 if error is not None:
                     self._fail(error)

@@ -31,8 +31,8 @@ def forced_group(world, check, compiled=True, **config):
     """A copy of `world` whose all_reduce takes the cross-memory (or arena) path at every size
     (and the mailbox never, unless `small_bytes` is given; compiled=False: the numpy mailbox)."""
     saved, saved_module = shm.CONFIG, shm._mailbox
-    config = {"min_bytes": 0, "small_bytes": 0, **config}
-    shm.CONFIG = shm.ShmConfig(chunk_bytes=CHUNK, **config)
+    config = {"min_bytes": 0, "small_bytes": 0, "chunk_bytes": CHUNK, **config}
+    shm.CONFIG = shm.ShmConfig(**config)
     if not compiled:
         shm._mailbox = None
     try:
@@ -57,6 +57,10 @@ def group_with(world, **config):
     return group
 
 
+BOUNCE = {"bounce_any_cpu": True}  # every cross-memory all_reduce bounces (tests)
+NO_BOUNCE = {"bounce_bytes": 0}  # none does: the system calls
+
+
 @pytest.fixture(scope="module", params=["node-cma", "node-bounce", "node-copy",
                                         "hierarchical-cma", "hierarchical-copy", "node-mailbox",
                                         "node-mailbox-numpy"])
@@ -68,7 +72,7 @@ def layout(request):
 def groups(world, layout):
     """{check: group}; layout 'hierarchical-*' pretends nodes of 2 ranks; '*-copy' turns
     cross-memory access off (the shared arena); 'node-cma' moves every all_reduce through the
-    system calls, 'node-bounce' (RTXMPI_SHM_BOUNCE_BYTES=1 MiB) through the shared bounce slots;
+    system calls, 'node-bounce' through the shared bounce slots (every call, whatever the CPUs);
     'node-mailbox' sends every all_reduce up to 1 MiB through the one-synchronization mailbox
     (compiled), 'node-mailbox-numpy' up to its 32 KiB through the numpy one (the fallback
     without the extension)."""
@@ -78,8 +82,8 @@ def groups(world, layout):
                                     small_bytes=1 << 20) for check in (True, False)}
     node_size = 2 if layout.startswith("hierarchical") else None
     cma = not layout.endswith("copy")
-    bounce = shm.BOUNCE_BYTES if layout == "node-bounce" else 0
-    return {check: forced_group(world, check, node_size=node_size, cma=cma, bounce_bytes=bounce)
+    bounce = BOUNCE if layout == "node-bounce" else NO_BOUNCE
+    return {check: forced_group(world, check, node_size=node_size, cma=cma, **bounce)
             for check in (True, False)}
 
 
@@ -123,7 +127,8 @@ def assert_path(group, layout):
         assert (engine.local_size, engine.nodes, engine.mode, engine.small_bytes) == want
         if layout in ("node-cma", "node-bounce"):  # the bounce needs the compiled mailbox
             bounce = layout == "node-bounce" and engine.mailbox is not None
-            assert engine.bounce_bytes == (shm.BOUNCE_BYTES if bounce else 0), engine
+            assert engine.bounce_bytes == (shm.NEVER if bounce else 0), engine
+            assert engine._tuner is None
 
 
 def inputs(group, length, dtype, op, salt=0):
@@ -409,7 +414,7 @@ def test_unchecked_size_mismatch_on_the_cross_memory_path_raises_and_moves_nothi
     queued; through the system calls, or bounced through the shared slots) or the Python one
     (flag lines, or an all_gather of addresses where the mailbox is off)."""
     group = forced_group(world, False, compiled=paths != "python",
-                         bounce_bytes=shm.BOUNCE_BYTES if paths == "bounce" else 0)
+                         **(BOUNCE if paths == "bounce" else NO_BOUNCE))
     if group.world_size == 1:
         pytest.skip("needs two ranks to disagree")
     engine = group.backend._shm
@@ -443,7 +448,7 @@ def test_a_size_mismatch_holds_every_rank_until_the_slowest_has_seen_it(world, p
     then hung until the timeout). Now every rank raises CollectiveMismatch, and the next call
     is exact."""
     group = forced_group(world, False, compiled=paths != "python",
-                         bounce_bytes=shm.BOUNCE_BYTES if paths == "bounce" else 0)
+                         **(BOUNCE if paths == "bounce" else NO_BOUNCE))
     if group.world_size == 1:
         pytest.skip("needs two ranks to disagree")
     group.timeout_s = 20.0  # before: a CollectiveTimeout on every rank, not a hang of minutes
@@ -561,7 +566,7 @@ def test_default_sizes_choose_mailbox_mpi_and_cross_memory_paths(world):
         def __init__(self, real):
             self.real, self.all_reduce = real, spy(real.all_reduce, "small_all_reduce")
             self.arrived, self.finish = real.arrived, real.finish
-            self.cross, self.cross_reached = real.cross, real.cross_reached
+            self.cross, self.cross_ready, self.last_call = real.cross, real.cross_ready, real.last_call
 
     compiled = engine.mailbox
     engine.small_all_reduce = spy(engine.small_all_reduce, "small_all_reduce")
@@ -682,7 +687,7 @@ def test_settings_from_environment():
                                      "RTXMPI_SHM_CMA": "off", "RTXMPI_SHM_SMALL_BYTES": "0",
                                      "RTXMPI_SHM_BOUNCE_BYTES": "1001"})
     assert (config.enabled, config.min_bytes, config.chunk_bytes, config.node_size, config.cma,
-            config.small_bytes, config.bounce_bytes) == (False, 4096, 65536, 2, False, 0, 1000)
+            config.small_bytes, config.bounce_bytes) == (False, 4096, 65536, 2, False, 0, 1001)
     assert config.threshold == shm.NEVER
     default = shm.ShmConfig.from_env({})
     assert default.enabled and default.cma and default.threshold == shm.DEFAULT_MIN_BYTES
@@ -764,14 +769,14 @@ def test_a_dev_shm_too_small_for_the_bounce_slots_keeps_the_mailbox(world, monke
     fallocate = shm.os.posix_fallocate
 
     def no_room_for_the_slots(fd, offset, length):
-        if length >= shm.BOUNCE_BYTES:
+        if length >= 3 * 2 * 4096:  # the slots (chunk 4 KiB), not the mailbox (about 5 KiB)
             raise OSError(errno.ENOSPC, "No space left on device")
         return fallocate(fd, offset, length)
 
     monkeypatch.setattr(shm.os, "posix_fallocate", no_room_for_the_slots)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        group = forced_group(world, False, small_bytes=1024, bounce_bytes=shm.BOUNCE_BYTES)
+        group = forced_group(world, False, small_bytes=1024, chunk_bytes=4096, **BOUNCE)
     engine = group.backend._shm
     if engine.mode != "cma":
         pytest.skip("no cross-memory access here: no bounce slots to drop")
@@ -782,18 +787,62 @@ def test_a_dev_shm_too_small_for_the_bounce_slots_keeps_the_mailbox(world, monke
 
 
 @pytest.mark.mpi(min_size=2)
-def test_bounce_slots_keep_every_flag_line_on_a_cache_line(world):
-    """A bounce size that is no multiple of the flag line (1000 bytes) is cut to one (896), so
-    every local rank's flag line starts a cache line of its own, as with the mailbox slots."""
-    group = forced_group(world, False, bounce_bytes=1000)
+def test_bounce_pieces_keep_every_flag_line_on_a_cache_line_and_the_limit_holds(world):
+    """A chunk that is no multiple of the flag line (4104 bytes) gives bounce pieces of whole
+    flag lines (4096), so every local rank's flag line starts a cache line of its own, as with
+    the mailbox slots; RTXMPI_SHM_BOUNCE_BYTES=1000 bounces 250 float32 (in rounds of at most
+    1024 elements per segment), not 251."""
+    group = forced_group(world, False, chunk_bytes=4104, bounce_bytes=1000, bounce_any_cpu=True)
     engine = group.backend._shm
     if not engine or engine.mailbox is None or engine.mode != "cma":
         pytest.skip("no compiled mailbox or no cross-memory access on this node")
-    assert engine.bounce_bytes == 896, engine
-    assert all(engine._lines[j].ctypes.data % 64 == 0 for j in range(engine.local_size))
-    for n in (224, 225):  # 896 bytes: bounced; one more: the system calls
-        x, expected = inputs(group, n, "float32", "sum")
+    n = engine.local_size
+    assert engine.bounce_bytes == 1000, engine
+    assert engine._lines.shape[1] * 8 == shm.FLAG_BYTES + 3 * n * 4096
+    assert all(engine._lines[j].ctypes.data % 64 == 0 for j in range(n))
+    for length, bounced in ((250, 1), (251, 0)):
+        before = engine.mailbox.bounce_calls()
+        x, expected = inputs(group, length, "float32", "sum")
         assert_exact(group.all_reduce(x), expected)
+        assert engine.mailbox.bounce_calls() - before == bounced
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_follow_local_rank_0s_choice_call_by_call_with_the_same_bits(world):
+    """Local rank 0 picks bounce or the system calls for every call (a stand-in for the tuner
+    picking at random) and the other ranks follow its flag line: every rank counts the same
+    bounced calls, each call is exact (the two algorithms fold each segment in the same order),
+    and rank 0's records name what ran. Sizes from one round to many (chunk 4 KiB)."""
+    group = forced_group(world, False, chunk_bytes=4096, bounce_any_cpu=True)
+    engine = group.backend._shm
+    if not engine or engine.mailbox is None or engine.mode != "cma":
+        pytest.skip("no compiled mailbox or no cross-memory access on this node")
+    rng = np.random.default_rng(7)
+    picks = rng.integers(0, 2, 40)
+    records = []
+
+    class Picker:  # OnlineChoice's interface
+        def __init__(self):
+            self.calls = 0
+
+        def pick(self, nbytes):
+            self.calls += 1
+            return int(picks[self.calls - 1])
+
+        def record(self, nbytes, algorithm, seconds):
+            records.append(algorithm)
+
+    if engine.local_rank == 0:
+        engine._tuner = Picker()
+    before = engine.mailbox.bounce_calls()
+    for call, length in enumerate(rng.integers(9000, 60000, len(picks))):
+        x, expected = inputs(group, int(length), "float64", "sum", salt=call)
+        assert_exact(group.all_reduce(x), expected)
+    bounced = engine.mailbox.bounce_calls() - before
+    assert group.backend.comm.allgather(bounced) == [int(picks.sum())] * group.world_size
+    if engine.local_rank == 0:
+        assert records == [int(p) for p in picks]
+    engine._tuner = None
 
 
 def test_info_says_which_all_reduce_paths_the_group_runs(world):

@@ -188,15 +188,17 @@ def test_init_again_keeps_the_op_references_balanced():
 
 
 # -- Mailbox.cross: the whole one-node cross-memory all_reduce in one call ----------------------
-def cross_boxes(k, pids=None, bounce=0):
+def cross_boxes(k, pids=None, bounce=0, **options):
     """k views of one flag mapping (no mailbox slots; a bounce slot of `bounce` bytes each),
     every "local rank" this process, so each view's process_vm_readv / writev reach the others'
-    arrays here."""
+    arrays here. They share a CPU: options (bounce_max, bounce_any_cpu) default to bouncing
+    every array anyway."""
     import os
 
     mapping = mmap.mmap(-1, k * (shm.FLAG_BYTES + bounce))
     pids = pids or [os.getpid()] * k
-    return mapping, [shm._mailbox.Mailbox(mapping, k, j, 0, OP_OBJECTS, pids, bounce)
+    options.setdefault("bounce_any_cpu", True)
+    return mapping, [shm._mailbox.Mailbox(mapping, k, j, 0, OP_OBJECTS, pids, bounce, **options)
                      for j in range(k)]
 
 
@@ -241,8 +243,8 @@ def run_cross(views, xs, op, call, tmp, expected):
     ones fold in turn, the last of them finding every peer done (0). Then every array holds
     `expected`, bit for bit."""
     k = len(views)
-    first = [view.cross(x, op, call, tmp, 0, False) for view, x in zip(views, xs)]
-    resumed = [view.cross(x, op, call, tmp, 0, True) for view, x in zip(views[:-1], xs)]
+    first = [view.cross(x, op, call, tmp, 0, False, True) for view, x in zip(views, xs)]
+    resumed = [view.cross(x, op, call, tmp, 0, True, True) for view, x in zip(views[:-1], xs)]
     assert first == [1] * (k - 1) + [2] and resumed == [2] * (k - 2) + [0]
     assert all(view.cross_reached(3, call) and view.cross_reached(1, call) for view in views)
     for x in xs:
@@ -255,40 +257,74 @@ def drive_cross(views, xs, op, call, tmp):
     seen, stage, pending = [], [0] * len(views), list(range(len(views)))
     for _ in range(10 * len(views)):
         for j in list(pending):
-            status = views[j].cross(xs[j], op, call, tmp, 0, stage[j])
+            status = views[j].cross(xs[j], op, call, tmp, 0, stage[j], True)
             seen.append(status)
             if status == 0:
                 pending.remove(j)
             else:
-                stage[j] = shm._CROSS_WAITS[status][1]
+                stage[j] = shm._CROSS_WAITS[status]
         if not pending:
             return seen
     raise AssertionError(f"cross() did not complete: statuses {seen}")
 
 
-@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("k", [2, 3, 4])
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int16", "uint64"])
 @pytest.mark.parametrize("name", list(OPS))
-def test_cross_bounces_arrays_up_to_its_slot_through_the_slots(k, dtype, name):
-    """With a bounce slot of 2000 bytes, arrays up to it take the bounce (status 4 shows: a
-    view waits for a peer's slot), larger ones the system calls; either way every array holds
-    the same bits as cross_expected (own segment first, then the peers in order), over calls
-    of both kinds in a row, with pieces (tmp of 7 elements) smaller than the segments."""
+def test_cross_bounce_pipelines_any_size_in_rounds_with_the_same_bits(k, dtype, name):
+    """Bounce slots of one 128-byte piece per rank and round parity: arrays of bounce_max (2000
+    bytes) or less bounce in rounds of one piece per segment (status 4 shows: a view waits for
+    a peer's round; many rounds for the larger arrays), larger ones take the system calls;
+    either way every array holds the same bits as cross_expected (own segment first, then the
+    peers in order): the two algorithms are interchangeable call by call."""
     op, ufunc = OPS[name]
     rng = np.random.default_rng(k + 10)
-    mapping, views = cross_boxes(k, bounce=2000)
+    mapping, views = cross_boxes(k, bounce=3 * k * 128, bounce_max=2000)
     tmp = np.zeros(7 * np.dtype(dtype).itemsize, np.uint8)
     itemsize = np.dtype(dtype).itemsize
-    for call, n in enumerate((1000, 37, 2000 // itemsize, 2000 // itemsize + 1, 2, 1), start=1):
+    bounced = 0
+    for call, n in enumerate((1000, 37, 2000 // itemsize, 2000 // itemsize + 1, 2, 1, 250),
+                             start=1):
         xs = [values(rng, dtype, n) for _ in range(k)]
         expected = cross_expected(xs, ufunc)
         seen = drive_cross(views, xs, op, call, tmp)
         assert (4 in seen) == (n * itemsize <= 2000), (n, seen)
+        bounced += n * itemsize <= 2000
+        assert all(view.bounce_calls() == bounced for view in views)
+        assert all(view.last_call()[0] == (n * itemsize <= 2000) for view in views)
         for x in xs:
             np.testing.assert_array_equal(x.view(np.uint8), expected.view(np.uint8))
     for view in views:
         view.close()
     mapping.close()
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_cross_bounces_only_when_every_view_may_and_their_cpus_differ(k):
+    """The views share this process's CPU: without bounce_any_cpu no call bounces (the system
+    calls let a rank fold while its peer is descheduled), and with it a call bounces only when
+    every view passed bounce=True (a nonblocking call passes False on its rank)."""
+    rng = np.random.default_rng(k)
+    tmp = np.zeros(64, np.uint8)
+    for any_cpu, wishes, bounce in ((False, [True] * k, False), (True, [True] * k, True),
+                                    (True, [True] * (k - 1) + [False], False)):
+        mapping, views = cross_boxes(k, bounce=3 * k * 128, bounce_any_cpu=any_cpu)
+        xs = [values(rng, "float32", 300) for _ in range(k)]
+        expected = cross_expected(xs, np.add)
+        stage, pending = [0] * k, list(range(k))
+        while pending:
+            for j in list(pending):
+                status = views[j].cross(xs[j], MPI.SUM, 1, tmp, 0, stage[j], wishes[j])
+                if status == 0:
+                    pending.remove(j)
+                else:
+                    stage[j] = shm._CROSS_WAITS[status]
+        assert [view.bounce_calls() for view in views] == [int(bounce)] * k
+        for x in xs:
+            np.testing.assert_array_equal(x.view(np.uint8), expected.view(np.uint8))
+        for view in views:
+            view.close()
+        mapping.close()
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -300,7 +336,7 @@ def test_cross_views_a_call_apart_leave_every_slot_until_its_peers_read_it(k, se
     slots. No view rewrites its slot before its peers have read it, so every call's arrays hold
     cross_expected's bits (a copy-in ahead of the arrival check fails most seeds)."""
     rng = np.random.default_rng(seed)
-    mapping, views = cross_boxes(k, bounce=2000)
+    mapping, views = cross_boxes(k, bounce=3 * k * 128, bounce_max=2000)
     tmp = np.zeros(28, np.uint8)
     sizes = [500, 250, 501, 37, 500, 1, 499, 500]  # float32: up to 500 elements bounce
     calls = [[values(rng, "float32", n) for _ in range(k)] for n in sizes]
@@ -310,9 +346,9 @@ def test_cross_views_a_call_apart_leave_every_slot_until_its_peers_read_it(k, se
         j = int(rng.choice([j for j in range(k) if index[j] < len(calls)]))
         c = index[j]
         ahead += stage[j] == 0 and any(index[i] < c for i in range(k))
-        status = views[j].cross(calls[c][j], MPI.SUM, c + 1, tmp, 0, stage[j])
+        status = views[j].cross(calls[c][j], MPI.SUM, c + 1, tmp, 0, stage[j], True)
         index[j] += status == 0
-        stage[j] = 0 if status == 0 else shm._CROSS_WAITS[status][1]
+        stage[j] = 0 if status == 0 else shm._CROSS_WAITS[status]
     assert ahead  # the interleaving this test is about happened
     for xs, want in zip(calls, expected):
         for x in xs:
@@ -333,12 +369,12 @@ def test_cross_mismatch_returns_once_every_view_has_seen_it(k, bounce):
     mapping, views = cross_boxes(k, bounce=bounce)
     tmp = np.zeros(64, np.uint8)
     xs = [np.full(40 if j == k - 1 else 100, j + 1.0, np.float32) for j in range(k)]
-    first = [view.cross(x, MPI.SUM, 1, tmp, 0, 0) for view, x in zip(views, xs)]
+    first = [view.cross(x, MPI.SUM, 1, tmp, 0, 0, True) for view, x in zip(views, xs)]
     assert first == [1] * (k - 1) + [2]
-    assert [view.cross(x, MPI.SUM, 1, tmp, 0, 1) for view, x in zip(views[:-1], xs)] == \
+    assert [view.cross(x, MPI.SUM, 1, tmp, 0, 1, True) for view, x in zip(views[:-1], xs)] == \
         [2] * (k - 2) + [3]
-    assert views[-1].cross(xs[-1], MPI.SUM, 1, tmp, 0, 3) == 3
-    assert [view.cross(x, MPI.SUM, 1, tmp, 0, 3) for view, x in zip(views[:-2], xs)] == \
+    assert views[-1].cross(xs[-1], MPI.SUM, 1, tmp, 0, 3, True) == 3
+    assert [view.cross(x, MPI.SUM, 1, tmp, 0, 3, True) for view, x in zip(views[:-2], xs)] == \
         [3] * (k - 2)
     assert [key[0] for key in views[0].keys()] == [400] * (k - 1) + [160]
     for j, x in enumerate(xs):
@@ -359,23 +395,28 @@ def test_cross_errors_are_typed():
     mapping, (a, b) = cross_boxes(2)
     x, tmp = np.arange(8, dtype=np.float64), np.zeros(64, np.uint8)
     with pytest.raises(ValueError, match="none of sum"):
-        a.cross(x, MPI.BAND, 1, tmp, 0, False)
+        a.cross(x, MPI.BAND, 1, tmp, 0, False, True)
     with pytest.raises(ValueError, match="numeric dtypes only"):
-        a.cross(np.zeros(2, np.complex64), MPI.SUM, 1, tmp, 0, False)
+        a.cross(np.zeros(2, np.complex64), MPI.SUM, 1, tmp, 0, False, True)
     with pytest.raises(ValueError, match="holds no element"):
-        a.cross(x, MPI.SUM, 1, np.zeros(4, np.uint8), 0, False)
-    with pytest.raises(ValueError, match="column is 1, 3 or 8"):
+        a.cross(x, MPI.SUM, 1, np.zeros(4, np.uint8), 0, False, True)
+    with pytest.raises(ValueError, match="column is 1 or 3"):
         a.cross_reached(2, 1)
+    with pytest.raises(ValueError, match="stage 2, but call 1 does not bounce"):
+        a.cross(x, MPI.SUM, 1, tmp, 0, 2, True)
+    with pytest.raises(TypeError, match="stage, bounce"):
+        a.cross(x, MPI.SUM, 1, tmp, 0, 0)
+    assert a.last_call() is None and a.cross_ready()  # nothing finished, nothing waited for
     with pytest.raises(ValueError, match="2 pids expected"):
         shm._mailbox.Mailbox(mapping, 2, 0, 0, OP_OBJECTS, [os.getpid()])
     no_pids = shm._mailbox.Mailbox(mapping, 2, 0, 0, OP_OBJECTS)
     with pytest.raises(ValueError, match="needs the local ranks' pids"):
-        no_pids.cross(x, MPI.SUM, 1, tmp, 0, False)
+        no_pids.cross(x, MPI.SUM, 1, tmp, 0, False, True)
     assert not a.cross_reached(1, 1)  # no error above raised a flag
     np.testing.assert_array_equal(x, np.arange(8))
     a.close()
     with pytest.raises(ValueError, match="closed"):
-        a.cross(x, MPI.SUM, 1, tmp, 0, False)
+        a.cross(x, MPI.SUM, 1, tmp, 0, False, True)
     for view in (b, no_pids):
         view.close()
     mapping.close()
@@ -393,8 +434,8 @@ def test_cross_from_a_dead_peer_reports_it_and_raises_no_done_flag():
     a = shm._mailbox.Mailbox(mapping, 2, 0, 0, OP_OBJECTS, [os.getpid(), child.pid])
     b = shm._mailbox.Mailbox(mapping, 2, 1, 0, OP_OBJECTS, [os.getpid(), os.getpid()])
     x, y, tmp = np.ones(8, np.float32), np.ones(8, np.float32), np.zeros(64, np.uint8)
-    assert b.cross(y, MPI.SUM, 1, tmp, 0, False) == 1
-    assert a.cross(x, MPI.SUM, 1, tmp, 0, False) == (errno.ESRCH, child.pid,
+    assert b.cross(y, MPI.SUM, 1, tmp, 0, False, True) == 1
+    assert a.cross(x, MPI.SUM, 1, tmp, 0, False, True) == (errno.ESRCH, child.pid,
                                                      "process_vm_readv from")
     np.testing.assert_array_equal(x, 1)  # nothing folded
     assert not b.cross_reached(3, 1)
@@ -468,9 +509,9 @@ def test_cross_with_one_plain_array_takes_the_system_calls_on_every_view():
     tmp = np.zeros(64, np.uint8)
     x, y = shm.shared_zeros(100, "float32"), np.zeros(100, np.float32)
     x[:], y[:] = 1, 2
-    assert a.cross(x, MPI.SUM, 1, tmp, 0, False) == 1
-    assert b.cross(y, MPI.SUM, 1, tmp, 0, False) == 2
-    assert a.cross(x, MPI.SUM, 1, tmp, 0, True) == 0
+    assert a.cross(x, MPI.SUM, 1, tmp, 0, False, True) == 1
+    assert b.cross(y, MPI.SUM, 1, tmp, 0, False, True) == 2
+    assert a.cross(x, MPI.SUM, 1, tmp, 0, True, True) == 0
     assert a.direct_calls() == b.direct_calls() == 0
     np.testing.assert_array_equal(x, 3)
     np.testing.assert_array_equal(y, 3)
@@ -489,11 +530,11 @@ def test_cross_folds_through_the_system_calls_when_it_cannot_map_a_peer_region()
     tmp = np.zeros(64, np.uint8)
     x, y = shm.shared_zeros(100, "float32"), shm.shared_zeros(100, "float32")
     x[:], y[:] = 1, 2
-    assert b.cross(y, MPI.SUM, 1, tmp, 0, False) == 1
+    assert b.cross(y, MPI.SUM, 1, tmp, 0, False, True) == 1
     line = np.frombuffer(mapping, np.int64, 8, offset=shm.FLAG_BYTES)  # view b's flag line
     line[6] += 1  # its region's inode, as if the descriptor had been reused
-    assert a.cross(x, MPI.SUM, 1, tmp, 0, False) == 2
-    assert b.cross(y, MPI.SUM, 1, tmp, 0, True) == 0 and a.cross_reached(3, 1)
+    assert a.cross(x, MPI.SUM, 1, tmp, 0, False, True) == 2
+    assert b.cross(y, MPI.SUM, 1, tmp, 0, True, True) == 0 and a.cross_reached(3, 1)
     assert (a.direct_calls(), b.direct_calls()) == (0, 1)
     np.testing.assert_array_equal(x, 3)
     np.testing.assert_array_equal(y, 3)

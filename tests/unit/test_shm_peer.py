@@ -192,10 +192,10 @@ class _Cross:
         self.statuses = []
         self.posted, self.finished, self.arrived_calls, self.done_at_post = [], [], set(), False
 
-    def cross(self, x, op, call, tmp, spin_ns, resume):
+    def cross(self, x, op, call, tmp, spin_ns, resume, bounce):
         return self.statuses.pop(0) if self.statuses else 1
 
-    def cross_reached(self, column, call):
+    def cross_ready(self):
         return False
 
     def all_reduce(self, x, op, spin_ns):
