@@ -358,6 +358,60 @@ def test_cross_views_a_call_apart_leave_every_slot_until_its_peers_read_it(k, se
     mapping.close()
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_cross_random_interleavings_of_bounced_system_call_and_mismatched_calls(k, seed):
+    """Many calls, each view stepped one cross() at a time in a random order (a view starts its
+    next call as soon as one ended): sizes from none to many bounce rounds (float32 and float64,
+    pieces of 128 bytes), some above bounce_max (the system calls), some with one view passing
+    bounce=False (a nonblocking call, or local rank 0's tuner saying no: the system calls on
+    every view) and some whose sizes differ on one view (3 on every view, nothing moved). Every
+    view must make the same choice for every call (bounce_calls agree), every reduced call hold
+    cross_expected's bits and every mismatched call its inputs: a slot rewritten before its
+    peers read it, a flag read after a peer moved on to its next call, or a round counter out of
+    step after a call that did not bounce fails most seeds."""
+    rng = np.random.default_rng(1000 * k + seed)
+    mapping, views = cross_boxes(k, bounce=3 * k * 128, bounce_max=4000)
+    tmp = np.zeros(40, np.uint8)
+    calls = []  # (arrays by view, wishes by view, expected (None: a mismatch), bounces, inputs)
+    for _ in range(40):
+        dtype = rng.choice(["float32", "float64"])
+        n = int(rng.choice([0, 1, k - 1, 7, 31, 32, 33, 100, 257, 400, 500, 501, 1000, 1100]))
+        sizes = [n] * k
+        mismatch = rng.random() < 0.15
+        if mismatch:
+            sizes[int(rng.integers(k))] = n + 1 + int(rng.integers(3))
+        wishes = [bool(rng.random() < 0.9) for _ in range(k)]
+        xs = [values(rng, dtype, size) for size in sizes]
+        expected = None if mismatch else cross_expected(xs, np.add)
+        bounces = (not mismatch and all(wishes) and n > 0
+                   and n * np.dtype(dtype).itemsize <= 4000)
+        calls.append((xs, wishes, expected, bounces, [x.copy() for x in xs]))
+    index, stage, seen = [0] * k, [0] * k, []
+    while min(index) < len(calls):
+        assert len(seen) < 100 * k * len(calls), f"stalled at calls {index}: {seen[-20:]}"
+        j = int(rng.choice([j for j in range(k) if index[j] < len(calls)]))
+        c = index[j]
+        xs, wishes = calls[c][:2]
+        status = views[j].cross(xs[j], MPI.SUM, c + 1, tmp, 0, stage[j], wishes[j])
+        seen.append(status)
+        assert status in (0, 1, 2, 3, 4), (c, j, status)
+        done = status in (0, 3)
+        assert (status == 3) == (done and calls[c][2] is None), (c, j, status)
+        index[j] += done
+        stage[j] = 0 if done else shm._CROSS_WAITS[status]
+    assert 4 in seen and 3 in seen
+    for c, (xs, _, expected, _, inputs) in enumerate(calls):
+        for x, before in zip(xs, inputs):
+            want = before if expected is None else expected
+            np.testing.assert_array_equal(x.view(np.uint8), want.view(np.uint8), err_msg=str(c))
+    bounced = sum(call[3] for call in calls)
+    assert [view.bounce_calls() for view in views] == [bounced] * k
+    for view in views:
+        view.close()
+    mapping.close()
+
+
 @pytest.mark.parametrize("bounce", [0, 4096])
 @pytest.mark.parametrize("k", [2, 3])
 def test_cross_mismatch_returns_once_every_view_has_seen_it(k, bounce):
