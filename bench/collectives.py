@@ -367,7 +367,7 @@ def cma_kind(engine, size_bytes, shared, counts=None):
         used = sorted(((v, k) for k, v in counts.items() if v), reverse=True)
         if len(used) == 1:
             return used[0][1]
-        return ", ".join(f"{k} {100 * v / total:.0f}%" for v, k in used)
+        return ", ".join(f"{k} {max(100 * v / total, 1):.0f}%" for v, k in used)  # 1%: a few
     if shared:
         return "cma, shared"
     return "bounce or cma (tuned)" if size_bytes <= engine.bounce_bytes else "cma"
@@ -449,8 +449,9 @@ def path_groups(world, max_bytes):
 def measure_paths(world, comm, sizes, iters, dtype):
     """Interleaved: raw Allreduce and rtxmpi's all_reduce with each algorithm forced, on one plain
     numpy array; and the cross-memory path on an rtxmpi.shared_zeros array ("shared": folding
-    straight from the peers' memory) against the same raw column. The mailbox and the bounce
-    run only up to 64 MiB (their shared slots are one or two messages per rank)."""
+    straight from the peers' memory) against the same raw column. The mailbox runs only up to
+    64 MiB (its shared slots are two messages per rank); the bounce is forced on every call,
+    whatever CPUs the ranks share (the default lets local rank 0's tuner pick)."""
     groups = path_groups(world, max(sizes))
     for group in groups.values():  # build each group's engine before timing
         group.all_reduce(np.zeros(1, dtype))

@@ -6,7 +6,7 @@
  * cross-memory all_reduce, [1] its arrival call, [2] this call's array address, [3] its done
  * call, [4]-[6] its shared region, [7] its bytes, type and op, [8] and [9] the bounce's
  * copy-in and fold round counters, [10] its CPU + 1 when it may bounce, else 0), then two slots
- * of `slot_bytes` (call parity 0 and 1), then the bounce slot of `bounce_bytes` (three round
+ * of `slot_bytes` (call parity 0 and 1), then the bounce slot of `bounce_bytes` (two round
  * parities x local_size pieces of piece_bytes).
  *
  * all_reduce(x, op, spin_ns): number this call (1, 2, ...), copy x into this rank's slot of the
@@ -81,7 +81,7 @@ typedef struct {
     int algorithm;          /* cross(): the call in flight's: 0 system calls, 1 bounce, 2 direct */
     int last_algorithm;     /* cross(): the last finished call's */
     Py_ssize_t bounce_bytes;  /* cross(): this rank's bounce slot (0: no bounce) */
-    Py_ssize_t piece_bytes;   /* cross(): one piece of the slot (bounce_bytes / (3 local_size)) */
+    Py_ssize_t piece_bytes;   /* cross(): one piece of the slot (bounce_bytes / (2 local_size)) */
     Py_ssize_t bounce_max;    /* cross(): largest array that may bounce */
     int bounce_any_cpu;       /* cross(): bounce even when two local ranks share a CPU */
     int64_t bounce_call;    /* cross(): the call in flight bounces (its number), else 0 */
@@ -115,10 +115,10 @@ static inline char *slot_of(Mailbox *b, int j, int64_t call) {
 }
 
 /* Local rank j's bounce piece for rank d's segment in bounce round g (its bounce slot, after
- * its two mailbox slots, holds three round parities of local_size pieces). */
+ * its two mailbox slots, holds two round parities of local_size pieces). */
 static inline char *piece_of(Mailbox *b, int j, int64_t g, int d) {
     return b->base + (Py_ssize_t)j * b->region + LINE + 2 * b->slot_bytes
-           + ((Py_ssize_t)(g % 3) * b->local_size + d) * b->piece_bytes;
+           + ((Py_ssize_t)(g & 1) * b->local_size + d) * b->piece_bytes;
 }
 
 /* Every other local rank's flag line has reached `call` in int64 `column` (0: mailbox posted,
@@ -460,7 +460,7 @@ static int Mailbox_init(Mailbox *b, PyObject *args, PyObject *kwds) {
     b->slot_bytes = slot_bytes;
     b->bounce_bytes = bounce_bytes;
     /* whole cache-line pairs, so no two ranks' pieces share a line; too small a slot: no bounce */
-    b->piece_bytes = bounce_bytes / (3 * (Py_ssize_t)local_size) / LINE * LINE;
+    b->piece_bytes = bounce_bytes / (2 * (Py_ssize_t)local_size) / LINE * LINE;
     b->bounce_max = b->piece_bytes ? bounce_max : 0;
     b->bounce_any_cpu = bounce_any_cpu;
     b->bounce_call = b->bounce_seq = 0;
@@ -851,10 +851,13 @@ static void bounce_start(Mailbox *b, int64_t call, const char *x, Py_ssize_t cou
 
 /* Run the bounce's rounds from where it stopped: round t (counter g = bounce_seq + 1 + t) folds
  * once every peer copied it in ([8] >= g), raises [9] to g, copies round t + 1 in (raising [8])
- * and copies round t out once every peer folded it ([9] >= g). With three round parities no
- * rank writes a piece a peer may still read: a rank copies round t + 1 in after every peer
- * copied round t in, which each did after copying round t - 2 out. Returns 1 when every round is
- * done, 0 when a flag was not reached within spin_ns (recorded for cross_ready; call again). */
+ * and copies round t out once every peer folded it ([9] >= g). With two round parities no rank
+ * writes a piece a peer may still read: both writes of round t's parity (the copy-in of round
+ * t + 1 into the others' pieces, the fold of round t into its own) come after the wait for every
+ * peer's [8] >= g, which each raised after folding round t - 1 (the last read of the others'
+ * pieces of that parity) and after copying round t - 2 out (the last read of its own). Returns 1
+ * when every round is done, 0 when a flag was not reached within spin_ns (recorded for
+ * cross_ready; call again). */
 static int bounce_run(Mailbox *b, char *x, Py_ssize_t count, Py_ssize_t itemsize, int type,
                       int op, int64_t spin_ns) {
     int64_t *mine = flag_of(b, b->local_rank);
@@ -926,6 +929,13 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
     if (stage == 2 && b->bounce_call != call) {
         PyErr_Format(PyExc_ValueError, "mailbox: cross() stage 2, but call %lld does not bounce",
                      (long long)call);
+        return NULL;
+    }
+    if (stage != 2 && b->bounce_call) {  /* a restart would rewrite pieces peers still read;
+                                          * after a wait that raised mid-bounce, the rounds
+                                          * of this rank and its peers no longer match */
+        PyErr_Format(PyExc_ValueError, "mailbox: cross() stage %ld while call %lld is bouncing "
+                     "(an earlier wait in it raised)", stage, (long long)b->bounce_call);
         return NULL;
     }
     int op = op_of(b, args[1]);

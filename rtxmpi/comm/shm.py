@@ -46,13 +46,17 @@ The elements are split into `local_size` contiguous segments; local rank i owns 
   4. one node barrier (deadline-aware): no rank returns and reuses its array while a peer still
      reads or writes it.
   Two synchronizations per call; per rank, memory traffic of twice the message (read own and
-  peer half, write own and peer half). Up to `bounce_bytes` (the compiled call only, unless every
-  rank's array lies in a registered shared region, which is folded straight from the peers'
-  mappings), step 2 bounces through a shared slot per rank instead: each rank copies the other
-  ranks' segments into its slot and raises a flag; rank i folds segment i from the peers' slots
-  into its array and its slot; after the done flag every rank copies the other segments out of
-  the peers' slots. User-space copies (no page pinning, no system call), three
-  synchronizations. Availability is probed once per group (every local rank
+  peer half, write own and peer half). Every rank's array in a registered shared region
+  (shared_zeros): step 2 folds straight from the peers' mappings. Else, in the compiled call,
+  step 2 may bounce instead (up to `bounce_bytes`), through a shared slot per rank of two
+  round parities x local_size pieces (_mailbox.c, bounce_run): in round t each rank copies piece
+  t of the other ranks' segments into its slot; rank i folds piece t of segment i from the
+  peers' slots (the same order, so the same bits) into its array and its slot; every rank copies
+  the other reduced pieces out. User-space copies (no page pinning, no system call), two flag
+  waits per round, every rank running at once. Local rank 0 picks bounce or system calls per
+  call by measured time (tuning.OnlineChoice, per size class) and publishes the pick with its
+  arrival; ranks found on one CPU and nonblocking calls take the system calls. Availability is
+  probed once per group (every local rank
   reads and writes a peer's probe word); it needs ptrace-read permission on the peers (same user;
   not forbidden by Yama or seccomp). reduce_scatter (one node, or hierarchical: local rank i first
   reduces on its node the rows of every rank with local index i, then those ranks reduce-scatter
@@ -147,7 +151,7 @@ FLAG_BYTES = 128  # two cache lines per local rank for its flags (_mailbox.c's L
 # every size) through shared slots, pipelined (user-space copies: no page pinning, no system
 # call), when the local ranks run on distinct CPUs; ranks that share one take the system calls
 DEFAULT_BOUNCE_BYTES = NEVER
-BOUNCE_SLOT_BYTES = 4 << 20  # largest bounce slot per rank: 3 round parities x local_size pieces
+BOUNCE_SLOT_BYTES = 4 << 20  # largest bounce slot per rank: 2 round parities x local_size pieces
 TSO_MACHINES = ("x86_64", "amd64", "i386", "i686")
 # numpy's plain stores to the flag lines (numpy mailbox, cross-memory arrival flags) rely on x86's
 # total store order; elsewhere only the compiled mailbox (atomics) uses the lines
@@ -637,8 +641,9 @@ def describe(backend, size=str):
               else f"{engine.mode} from {size(start)} (between: MPI)")
     if engine.bounce_bytes:
         upto = "" if engine.bounce_bytes == NEVER else f" up to {size(engine.bounce_bytes)}"
-        larger += (f", bounced through shared slots{upto} when the local ranks run on "
-                   + ("any CPUs" if engine.bounce_any_cpu else "distinct CPUs"))
+        larger += (f", bounced through shared slots{upto} at every call" if engine.bounce_any_cpu
+                   else f" or bounced through shared slots{upto}, picked per call by measured "
+                   "time (never on a shared CPU)")
     shared = ("shared_zeros arrays folded from the peers' memory" if engine.mailbox is not None
               and engine.mode == "cma" else f"shared_zeros arrays as plain memory "
               f"({engine.mailbox_off or 'no cross-memory access'})")
@@ -764,11 +769,11 @@ class NodeAllReduce:
             fast = compiled and peers is not None and config.min_bytes is None
             small = min(small, MAILBOX_READ_BYTES // local_size // FLAG_BYTES * FLAG_BYTES,
                         CROSS_SMALL_BYTES if fast else NEVER)
-        # the bounce slots: only for the compiled cross-memory path; three round parities of
+        # the bounce slots: only for the compiled cross-memory path; two round parities of
         # local_size pieces of whole cache lines (a chunk, less as local ranks add pieces);
         # dropped if /dev/shm cannot hold them (the mailbox matters more)
-        piece = min(config.chunk_bytes, BOUNCE_SLOT_BYTES // (3 * local_size))
-        bounce = (3 * local_size * (piece // FLAG_BYTES * FLAG_BYTES)
+        piece = min(config.chunk_bytes, BOUNCE_SLOT_BYTES // (2 * local_size))
+        bounce = (2 * local_size * (piece // FLAG_BYTES * FLAG_BYTES)
                   if compiled and peers is not None and config.bounce_bytes > 0 else 0)
         total = local_size * (FLAG_BYTES + 2 * small + bounce)
         box = _map_arena(node, comm, total) if ordered else None

@@ -769,7 +769,7 @@ def test_a_dev_shm_too_small_for_the_bounce_slots_keeps_the_mailbox(world, monke
     fallocate = shm.os.posix_fallocate
 
     def no_room_for_the_slots(fd, offset, length):
-        if length >= 3 * 2 * 4096:  # the slots (chunk 4 KiB), not the mailbox (about 5 KiB)
+        if length >= 2 * 2 * 4096:  # the slots (chunk 4 KiB), not the mailbox (about 5 KiB)
             raise OSError(errno.ENOSPC, "No space left on device")
         return fallocate(fd, offset, length)
 
@@ -798,7 +798,7 @@ def test_bounce_pieces_keep_every_flag_line_on_a_cache_line_and_the_limit_holds(
         pytest.skip("no compiled mailbox or no cross-memory access on this node")
     n = engine.local_size
     assert engine.bounce_bytes == 1000, engine
-    assert engine._lines.shape[1] * 8 == shm.FLAG_BYTES + 3 * n * 4096
+    assert engine._lines.shape[1] * 8 == shm.FLAG_BYTES + 2 * n * 4096
     assert all(engine._lines[j].ctypes.data % 64 == 0 for j in range(n))
     for length, bounced in ((250, 1), (251, 0)):
         before = engine.mailbox.bounce_calls()

@@ -279,7 +279,7 @@ def test_cross_bounce_pipelines_any_size_in_rounds_with_the_same_bits(k, dtype, 
     peers in order): the two algorithms are interchangeable call by call."""
     op, ufunc = OPS[name]
     rng = np.random.default_rng(k + 10)
-    mapping, views = cross_boxes(k, bounce=3 * k * 128, bounce_max=2000)
+    mapping, views = cross_boxes(k, bounce=2 * k * 128, bounce_max=2000)
     tmp = np.zeros(7 * np.dtype(dtype).itemsize, np.uint8)
     itemsize = np.dtype(dtype).itemsize
     bounced = 0
@@ -308,7 +308,7 @@ def test_cross_bounces_only_when_every_view_may_and_their_cpus_differ(k):
     tmp = np.zeros(64, np.uint8)
     for any_cpu, wishes, bounce in ((False, [True] * k, False), (True, [True] * k, True),
                                     (True, [True] * (k - 1) + [False], False)):
-        mapping, views = cross_boxes(k, bounce=3 * k * 128, bounce_any_cpu=any_cpu)
+        mapping, views = cross_boxes(k, bounce=2 * k * 128, bounce_any_cpu=any_cpu)
         xs = [values(rng, "float32", 300) for _ in range(k)]
         expected = cross_expected(xs, np.add)
         stage, pending = [0] * k, list(range(k))
@@ -336,7 +336,7 @@ def test_cross_views_a_call_apart_leave_every_slot_until_its_peers_read_it(k, se
     slots. No view rewrites its slot before its peers have read it, so every call's arrays hold
     cross_expected's bits (a copy-in ahead of the arrival check fails most seeds)."""
     rng = np.random.default_rng(seed)
-    mapping, views = cross_boxes(k, bounce=3 * k * 128, bounce_max=2000)
+    mapping, views = cross_boxes(k, bounce=2 * k * 128, bounce_max=2000)
     tmp = np.zeros(28, np.uint8)
     sizes = [500, 250, 501, 37, 500, 1, 499, 500]  # float32: up to 500 elements bounce
     calls = [[values(rng, "float32", n) for _ in range(k)] for n in sizes]
@@ -371,7 +371,7 @@ def test_cross_random_interleavings_of_bounced_system_call_and_mismatched_calls(
     peers read it, a flag read after a peer moved on to its next call, or a round counter out of
     step after a call that did not bounce fails most seeds."""
     rng = np.random.default_rng(1000 * k + seed)
-    mapping, views = cross_boxes(k, bounce=3 * k * 128, bounce_max=4000)
+    mapping, views = cross_boxes(k, bounce=2 * k * 128, bounce_max=4000)
     tmp = np.zeros(40, np.uint8)
     calls = []  # (arrays by view, wishes by view, expected (None: a mismatch), bounces, inputs)
     for _ in range(40):
@@ -659,3 +659,28 @@ def test_shared_zeros_larger_than_memory_is_a_memory_error_like_np_zeros():
     with pytest.raises(MemoryError, match="Unable to allocate"):
         shm.shared_zeros(10**13, "float32")  # a memfd is sparse: it must not "succeed"
     assert shm._mailbox.regions_registered() == before
+
+
+def test_cross_refuses_to_restart_a_call_that_is_bouncing():
+    """A view in the middle of a bounce (a wait in it raised, say a CollectiveTimeout) cannot
+    start over or start another call: its rounds would no longer match its peers', and a restart
+    would rewrite pieces they still read. ValueError, nothing moved; resuming at stage 2 works."""
+    mapping, (a, b) = cross_boxes(2, bounce=2 * 2 * 128)
+    x, y = np.ones(100, np.float32), np.full(100, 2.0, np.float32)
+    tmp = np.zeros(64, np.uint8)
+    assert a.cross(x, MPI.SUM, 1, tmp, 0, 0, True) == 1
+    assert b.cross(y, MPI.SUM, 1, tmp, 0, 0, True) == 4  # arrived, bouncing, waits for a's round
+    for stage, call in ((0, 2), (1, 1), (3, 1)):
+        with pytest.raises(ValueError, match="while call 1 is bouncing"):
+            b.cross(y, MPI.SUM, call, tmp, 0, stage, True)
+    views, arrays, stages = [a, b], [x, y], [1, 2]
+    while stages != [None, None]:
+        for j in (0, 1):
+            if stages[j] is not None:
+                status = views[j].cross(arrays[j], MPI.SUM, 1, tmp, 0, stages[j], True)
+                stages[j] = None if status == 0 else shm._CROSS_WAITS[status]
+    assert (x == 3.0).all() and (y == 3.0).all()
+    assert a.bounce_calls() == b.bounce_calls() == 1
+    a.close()
+    b.close()
+    mapping.close()
