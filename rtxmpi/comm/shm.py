@@ -648,8 +648,8 @@ def describe(backend, size=str):
               and engine.mode == "cma" else f"shared_zeros arrays as plain memory "
               f"({engine.mailbox_off or 'no cross-memory access'})")
     why = engine.mailbox_off or "no compiled mailbox"
-    queued = ("async_op=True: queued on the same paths" if engine.mailbox is not None
-              else f"async_op=True: MPI's Iallreduce ({why})")
+    queued = ("async_op=True: queued on the same paths (never bounced)"
+              if engine.mailbox is not None else f"async_op=True: MPI's Iallreduce ({why})")
     return (f"{mailbox}; {larger}; {shared}; {queued}; "
             f"chunk {size(config.chunk_bytes)}; {engine.local_size} local ranks x "
             f"{engine.nodes} node(s); RTXMPI_SHM=0 turns it off")
