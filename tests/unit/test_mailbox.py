@@ -251,13 +251,15 @@ def run_cross(views, xs, op, call, tmp, expected):
         np.testing.assert_array_equal(x.view(np.uint8), expected.view(np.uint8))
 
 
-def drive_cross(views, xs, op, call, tmp):
+def drive_cross(views, xs, op, call, tmp, wishes=None):
     """Run call `call` on every view round-robin, each resuming at the stage its last status
-    waits for (shm._CROSS_WAITS), until every view returned 0. Returns the statuses seen."""
+    waits for (shm._CROSS_WAITS), until every view returned 0 (wishes: each view's bounce
+    argument, default True). Returns the statuses seen."""
     seen, stage, pending = [], [0] * len(views), list(range(len(views)))
-    for _ in range(10 * len(views)):
+    wishes = wishes or [True] * len(views)
+    for _ in range(10 * len(views) * (xs[0].size + 1)):  # a round per piece: at most size rounds
         for j in list(pending):
-            status = views[j].cross(xs[j], op, call, tmp, 0, stage[j], True)
+            status = views[j].cross(xs[j], op, call, tmp, 0, stage[j], wishes[j])
             seen.append(status)
             if status == 0:
                 pending.remove(j)
@@ -311,14 +313,7 @@ def test_cross_bounces_only_when_every_view_may_and_their_cpus_differ(k):
         mapping, views = cross_boxes(k, bounce=2 * k * 128, bounce_any_cpu=any_cpu)
         xs = [values(rng, "float32", 300) for _ in range(k)]
         expected = cross_expected(xs, np.add)
-        stage, pending = [0] * k, list(range(k))
-        while pending:
-            for j in list(pending):
-                status = views[j].cross(xs[j], MPI.SUM, 1, tmp, 0, stage[j], wishes[j])
-                if status == 0:
-                    pending.remove(j)
-                else:
-                    stage[j] = shm._CROSS_WAITS[status]
+        drive_cross(views, xs, MPI.SUM, 1, tmp, wishes)
         assert [view.bounce_calls() for view in views] == [int(bounce)] * k
         for x in xs:
             np.testing.assert_array_equal(x.view(np.uint8), expected.view(np.uint8))
