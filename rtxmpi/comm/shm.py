@@ -147,9 +147,10 @@ MAX_BUFFER_BYTES = 256 << 20  # largest mailbox slot or chunk a setting may ask 
 BUFFERS = 3  # triple buffering: one barrier per chunk (see the module docstring)
 NEVER = sys.maxsize  # min_bytes when the path is off
 FLAG_BYTES = 128  # two cache lines per local rank for its flags (_mailbox.c's LINE)
-# the compiled cross-memory all_reduce bounces arrays up to RTXMPI_SHM_BOUNCE_BYTES (default:
+# the compiled cross-memory all_reduce may bounce arrays up to RTXMPI_SHM_BOUNCE_BYTES (default:
 # every size) through shared slots, pipelined (user-space copies: no page pinning, no system
-# call), when the local ranks run on distinct CPUs; ranks that share one take the system calls
+# call); local rank 0's tuner picks it or the system calls per call, and ranks that share a CPU
+# take the system calls
 DEFAULT_BOUNCE_BYTES = NEVER
 BOUNCE_SLOT_BYTES = 4 << 20  # largest bounce slot per rank: 2 round parities x local_size pieces
 TSO_MACHINES = ("x86_64", "amd64", "i386", "i686")
