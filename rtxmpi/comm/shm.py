@@ -528,6 +528,17 @@ def _probe_peers(node, comm, enabled):
     return (reader, [int(p) for p in table[:, 0]]) if ok else None
 
 
+def _node_cpus(node):
+    """Collective over the node communicator: how many CPUs its ranks may run on together (the
+    union of their affinity masks: taskset, cpusets and the launcher's binding count, where
+    os.cpu_count() sees every CPU of the machine)."""
+    try:
+        mine = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity masks here: every CPU
+        mine = list(range(os.cpu_count() or 1))
+    return len(set().union(*node.allgather(mine)))
+
+
 def _arena_dir():
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
@@ -756,7 +767,8 @@ class NodeAllReduce:
         # and MPI calls: under ULFM a dead peer is reported through a failing MPI request,
         # which a flag poll would never see (RankFailure for shrink-and-continue)
         # (the compiled mailbox orders its stores with atomics; the numpy one needs x86's order)
-        ordered = (cross is None and local_size <= (os.cpu_count() or 1) and not ulfm_enabled()
+        cores = _node_cpus(node)
+        ordered = (cross is None and local_size <= cores and not ulfm_enabled()
                    and (_mailbox is not None or TSO))
         # agreed: _map_arena below is collective, and each rank's facts (cores, environment,
         # installed extension) are its own
@@ -791,7 +803,7 @@ class NodeAllReduce:
             node.Barrier()
         # why this rank's group has no mailbox (a description: rtxmpi info, benchmarks)
         off = ("ranks on several nodes" if cross is not None
-               else "more local ranks than cores" if local_size > (os.cpu_count() or 1)
+               else "more local ranks than cores" if local_size > cores
                else "ULFM: a dead peer must fail an MPI request" if ulfm_enabled()
                else "no compiled mailbox on this CPU" if _mailbox is None and not TSO
                else "not possible on another rank" if not ordered
@@ -1051,7 +1063,8 @@ class NodeAllReduce:
             raise error
         if tuner is not None:
             algorithm, ns = mailbox.last_call()
-            if algorithm < 2:  # 2: folded from the peers' shared regions, not a choice
+            if algorithm == int(bounce):  # not a fallback (ranks on a shared CPU, regions):
+                # those would count as the tuner's check of the other algorithm
                 tuner.record(x.nbytes, algorithm, ns * 1e-9)
 
     def _cross_error(self, status):

@@ -36,9 +36,10 @@ class OnlineChoice:
     with the lower median is chosen. Then every `interval` calls (RECHECK at first) pick()
     returns the other once: if that call took less than MARGIN times the chosen one's median,
     the class explores again (the margin keeps two equally fast algorithms from trading places
-    on noise); otherwise the interval doubles, up to MAX_RECHECK. record() takes the
-    algorithm that actually ran, which may differ from the pick (the caller may fall back).
-    Local: one rank decides, and the caller makes the others follow.
+    on noise); otherwise the interval doubles, up to MAX_RECHECK. record() takes the algorithm
+    that ran; a caller that may fall back to another records only the calls that ran the pick
+    (a fallback would count as the check). Local: one rank decides, and the caller makes the
+    others follow.
     """
 
     def __init__(self):

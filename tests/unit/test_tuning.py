@@ -66,15 +66,3 @@ def test_equal_algorithms_do_not_trade_places_on_noise():
     run(choice, 1 << 16, {0: 1.0, 1: 1.01}, 2 * tuning.TRIALS)
     run(choice, 1 << 16, {0: 1.0, 1: 0.95}, 10 * tuning.RECHECK)
     assert choice.chosen(1 << 16) == 0
-
-
-def test_records_follow_what_ran_not_what_was_picked():
-    """The caller may fall back (ranks sharing a CPU never bounce): records of algorithm 0 for
-    picks of 1 still complete the exploration once 1 is measured."""
-    choice = tuning.OnlineChoice()
-    for _ in range(3 * tuning.TRIALS):
-        choice.pick(1 << 20)
-        choice.record(1 << 20, 0, 1.0)
-    assert choice.chosen(1 << 20) is None and choice.pick(1 << 20) == 1
-    run(choice, 1 << 20, {0: 1.0, 1: 0.5}, 2 * tuning.TRIALS)
-    assert choice.chosen(1 << 20) == 1
