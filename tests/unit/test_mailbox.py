@@ -202,6 +202,19 @@ def cross_boxes(k, pids=None, bounce=0, **options):
                      for j in range(k)]
 
 
+def close_boxes(mapping, views):
+    """Close every view of cross_boxes, then the mapping they share."""
+    for view in views:
+        view.close()
+    mapping.close()
+
+
+def assert_same_bits(arrays, expected):
+    """Every array holds `expected` bit for bit."""
+    for x in arrays:
+        np.testing.assert_array_equal(x.view(np.uint8), expected.view(np.uint8))
+
+
 def cross_expected(xs, ufunc):
     """Segment i (elements [n * i // k, n * (i + 1) // k)) is folded by local rank i: its own
     value first, then the others in local-rank order."""
@@ -232,9 +245,7 @@ def test_cross_reduces_every_segment_and_pushes_it_to_every_peer(k, dtype, name)
         xs = [values(rng, dtype, n) for _ in range(k)]
         expected = cross_expected(xs, ufunc)
         run_cross(views, xs, op, call, tmp, expected)
-    for view in views:
-        view.close()
-    mapping.close()
+    close_boxes(mapping, views)
 
 
 def run_cross(views, xs, op, call, tmp, expected):
@@ -247,8 +258,7 @@ def run_cross(views, xs, op, call, tmp, expected):
     resumed = [view.cross(x, op, call, tmp, 0, True, True) for view, x in zip(views[:-1], xs)]
     assert first == [1] * (k - 1) + [2] and resumed == [2] * (k - 2) + [0]
     assert all(view.cross_reached(3, call) and view.cross_reached(1, call) for view in views)
-    for x in xs:
-        np.testing.assert_array_equal(x.view(np.uint8), expected.view(np.uint8))
+    assert_same_bits(xs, expected)
 
 
 def drive_cross(views, xs, op, call, tmp, wishes=None):
@@ -294,11 +304,8 @@ def test_cross_bounce_pipelines_any_size_in_rounds_with_the_same_bits(k, dtype, 
         bounced += n * itemsize <= 2000
         assert all(view.bounce_calls() == bounced for view in views)
         assert all(view.last_call()[0] == (n * itemsize <= 2000) for view in views)
-        for x in xs:
-            np.testing.assert_array_equal(x.view(np.uint8), expected.view(np.uint8))
-    for view in views:
-        view.close()
-    mapping.close()
+        assert_same_bits(xs, expected)
+    close_boxes(mapping, views)
 
 
 @pytest.mark.parametrize("k", [2, 3])
@@ -315,11 +322,8 @@ def test_cross_bounces_only_when_every_view_may_and_their_cpus_differ(k):
         expected = cross_expected(xs, np.add)
         drive_cross(views, xs, MPI.SUM, 1, tmp, wishes)
         assert [view.bounce_calls() for view in views] == [int(bounce)] * k
-        for x in xs:
-            np.testing.assert_array_equal(x.view(np.uint8), expected.view(np.uint8))
-        for view in views:
-            view.close()
-        mapping.close()
+        assert_same_bits(xs, expected)
+        close_boxes(mapping, views)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -346,11 +350,8 @@ def test_cross_views_a_call_apart_leave_every_slot_until_its_peers_read_it(k, se
         stage[j] = 0 if status == 0 else shm._CROSS_WAITS[status]
     assert ahead  # the interleaving this test is about happened
     for xs, want in zip(calls, expected):
-        for x in xs:
-            np.testing.assert_array_equal(x.view(np.uint8), want.view(np.uint8))
-    for view in views:
-        view.close()
-    mapping.close()
+        assert_same_bits(xs, want)
+    close_boxes(mapping, views)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -402,9 +403,7 @@ def test_cross_random_interleavings_of_bounced_system_call_and_mismatched_calls(
             np.testing.assert_array_equal(x.view(np.uint8), want.view(np.uint8), err_msg=str(c))
     bounced = sum(call[3] for call in calls)
     assert [view.bounce_calls() for view in views] == [bounced] * k
-    for view in views:
-        view.close()
-    mapping.close()
+    close_boxes(mapping, views)
 
 
 @pytest.mark.parametrize("bounce", [0, 4096])
@@ -431,11 +430,8 @@ def test_cross_mismatch_returns_once_every_view_has_seen_it(k, bounce):
     ys = [values(np.random.default_rng(k), "float32", 100) for _ in range(k)]
     expected = cross_expected(ys, np.add)
     drive_cross(views, ys, MPI.SUM, 2, tmp)
-    for y in ys:
-        np.testing.assert_array_equal(y.view(np.uint8), expected.view(np.uint8))
-    for view in views:
-        view.close()
-    mapping.close()
+    assert_same_bits(ys, expected)
+    close_boxes(mapping, views)
 
 
 def test_cross_errors_are_typed():
@@ -548,9 +544,7 @@ def test_cross_on_shared_arrays_folds_directly_with_the_same_bits(k, name):
         before = [view.direct_calls() for view in views]
         run_cross(views, xs, op, call, tmp, expected)
         assert [view.direct_calls() - b for view, b in zip(views, before)] == [1] * k
-    for view in views:
-        view.close()
-    mapping.close()
+    close_boxes(mapping, views)
 
 
 def test_cross_with_one_plain_array_takes_the_system_calls_on_every_view():
