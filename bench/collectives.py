@@ -48,6 +48,7 @@ DEFAULT_SIZES = "8,4K:256M"
 CELL_BUDGET_S = 1.0  # --iters auto: timed seconds per (size, op), all implementations together
 MIN_ITERS, MAX_ITERS = 5, 2000
 WARMUP_BUDGET_S = 0.05  # warm-up rounds continue until this long has passed (or 20 rounds)
+MAX_WARMUP = 60  # ... and while rtxmpi's tuner explores, up to this many
 TARGET_RATIO, TARGET_RATIO_FROM_BYTES, TARGET_OVERHEAD_US = 0.95, 1 << 20, 10.0
 # the shared-memory all_reduce (rtxmpi/comm/shm.py; issue 6 item 5)
 TARGET_SHM_RATIO, TARGET_SHM_FROM_BYTES = 2.0, 16 << 20
@@ -228,19 +229,33 @@ def timed_rounds(calls, rounds, first_round, comm):
     return times
 
 
-def measure_cell(calls, iters, comm):
-    """Warm up, choose the iteration count (agreed by all ranks), time. Returns (iters, times)."""
+def measure_cell(calls, iters, comm, settled=None, timed=None):
+    """Warm up, choose the iteration count (agreed by all ranks), time. Returns (iters, times).
+    settled() (local): whether rtxmpi's tuner has chosen (warm-up goes on until every rank says
+    so, up to MAX_WARMUP rounds: the steady state of a training run is timed, not the tuner's
+    first calls of each algorithm); timed(): called just before the timed rounds."""
     warm, spent = 0, 0.0
-    while warm < 20 and (warm < 2 or spent < WARMUP_BUDGET_S):
+    while warm < MAX_WARMUP:
+        if warm >= 2 and comm.allreduce(settled is None or settled(), op=MPI.LAND):
+            if spent >= WARMUP_BUDGET_S or warm >= 20 or spent / warm > 0.1:
+                break  # large messages: one warm-up round is enough for the caches
         round_s = timed_rounds(calls, 1, warm, comm).sum()  # identical on every rank (max-reduced)
         spent += round_s
         warm += 1
-        if round_s > 0.1:
-            break  # large messages: one warm-up round is enough
     if iters is None:
         per_round = spent / warm
         iters = int(min(MAX_ITERS, max(MIN_ITERS, CELL_BUDGET_S / max(per_round, 1e-9))))
+    if timed is not None:
+        timed()
     return iters, timed_rounds(calls, iters, 0, comm)
+
+
+def tuner_settled(g):
+    """Whether the tuner of g's compiled cross-memory all_reduce (local rank 0's, if any) has
+    chosen in every size class it has seen (local)."""
+    engine = g.backend._shm
+    tuner = engine._tuner if engine else None
+    return tuner is None or not tuner.exploring()
 
 
 # -- reporting -----------------------------------------------------------------------------------------
@@ -350,14 +365,16 @@ def cross_counts(g):
     if not engine or engine.mailbox is None or engine.mode != "cma":
         return None
     box = engine.mailbox
-    bounce, direct = box.bounce_calls(), box.direct_calls()
-    return {"bounce": bounce, "cma, shared": direct, "cma": engine._cma_calls - bounce - direct}
+    bounce, direct, mpi = box.bounce_calls(), box.direct_calls(), engine.mpi_calls
+    return {"bounce": bounce, "cma, shared": direct, "MPI": mpi,
+            "cma": engine._cma_calls - bounce - direct - mpi}
 
 
 def cma_kind(engine, size_bytes, shared, counts=None):
     """How the engine's cross-memory all_reduce moved `size_bytes`: "cma, shared" (folded from
     the peers' shared_zeros memory), "bounce" (through the shared slots), "cma" (system calls),
-    "bounce 80%, cma 20%" when the tuner (rtxmpi/comm/tuning.py) used both, from the calls
+    "MPI" (MPI's Allreduce after the same arrival), "bounce 80%, cma 20%" when the tuner
+    (rtxmpi/comm/tuning.py) used several, from the calls
     counted while the cell was timed (`counts`, cross_counts differences); or the arena's mode
     ("copy")."""
     if engine.mode != "cma" or engine.mailbox is None:
@@ -370,7 +387,9 @@ def cma_kind(engine, size_bytes, shared, counts=None):
         return ", ".join(f"{k} {max(100 * v / total, 1):.0f}%" for v, k in used)  # 1%: a few
     if shared:
         return "cma, shared"
-    return "bounce or cma (tuned)" if size_bytes <= engine.bounce_bytes else "cma"
+    if engine.bounce_bytes and not engine.bounce_any_cpu:
+        return "tuned"  # local rank 0 picks (rtxmpi/comm/tuning.py)
+    return "bounce" if size_bytes <= engine.bounce_bytes else "cma"
 
 
 def op_path(g, op, size_bytes, nonblocking=False, shared=False, counts=None):
@@ -583,9 +602,11 @@ def main(argv=None):
             inp, out = buffers.views(op, count, n)
             names = [name for name in impls if not (name == "gloo" and op in unsupported)]
             calls = [impls[name][0](op, inp, out) for name in names]
-            before = cross_counts(g)
-            iters, times = measure_cell(calls, args.iters, comm)
+            counted = {}
+            iters, times = measure_cell(calls, args.iters, comm, lambda: tuner_settled(g),
+                                        lambda: counted.update(before=cross_counts(g)))
             cells.append(cell_result(op, count * dtype.itemsize, n, iters, names, times))
+            before = counted["before"]
             if op == "all_reduce" and before is not None:
                 after = cross_counts(g)
                 cells[-1]["cross_algorithms"] = {k: after[k] - before[k] for k in after}

@@ -618,6 +618,7 @@ def _described(keys):
 
 # Mailbox.cross statuses that wait for the peers (on cross_ready()): status -> stage to resume at
 _CROSS_WAITS = {1: 1, 4: 2, 2: 3}
+_ALGORITHMS = (0, 1)  # local rank 0's tuner picks the system calls (0) or the bounce (1)
 
 
 def _finished():
@@ -1052,7 +1053,11 @@ class NodeAllReduce:
         self._drain(wait)
         self._cma_calls += 1
         call, tuner = self._cma_calls, self._tuner
-        bounce = True if tuner is None else tuner.pick(x.nbytes) == 1
+        bounce = True  # the other local ranks follow local rank 0; none bounces beyond bounce_bytes
+        if tuner is not None and x.nbytes <= self.bounce_bytes:
+            bounce = tuner.pick(x.nbytes, _ALGORITHMS) == 1
+        else:  # beyond bounce_bytes only the system calls run: nothing to choose
+            tuner = None
         status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, 0, bounce)
         while status in _CROSS_WAITS:  # a peer later than the spin: wait, then the next stage
             wait(self._watched(mailbox.cross_ready))
@@ -1065,7 +1070,7 @@ class NodeAllReduce:
             algorithm, ns = mailbox.last_call()
             if algorithm == int(bounce):  # not a fallback (ranks on a shared CPU, regions):
                 # those would count as the tuner's check of the other algorithm
-                tuner.record(x.nbytes, algorithm, ns * 1e-9)
+                tuner.record(x.nbytes, _ALGORITHMS, algorithm, ns * 1e-9)
 
     def _cross_error(self, status):
         """The error a Mailbox.cross status stands for (a failed transfer's tuple: RankFailure or

@@ -1,90 +1,132 @@
-"""Online choice between two algorithms of one collective, from times measured during the run.
+"""Online choice among the algorithms of one collective, from times measured during the run.
 
-The cross-memory all_reduce of one node has two algorithms with bitwise the same result
-(shm.py): the system calls, which let each rank fold its segment while its peers are descheduled,
-and the bounce through shared slots, pipelined in rounds that need every rank running at once.
-Which is faster depends on where the host runs the ranks' CPUs, which can change during a run
-and which no rank can see (two vCPUs of a virtual machine on one physical core read as two
-CPUs). So one rank measures both and picks, per message size class, as STAR-MPI does for MPI's
-collectives (Faraj, Yuan and Lowenthal, "STAR-MPI: self tuned adaptive routines for MPI
-collective operations", ICS 2006): explore each algorithm for a few calls, use the faster, and
-check the other now and then, less often while it keeps losing.
+The cross-memory all_reduce of one node has algorithms with bitwise the same result (shm.py):
+the system calls, which let each rank fold its segment while its peers are descheduled; the
+bounce through shared slots, pipelined in rounds that need every rank running at once; and, for
+two local ranks, MPI's own Allreduce. Which is fastest depends on where the host runs the ranks'
+CPUs, which can change during a run and which no rank can see (two vCPUs of a virtual machine on
+one physical core read as two CPUs). So one rank measures them and picks, per message size
+class, as STAR-MPI does for MPI's collectives (Faraj, Yuan and Lowenthal, "STAR-MPI: self tuned
+adaptive routines for MPI collective operations", ICS 2006): explore each algorithm for a few
+calls, use the fastest, and check the others now and then, less often while they keep losing,
+and at once when the chosen one has become slower than another was.
 """
 import statistics
 
-TRIALS = 5  # samples of each algorithm before choosing, and the window of the chosen one
-RECHECK = 32  # calls between checks of the other algorithm, after a choice
+TRIALS = 5  # samples of each algorithm before choosing, and the window of each one's times
+RECHECK = 32  # calls between checks of another algorithm, after a choice
 MAX_RECHECK = 1024  # the interval doubles while the checks confirm the choice, up to this
-MARGIN = 0.85  # a check reopens the choice when it took less than this times the chosen median
+MARGIN = 0.95  # another algorithm wins when its median is below this times the chosen one's
 
 
 class _Class:
-    __slots__ = ("samples", "chosen", "calls", "interval")
+    __slots__ = ("samples", "chosen", "calls", "interval", "due", "turn", "trial", "periodic")
 
-    def __init__(self):
-        self.samples = ([], [])  # the last TRIALS seconds of algorithm 0 and 1
+    def __init__(self, choices):
+        self.samples = {a: [] for a in choices}  # the last TRIALS seconds of each algorithm
         self.chosen = None  # None: exploring
-        self.calls = 0  # calls since the choice or the last check
+        self.calls = 0  # calls of the chosen one since the choice or the last check
         self.interval = RECHECK
+        self.due = None  # an algorithm to check at the next call (the chosen one slowed down)
+        self.turn = 0  # which of the others the next periodic check runs
+        self.trial = None  # the algorithm whose check beat the chosen median: TRIALS calls
+        self.periodic = False  # the check under way is the periodic one (not `due`)
 
 
 class OnlineChoice:
-    """Pick algorithm 0 or 1 for each message size class (byte counts of the same bit length,
-    i.e. between consecutive powers of two), from the seconds each call took.
+    """Pick one of a few algorithms (small ints) for each message size class (byte counts of
+    the same bit length, i.e. between consecutive powers of two) and set of choices, from the
+    seconds each call took.
 
-    Exploring, pick() returns the algorithm with fewer samples until each has TRIALS; the one
-    with the lower median is chosen. Then every `interval` calls (RECHECK at first) pick()
-    returns the other once: if that call took less than MARGIN times the chosen one's median,
-    the class explores again (the margin keeps two equally fast algorithms from trading places
-    on noise); otherwise the interval doubles, up to MAX_RECHECK. record() takes the algorithm
-    that ran; a caller that may fall back to another records only the calls that ran the pick
-    (a fallback would count as the check). Local: one rank decides, and the caller makes the
-    others follow.
+    Exploring, pick() returns the algorithm with the fewest samples (the first of `choices` on
+    a tie) until each has TRIALS; the one with the lowest median is chosen. Then every
+    `interval` calls (RECHECK at first) pick() returns one of the others (in turn), once. If that
+    call was slower than the chosen one's median, the interval doubles, up to MAX_RECHECK.
+    Otherwise it runs TRIALS calls in a row (a trial) and becomes the choice if their median is
+    below MARGIN times the chosen one's (one fast call is too often noise). Once the chosen
+    one's window holds only calls after the last check and its median is above another's over
+    MARGIN, that other one is checked at the next call (the host changed). record() takes the
+    algorithm that ran; a caller that may fall back to another records only the calls that ran
+    the pick (a fallback would count as a check). Local: one rank decides, and the caller makes
+    the others follow.
     """
 
     def __init__(self):
         self._classes = {}
 
-    def _class(self, nbytes):
-        key = int(nbytes).bit_length()
+    def _class(self, nbytes, choices):
+        key = (int(nbytes).bit_length(), choices)
         entry = self._classes.get(key)
         if entry is None:
-            entry = self._classes[key] = _Class()
+            entry = self._classes[key] = _Class(choices)
         return entry
 
-    def pick(self, nbytes):
-        """0 or 1: the algorithm to run for a message of `nbytes` bytes."""
-        entry = self._class(nbytes)
+    def pick(self, nbytes, choices):
+        """The algorithm (one of the tuple `choices`, fixed for a size) to run for `nbytes`."""
+        entry = self._class(nbytes, choices)
         if entry.chosen is None:
-            return 0 if len(entry.samples[0]) <= len(entry.samples[1]) else 1
+            return min(choices, key=lambda a: len(entry.samples[a]))
+        if entry.trial is not None:
+            return entry.trial
+        if entry.due is not None:
+            return entry.due
         if entry.calls >= entry.interval:
-            return 1 - entry.chosen
+            others = [a for a in choices if a != entry.chosen]
+            return others[entry.turn % len(others)]
         return entry.chosen
 
-    def record(self, nbytes, algorithm, seconds):
-        """The call of `nbytes` bytes ran `algorithm` (0 or 1) in `seconds`."""
-        entry = self._class(nbytes)
+    def record(self, nbytes, choices, algorithm, seconds):
+        """The call of `nbytes` bytes (with `choices`, as picked) ran `algorithm` in `seconds`."""
+        entry = self._class(nbytes, choices)
         samples = entry.samples[algorithm]
+        if entry.chosen is not None and algorithm != entry.chosen and entry.trial is None:
+            del samples[:]  # a check: the older times are from before whatever changed
         samples.append(seconds)
         del samples[:-TRIALS]
         if entry.chosen is None:
-            if min(len(s) for s in entry.samples) >= TRIALS:
-                medians = [statistics.median(s) for s in entry.samples]
-                entry.chosen = 0 if medians[0] <= medians[1] else 1
+            if min(len(s) for s in entry.samples.values()) >= TRIALS:
+                entry.chosen = min(choices, key=lambda a: statistics.median(entry.samples[a]))
                 entry.calls, entry.interval = 0, RECHECK
             return
+        chosen = statistics.median(entry.samples[entry.chosen])
         if algorithm == entry.chosen:
             entry.calls += 1
+            if entry.due is None and entry.trial is None and entry.calls >= TRIALS:
+                times = {a: statistics.median(s) for a, s in entry.samples.items()
+                         if a != algorithm and s}
+                best = min(times, key=times.get, default=None)
+                if best is not None and times[best] < MARGIN * chosen:
+                    entry.due = best
             return
-        entry.calls = 0  # the check of the other algorithm
-        if seconds < MARGIN * statistics.median(entry.samples[entry.chosen]):
-            entry.chosen = None  # it may have become faster: measure both again
-            del entry.samples[1 - algorithm][:]
-            del samples[:-1]
+        if entry.trial is None:  # the first call of a check
+            entry.periodic, entry.due, entry.calls = entry.due is None, None, 0
+            if seconds < chosen:
+                entry.trial = algorithm
+                if TRIALS > 1:
+                    return
+            else:
+                self._keep(entry)
+                return
+        if len(samples) < TRIALS:
+            return
+        entry.trial = None
+        if statistics.median(samples) < MARGIN * chosen:
+            entry.chosen, entry.interval = algorithm, RECHECK
         else:
+            self._keep(entry)
+
+    @staticmethod
+    def _keep(entry):
+        """A check lost: the next periodic one comes later, and checks the next other."""
+        if entry.periodic:
+            entry.turn += 1
             entry.interval = min(2 * entry.interval, MAX_RECHECK)
 
-    def chosen(self, nbytes):
-        """The algorithm chosen for `nbytes`' class, or None while it explores (reports)."""
-        entry = self._classes.get(int(nbytes).bit_length())
+    def exploring(self):
+        """Whether some size class seen so far has not chosen yet."""
+        return any(entry.chosen is None for entry in self._classes.values())
+
+    def chosen(self, nbytes, choices):
+        """The algorithm chosen for `nbytes`' class with `choices`, or None while it explores."""
+        entry = self._classes.get((int(nbytes).bit_length(), choices))
         return None if entry is None else entry.chosen

@@ -841,11 +841,11 @@ def test_ranks_follow_local_rank_0s_choice_call_by_call_with_the_same_bits(world
         def __init__(self):
             self.calls = 0
 
-        def pick(self, nbytes):
+        def pick(self, nbytes, choices):
             self.calls += 1
-            return int(picks[self.calls - 1])
+            return choices[picks[self.calls - 1]]
 
-        def record(self, nbytes, algorithm, seconds):
+        def record(self, nbytes, choices, algorithm, seconds):
             records.append(algorithm)
 
     if engine.local_rank == 0:
@@ -859,6 +859,28 @@ def test_ranks_follow_local_rank_0s_choice_call_by_call_with_the_same_bits(world
     if engine.local_rank == 0:
         assert records == [int(p) for p in picks]
     engine._tuner = None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_tuner_picks_only_up_to_bounce_bytes(world):
+    """Above RTXMPI_SHM_BOUNCE_BYTES only the system calls may run: local rank 0's tuner is not
+    asked (it would pick the bounce, see it never run, and never choose); up to it, it is."""
+    group = forced_group(world, False, bounce_bytes=16384)
+    engine = group.backend._shm
+    if not engine or engine.mailbox is None or engine.mode != "cma":
+        pytest.skip("no compiled mailbox or no cross-memory access on this node")
+    before = engine.mailbox.bounce_calls()
+    for call in range(12):
+        x, expected = inputs(group, 8192, "float32", "sum", salt=call)  # 32 KiB
+        assert_exact(group.all_reduce(x), expected)
+    assert engine.mailbox.bounce_calls() == before
+    if engine.local_rank == 0:
+        seen = lambda: {bits for bits, _ in engine._tuner._classes}  # noqa: E731
+        assert (32768).bit_length() not in seen()
+        group.all_reduce(np.zeros(2048, np.float32))  # 8 KiB: asked
+        assert (8192).bit_length() in seen()
+    else:
+        group.all_reduce(np.zeros(2048, np.float32))
 
 
 def test_info_says_which_all_reduce_paths_the_group_runs(world):

@@ -1,15 +1,17 @@
-"""rtxmpi.comm.tuning.OnlineChoice: explore both algorithms, use the faster, recheck the other."""
+"""rtxmpi.comm.tuning.OnlineChoice: explore the algorithms, use the fastest, check the others."""
 import pytest
 
 from rtxmpi.comm import tuning
 
+TWO = (0, 1)
 
-def run(choice, nbytes, seconds, calls):
+
+def run(choice, nbytes, seconds, calls, choices=TWO):
     """`calls` calls of `nbytes`, algorithm a taking seconds[a]; returns the algorithms run."""
     ran = []
     for _ in range(calls):
-        a = choice.pick(nbytes)
-        choice.record(nbytes, a, seconds[a])
+        a = choice.pick(nbytes, choices)
+        choice.record(nbytes, choices, a, seconds[a])
         ran.append(a)
     return ran
 
@@ -18,22 +20,39 @@ def run(choice, nbytes, seconds, calls):
 def test_explores_both_then_uses_the_faster(faster):
     choice = tuning.OnlineChoice()
     seconds = {faster: 1e-3, 1 - faster: 3e-3}
-    ran = run(choice, 1 << 20, seconds, 2 * tuning.TRIALS)
+    assert not choice.exploring()  # no class seen yet
+    ran = run(choice, 1 << 20, seconds, 2 * tuning.TRIALS - 1)
+    assert choice.exploring()
+    ran += run(choice, 1 << 20, seconds, 1)
     assert ran.count(0) == ran.count(1) == tuning.TRIALS  # alternating while exploring
-    assert choice.chosen(1 << 20) == faster
+    assert choice.chosen(1 << 20, TWO) == faster and not choice.exploring()
     ran = run(choice, 1 << 20, seconds, tuning.RECHECK)
     assert ran == [faster] * tuning.RECHECK
 
 
-def test_size_classes_choose_separately():
-    """Byte counts of the same bit length share a class; 1 MiB and 16 MiB do not."""
+@pytest.mark.parametrize("fastest", [0, 1, 3])
+def test_three_algorithms_each_checked_in_turn(fastest):
+    choice, choices = tuning.OnlineChoice(), (0, 1, 3)
+    seconds = {a: 1.0 if a == fastest else 2.0 + a for a in choices}
+    ran = run(choice, 1 << 20, seconds, 3 * tuning.TRIALS, choices)
+    assert sorted(ran) == sorted(choices * tuning.TRIALS)
+    assert choice.chosen(1 << 20, choices) == fastest
+    others = [a for a in choices if a != fastest]
+    ran = run(choice, 1 << 20, seconds, tuning.RECHECK + 1 + 2 * tuning.RECHECK + 1, choices)
+    assert ran == ([fastest] * tuning.RECHECK + [others[0]]
+                   + [fastest] * (2 * tuning.RECHECK) + [others[1]])
+
+
+def test_size_classes_and_choice_sets_choose_separately():
+    """Byte counts of the same bit length share a class; 1 MiB and 16 MiB do not; neither do
+    two sets of choices."""
     choice = tuning.OnlineChoice()
     run(choice, 1 << 20, {0: 1.0, 1: 2.0}, 2 * tuning.TRIALS)
-    run(choice, (1 << 21) - 1, {0: 1.0, 1: 2.0}, 0)
-    assert choice.chosen((1 << 21) - 1) == 0  # [1 MiB, 2 MiB): the same class
-    assert choice.chosen(16 << 20) is None
+    assert choice.chosen((1 << 21) - 1, TWO) == 0  # [1 MiB, 2 MiB): the same class
+    assert choice.chosen(16 << 20, TWO) is None
+    assert choice.chosen(1 << 20, (0, 1, 3)) is None
     run(choice, 16 << 20, {0: 2.0, 1: 1.0}, 2 * tuning.TRIALS)
-    assert (choice.chosen(1 << 20), choice.chosen(16 << 20)) == (0, 1)
+    assert (choice.chosen(1 << 20, TWO), choice.chosen(16 << 20, TWO)) == (0, 1)
 
 
 def test_a_losing_recheck_doubles_the_interval():
@@ -49,20 +68,45 @@ def test_a_losing_recheck_doubles_the_interval():
     assert ran.count(1) == 1  # the interval stops at MAX_RECHECK
 
 
-def test_a_regime_change_is_found_at_the_next_check():
-    """The chosen algorithm becomes 3x slower (say, the host moved two vCPUs onto one core): the
-    next check of the other beats it, the class explores again and switches."""
+def test_a_slower_choice_checks_the_other_at_once_and_switches():
+    """The chosen algorithm becomes 5x slower (say, the host moved two vCPUs onto one core):
+    once its window holds only slow calls, the other is checked at the next call and, faster,
+    becomes the choice, long before the periodic check (RECHECK calls)."""
     choice = tuning.OnlineChoice()
     run(choice, 1 << 16, {0: 1.0, 1: 2.0}, 2 * tuning.TRIALS)
-    assert choice.chosen(1 << 16) == 0
-    run(choice, 1 << 16, {0: 6.0, 1: 2.0}, tuning.RECHECK + 1 + 2 * tuning.TRIALS)
-    assert choice.chosen(1 << 16) == 1
+    assert choice.chosen(1 << 16, TWO) == 0
+    ran = run(choice, 1 << 16, {0: 5.0, 1: 2.0}, 10)
+    assert ran[:tuning.TRIALS + 1] == [0] * tuning.TRIALS + [1]
+    assert choice.chosen(1 << 16, TWO) == 1
+    assert ran[tuning.TRIALS + 1:] == [1] * (10 - tuning.TRIALS - 1)
+
+
+def test_a_check_that_is_fast_once_is_tried_and_kept_only_if_its_median_wins():
+    """A periodic check faster than the chosen median runs TRIALS calls in a row; one fast call
+    among slow ones (noise) does not make it the choice, a faster median does."""
+    choice = tuning.OnlineChoice()
+    run(choice, 1 << 16, {0: 1.0, 1: 2.0}, 2 * tuning.TRIALS + tuning.RECHECK)
+    assert run(choice, 1 << 16, {0: 1.0, 1: 0.5}, 1) == [1]
+    assert run(choice, 1 << 16, {0: 1.0, 1: 2.0}, tuning.TRIALS) == [1] * (tuning.TRIALS - 1) + [0]
+    assert choice.chosen(1 << 16, TWO) == 0
+    ran = run(choice, 1 << 16, {0: 1.0, 1: 0.9}, 2 * tuning.RECHECK + tuning.TRIALS)
+    assert ran == [0] * (2 * tuning.RECHECK - 1) + [1] * (tuning.TRIALS + 1)
+    assert choice.chosen(1 << 16, TWO) == 1  # 0.9 < MARGIN * 1.0 over TRIALS calls
+
+
+def test_a_degradation_check_that_loses_keeps_the_choice():
+    """Both slow down: the other's check loses once, and its window now holds only its new time,
+    so the choice stays and only the periodic check runs it again."""
+    choice = tuning.OnlineChoice()
+    run(choice, 1 << 16, {0: 1.0, 1: 2.0}, 2 * tuning.TRIALS)
+    ran = run(choice, 1 << 16, {0: 5.0, 1: 10.0}, tuning.TRIALS + tuning.RECHECK)
+    assert choice.chosen(1 << 16, TWO) == 0
+    assert ran == [0] * tuning.TRIALS + [1] + [0] * (tuning.RECHECK - 1)
 
 
 def test_equal_algorithms_do_not_trade_places_on_noise():
-    """A check within MARGIN of the chosen median keeps the choice (no exploration: the
-    interval doubles)."""
+    """A check within MARGIN of the chosen median keeps the choice."""
     choice = tuning.OnlineChoice()
     run(choice, 1 << 16, {0: 1.0, 1: 1.01}, 2 * tuning.TRIALS)
     run(choice, 1 << 16, {0: 1.0, 1: 0.95}, 10 * tuning.RECHECK)
-    assert choice.chosen(1 << 16) == 0
+    assert choice.chosen(1 << 16, TWO) == 0
