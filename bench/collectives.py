@@ -365,16 +365,14 @@ def cross_counts(g):
     if not engine or engine.mailbox is None or engine.mode != "cma":
         return None
     box = engine.mailbox
-    bounce, direct, mpi = box.bounce_calls(), box.direct_calls(), engine.mpi_calls
-    return {"bounce": bounce, "cma, shared": direct, "MPI": mpi,
-            "cma": engine._cma_calls - bounce - direct - mpi}
+    bounce, direct = box.bounce_calls(), box.direct_calls()
+    return {"bounce": bounce, "cma, shared": direct, "cma": engine._cma_calls - bounce - direct}
 
 
 def cma_kind(engine, size_bytes, shared, counts=None):
     """How the engine's cross-memory all_reduce moved `size_bytes`: "cma, shared" (folded from
     the peers' shared_zeros memory), "bounce" (through the shared slots), "cma" (system calls),
-    "MPI" (MPI's Allreduce after the same arrival), "bounce 80%, cma 20%" when the tuner
-    (rtxmpi/comm/tuning.py) used several, from the calls
+    "bounce 80%, cma 20%" when the tuner (rtxmpi/comm/tuning.py) used both, from the calls
     counted while the cell was timed (`counts`, cross_counts differences); or the arena's mode
     ("copy")."""
     if engine.mode != "cma" or engine.mailbox is None:
@@ -387,9 +385,7 @@ def cma_kind(engine, size_bytes, shared, counts=None):
         return ", ".join(f"{k} {max(100 * v / total, 1):.0f}%" for v, k in used)  # 1%: a few
     if shared:
         return "cma, shared"
-    if engine.bounce_bytes and not engine.bounce_any_cpu:
-        return "tuned"  # local rank 0 picks (rtxmpi/comm/tuning.py)
-    return "bounce" if size_bytes <= engine.bounce_bytes else "cma"
+    return "bounce or cma (tuned)" if size_bytes <= engine.bounce_bytes else "cma"
 
 
 def op_path(g, op, size_bytes, nonblocking=False, shared=False, counts=None):
