@@ -1,10 +1,13 @@
-"""Array modules, dtypes and device selection.
+"""Array modules, dtypes, device selection and the host allocator under numpy.
 
 Everything above this layer is array-module agnostic: it asks `xp_of(x)` for the module of an array
 (numpy or cupy) and uses only what both provide. cupy is optional; it is imported lazily so that a
 CPU-only install never pays for it.
 """
+import ctypes
 import os
+import platform
+import sys
 
 import numpy as np
 
@@ -133,3 +136,39 @@ def env_flag(name, default=False):
     if value is None:
         return default
     return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+# -- the host allocator under numpy ------------------------------------------------------------
+# glibc's malloc serves blocks from 128 KiB up (its M_MMAP_THRESHOLD, raised on the fly to at most
+# 32 MiB) with a fresh mmap and unmaps them when freed, and gives the free top of its heap back
+# above M_TRIM_THRESHOLD. Every large numpy temporary of a layer's forward or backward then
+# page-faults once per 4 KiB page when first written: one forward + backward of the "small" GPT at
+# 8 x 128 tokens took about 16,000 minor faults, and ran 30-40% faster without them (4 ranks on
+# 2 cores: 150 -> 100 ms alone, 300 -> 210 ms with every rank computing; bench/RESULTS.md,
+# "Planner", session 8). So blocks up to HOST_MMAP_THRESHOLD come from the heap, and up to
+# HOST_TRIM_THRESHOLD of free heap stays with the process for the next step, as a caching
+# allocator keeps it.
+HOST_MMAP_THRESHOLD = 64 << 20
+HOST_TRIM_THRESHOLD = 256 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
+_USER_MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+def tune_host_allocator(environ=None):
+    """Keep numpy's large temporaries in the process (glibc mallopt: HOST_MMAP_THRESHOLD,
+    HOST_TRIM_THRESHOLD) instead of mapping and unmapping them every step. Local; called by
+    rtxmpi.init() on every rank. Does nothing (returns False) with RTXMPI_HOST_MALLOC=0, when the
+    user set glibc's own malloc variables (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_,
+    MALLOC_TOP_PAD_, or a glibc.malloc tunable in GLIBC_TUNABLES), or off glibc Linux; True once
+    both settings took. Cost: up to HOST_TRIM_THRESHOLD bytes of freed memory stay resident."""
+    environ = os.environ if environ is None else environ
+    if environ.get("RTXMPI_HOST_MALLOC", "1") == "0" or any(
+            name in environ for name in _USER_MALLOC_SETTINGS) or \
+            "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
+        return False
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return False
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return (mallopt(_M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD) == 1
+            and mallopt(_M_TRIM_THRESHOLD, HOST_TRIM_THRESHOLD) == 1)

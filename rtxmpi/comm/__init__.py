@@ -3,7 +3,7 @@ import os
 
 from mpi4py import MPI
 
-from ..backend import env_flag, select_device
+from ..backend import env_flag, select_device, tune_host_allocator
 from ..errors import ConfigError, RankFailure
 from .group import ProcessGroup, validate_timeout
 from .heartbeat import Heartbeat
@@ -45,6 +45,7 @@ def init(backend="auto", timeout_s=None, check=None):
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     check_launch(size)
+    tune_host_allocator()  # numpy's temporaries stay mapped from step to step (backend.py)
     shm.configure(comm)  # RTXMPI_SHM*: rank 0's settings on every rank (or ConfigError everywhere)
     monitor = Monitor(comm)
     monitor.start_watchdog()

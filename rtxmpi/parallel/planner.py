@@ -361,7 +361,7 @@ class _Costs:
     """Per-micro-batch costs of one layout: compute work (alone-seconds) and communication
     (wall seconds) per stage for forward and backward."""
 
-    def __init__(self, cfg, L, global_batch, profile, ranks_per_node, factor=1.0):
+    def __init__(self, cfg, L, global_batch, profile, ranks_per_node, factor=1.0, hop_s=None):
         p, C, H, V, T = profile, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.seq_len
         b = _micro_batch(global_batch, L)
         n = b * T / L.sp
@@ -397,7 +397,12 @@ class _Costs:
         self.sp_block = (p.comm_time_s("all_to_all", 3 * act / tp, sp, sp_inter)
                          + p.comm_time_s("all_to_all", act / tp, sp, sp_inter)
                          + 2 * sync_sp) if sp > 1 else 0.0
-        self.p2p = p.comm_time_s("send_recv", act, 2, L.dp * tp * sp * L.pp > R) if L.pp > 1 else 0.0
+        # a stage boundary's send/recv: alpha-beta + the receiver's wait for the sender (hop_s,
+        # default the profile's 2-rank sync wait: each hand-over between stages is one; in the
+        # steady state of 1F1B every stage computes, so it is charged whole)
+        hop_s = p.sync_time_s(2) if hop_s is None else hop_s
+        self.p2p = (p.comm_time_s("send_recv", act, 2, L.dp * tp * sp * L.pp > R)
+                    + hop_s) if L.pp > 1 else 0.0
         self.n, self.S, self.b = n, S, b
 
 
@@ -699,14 +704,15 @@ def estimate(cfg, layout, global_batch, profile, ranks_per_node=None, device="cp
     if L.pp > 1 and (L.tp > 1 or L.sp > 1) and p.sync_s:
         # the tp/sp sync wait inside the stages, measured with every rank of the node busy,
         # comes from ranks outnumbering cores: a pipeline keeps only R (1 - bubble) ranks busy
-        # on average, so it is charged in proportion to the oversubscription left
+        # on average, so it is charged in proportion to the oversubscription left (the
+        # hand-overs between stages keep the whole wait: _Costs.p2p)
         C = p.effective_cores
         busy_ranks = R * sum(busy) / (L.pp * pipe_s) if pipe_s > 0 else R
         share = min(1.0, max(0.0, (busy_ranks - C) / (R - C))) if R > C else 1.0
         if share < 1.0:
             scaled = copy.copy(p)
             scaled.sync_s = {n: v * share for n, v in p.sync_s.items()}
-            costs = _Costs(cfg, L, global_batch, scaled, R, factor)
+            costs = _Costs(cfg, L, global_batch, scaled, R, factor, p.sync_time_s(2))
             tasks = [_stage_tasks(costs, stage_blocks[s], s, L.pp) for s in range(L.pp)]
             pipe_s, busy = simulate_pipeline(tasks, L.schedule, L.micro_batches, costs.p2p,
                                              speed)
