@@ -238,7 +238,7 @@ def measure_cell(calls, iters, comm, settled=None, timed=None):
     while warm < MAX_WARMUP:
         if warm >= 2 and comm.allreduce(settled is None or settled(), op=MPI.LAND):
             if spent >= WARMUP_BUDGET_S or warm >= 20 or spent / warm > 0.1:
-                break  # large messages: one warm-up round is enough for the caches
+                break  # large messages: two warm-up rounds are enough for the caches
         round_s = timed_rounds(calls, 1, warm, comm).sum()  # identical on every rank (max-reduced)
         spent += round_s
         warm += 1

@@ -6,8 +6,6 @@ CPU-only install never pays for it.
 """
 import ctypes
 import os
-import platform
-import sys
 
 import numpy as np
 
@@ -145,10 +143,10 @@ def env_flag(name, default=False):
 # page-faults once per 4 KiB page when first written: one forward + backward of the "small" GPT at
 # 8 x 128 tokens took about 16,000 minor faults, and ran 30-40% faster without them (4 ranks on
 # 2 cores: 150 -> 100 ms alone, 300 -> 210 ms with every rank computing; bench/RESULTS.md,
-# "Planner", session 8). So blocks up to HOST_MMAP_THRESHOLD come from the heap, and up to
-# HOST_TRIM_THRESHOLD of free heap stays with the process for the next step, as a caching
-# allocator keeps it.
-HOST_MMAP_THRESHOLD = 64 << 20
+# "Planner", session 8). So blocks up to HOST_MMAP_THRESHOLD (glibc's own ceiling, the most that
+# glibc before 2.27 accepts) come from the heap, and up to HOST_TRIM_THRESHOLD of free heap top
+# stays with the process for the next step, as a caching allocator keeps it.
+HOST_MMAP_THRESHOLD = 32 << 20
 HOST_TRIM_THRESHOLD = 256 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
 _USER_MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
@@ -159,16 +157,22 @@ def tune_host_allocator(environ=None):
     HOST_TRIM_THRESHOLD) instead of mapping and unmapping them every step. Local; called by
     rtxmpi.init() on every rank. Does nothing (returns False) with RTXMPI_HOST_MALLOC=0, when the
     user set glibc's own malloc variables (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_,
-    MALLOC_TOP_PAD_, or a glibc.malloc tunable in GLIBC_TUNABLES), or off glibc Linux; True once
-    both settings took. Cost: up to HOST_TRIM_THRESHOLD bytes of freed memory stay resident."""
+    MALLOC_TOP_PAD_, or a glibc.malloc tunable in GLIBC_TUNABLES), or off glibc; True when both
+    settings took. Cost: freed blocks below HOST_MMAP_THRESHOLD stay resident (the process's
+    peak, as with a caching allocator; glibc returns only the free top of the heap, beyond
+    HOST_TRIM_THRESHOLD), also in processes forked from this one."""
     environ = os.environ if environ is None else environ
     if environ.get("RTXMPI_HOST_MALLOC", "1") == "0" or any(
             name in environ for name in _USER_MALLOC_SETTINGS) or \
             "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
         return False
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
+            return False
+    except (AttributeError, ValueError, OSError):  # no confstr, or not this name: not glibc
         return False
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return (mallopt(_M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD) == 1
-            and mallopt(_M_TRIM_THRESHOLD, HOST_TRIM_THRESHOLD) == 1)
+    mmap_ok = mallopt(_M_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD) == 1
+    trim_ok = mallopt(_M_TRIM_THRESHOLD, HOST_TRIM_THRESHOLD) == 1
+    return mmap_ok and trim_ok

@@ -1,9 +1,9 @@
 """Online choice among the algorithms of one collective, from times measured during the run.
 
-The cross-memory all_reduce of one node has algorithms with bitwise the same result (shm.py):
-the system calls, which let each rank fold its segment while its peers are descheduled; the
-bounce through shared slots, pipelined in rounds that need every rank running at once; and, for
-two local ranks, MPI's own Allreduce. Which is fastest depends on where the host runs the ranks'
+The cross-memory all_reduce of one node has two algorithms with bitwise the same result
+(shm.py): the system calls, which let each rank fold its segment while its peers are
+descheduled, and the bounce through shared slots, pipelined in rounds that need every rank
+running at once. Which is fastest depends on where the host runs the ranks'
 CPUs, which can change during a run and which no rank can see (two vCPUs of a virtual machine on
 one physical core read as two CPUs). So one rank measures them and picks, per message size
 class, as STAR-MPI does for MPI's collectives (Faraj, Yuan and Lowenthal, "STAR-MPI: self tuned
@@ -17,10 +17,12 @@ TRIALS = 5  # samples of each algorithm before choosing, and the window of each 
 RECHECK = 32  # calls between checks of another algorithm, after a choice
 MAX_RECHECK = 1024  # the interval doubles while the checks confirm the choice, up to this
 MARGIN = 0.95  # another algorithm wins when its median is below this times the chosen one's
+MAX_PATIENCE = RECHECK  # calls before a check for a slowdown, doubling from TRIALS while they lose
 
 
 class _Class:
-    __slots__ = ("samples", "chosen", "calls", "interval", "due", "turn", "trial", "periodic")
+    __slots__ = ("samples", "chosen", "calls", "interval", "due", "turn", "trial", "periodic",
+                 "patience")
 
     def __init__(self, choices):
         self.samples = {a: [] for a in choices}  # the last TRIALS seconds of each algorithm
@@ -31,6 +33,7 @@ class _Class:
         self.turn = 0  # which of the others the next periodic check runs
         self.trial = None  # the algorithm whose check beat the chosen median: TRIALS calls
         self.periodic = False  # the check under way is the periodic one (not `due`)
+        self.patience = TRIALS  # calls of the chosen one before a check for a slowdown
 
 
 class OnlineChoice:
@@ -41,11 +44,14 @@ class OnlineChoice:
     Exploring, pick() returns the algorithm with the fewest samples (the first of `choices` on
     a tie) until each has TRIALS; the one with the lowest median is chosen. Then every
     `interval` calls (RECHECK at first) pick() returns one of the others (in turn), once. If that
-    call was slower than the chosen one's median, the interval doubles, up to MAX_RECHECK.
-    Otherwise it runs TRIALS calls in a row (a trial) and becomes the choice if their median is
-    below MARGIN times the chosen one's (one fast call is too often noise). Once the chosen
-    one's window holds only calls after the last check and its median is above another's over
-    MARGIN, that other one is checked at the next call (the host changed). record() takes the
+    call was slower than the chosen one's median, or the trial it then starts loses, the
+    interval doubles, up to MAX_RECHECK. The trial is TRIALS calls in a row; the other becomes
+    the choice if their median is below MARGIN times the chosen one's (one fast call is too
+    often noise). And once `patience` calls (TRIALS at first) of the chosen one have run since
+    the last check and their median is above another's over MARGIN, that other one is checked at
+    the next call (the host changed); each such check that loses doubles the patience, up to
+    MAX_PATIENCE (two algorithms within noise of each other would otherwise trade checks all the
+    time), and a new choice resets it. One choice: pick() returns it. record() takes the
     algorithm that ran; a caller that may fall back to another records only the calls that ran
     the pick (a fallback would count as a check). Local: one rank decides, and the caller makes
     the others follow.
@@ -63,6 +69,8 @@ class OnlineChoice:
 
     def pick(self, nbytes, choices):
         """The algorithm (one of the tuple `choices`, fixed for a size) to run for `nbytes`."""
+        if len(choices) == 1:
+            return choices[0]
         entry = self._class(nbytes, choices)
         if entry.chosen is None:
             return min(choices, key=lambda a: len(entry.samples[a]))
@@ -91,7 +99,7 @@ class OnlineChoice:
         chosen = statistics.median(entry.samples[entry.chosen])
         if algorithm == entry.chosen:
             entry.calls += 1
-            if entry.due is None and entry.trial is None and entry.calls >= TRIALS:
+            if entry.due is None and entry.trial is None and entry.calls >= entry.patience:
                 times = {a: statistics.median(s) for a, s in entry.samples.items()
                          if a != algorithm and s}
                 best = min(times, key=times.get, default=None)
@@ -100,27 +108,27 @@ class OnlineChoice:
             return
         if entry.trial is None:  # the first call of a check
             entry.periodic, entry.due, entry.calls = entry.due is None, None, 0
-            if seconds < chosen:
-                entry.trial = algorithm
-                if TRIALS > 1:
-                    return
-            else:
+            if seconds >= chosen:
                 self._keep(entry)
                 return
+            entry.trial = algorithm
         if len(samples) < TRIALS:
             return
         entry.trial = None
         if statistics.median(samples) < MARGIN * chosen:
-            entry.chosen, entry.interval = algorithm, RECHECK
+            entry.chosen, entry.interval, entry.patience = algorithm, RECHECK, TRIALS
         else:
             self._keep(entry)
 
     @staticmethod
     def _keep(entry):
-        """A check lost: the next periodic one comes later, and checks the next other."""
+        """A check lost: the next one of its kind comes later (the periodic one checks the next
+        other algorithm)."""
         if entry.periodic:
             entry.turn += 1
             entry.interval = min(2 * entry.interval, MAX_RECHECK)
+        else:
+            entry.patience = min(2 * entry.patience, MAX_PATIENCE)
 
     def exploring(self):
         """Whether some size class seen so far has not chosen yet."""

@@ -180,6 +180,29 @@ def test_each_hand_over_between_stages_pays_the_two_rank_sync_wait(stages):
     assert synced.detail["pipeline_ms"] - base.detail["pipeline_ms"] == pytest.approx(wait_ms)
 
 
+def test_the_hand_over_wait_stays_whole_where_the_tp_waits_are_scaled(monkeypatch):
+    """tp 2 x pp 2 on 4 ranks and 2 effective cores: the tp sync wait inside the stages is
+    charged at sync_share < 1, the hand-over wait in full (the steady state keeps every stage
+    computing): the costs the pipeline is simulated with last carry the whole 3 ms."""
+    from rtxmpi.parallel import planner
+
+    made = []
+
+    class Recorded(planner._Costs):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(planner, "_Costs", Recorded)
+    layout = Layout(1, 2, 2, 1, micro_batches=2, schedule="gpipe")
+    quiet = estimate(CFG, layout, 8, synthetic(effective_cores=2.0), 4)
+    plain = made[-1].p2p
+    profile = synthetic(sync_s={"2": 0.003, "4": 0.004}, effective_cores=2.0)
+    e = estimate(CFG, layout, 8, profile, 4)
+    assert 0.0 < e.detail["sync_share"] < 1.0 and e.total_ms > quiet.total_ms
+    assert made[-1].p2p == pytest.approx(plain + 0.003)
+
+
 def test_pipeline_simulation_gives_the_textbook_bubble_for_equal_stages():
     for p, m in ((2, 4), (4, 4), (4, 8)):
         tasks = [(1.0, 0.0, 2.0, 0.0)] * p
