@@ -155,14 +155,14 @@ _USER_MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MA
 def tune_host_allocator(environ=None):
     """Keep numpy's large temporaries in the process (glibc mallopt: HOST_MMAP_THRESHOLD,
     HOST_TRIM_THRESHOLD) instead of mapping and unmapping them every step. Local; called by
-    rtxmpi.init() on every rank. Does nothing (returns False) with RTXMPI_HOST_MALLOC=0, when the
-    user set glibc's own malloc variables (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_,
-    MALLOC_TOP_PAD_, or a glibc.malloc tunable in GLIBC_TUNABLES), or off glibc; True when both
-    settings took. Cost: freed blocks below HOST_MMAP_THRESHOLD stay resident (the process's
+    rtxmpi.init() on every rank. Does nothing (returns False) with RTXMPI_HOST_MALLOC=0 (or
+    false, no, off), when the user set glibc's own malloc variables (MALLOC_MMAP_THRESHOLD_,
+    MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_, or a glibc.malloc tunable in GLIBC_TUNABLES), or off
+    glibc; True when both settings took. Cost: freed blocks below HOST_MMAP_THRESHOLD stay resident (the process's
     peak, as with a caching allocator; glibc returns only the free top of the heap, beyond
     HOST_TRIM_THRESHOLD), also in processes forked from this one."""
     environ = os.environ if environ is None else environ
-    if environ.get("RTXMPI_HOST_MALLOC", "1") == "0" or any(
+    if environ.get("RTXMPI_HOST_MALLOC", "1").strip().lower() in ("0", "false", "no", "off") or any(
             name in environ for name in _USER_MALLOC_SETTINGS) or \
             "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
         return False

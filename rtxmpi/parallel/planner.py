@@ -190,8 +190,8 @@ class Plan:
             parts.append(f"{R} rank{'' if R == 1 else 's'} per node share {p.effective_cores:.1f} effective cores "
                          f"(a waiting rank takes {p.wait_weight:.2f} of a busy one's share), so a "
                          f"rank computes {_sharing(p, R, 1)(1) / _sharing(p, R, 1)(R):.1f}x slower while all compute "
-                         f"than while it alone does: idle pipeline stages lend only part of their "
-                         f"core.")
+                         f"than while it alone does: idle pipeline stages lend "
+                         f"{'all' if p.wait_weight < 0.005 else 'only part'} of their core.")
         if self.rejected:
             n = len(self.rejected)
             parts.append(f"{n} candidate{'' if n == 1 else 's'} rejected "

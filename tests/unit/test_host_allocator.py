@@ -44,7 +44,8 @@ def test_a_step_s_temporaries_are_reused_without_page_faults():
 
 
 def test_the_user_s_own_malloc_settings_and_the_off_switch_are_respected():
-    for environ in ({"RTXMPI_HOST_MALLOC": "0"}, {"MALLOC_MMAP_THRESHOLD_": "131072"},
+    for environ in ({"RTXMPI_HOST_MALLOC": "0"}, {"RTXMPI_HOST_MALLOC": "off"},
+                    {"RTXMPI_HOST_MALLOC": "False"}, {"MALLOC_MMAP_THRESHOLD_": "131072"},
                     {"MALLOC_TRIM_THRESHOLD_": "0"}, {"MALLOC_TOP_PAD_": "0"},
                     {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}):
         assert backend.tune_host_allocator(environ) is False, environ
