@@ -158,13 +158,13 @@ def tune_host_allocator(environ=None):
     rtxmpi.init() on every rank. Does nothing (returns False) with RTXMPI_HOST_MALLOC=0 (or
     false, no, off), when the user set glibc's own malloc variables (MALLOC_MMAP_THRESHOLD_,
     MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_, or a glibc.malloc tunable in GLIBC_TUNABLES), or off
-    glibc; True when both settings took. Cost: freed blocks below HOST_MMAP_THRESHOLD stay resident (the process's
-    peak, as with a caching allocator; glibc returns only the free top of the heap, beyond
-    HOST_TRIM_THRESHOLD), also in processes forked from this one."""
+    glibc; True when both settings took. Cost: freed blocks below HOST_MMAP_THRESHOLD stay
+    resident (the process's peak, as with a caching allocator; glibc returns only the free top
+    of the heap, beyond HOST_TRIM_THRESHOLD), also in processes forked from this one."""
     environ = os.environ if environ is None else environ
-    if environ.get("RTXMPI_HOST_MALLOC", "1").strip().lower() in ("0", "false", "no", "off") or any(
-            name in environ for name in _USER_MALLOC_SETTINGS) or \
-            "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
+    off = environ.get("RTXMPI_HOST_MALLOC", "1").strip().lower() in ("0", "false", "no", "off")
+    if off or any(name in environ for name in _USER_MALLOC_SETTINGS) \
+            or "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
         return False
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):

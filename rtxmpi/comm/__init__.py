@@ -45,7 +45,7 @@ def init(backend="auto", timeout_s=None, check=None):
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     check_launch(size)
-    tune_host_allocator()  # numpy's temporaries stay mapped from step to step (backend.py)
+    tune_host_allocator()  # numpy's freed temporaries stay in the process (backend.py)
     shm.configure(comm)  # RTXMPI_SHM*: rank 0's settings on every rank (or ConfigError everywhere)
     monitor = Monitor(comm)
     monitor.start_watchdog()

@@ -3,9 +3,9 @@
 The cross-memory all_reduce of one node has two algorithms with bitwise the same result
 (shm.py): the system calls, which let each rank fold its segment while its peers are
 descheduled, and the bounce through shared slots, pipelined in rounds that need every rank
-running at once. Which is fastest depends on where the host runs the ranks'
-CPUs, which can change during a run and which no rank can see (two vCPUs of a virtual machine on
-one physical core read as two CPUs). So one rank measures them and picks, per message size
+running at once. Which is faster depends on where the host runs the ranks' CPUs, which can
+change during a run and which no rank can see (two vCPUs of a virtual machine on one physical
+core read as two CPUs). So one rank measures them and picks, per message size
 class, as STAR-MPI does for MPI's collectives (Faraj, Yuan and Lowenthal, "STAR-MPI: self tuned
 adaptive routines for MPI collective operations", ICS 2006): explore each algorithm for a few
 calls, use the fastest, and check the others now and then, less often while they keep losing,
