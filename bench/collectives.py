@@ -48,7 +48,8 @@ DEFAULT_SIZES = "8,4K:256M"
 CELL_BUDGET_S = 1.0  # --iters auto: timed seconds per (size, op), all implementations together
 MIN_ITERS, MAX_ITERS = 5, 2000
 WARMUP_BUDGET_S = 0.05  # warm-up rounds continue until this long has passed (or 20 rounds)
-MAX_WARMUP = 60  # ... and while rtxmpi's tuner explores, up to this many
+MAX_WARMUP, MAX_WARMUP_S = 60, 2.0  # ... and while rtxmpi's tuner explores, up to these (a
+# tuner whose ranks always share a CPU never sees the bounce run, and never chooses)
 TARGET_RATIO, TARGET_RATIO_FROM_BYTES, TARGET_OVERHEAD_US = 0.95, 1 << 20, 10.0
 # the shared-memory all_reduce (rtxmpi/comm/shm.py; issue 6 item 5)
 TARGET_SHM_RATIO, TARGET_SHM_FROM_BYTES = 2.0, 16 << 20
@@ -232,11 +233,13 @@ def timed_rounds(calls, rounds, first_round, comm):
 def measure_cell(calls, iters, comm, settled=None, timed=None):
     """Warm up, choose the iteration count (agreed by all ranks), time. Returns (iters, times).
     settled() (local): whether rtxmpi's tuner has chosen (warm-up goes on until every rank says
-    so, up to MAX_WARMUP rounds: the steady state of a training run is timed, not the tuner's
-    first calls of each algorithm); timed(): called just before the timed rounds."""
+    so, up to MAX_WARMUP rounds or MAX_WARMUP_S seconds: the steady state of a training run is
+    timed, not the tuner's first calls of each algorithm); timed(): called just before the timed
+    rounds."""
     warm, spent = 0, 0.0
     while warm < MAX_WARMUP:
-        if warm >= 2 and comm.allreduce(settled is None or settled(), op=MPI.LAND):
+        if warm >= 2 and (spent >= MAX_WARMUP_S
+                          or comm.allreduce(settled is None or settled(), op=MPI.LAND)):
             if spent >= WARMUP_BUDGET_S or warm >= 20 or spent / warm > 0.1:
                 break  # large messages: two warm-up rounds are enough for the caches
         round_s = timed_rounds(calls, 1, warm, comm).sum()  # identical on every rank (max-reduced)
