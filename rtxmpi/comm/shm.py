@@ -459,11 +459,12 @@ def peer_failure(op, exc, pids, ranks, me):
                            f"[rank {me}]")
 
 
-def watch_peers(poll, pids, ranks, me, every=LIVENESS_POLLS):
+def watch_peers(poll, pids, ranks, me, every=LIVENESS_POLLS, on_failure=None):
     """`poll` that also checks, every `every` calls, whether a local peer process has exited, and
     then raises RankFailure naming it: a flag wait has no MPI request through which a dead peer
     could be reported, and without it only the deadline would end the wait. pids / ranks: each
-    local rank's pid and world rank; me: this process's world rank."""
+    local rank's pid and world rank; me: this process's world rank; on_failure(exc): called with
+    the RankFailure before it is raised."""
     calls = 0
 
     def watched():
@@ -472,7 +473,12 @@ def watch_peers(poll, pids, ranks, me, every=LIVENESS_POLLS):
             return True
         calls += 1
         if calls % every == 0:
-            check_alive(pids, ranks, me)
+            try:
+                check_alive(pids, ranks, me)
+            except RankFailure as exc:
+                if on_failure is not None:
+                    on_failure(exc)
+                raise
         return False
 
     return watched
@@ -1180,24 +1186,11 @@ class NodeAllReduce:
         self._end_queue()
 
     def _queue_poll(self, done):
-        """poll() for a wait on the queue: done(), and every LIVENESS_POLLS polls the watch_peers
-        check; a local peer found dead ends the queue (_fail) before RankFailure is raised, so no
-        later wait of this process runs a queue that cannot finish."""
-        polls = 0
-
-        def poll():
-            nonlocal polls
-            if done():
-                return True
-            polls += 1
-            if polls % LIVENESS_POLLS == 0:
-                try:
-                    check_alive(self._node_pids, self._local_ranks, self._rank)
-                except RankFailure as exc:
-                    self._fail(exc)
-                    raise
-            return False
-        return poll
+        """poll() for a wait on the queue: done() under watch_peers; a local peer found dead ends
+        the queue (_fail) before RankFailure is raised, so no later wait of this process runs a
+        queue that cannot finish."""
+        return watch_peers(done, self._node_pids, self._local_ranks, self._rank,
+                           on_failure=self._fail)
 
     def _end_queue(self):
         """Stop the waits' progress calls for this engine (its queue is empty or failed)."""
