@@ -9,6 +9,8 @@ import os
 
 import numpy as np
 
+from .errors import ConfigError
+
 try:  # bfloat16 for numpy comes from ml_dtypes (a dependency of jax/tensorflow), when installed
     import ml_dtypes
 
@@ -64,8 +66,6 @@ def array_module(device):
     """The array module for a --device value: numpy for "cpu", cupy for "cuda".
 
     Raises ConfigError when device is neither, or "cuda" without cupy or a visible GPU."""
-    from .errors import ConfigError
-
     if device == "cpu":
         return np
     if device != "cuda":
@@ -128,12 +128,22 @@ def dtype_name(dtype):
     return np.dtype(dtype).name
 
 
-def env_flag(name, default=False):
-    """Read a boolean environment variable ("1", "true", "yes", "on" are true)."""
-    value = os.environ.get(name)
-    if value is None:
+def env_flag(name, default=False, environ=None):
+    """The boolean environment variable `name` (of os.environ, or the mapping `environ`): True
+    for 1/true/yes/on, False for 0/false/no/off (any case, spaces stripped), `default` when unset
+    or empty. Raises ConfigError naming the variable and its value for anything else: a typo such
+    as RTXMPI_CHECK=2 must not silently pick a side. Local."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(name, "").strip().lower()
+    if not text:
         return default
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={environ[name]!r}: use 1 (on{', default' if default else ''}) or 0 "
+                      f"(off{'' if default else ', default'}); true/yes/on and false/no/off are "
+                      f"accepted too")
 
 
 # -- the host allocator under numpy ------------------------------------------------------------
@@ -160,10 +170,10 @@ def tune_host_allocator(environ=None):
     MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_, or a glibc.malloc tunable in GLIBC_TUNABLES), or off
     glibc; True when both settings took. Cost: freed blocks below HOST_MMAP_THRESHOLD stay
     resident (the process's peak, as with a caching allocator; glibc returns only the free top
-    of the heap, beyond HOST_TRIM_THRESHOLD), also in processes forked from this one."""
+    of the heap, beyond HOST_TRIM_THRESHOLD), also in processes forked from this one. Raises
+    ConfigError when RTXMPI_HOST_MALLOC is not a boolean (env_flag)."""
     environ = os.environ if environ is None else environ
-    off = environ.get("RTXMPI_HOST_MALLOC", "1").strip().lower() in ("0", "false", "no", "off")
-    if off or any(name in environ for name in _USER_MALLOC_SETTINGS) \
+    if not env_flag("RTXMPI_HOST_MALLOC", True, environ) or any(name in environ for name in _USER_MALLOC_SETTINGS) \
             or "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
         return False
     try:

@@ -1,6 +1,7 @@
 """Checks on how the job was launched, made before any communication."""
 import os
 
+from ..backend import env_flag
 from ..errors import ConfigError
 
 
@@ -19,7 +20,8 @@ def check_launch(world_size, environ=os.environ):
     `srun -n 2 python train.py` without an MPI plugin starts two singletons that each believe they
     are rank 0 of 1: they would train the same model twice and overwrite each other's files.
     An explicit launcher size of 1 (`mpiexec -n 1` inside an allocation) is allowed, and
-    RTXMPI_ALLOW_SINGLETON=1 overrides the check. Raises ConfigError.
+    RTXMPI_ALLOW_SINGLETON=1 overrides the check. Raises ConfigError (also for a value of
+    RTXMPI_ALLOW_SINGLETON that is not a boolean: backend.env_flag).
     """
     tasks = slurm_tasks(environ)
     # Only a launcher that itself says "1" makes a world of 1 deliberate: `srun --mpi=pmi2 -n 2`
@@ -27,7 +29,7 @@ def check_launch(world_size, environ=os.environ):
     launcher_size = environ.get("OMPI_COMM_WORLD_SIZE") or environ.get("PMI_SIZE")
     explicit_one = launcher_size is not None and launcher_size.strip() == "1"
     if (tasks and tasks > 1 and world_size == 1 and not explicit_one
-            and environ.get("RTXMPI_ALLOW_SINGLETON") != "1"):
+            and not env_flag("RTXMPI_ALLOW_SINGLETON", environ=environ)):
         raise ConfigError(
             f"Slurm started {tasks} tasks but MPI sees a world of 1: the tasks were started without "
             f"an MPI launcher and cannot talk to each other. Launch with `srun --mpi=pmix -n {tasks} "
@@ -87,7 +89,8 @@ def check_slurm_ranks(rank, world_size, local_rank, environ=os.environ):
     communication; every rank calls it (each checks its own variables).
     """
     env = slurm_env(environ)
-    if env is None or env["launcher"] != "srun" or environ.get("RTXMPI_ALLOW_SINGLETON") == "1":
+    if env is None or env["launcher"] != "srun" or env_flag("RTXMPI_ALLOW_SINGLETON",
+                                                             environ=environ):
         return env
     expected = [("SLURM_STEP_NUM_TASKS", env["step_tasks"], "MPI world_size", world_size),
                 ("SLURM_PROCID", env["procid"], "MPI rank", rank),

@@ -37,7 +37,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..backend import cupy_module, is_device_array
+from ..backend import cupy_module, env_flag, is_device_array
 from ..errors import CollectiveError, CollectiveTimeout, ConfigError, RankFailure
 from .group import (_REDUCE_CODES, _counts_crc, _ARG_SHIFT, ProcessGroup, _parent_ranks,
                     register_subgroup)
@@ -71,9 +71,8 @@ def cuda_aware_mpi():
     """True when the MPI library can read device memory: $RTXMPI_CUDA_AWARE_MPI (1/0) decides
     when set; else Open MPI's ompi_info (mpi_built_with_cuda_support), MVAPICH2's MV2_USE_CUDA=1,
     or Cray MPICH's MPICH_GPU_SUPPORT_ENABLED=1."""
-    forced = os.environ.get("RTXMPI_CUDA_AWARE_MPI")
-    if forced is not None:
-        return forced.strip().lower() in ("1", "true", "yes", "on")
+    if os.environ.get("RTXMPI_CUDA_AWARE_MPI", "").strip():  # ConfigError when not a boolean
+        return env_flag("RTXMPI_CUDA_AWARE_MPI")
     if os.environ.get("MV2_USE_CUDA") == "1" or os.environ.get("MPICH_GPU_SUPPORT_ENABLED") == "1":
         return True
     if "Open MPI" in MPI.Get_library_version():

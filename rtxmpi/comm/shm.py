@@ -116,6 +116,7 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
+from ..backend import env_flag
 from ..errors import CollectiveError, CollectiveMismatch, ConfigError, RankFailure
 from . import monitor, tuning
 from .failure import ulfm_enabled
@@ -232,16 +233,10 @@ class ShmConfig:
                                   + (f" and <= {high}" if high < NEVER else ""))
             return value
 
-        def flag(name):
-            text = environ.get(name, "1").strip().lower()
-            if text not in ("0", "1", "false", "true", "no", "yes", "off", "on", ""):
-                raise ConfigError(f"{name}={environ[name]!r}: use 1 (on, default) or 0 (off); "
-                                  "true/yes/on and false/no/off are accepted too")
-            return text not in ("0", "false", "no", "off")
-
         chunk = integer("RTXMPI_SHM_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES,
                         MAX_BUFFER_BYTES)
-        return cls(enabled=flag("RTXMPI_SHM"), cma=flag("RTXMPI_SHM_CMA"),
+        return cls(enabled=env_flag("RTXMPI_SHM", True, environ),
+                   cma=env_flag("RTXMPI_SHM_CMA", True, environ),
                    min_bytes=integer("RTXMPI_SHM_MIN_BYTES", None, 0),
                    small_bytes=integer("RTXMPI_SHM_SMALL_BYTES", None, 0, MAX_BUFFER_BYTES),
                    chunk_bytes=chunk - chunk % 8,
