@@ -98,10 +98,12 @@ def command(name, n=2, args=(), directory=None, launcher=None):
 
 
 def run(name, n=2, args=(), directory=None, launcher=None, dry_run=False):
-    """Run benchmark `name` (see `command`), its stdout and stderr passed through; returns its
-    exit status (0 for dry_run, which only prints the command)."""
+    """Run benchmark `name` (see `command`), its stdout and stderr passed through, after the
+    command on stderr; returns its exit status. dry_run: only print the command, on stdout (so
+    that `rtxmpi bench NAME --dry-run > job.sh` keeps it), and return 0."""
     argv, _ = command(name, n, args, directory, launcher)
-    print("[rtxmpi bench] " + shlex.join(argv), file=sys.stderr, flush=True)
     if dry_run:
+        print(shlex.join(argv), flush=True)
         return 0
+    print("[rtxmpi bench] " + shlex.join(argv), file=sys.stderr, flush=True)
     return subprocess.run(argv, env=environment()).returncode

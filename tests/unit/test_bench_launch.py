@@ -1,6 +1,7 @@
 """`rtxmpi bench NAME` (rtxmpi/bench_launch.py) and bench/run_all.py's RESULTS.md stitching."""
 import importlib.util
 import os
+import shlex
 import subprocess
 import sys
 
@@ -82,6 +83,17 @@ def test_rtxmpi_bench_runs_the_job_and_passes_arguments_through(bench_dir):
     assert "rank 0 of 2 args ['--size-mb', '8', '-n', '3']" in proc.stdout
     assert "rank 1 of 2 args ['--size-mb', '8', '-n', '3']" in proc.stdout
     assert "[rtxmpi bench]" in proc.stderr and "mpiexec" in proc.stderr
+
+
+def test_rtxmpi_bench_dry_run_prints_only_the_command_on_stdout(bench_dir):
+    proc = subprocess.run([sys.executable, "-m", "rtxmpi.cli", "bench", "hello", "-n", "2",
+                           "--bench-dir", bench_dir, "--dry-run", "--size-mb", "8"],
+                          env=bench_launch.environment(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    argv = shlex.split(proc.stdout)
+    assert "mpiexec" in argv[0] and argv[-2:] == ["--size-mb", "8"], proc.stdout
+    assert "rank 0" not in proc.stdout and proc.stderr == ""
 
 
 def load_run_all():
