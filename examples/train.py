@@ -437,7 +437,8 @@ def finish_save(world, model, pending):
         numel = getattr(model, "full_num_params", model.num_params)  # tp: the whole model's
         mb = 3 * numel * np.dtype(model.dtype).itemsize / 1e6
         print(f"checkpoint: saved step {step_of(path)} to {path} ({mb:.1f} MB over "
-              f"{world.world_size} rank files, {time.perf_counter() - t0:.2f} s"
+              f"{world.world_size} rank file{'s' if world.world_size > 1 else ''}, "
+              f"{time.perf_counter() - t0:.2f} s"
               f"{'' if isinstance(handle, str) else ' to commit, written in the background'})",
               flush=True)
 
