@@ -137,15 +137,26 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* all_reached, polled for up to spin_ns; when it was not, the wait is recorded (cross_ready). */
+/* all_reached, polled for up to spin_ns; when it was not, the wait is recorded (cross_ready).
+ * After the first CALM_NS the poll gives the core away between checks (sched_yield, as Open MPI's
+ * mpi_yield_when_idle does): a peer that shares this core, or waits for it behind another
+ * process, runs at once instead of after the spin. Alone on the core, sched_yield returns at
+ * once. With one busy process beside 2 ranks on 2 cores, an 8-byte all_reduce took 29-30 us
+ * (raw MPI 6-7) with a pure spin and 9-10 us this way; idle, no change (bench/RESULTS.md). */
+#define CALM_NS 500
 static int spin_until(Mailbox *b, int column, int64_t call, int64_t spin_ns) {
     int done = all_reached(b, column, call);
     if (!done && spin_ns > 0) {
-        int64_t end = now_ns() + spin_ns;
+        int64_t start = now_ns(), end = start + spin_ns, calm = start + CALM_NS;
         unsigned polls = 0;
+        int yielding = 0;
         while (!(done = all_reached(b, column, call))) {
-            CPU_RELAX();
-            if ((++polls & 63) == 0 && now_ns() > end) break;
+            if (yielding) sched_yield(); else CPU_RELAX();
+            if (yielding || (++polls & 63) == 0) {
+                int64_t t = now_ns();
+                if (t > end) break;
+                yielding = t > calm;
+            }
         }
     }
     if (!done) {
