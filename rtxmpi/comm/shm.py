@@ -15,13 +15,14 @@ computes bitwise the same result with no second synchronization. Slots alternate
 so a rank one call ahead never overwrites a slot a peer still reads. The compiled mailbox
 (`_mailbox.c`, built at install) does the copy, the flag store (release order), the spin on the
 peers' flags (acquire loads, up to SPIN_NS) and the reduction in one C call, a few hundred
-nanoseconds for a small message; a peer later than the spin is waited for in Python, with the
-caller's deadline, yielding the core between polls. Without the extension a numpy mailbox does
+nanoseconds for a small message; the spin yields the core between polls after its first 500 ns,
+and a peer later than the spin is waited for in Python, with the caller's deadline, yielding the
+core between polls too: ranks that outnumber the cores (or share them with other processes) hand
+the core to the peer they wait for, as MPI's progress does with mpi_yield_when_idle. Without the extension a numpy mailbox does
 the same steps (up to NUMPY_SMALL_BYTES), relying on x86's total store order for its plain
 stores. Each rank reads every slot, local_size times the message, so the mailbox size shrinks as
-1 / local_size (MAILBOX_READ_BYTES). The mailbox is off when a node has more local ranks than cores
-(polling ranks would wait for scheduler slices) and under ULFM (a dead peer is reported through
-failing MPI requests, which a flag poll never sees).
+1 / local_size (MAILBOX_READ_BYTES). The mailbox is off under ULFM (a dead peer is reported
+through failing MPI requests, which a flag poll never sees).
 
 Cross-memory (mode "cma", large messages; `min_bytes`): the reduce-scatter + all-gather all_reduce
 (Rabenseifner, "Optimization of collective reduction operations", ICCS 2004; Thakur, Rabenseifner
@@ -529,17 +530,6 @@ def _probe_peers(node, comm, enabled):
     return (reader, [int(p) for p in table[:, 0]]) if ok else None
 
 
-def _node_cpus(node):
-    """Collective over the node communicator: how many CPUs its ranks may run on together (the
-    union of their affinity masks: taskset, cpusets and the launcher's binding count, where
-    os.cpu_count() sees every CPU of the machine)."""
-    try:
-        mine = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # no affinity masks here: every CPU
-        mine = list(range(os.cpu_count() or 1))
-    return len(set().union(*node.allgather(mine)))
-
-
 def _arena_dir():
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
@@ -764,16 +754,14 @@ class NodeAllReduce:
             node.Free()
             return None
         cross = comm.Split(local_rank, key=rank) if local_size < size else None
-        # flags need every local rank on a core of its own: polling ranks that outnumber the
-        # cores wait for scheduler slices (hundreds of us), where MPI's progress does better
-        # and MPI calls: under ULFM a dead peer is reported through a failing MPI request,
-        # which a flag poll would never see (RankFailure for shrink-and-continue)
-        # (the compiled mailbox orders its stores with atomics; the numpy one needs x86's order)
-        cores = _node_cpus(node)
-        ordered = (cross is None and local_size <= cores and not ulfm_enabled()
-                   and (_mailbox is not None or TSO))
-        # agreed: _map_arena below is collective, and each rank's facts (cores, environment,
-        # installed extension) are its own
+        # flags need MPI calls under ULFM: a dead peer is reported through a failing MPI
+        # request, which a flag poll would never see (RankFailure for shrink-and-continue)
+        # (the compiled mailbox orders its stores with atomics; the numpy one needs x86's order).
+        # Ranks that outnumber the cores poll too: every poll yields the core to the peer it
+        # waits for (with 2 ranks pinned to one CPU, 8 B took 8-11 us against MPI's 13-14 us)
+        ordered = (cross is None and not ulfm_enabled() and (_mailbox is not None or TSO))
+        # agreed: _map_arena below is collective, and each rank's facts (environment, installed
+        # extension) are its own
         ordered = comm.allreduce(ordered, op=MPI.LAND)
         compiled = comm.allreduce(ordered and _mailbox is not None, op=MPI.LAND)
         peers = _probe_peers(node, comm, config.cma)
@@ -805,7 +793,6 @@ class NodeAllReduce:
             node.Barrier()
         # why this rank's group has no mailbox (a description: rtxmpi info, benchmarks)
         off = ("ranks on several nodes" if cross is not None
-               else "more local ranks than cores" if local_size > cores
                else "ULFM: a dead peer must fail an MPI request" if ulfm_enabled()
                else "no compiled mailbox on this CPU" if _mailbox is None and not TSO
                else "not possible on another rank" if not ordered
