@@ -158,9 +158,11 @@ SHRINK_STEPS = 12
 
 @pytest.fixture(scope="module")
 def straight4(tmp_path_factory):
-    """One uninterrupted 4-rank deterministic run of 12 steps with a checkpoint after every step."""
+    """One uninterrupted 4-rank deterministic run of 12 steps with a checkpoint after every step,
+    launched with ULFM as the shrinking runs are (under ULFM every collective runs over MPI,
+    without it one node's all_reduce takes the shared-memory paths: other sums, docs/wal.md)."""
     tmp = tmp_path_factory.mktemp("straight4")
-    proc = train(tmp, tmp / "ckpt", "--ckpt-every", "1", n=4, steps=SHRINK_STEPS)
+    proc = train(tmp, tmp / "ckpt", "--ckpt-every", "1", n=4, ulfm=True, steps=SHRINK_STEPS)
     assert proc.returncode == 0, str(proc)
     return tmp
 
@@ -193,7 +195,7 @@ def test_shrink_after_a_kill_continues_on_3_ranks_like_a_checkpoint_restart(stra
     # reference: 4 ranks to the step the survivors continued from, checkpoint, then 3 ranks
     ref = tmp_path / "ref"
     restart_from(straight4, resumed, ref)
-    proc = train(ref, ref / "ckpt", "--resume", n=3, steps=SHRINK_STEPS)
+    proc = train(ref, ref / "ckpt", "--resume", n=3, ulfm=True, steps=SHRINK_STEPS)
     assert proc.returncode == 0, str(proc)
     assert [r["loss"] for r in got] == [r["loss"] for r in records(ref)]
     assert_same_params(run / "ckpt", ref / "ckpt", SHRINK_STEPS)
@@ -241,13 +243,15 @@ def test_shrink_of_tp2_dp2_replans_to_dp3_like_a_checkpoint_restart(tmp_path):
     assert {r["world_size"] for r in got if r["step"] > resumed} == {3}
     assert load_checkpoint(None, run / "ckpt", SHRINK_STEPS).world_size_saved == 3
     # reference: tp 2 x dp 2 up to the step the survivors continued from, checkpoint, then dp 3,
-    # as `rtxmpi run` would relaunch it on the 3 ranks still available (the same flags re-planned)
+    # as `rtxmpi run` would relaunch it on the 3 ranks still available (the same flags re-planned,
+    # the same ULFM launch)
     ref = tmp_path / "ref"
     ref.mkdir()
-    proc = train(ref, ref / "ckpt", "--stop-after-step", str(resumed), *HYBRID, n=4,
+    proc = train(ref, ref / "ckpt", "--stop-after-step", str(resumed), *HYBRID, n=4, ulfm=True,
                  steps=SHRINK_STEPS)
     assert proc.returncode == 0, str(proc)
-    proc = train(ref, ref / "ckpt", "--resume", *HYBRID, n=3, steps=SHRINK_STEPS, RTXMPI_RESTART=1)
+    proc = train(ref, ref / "ckpt", "--resume", *HYBRID, n=3, ulfm=True, steps=SHRINK_STEPS,
+                 RTXMPI_RESTART=1)
     assert proc.returncode == 0, str(proc)
     assert ("elastic: layout for 3 ranks: --dp 2 --tp 2 --pp 1 --sp 1 -> dp 3 x tp 1 x pp 1 x "
             "sp 1 (tp 2 x pp 1 x sp 1 = 2 does not divide 3 ranks)") in proc.stdout, str(proc)
