@@ -37,15 +37,22 @@ def init(backend="auto", timeout_s=None, check=None):
         return _world
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if timeout_s is None:
-        timeout_s = validate_timeout(os.environ.get("RTXMPI_TIMEOUT_S", DEFAULT_TIMEOUT_S),
-                                     "RTXMPI_TIMEOUT_S")
-    timeout_s = validate_timeout(timeout_s)
-    check = env_flag("RTXMPI_CHECK") if check is None else bool(check)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     check_launch(size)
-    tune_host_allocator()  # numpy's freed temporaries stay in the process (backend.py)
+    try:  # this rank's environment: any rank's error is raised on every rank (agreed below)
+        if timeout_s is None:
+            timeout_s = validate_timeout(os.environ.get("RTXMPI_TIMEOUT_S", DEFAULT_TIMEOUT_S),
+                                         "RTXMPI_TIMEOUT_S")
+        timeout_s = validate_timeout(timeout_s)
+        check = env_flag("RTXMPI_CHECK") if check is None else bool(check)
+        tune_host_allocator()  # numpy's freed temporaries stay in the process (backend.py)
+        env_error = None
+    except ConfigError as exc:
+        env_error = str(exc)
+    env_errors = [e for e in comm.allgather(env_error) if e]
+    if env_errors:  # a rank alone with a bad value must not leave the others in a collective
+        raise ConfigError(env_errors[0])
     shm.configure(comm)  # RTXMPI_SHM*: rank 0's settings on every rank (or ConfigError everywhere)
     monitor = Monitor(comm)
     monitor.start_watchdog()

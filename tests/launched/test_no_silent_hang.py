@@ -175,3 +175,30 @@ def test_singleton_starts_when_slurm_agrees_or_is_overridden(run_python, env):
     launch = run_python(["-c", "import rtxmpi; w = rtxmpi.init(); print('STARTED', w.world_size)"],
                         **env)
     assert launch.returncode == 0 and "STARTED 1" in launch.stdout, launch
+
+
+@pytest.mark.parametrize("variable, value", [("RTXMPI_CHECK", "2"),
+                                             ("RTXMPI_HOST_MALLOC", "banana"),
+                                             ("RTXMPI_TIMEOUT_S", "soon")])
+def test_a_bad_environment_value_on_one_rank_is_a_config_error_on_every_rank(run_mpi, variable,
+                                                                             value):
+    """Only rank 1 has the bad value (an MPMD launch, a per-rank wrapper): init() agrees on it
+    before its first shared step, so rank 0 raises too instead of waiting in a collective."""
+    job = f"""
+        import os
+        if os.environ.get("OMPI_COMM_WORLD_RANK") == "1":
+            os.environ[{variable!r}] = {value!r}
+        import rtxmpi
+        from rtxmpi.errors import ConfigError
+        try:
+            rtxmpi.init()
+        except ConfigError as exc:
+            print(f"REFUSED rank={{os.environ['OMPI_COMM_WORLD_RANK']}} {{exc}}", flush=True)
+        else:
+            print("STARTED", flush=True)
+        """
+    launch = run_mpi(job, n=2, outer_timeout_s=40)
+    assert not launch.outer_timeout and "STARTED" not in launch.stdout, launch
+    refused = sorted(launch.lines("REFUSED"))
+    assert [line.split()[1] for line in refused] == ["rank=0", "rank=1"], launch
+    assert all(variable in line for line in refused), launch
