@@ -99,11 +99,15 @@ def command(name, n=2, args=(), directory=None, launcher=None):
 
 def run(name, n=2, args=(), directory=None, launcher=None, dry_run=False):
     """Run benchmark `name` (see `command`), its stdout and stderr passed through, after the
-    command on stderr; returns its exit status. dry_run: only print the command, on stdout (so
-    that `rtxmpi bench NAME --dry-run > job.sh` keeps it), and return 0."""
+    command on stderr; returns its exit status. dry_run: only print the command, on stdout, with
+    the variables `environment()` adds in front (so that `rtxmpi bench NAME --dry-run > job.sh`
+    runs the same job), and return 0."""
     argv, _ = command(name, n, args, directory, launcher)
+    env = environment()
+    added = [f"{k}={shlex.quote(v)}" for k, v in env.items() if os.environ.get(k) != v]
+    line = " ".join(added + [shlex.join(argv)])
     if dry_run:
-        print(shlex.join(argv), flush=True)
+        print(line, flush=True)
         return 0
-    print("[rtxmpi bench] " + shlex.join(argv), file=sys.stderr, flush=True)
-    return subprocess.run(argv, env=environment()).returncode
+    print("[rtxmpi bench] " + line, file=sys.stderr, flush=True)
+    return subprocess.run(argv, env=env).returncode

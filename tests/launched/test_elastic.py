@@ -159,8 +159,8 @@ SHRINK_STEPS = 12
 @pytest.fixture(scope="module")
 def straight4(tmp_path_factory):
     """One uninterrupted 4-rank deterministic run of 12 steps with a checkpoint after every step,
-    launched with ULFM as the shrinking runs are (under ULFM every collective runs over MPI,
-    without it one node's all_reduce takes the shared-memory paths: other sums, docs/wal.md)."""
+    launched with ULFM as the shrinking runs are (under ULFM small all_reduces run over MPI,
+    without it through the shared-memory mailbox: other sums, docs/wal.md)."""
     tmp = tmp_path_factory.mktemp("straight4")
     proc = train(tmp, tmp / "ckpt", "--ckpt-every", "1", n=4, ulfm=True, steps=SHRINK_STEPS)
     assert proc.returncode == 0, str(proc)
@@ -244,7 +244,7 @@ def test_shrink_of_tp2_dp2_replans_to_dp3_like_a_checkpoint_restart(tmp_path):
     assert load_checkpoint(None, run / "ckpt", SHRINK_STEPS).world_size_saved == 3
     # reference: tp 2 x dp 2 up to the step the survivors continued from, checkpoint, then dp 3,
     # as `rtxmpi run` would relaunch it on the 3 ranks still available (the same flags re-planned,
-    # the same ULFM launch)
+    # the same ULFM launch: the same all_reduce paths)
     ref = tmp_path / "ref"
     ref.mkdir()
     proc = train(ref, ref / "ckpt", "--stop-after-step", str(resumed), *HYBRID, n=4, ulfm=True,
