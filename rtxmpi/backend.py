@@ -173,8 +173,9 @@ def tune_host_allocator(environ=None):
     of the heap, beyond HOST_TRIM_THRESHOLD), also in processes forked from this one. Raises
     ConfigError when RTXMPI_HOST_MALLOC is not a boolean (env_flag)."""
     environ = os.environ if environ is None else environ
-    if not env_flag("RTXMPI_HOST_MALLOC", True, environ) or any(name in environ for name in _USER_MALLOC_SETTINGS) \
-            or "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
+    if (not env_flag("RTXMPI_HOST_MALLOC", True, environ)
+            or any(name in environ for name in _USER_MALLOC_SETTINGS)
+            or "glibc.malloc" in environ.get("GLIBC_TUNABLES", "")):
         return False
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):

@@ -71,8 +71,9 @@ def cuda_aware_mpi():
     """True when the MPI library can read device memory: $RTXMPI_CUDA_AWARE_MPI (1/0) decides
     when set; else Open MPI's ompi_info (mpi_built_with_cuda_support), MVAPICH2's MV2_USE_CUDA=1,
     or Cray MPICH's MPICH_GPU_SUPPORT_ENABLED=1."""
-    if os.environ.get("RTXMPI_CUDA_AWARE_MPI", "").strip():  # ConfigError when not a boolean
-        return env_flag("RTXMPI_CUDA_AWARE_MPI")
+    forced = env_flag("RTXMPI_CUDA_AWARE_MPI", None)  # None: unset; ConfigError: not a boolean
+    if forced is not None:
+        return forced
     if os.environ.get("MV2_USE_CUDA") == "1" or os.environ.get("MPICH_GPU_SUPPORT_ENABLED") == "1":
         return True
     if "Open MPI" in MPI.Get_library_version():

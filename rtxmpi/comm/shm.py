@@ -18,9 +18,9 @@ peers' flags (acquire loads, up to SPIN_NS) and the reduction in one C call, a f
 nanoseconds for a small message; the spin yields the core between polls after its first 500 ns,
 and a peer later than the spin is waited for in Python, with the caller's deadline, yielding the
 core between polls too: ranks that outnumber the cores (or share them with other processes) hand
-the core to the peer they wait for, as MPI's progress does with mpi_yield_when_idle. Without the extension a numpy mailbox does
-the same steps (up to NUMPY_SMALL_BYTES), relying on x86's total store order for its plain
-stores. Each rank reads every slot, local_size times the message, so the mailbox size shrinks as
+the core to the peer they wait for, as MPI's progress does with mpi_yield_when_idle. Without the
+extension a numpy mailbox does the same steps (up to NUMPY_SMALL_BYTES), relying on x86's total
+store order for its plain stores. Each rank reads every slot, local_size times the message, so the mailbox size shrinks as
 1 / local_size (MAILBOX_READ_BYTES). The mailbox is off under ULFM (a dead peer is reported
 through failing MPI requests, which a flag poll never sees).
 
