@@ -30,7 +30,8 @@ def init(backend="auto", timeout_s=None, check=None):
     timeout_s: deadline in seconds of every wait (default $RTXMPI_TIMEOUT_S or 300).
     check: checking mode, a fingerprint exchange before every collective (default $RTXMPI_CHECK).
     Collective: every process of the MPI job must call it once, first; later calls return the same
-    group. Raises ConfigError (bad arguments; a Slurm launch without an MPI launcher).
+    group. Raises ConfigError (bad arguments; a Slurm launch without an MPI launcher; a bad
+    RTXMPI_TIMEOUT_S, RTXMPI_CHECK or RTXMPI_HOST_MALLOC on any rank: raised on every rank).
     """
     global _world
     if _world is not None:

@@ -20,9 +20,9 @@ and a peer later than the spin is waited for in Python, with the caller's deadli
 core between polls too: ranks that outnumber the cores (or share them with other processes) hand
 the core to the peer they wait for, as MPI's progress does with mpi_yield_when_idle. Without the
 extension a numpy mailbox does the same steps (up to NUMPY_SMALL_BYTES), relying on x86's total
-store order for its plain stores. Each rank reads every slot, local_size times the message, so the mailbox size shrinks as
-1 / local_size (MAILBOX_READ_BYTES). The mailbox is off under ULFM (a dead peer is reported
-through failing MPI requests, which a flag poll never sees).
+store order for its plain stores. Each rank reads every slot, local_size times the message, so
+the mailbox size shrinks as 1 / local_size (MAILBOX_READ_BYTES). The mailbox is off under ULFM (a
+dead peer is reported through failing MPI requests, which a flag poll never sees).
 
 Cross-memory (mode "cma", large messages; `min_bytes`): the reduce-scatter + all-gather all_reduce
 (Rabenseifner, "Optimization of collective reduction operations", ICCS 2004; Thakur, Rabenseifner

@@ -746,7 +746,8 @@ def test_ranks_pinned_to_one_cpu_keep_the_mailbox_and_stay_exact(world):
     try:
         group = world.split(0)
         group.check = False
-        for count in (16, 3000, 200_000):  # mailbox, cross-memory (system calls: a shared CPU)
+        for count in (16, 3000, 200_000):  # mailbox twice, then cross-memory (the system calls:
+            # the ranks share a CPU, so no bounce)
             x, expected = inputs(group, count, "float32", "sum")
             for _ in range(3):
                 y = x.copy()
