@@ -360,6 +360,7 @@ class Replicated:
         return self.model.flat_data
 
     def step(self, lr=None, max_grad_norm=None, total_norm=None):
+        self.ddp.check_step()  # before clipping: a refused step leaves the gradient as it was
         if max_grad_norm is not None:
             clip_grad_norm(self.model.flat_grad, max_grad_norm, total_norm=total_norm)
         self.ddp.step(self.optimizer, lr=lr)

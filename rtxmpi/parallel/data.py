@@ -206,6 +206,23 @@ class BucketReducer:
                 b.work = None
 
 
+def check_synced_step(synced):
+    """Refuse a step whose gradients the replicas may not share: raise RtxmpiError unless the
+    last backward since the last step ran outside no_sync (synced). A backward under no_sync
+    after a synchronized one adds a local gradient that never reaches the other replicas, so
+    stepping would apply a different update on each.
+
+    Local, with the same verdict on every rank of an SPMD program: it depends only on the order
+    of the backward/no_sync/step calls, which every rank makes alike (a rank that does otherwise
+    is caught by its collectives' deadline, or by checking mode).
+    """
+    if not synced:
+        raise RtxmpiError("step() needs a synchronized backward last: no backward since the last "
+                          "step, or the last one ran under no_sync() and its gradient never "
+                          "reached the other replicas; run the last micro-batch's backward "
+                          "outside no_sync() (or zero_grad() to drop the gradients)")
+
+
 class DataParallel:
     """Wrap a model for data-parallel training over `group`.
 
@@ -233,7 +250,7 @@ class DataParallel:
         self.buckets = build_buckets(model.params, self.bucket_bytes, model.flat_grad.itemsize)
         self.reducer = BucketReducer(self.buckets, len(model.params), model.flat_grad, group)
         self._sync = True
-        self._synced = False  # a synchronized backward happened since the last step
+        self._synced = False  # the last backward since the last step ran outside no_sync
         # after a synchronized multi-rank backward: 0-d bool array, True when an averaged
         # gradient is inf or NaN (identical on every rank, as the gradients are); else None
         self.nonfinite = None
@@ -257,8 +274,9 @@ class DataParallel:
     def no_sync(self):
         """Inside, backward accumulates gradients locally without communicating (accumulation).
 
-        The next backward outside no_sync reduces the accumulated sum. Local: no collective
-        in backward (forward still agrees on its batch check).
+        The next backward outside no_sync reduces the accumulated sum; the last backward before
+        step() must be that one (step refuses otherwise). Local: no collective in backward
+        (forward still agrees on its batch check).
         """
         previous, self._sync = self._sync, False
         try:
@@ -272,28 +290,24 @@ class DataParallel:
         After it returns (outside no_sync), model.flat_grad holds the group average of every rank's
         accumulated gradient. Collective outside no_sync (every rank of the group must call).
         """
+        self._synced = self._sync
         if not self._sync or self.group.world_size == 1:
             self.model.backward(cache, scale=scale)
-            self._synced = self._synced or self._sync
             return
         self.reducer.arm()
         self.model.backward(cache, scale=scale, grad_ready=self.reducer.ready)
         self.reducer.finish()  # the bucket completed last is reduced blocking, then all awaited
         # the epilogue (rtxmpi.kernels; one fused pass on GPU): average, and flag inf/NaN
         _, self.nonfinite = grad_epilogue(self.model.flat_grad, 1.0 / self.group.world_size)
-        self._synced = True
 
     # -- optimizer step ---------------------------------------------------------------------
     def step(self, optimizer, lr=None):
         """Apply `optimizer` (rtxmpi.nn.AdamW over model.flat_data) and zero the gradients.
 
-        Refuses (RtxmpiError) when no synchronized backward happened since the last step: with
-        only no_sync backwards the replicas' gradients differ and stepping would split them.
-        Local: no collective (the gradients are already identical on every rank).
+        Refuses (RtxmpiError, check_step) unless the last backward since the last step ran
+        outside no_sync. Local: no collective (the gradients are already identical on every rank).
         """
-        if not self._synced:
-            raise RtxmpiError("step() without a synchronized backward since the last step: run "
-                              "the last micro-batch's backward outside no_sync()")
+        self.check_step()
         optimizer.step(self.model.flat_grad, lr=lr)
         self.zero_grad()
 
@@ -301,6 +315,11 @@ class DataParallel:
         """Drop the accumulated gradients without stepping (e.g. an agreed overflow skip). Local."""
         self.model.zero_grad()
         self._synced = False
+
+    def check_step(self):
+        """Raise RtxmpiError unless the last backward since the last step was synchronized
+        (outside no_sync): check_synced_step. Local."""
+        check_synced_step(self._synced)
 
     # -- uneven data ---------------------------------------------------------------------------
     def join(self, batches):

@@ -512,6 +512,10 @@ class HybridParallel:
         return math.sqrt(self.model.grad_norm_sq())
 
     def step(self, lr=None, max_grad_norm=None, total_norm=None):
+        """Clip to the global norm (optional), then AdamW on this rank's slice. Refuses
+        (RtxmpiError, before any collective) unless the last backward since the last step ran
+        outside no_sync (DataParallel.check_step). Collective (the norm, on tp)."""
+        self.ddp.check_step()
         if max_grad_norm is not None:
             if total_norm is None:
                 total_norm = self.grad_norm()

@@ -44,7 +44,7 @@ from ..control import join_batches
 from ..errors import CheckpointError, ConfigError, RtxmpiError
 from ..kernels import grad_epilogue
 from ..nn import AdamW, clip_grad_norm, grad_norm_sq
-from .data import DEFAULT_BUCKET_BYTES, DataParallel, check_batch_on_every_rank
+from .data import DEFAULT_BUCKET_BYTES, DataParallel, check_batch_on_every_rank, check_synced_step
 from .offload import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_CHUNKS, NvmeStore
 
 STAGES = (1, 2, 3)
@@ -572,7 +572,8 @@ class ZeroDataParallel:
     def no_sync(self):
         """Inside, backward accumulates gradients locally without communicating (accumulation).
 
-        The next backward outside no_sync reduces the accumulated sum. Local: no collective
+        The next backward outside no_sync reduces the accumulated sum; the last backward before
+        step() must be that one (step refuses otherwise). Local: no collective
         (stages 1, 2). Stage 3 has no full gradient to accumulate into: forward and backward
         still gather parameters and reduce each unit's gradient into the shards (collective),
         and no_sync only defers the averaging, so the result is the same.
@@ -612,7 +613,7 @@ class ZeroDataParallel:
             self.model.backward(cache, scale=scale)
         else:
             self._backward_reduce_scatter(cache, scale)
-        self._synced = self._synced or self._sync
+        self._synced = self._sync
 
     def _backward_reduce_scatter(self, cache, scale):
         for b in self.buckets:
@@ -700,12 +701,11 @@ class ZeroDataParallel:
         lr: this step's learning rate (None: the optimizer's). max_grad_norm: clip the global
         gradient norm to it (as torch's clip_grad_norm_); total_norm: that norm if already
         computed with grad_norm() (saves the all_reduce). Returns the global norm before clipping
-        when max_grad_norm is set, else None. Refuses (RtxmpiError) without a synchronized
-        backward since the last step. Collective.
+        when max_grad_norm is set, else None. Refuses (RtxmpiError, on every rank, before any
+        collective) unless the last backward since the last step ran outside no_sync
+        (rtxmpi.parallel.data.check_synced_step). Collective.
         """
-        if not self._synced:
-            raise RtxmpiError("step() without a synchronized backward since the last step: run "
-                              "the last micro-batch's backward outside no_sync()")
+        self.check_step()
         grad = self.grad_shard()
         if self._host_grad is not None:
             copy_to_host(grad, self._host_grad[:len(grad)])
@@ -745,6 +745,11 @@ class ZeroDataParallel:
             self.provider.grad.fill(0)
         self._averaged = False
         self._synced = False
+
+    def check_step(self):
+        """Raise RtxmpiError unless the last backward since the last step was synchronized
+        (outside no_sync): rtxmpi.parallel.data.check_synced_step. Local."""
+        check_synced_step(self._synced)
 
     def full_params(self):
         """The whole flat parameter vector (a new array, model dtype) on every rank: at stage 3

@@ -146,7 +146,10 @@ class ZeroHybridParallel:
     def step(self, lr=None, max_grad_norm=None, total_norm=None):
         """Clip to the global norm (optional; total_norm: grad_norm() if already computed), the
         optimizer on this rank's shard, the parameter all_gather (stages 1, 2). Returns the norm
-        before clipping when max_grad_norm is set, else None. Collective."""
+        before clipping when max_grad_norm is set, else None. Refuses (RtxmpiError, before any
+        collective) unless the last backward since the last step ran outside no_sync.
+        Collective."""
+        self.zero.check_step()
         if max_grad_norm is not None and total_norm is None:
             total_norm = self.grad_norm()
         return self.zero.step(lr=lr, max_grad_norm=max_grad_norm, total_norm=total_norm)

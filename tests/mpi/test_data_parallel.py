@@ -1,4 +1,6 @@
 """Data parallelism against the one-process reference on the same global batch."""
+from contextlib import nullcontext
+
 import numpy as np
 import pytest
 from conftest import GLOBAL_BATCH, T, global_batch, local_slice
@@ -104,6 +106,43 @@ def test_step_refuses_without_a_synchronized_backward(world):
     ddp.step(opt)
     with pytest.raises(RtxmpiError, match="synchronized backward"):
         ddp.step(opt)  # twice without a new backward
+
+
+def one_process_step(x, y, lr=1e-2):
+    """Parameters of the float64 one-process model after one AdamW step on (x, y)."""
+    reference = make_model(dtype=np.float64)
+    _, cache = reference.forward(x, y)
+    reference.backward(cache)
+    AdamW(reference.flat_data, lr=lr, decay_mask=decay_mask(reference.params)).step(
+        reference.flat_grad)
+    return reference.flat_data
+
+
+@pytest.mark.mpi(min_size=2)
+def test_step_after_a_synced_then_a_no_sync_backward_is_refused_on_every_rank(
+        world, assert_raised_on_every_rank):
+    """The first micro-batch synchronized, the last under no_sync: the last one's gradient never
+    reached the other replicas, so step refuses on every rank and changes nothing; after
+    zero_grad, the right order (no_sync first) steps to the one-process parameters."""
+    x, y = global_batch(0)
+    half = GLOBAL_BATCH // 2
+    parts = [(x[:half], y[:half]), (x[half:], y[half:])]
+    model = make_model(dtype=np.float64)
+    ddp = DataParallel(model, world, bucket_bytes=small_buckets(model))
+    opt = AdamW(model.flat_data, lr=1e-2, decay_mask=decay_mask(model.params))
+    before = model.flat_data.copy()
+    for order in ("synced first", "no_sync first"):
+        for i, (xp, yp) in enumerate(parts):
+            _, cache = ddp.forward(local_slice(world, xp), local_slice(world, yp))
+            with ddp.no_sync() if (i == 0) == (order == "no_sync first") else nullcontext():
+                ddp.backward(cache, scale=0.5)
+        if order == "synced first":
+            assert_raised_on_every_rank(world, lambda: ddp.step(opt), RtxmpiError,
+                                        match=["under no_sync()"])
+            np.testing.assert_array_equal(model.flat_data, before)
+            ddp.zero_grad()
+    ddp.step(opt)
+    np.testing.assert_allclose(model.flat_data, one_process_step(x, y), rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -385,6 +385,39 @@ def test_step_refuses_without_a_synchronized_backward(world, stage):
         zdp.step()
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_step_after_a_synced_then_a_no_sync_backward_is_refused_on_every_rank(
+        world, stage, assert_raised_on_every_rank):
+    """The first micro-batch synchronized, the last under no_sync: the last one's gradient never
+    reached the other replicas (stage 3: its sum was never averaged), so step refuses on every
+    rank and changes nothing; after zero_grad the right order steps to the one-process
+    parameters."""
+    x, y = global_batch(0)
+    half = GLOBAL_BATCH // 2
+    parts = [(x[:half], y[:half]), (x[half:], y[half:])]
+    reference = make_model()
+    _, cache = reference.forward(x, y)
+    reference.backward(cache)
+    adamw(reference.flat_data, decay_mask(reference.params)).step(reference.flat_grad)
+    model = make_model()
+    zdp = ZeroDataParallel(model, world, stage=stage, bucket_bytes=small_buckets(model),
+                           optimizer=adamw)
+    before = zdp.full_params()
+    for order in ("synced first", "no_sync first"):
+        for i, (xb, yb) in enumerate(parts):
+            _, cache = zdp.forward(local_slice(world, xb), local_slice(world, yb))
+            with zdp.no_sync() if (i == 0) == (order == "no_sync first") else nullcontext():
+                zdp.backward(cache, scale=0.5)
+        if order == "synced first":
+            assert_raised_on_every_rank(world, lambda: zdp.step(max_grad_norm=1e9), RtxmpiError,
+                                        match=["under no_sync()"])
+            np.testing.assert_array_equal(zdp.full_params(), before)
+            zdp.zero_grad()
+    zdp.step()
+    np.testing.assert_allclose(zdp.full_params(), reference.flat_data, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("engine", ["dp", 1, 2, 3])
 def test_uneven_global_batch_weighted_by_samples_matches_single_process(world, engine):
     """2 * world_size + 1 samples (5 over 2 ranks: 3, 2; 9 over 4: 3, 2, 2, 2), 2 micro-batches

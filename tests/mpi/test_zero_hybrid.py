@@ -10,7 +10,7 @@ import pytest
 from conftest import GLOBAL_BATCH, global_batch
 
 from rtxmpi.checkpoint import Shard, load_checkpoint, save_checkpoint
-from rtxmpi.errors import ConfigError
+from rtxmpi.errors import ConfigError, RtxmpiError
 from rtxmpi.mesh import DeviceMesh
 from rtxmpi.nn import GPT, AdamW, GPTConfig, clip_grad_norm, decay_mask
 from rtxmpi.parallel.hybrid import HybridParallel, ParallelGPT, check_layout
@@ -135,6 +135,42 @@ def test_micro_batches_under_no_sync_accumulate_the_whole_batch_gradient(world, 
     _, cache = engine.forward(xs[1], ys[1])
     engine.backward(cache, scale=0.5)
     np.testing.assert_allclose(full_grad(engine), ref.flat_grad, rtol=1e-5, atol=2e-7)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_step_after_a_synced_then_a_no_sync_backward_is_refused_on_every_rank(
+        world, stage, assert_raised_on_every_rank):
+    """HybridParallel (stage 0) and ZeroHybridParallel over dp = world size: the first
+    micro-batch synchronized, the last under no_sync, so step refuses on every rank and
+    changes nothing; after zero_grad the right order gives the one-process gradient."""
+    mesh = DeviceMesh(dp=world.world_size, group=world)
+    cfg = config()
+    ref = GPT(cfg, seed=0)
+    x, y = global_batch(0)
+    _, cache = ref.forward(x, y)
+    ref.backward(cache)
+    model = ParallelGPT(cfg, mesh, seed=0)
+    engine = (HybridParallel(model, bucket_bytes=4096) if stage == 0 else
+              ZeroHybridParallel(model, stage=stage, bucket_bytes=4096))
+    rows = mesh.batch_slice(GLOBAL_BATCH)
+    xs, ys = np.split(x[rows], 2), np.split(y[rows], 2)
+    before = engine.full_params().copy()
+    for order in ("synced first", "no_sync first"):
+        for i in (0, 1):
+            _, cache = engine.forward(xs[i], ys[i])
+            if (i == 0) == (order == "no_sync first"):
+                with engine.no_sync():
+                    engine.backward(cache, scale=0.5)
+            else:
+                engine.backward(cache, scale=0.5)
+        if order == "synced first":
+            assert_raised_on_every_rank(world, lambda: engine.step(max_grad_norm=CLIP),
+                                        RtxmpiError, match=["under no_sync()"])
+            np.testing.assert_array_equal(engine.full_params(), before)
+            engine.zero_grad()
+    grad = (model.gather_full(model.flat_grad) if stage == 0 else full_grad(engine))
+    np.testing.assert_allclose(grad, ref.flat_grad, rtol=1e-5, atol=2e-7)
 
 
 @pytest.mark.mpi(min_size=4)
