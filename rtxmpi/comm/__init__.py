@@ -31,7 +31,8 @@ def init(backend="auto", timeout_s=None, check=None):
     check: checking mode, a fingerprint exchange before every collective (default $RTXMPI_CHECK).
     Collective: every process of the MPI job must call it once, first; later calls return the same
     group. Raises ConfigError (bad arguments; a Slurm launch without an MPI launcher; a bad
-    RTXMPI_TIMEOUT_S, RTXMPI_CHECK or RTXMPI_HOST_MALLOC on any rank: raised on every rank).
+    RTXMPI_TIMEOUT_S, RTXMPI_CHECK, RTXMPI_HOST_MALLOC or SLURM_*/launcher count on any rank:
+    raised on every rank).
     """
     global _world
     if _world is not None:
@@ -40,8 +41,8 @@ def init(backend="auto", timeout_s=None, check=None):
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    check_launch(size)
     try:  # this rank's environment: any rank's error is raised on every rank (agreed below)
+        check_launch(size)  # SLURM_*/launcher variables: a malformed one is an error too
         if timeout_s is None:
             timeout_s = validate_timeout(os.environ.get("RTXMPI_TIMEOUT_S", DEFAULT_TIMEOUT_S),
                                          "RTXMPI_TIMEOUT_S")

@@ -5,13 +5,30 @@ from ..backend import env_flag
 from ..errors import ConfigError
 
 
+def env_int(environ, *names, minimum=0):
+    """The first of the variables `names` that is set and non-empty, as an int >= minimum; None
+    when none is. Raises ConfigError naming the variable when its value is anything else: a
+    launcher's variable that does not parse means the job is not what it seems (a silent None
+    would skip the checks that rely on it)."""
+    for name in names:
+        value = environ.get(name)
+        if value in (None, ""):
+            continue
+        try:
+            number = int(value)
+        except ValueError:
+            number = None
+        if number is None or number < minimum:
+            raise ConfigError(f"{name}={value!r} is not an integer >= {minimum}; the launcher sets "
+                              f"it: unset it or give the value the launcher would")
+        return number
+    return None
+
+
 def slurm_tasks(environ=os.environ):
-    """Number of tasks Slurm started for this step (None outside Slurm)."""
-    value = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS")
-    try:
-        return int(value) if value else None
-    except ValueError:
-        return None
+    """Number of tasks Slurm started for this step (SLURM_STEP_NUM_TASKS, else SLURM_NTASKS;
+    None outside Slurm). Raises ConfigError for a value that is not an integer >= 1."""
+    return env_int(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", minimum=1)
 
 
 def check_launch(world_size, environ=os.environ):
@@ -21,13 +38,14 @@ def check_launch(world_size, environ=os.environ):
     are rank 0 of 1: they would train the same model twice and overwrite each other's files.
     An explicit launcher size of 1 (`mpiexec -n 1` inside an allocation) is allowed, and
     RTXMPI_ALLOW_SINGLETON=1 overrides the check. Raises ConfigError (also for a value of
-    RTXMPI_ALLOW_SINGLETON that is not a boolean: backend.env_flag).
+    RTXMPI_ALLOW_SINGLETON that is not a boolean, backend.env_flag, and for SLURM_STEP_NUM_TASKS,
+    SLURM_NTASKS, OMPI_COMM_WORLD_SIZE or PMI_SIZE that is not an integer >= 1). Local: init
+    agrees on its errors over the ranks.
     """
     tasks = slurm_tasks(environ)
     # Only a launcher that itself says "1" makes a world of 1 deliberate: `srun --mpi=pmi2 -n 2`
     # with an MPI built without PMI-2 sets PMI_SIZE=2 yet still starts singletons.
-    launcher_size = environ.get("OMPI_COMM_WORLD_SIZE") or environ.get("PMI_SIZE")
-    explicit_one = launcher_size is not None and launcher_size.strip() == "1"
+    explicit_one = env_int(environ, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", minimum=1) == 1
     if (tasks and tasks > 1 and world_size == 1 and not explicit_one
             and not env_flag("RTXMPI_ALLOW_SINGLETON", environ=environ)):
         raise ConfigError(
@@ -35,17 +53,6 @@ def check_launch(world_size, environ=os.environ):
             f"an MPI launcher and cannot talk to each other. Launch with `srun --mpi=pmix -n {tasks} "
             f"python ...` or `mpiexec -n {tasks} python ...` inside the allocation "
             "(set RTXMPI_ALLOW_SINGLETON=1 to run one independent process per task on purpose)")
-
-
-def _int(environ, *names):
-    for name in names:
-        value = environ.get(name)
-        if value not in (None, ""):
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
 
 
 def slurm_env(environ=os.environ):
@@ -57,7 +64,8 @@ def slurm_env(environ=os.environ):
     ints or None), and launcher: "srun" when srun started this process as a task of a step (its
     procid/localid are then this rank's), "mpiexec" when an MPI launcher started it inside the
     allocation (OMPI_COMM_WORLD_SIZE set: the SLURM_PROCID/LOCALID it inherited are the batch
-    script's or a daemon's, not the rank's), else "batch".
+    script's or a daemon's, not the rank's), else "batch". Raises ConfigError naming the
+    variable when a count or id is set but not an integer (counts >= 1, ids >= 0).
     """
     job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
     if not job_id:
@@ -69,11 +77,11 @@ def slurm_env(environ=os.environ):
         launcher = "srun"
     else:
         launcher = "batch"
-    return {"job_id": job_id, "ntasks": _int(environ, "SLURM_NTASKS", "SLURM_NPROCS"),
-            "nnodes": _int(environ, "SLURM_NNODES", "SLURM_JOB_NUM_NODES"), "step_id": step_id,
-            "step_tasks": _int(environ, "SLURM_STEP_NUM_TASKS"),
-            "procid": _int(environ, "SLURM_PROCID"), "localid": _int(environ, "SLURM_LOCALID"),
-            "nodeid": _int(environ, "SLURM_NODEID"), "launcher": launcher}
+    return {"job_id": job_id, "ntasks": env_int(environ, "SLURM_NTASKS", "SLURM_NPROCS", minimum=1),
+            "nnodes": env_int(environ, "SLURM_NNODES", "SLURM_JOB_NUM_NODES", minimum=1),
+            "step_id": step_id, "step_tasks": env_int(environ, "SLURM_STEP_NUM_TASKS", minimum=1),
+            "procid": env_int(environ, "SLURM_PROCID"), "localid": env_int(environ, "SLURM_LOCALID"),
+            "nodeid": env_int(environ, "SLURM_NODEID"), "launcher": launcher}
 
 
 def check_slurm_ranks(rank, world_size, local_rank, environ=os.environ):

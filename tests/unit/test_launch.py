@@ -10,7 +10,6 @@ from rtxmpi.errors import ConfigError
     ({"SLURM_NTASKS": "4"}, 4),
     ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "8"}, 2),
     ({"SLURM_NTASKS": ""}, None),
-    ({"SLURM_NTASKS": "many"}, None),
 ])
 def test_slurm_tasks_reads_the_step_size_first(environ, expected):
     assert slurm_tasks(environ) == expected
@@ -78,5 +77,9 @@ def test_allow_singleton_other_than_one_does_not_override():
         check_launch(1, {"SLURM_NTASKS": "2", "RTXMPI_ALLOW_SINGLETON": "0"})
 
 
-def test_unparsable_slurm_task_count_is_not_refused():
-    check_launch(1, {"SLURM_NTASKS": "many"})
+@pytest.mark.parametrize("variable, value", [
+    ("SLURM_NTASKS", "four"), ("SLURM_NTASKS", "0"), ("SLURM_STEP_NUM_TASKS", "2.0"),
+    ("OMPI_COMM_WORLD_SIZE", "one"), ("PMI_SIZE", "-1")])
+def test_a_malformed_task_count_is_a_config_error_naming_the_variable(variable, value):
+    with pytest.raises(ConfigError, match=f"{variable}={value!r} is not an integer >= 1"):
+        check_launch(2, {variable: value})

@@ -1,5 +1,7 @@
 """SLURM_* variables: parsed (slurm_env), checked against MPI for srun tasks (check_slurm_ranks),
 summarised for `rtxmpi info` (slurm_summary). Variable sets as Slurm 22.05 sets them here."""
+import re
+
 import pytest
 
 from rtxmpi.comm.launch import check_slurm_ranks, slurm_env, slurm_summary
@@ -66,10 +68,20 @@ def test_allow_singleton_skips_the_cross_check():
     check_slurm_ranks(0, 1, 0, {**srun_task(1, 1), "RTXMPI_ALLOW_SINGLETON": "1"})
 
 
-def test_garbage_values_are_unknown_not_a_crash():
-    env = slurm_env({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "x", "SLURM_PROCID": ""})
+def test_empty_values_are_unknown():
+    env = slurm_env({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "", "SLURM_PROCID": ""})
     assert env["ntasks"] is None and env["procid"] is None and env["launcher"] == "batch"
-    check_slurm_ranks(5, 8, 1, {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "3", "SLURM_PROCID": "?"})
+
+
+@pytest.mark.parametrize("variable, value", [("SLURM_NTASKS", "four"), ("SLURM_NNODES", "0"),
+                                             ("SLURM_PROCID", "?"), ("SLURM_LOCALID", "-1"),
+                                             ("SLURM_NODEID", "1e3")])
+def test_a_malformed_value_is_a_config_error_naming_the_variable(variable, value):
+    environ = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "3", variable: value}
+    with pytest.raises(ConfigError, match=re.escape(f"{variable}={value!r} is not an integer")):
+        slurm_env(environ)
+    with pytest.raises(ConfigError, match=re.escape(f"{variable}={value!r}")):
+        check_slurm_ranks(5, 8, 1, environ)
 
 
 def test_summary_for_srun_and_mismatches():
