@@ -16,7 +16,8 @@ bit against the log (docs/wal.md). --stop-after-step S ends the run early as if 
 SIGTERM or SIGUSR1 to any rank stops every rank after the same step with a committed checkpoint
 and exit code 75 (--requeue: and requeues the Slurm job); --elastic shrink continues on the
 surviving ranks after a rank dies (ULFM; docs/elastic.md).
-A bad flag or data path gives a one-line error and exit code 2 on every rank.
+A bad flag or data path gives a one-line error and exit code 2 on every rank; a run whose steps
+were all skipped (non-finite gradients) or whose final loss is not finite, exit code 4.
 """
 import argparse
 import difflib
@@ -24,6 +25,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 
@@ -72,6 +74,7 @@ from rtxmpi.wal import ResumeParity, WriteAheadLog, params_digest, read_wal, wal
 EXIT_CONFIG = 2
 MEMORY_SLACK = 1.5  # check_memory refuses estimates over 1.5 x the node's memory per rank
 EXIT_CHECKPOINT = 3  # a checkpoint or write-ahead log error, e.g. resume parity failed
+EXIT_DIVERGED = 4  # every step of the run skipped (non-finite gradients), or a non-finite loss
 EXIT_PREEMPTED = elastic.EXIT_PREEMPTED  # 75: stopped by SIGTERM/SIGUSR1 with a committed checkpoint
 
 
@@ -225,20 +228,25 @@ def parse_args(argv=None):
 
 def check_args(args, world_size):
     """Validate flags against each other and the world size; raises ConfigError (a user can act)."""
-    for name in ("steps", "global_batch", "micro_batches", "seq_len", "eval_batches"):
+    for name in ("steps", "global_batch", "micro_batches", "seq_len", "eval_batches",
+                 "virtual_stages"):
         if getattr(args, name) is not None and getattr(args, name) < 1:  # micro_batches None: auto
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.eval_every < 0 or args.sample_tokens < 0:
         raise ConfigError("--eval-every and --sample-tokens must be >= 0")
+    if args.seed < 0:  # numpy's generators take non-negative seeds
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     for name in ("lr", "bucket_mb"):
-        if not getattr(args, name) > 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+        if not 0 < getattr(args, name) < math.inf:
+            raise ConfigError(f"--{name.replace('_', '-')} must be finite and > 0, got "
+                              f"{getattr(args, name)}")
     if args.min_lr is not None and not 0 <= args.min_lr <= args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} must be in [0, --lr {args.lr}]")
     if args.warmup_steps is not None and not 0 <= args.warmup_steps <= args.steps:
         raise ConfigError(f"--warmup-steps {args.warmup_steps} must be in [0, --steps {args.steps}]")
-    if not args.grad_clip >= 0 or not args.weight_decay >= 0:
-        raise ConfigError("--grad-clip and --weight-decay must be >= 0 (--grad-clip 0: no clipping)")
+    if not 0 <= args.grad_clip < math.inf or not 0 <= args.weight_decay < math.inf:
+        raise ConfigError("--grad-clip and --weight-decay must be finite and >= 0 (--grad-clip 0: "
+                          "no clipping)")
     if not 0 <= args.val_fraction < 1:
         raise ConfigError(f"--val-fraction {args.val_fraction} must be in [0, 1)")
     if args.metrics_jsonl is not None:
@@ -247,6 +255,8 @@ def check_args(args, world_size):
             raise ConfigError(f"--metrics-jsonl {args.metrics_jsonl}: not a writable file path")
     if args.ckpt_every < 0:
         raise ConfigError(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
+    if args.ckpt_dir is not None:
+        check_ckpt_dir(args.ckpt_dir)
     if args.ckpt_dir is None and (args.ckpt_every or args.resume or args.stop_after_step
                                   or args.async_save):
         flag = ("--ckpt-every" if args.ckpt_every else "--resume" if args.resume else
@@ -279,6 +289,25 @@ def check_args(args, world_size):
     if args.data is not None and not os.path.exists(os.path.expanduser(args.data)):
         raise ConfigError(f"--data {args.data}: no such file or directory")
     return dp
+
+
+def check_ckpt_dir(path):
+    """--ckpt-dir: a directory this process can write in, or one it can create (the nearest
+    existing parent is a directory it can write in). Probed with a temporary directory, removed
+    at once; nothing is created otherwise (--resume warns about a missing directory later).
+    Raises ConfigError naming the flag and the system's reason."""
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"--ckpt-dir {path}: {existing} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".rtxmpi-probe-", dir=existing))
+    except OSError as exc:
+        where = ("cannot be written" if existing == os.path.abspath(path) else
+                 f"cannot be created (in {existing})")
+        raise ConfigError(f"--ckpt-dir {path}: the directory {where}: "
+                          f"{exc.strerror or exc}") from None
 
 
 def check_memory(world, args, cfg):
@@ -508,15 +537,22 @@ def _logged_step(line):
 
 
 def drop_metrics_after(path, step):
-    """After an elastic shrink that reloaded the checkpoint of `step` (rank 0): remove the lines
-    of later steps from the metrics file, which the survivors run again, so each step is logged
-    once (as the write-ahead log keeps only the records up to the checkpoint). In place: the
-    run's append handle keeps writing at the new end."""
+    """After a resume (--resume, or an elastic shrink that reloaded a checkpoint) from `step`
+    (rank 0; 0: none found): remove the lines of later steps from the metrics file, which the
+    run writes again, so each step is logged once (as the write-ahead log keeps only the
+    records up to the checkpoint). In place: the run's append handle keeps writing at the new
+    end."""
     with open(path, "r+") as f:  # a line that does not parse (cut by a kill) is kept as it is
         lines = [line for line in f if line.strip() and (_logged_step(line) or 0) <= step]
         f.seek(0)
         f.writelines(lines)
         f.truncate()
+
+
+def metrics_line(record):
+    """A step's JSONL line. A skipped step (the ranks agreed that some gradient was not finite)
+    has grad_norm null: no rank's own norm describes a step that was not taken."""
+    return json.dumps({**record, "grad_norm": None} if record.get("skipped") else record) + "\n"
 
 
 def finish_recovered_step(world, args, replica, metrics, last_step, save_step):
@@ -527,7 +563,7 @@ def finish_recovered_step(world, args, replica, metrics, last_step, save_step):
         with open(args.metrics_jsonl) as f:
             logged = [n for n in map(_logged_step, f) if n is not None]
         if not logged or logged[-1] < step:
-            metrics.write(json.dumps(record) + "\n")
+            metrics.write(metrics_line(record))
             metrics.flush()
     if args.ckpt_dir and step and (step == last_step or args.ckpt_every and step % args.ckpt_every == 0):
         found = np.array([(latest_step(args.ckpt_dir) or 0) if world.rank == 0 else 0], np.int64)
@@ -823,7 +859,7 @@ def train(args):
     if replica is not None:  # the failure may have cut the tail of that step short
         finish_recovered_step(world, args, replica, metrics, last_step,
                               lambda s: save(world, args, s, cfg, model, engine, sampler, rng))
-    elif elastic.shrinks() and metrics is not None:  # reloaded a checkpoint: steps re-run
+    elif (elastic.shrinks() or args.resume) and metrics is not None:  # steps after it re-run
         drop_metrics_after(args.metrics_jsonl, start_step - 1)
     if start_step > last_step:
         if rank == 0:
@@ -837,6 +873,7 @@ def train(args):
     tokens_per_step = args.global_batch * args.seq_len
     start = time.perf_counter()
     pending = None  # --async-save: the checkpoint being written in the background
+    skipped_steps = 0  # agreed overflow skips: the same count on every rank
     loop = elastic.Loop(world)  # pre-emption, phases, what survivors hand over (docs/elastic.md)
     loop.track(meta=lambda: checkpoint_meta(args, cfg, model, engine, sampler),
                tensors=engine.pieces if args.zero_stage == 0 and not hybrid else None,
@@ -868,12 +905,13 @@ def train(args):
         flags = loop.agree(overflow=not math.isfinite(grad_norm))  # + stop: a signal on any rank
         if flags.overflow:
             engine.zero_grad()  # every rank skips the step: a non-finite gradient somewhere
+            skipped_steps += 1
         else:
             engine.step(lr=lr, max_grad_norm=args.grad_clip or None, total_norm=grad_norm)
         step_time = time.perf_counter() - t0
         record = {"step": step, "loss": float(losses[0]), "lr": lr, "grad_norm": float(grad_norm),
                   "tokens_per_s": tokens_per_step / step_time, "step_time_ms": step_time * 1e3,
-                  "world_size": world_size}
+                  "world_size": world_size, "skipped": flags.overflow}
         loop.applied(step, record)  # no collective since the update: survivors agree on `step`
         record.update(obs.end_step(step))  # allreduce_pct, overlap_pct, net_bw_gbps, ...
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
@@ -884,7 +922,7 @@ def train(args):
             bar.set_postfix(loss=f"{record['loss']:.3f}", **({"val": f"{record['val_loss']:.3f}"}
                                                               if "val_loss" in record else {}))
             if metrics:
-                metrics.write(json.dumps(record) + "\n")
+                metrics.write(metrics_line(record))
                 metrics.flush()
         ckpt_now = args.ckpt_dir and ((args.ckpt_every and step % args.ckpt_every == 0)
                                       or step == last_step or flags.stop)
@@ -931,6 +969,14 @@ def train(args):
         metrics.close()
     if args.offload == "nvme":
         engine.close()  # removes this rank's offload files
+    if skipped_steps == steps_run or not math.isfinite(record["loss"]):  # agreed on every rank
+        record["diverged"] = (
+            f"every step of this run ({_count(steps_run, 'step')}) was skipped: the gradients "
+            f"were not finite"
+            if skipped_steps == steps_run else
+            f"the loss is {record['loss']} after step {last_step} "
+            f"({skipped_steps} of {_count(steps_run, 'step')} skipped)") + (
+            f"; try a lower --lr (now {args.lr:g})")
     return record
 
 
@@ -973,6 +1019,10 @@ def main(argv=None):
         if _is_rank0():
             print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CHECKPOINT)
+    if record and record.get("diverged"):  # every rank: the skips and the loss are agreed
+        if _is_rank0():
+            print(f"error: training diverged: {record['diverged']}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_DIVERGED)
     if record and record.get("preempted"):  # every rank: the stop was agreed
         if args.requeue and rtxmpi.world().rank == 0:
             print(elastic.requeue(), flush=True)

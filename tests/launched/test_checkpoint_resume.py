@@ -80,6 +80,25 @@ def test_rank_killed_mid_save_keeps_previous_and_resume_matches_uninterrupted(re
         assert np.array_equal(resumed[name], uninterrupted[name]), name
 
 
+def test_resume_drops_the_metrics_lines_of_the_steps_it_runs_again(reference, tmp_path):
+    """The interrupted run logged steps 1-12 and committed step 6 only: the resume writes 7-12
+    again, so the file holds each step once, the re-run's line for 7-12."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    proc = train(2, tmp_path, ckpt, "--ckpt-every", "6", metrics=metrics,
+                 RTXMPI_TEST_CRASH_IN_SAVE="1:12")
+    assert proc.returncode != 0 and not proc.outer_timeout, str(proc)
+    assert [r["step"] for r in map(json.loads, metrics.read_text().splitlines())] == list(
+        range(1, 13))
+    metrics.write_text(metrics.read_text().replace('"world_size": 2', '"world_size": 2, "old": 1'))
+    proc = train(2, tmp_path, ckpt, "--ckpt-every", "6", "--resume", metrics=metrics)
+    assert proc.returncode == 0 and "continuing at step 7" in proc.stdout, str(proc)
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 13))
+    assert [r["step"] for r in lines if "old" in r] == list(range(1, 7))
+    want = records(reference / "m.jsonl")
+    assert [r["loss"] for r in lines] == [want[s]["loss"] for s in range(1, 13)]
+
+
 @pytest.mark.parametrize("n, zero_stage", [(1, 0), (4, 0), (1, 2), (4, 1), (2, 2), (4, 3)])
 def test_two_rank_checkpoint_resumes_at_other_world_sizes_and_zero_stages(reference, tmp_path, n,
                                                                            zero_stage):

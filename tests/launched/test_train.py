@@ -48,6 +48,14 @@ BAD_FLAGS = [  # each refused on every one of 4 ranks, in one launch (tests/laun
     (["--ckpt-every", "3"], "error: --ckpt-every needs --ckpt-dir DIR"),
     (["--plan", "auto", "--micro-batches", "2"], "--plan auto chooses the layout; drop --micro-batches"),
     (["--seq-len", "100000"], "GiB per rank (estimate), over this node's"),  # not a MemoryError later
+    (["--lr", "inf"], "--lr must be finite and > 0, got inf"),
+    (["--grad-clip", "inf"], "--grad-clip and --weight-decay must be finite and >= 0"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--pp", "2", "--virtual-stages", "0"], "--virtual-stages must be >= 1, got 0"),
+    (["--ckpt-dir", str(REPO / "README.md")], f"--ckpt-dir {REPO / 'README.md'}: "
+                                              f"{REPO / 'README.md'} is not a directory"),
+    (["--ckpt-dir", "/proc/x/ckpt"], "--ckpt-dir /proc/x/ckpt: the directory cannot be created "
+                                     "(in /proc): No such file or directory"),
 ]
 
 
@@ -71,6 +79,31 @@ def test_a_bad_flag_ends_the_launched_job_fast_with_exit_2_and_one_line(tmp_path
     assert proc.stderr.count("error: ") == 1, proc.stderr  # one line, from rank 0
     assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr
     assert proc.elapsed_s < 60
+
+
+def test_a_diverged_run_exits_4_and_its_skipped_steps_say_so(tmp_path):
+    """--lr 1e30: step 1 applies an absurd update, every later gradient is not finite and its
+    step skipped; the run ends with loss NaN: exit 4 and one error line. Resumed from its last
+    checkpoint, every step of the new attempt is skipped: exit 4 again."""
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    common = ["--model", "tiny", "--global-batch", "8", "--seq-len", "32", "--eval-every", "0",
+              "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--lr", "1e30",
+              "--metrics-jsonl", str(metrics), "--ckpt-dir", str(ckpt)]
+    proc = mpiexec(2, "train.py", [*common, "--steps", "3", "--stop-after-step", "2"], 120,
+                   tmp_path)
+    assert proc.returncode == 4 and not proc.outer_timeout, str(proc)
+    assert proc.stderr.count("error: ") == 1 and "Traceback" not in proc.stderr, str(proc)
+    assert ("error: training diverged: the loss is nan after step 2 (1 of 2 steps skipped); try "
+            "a lower --lr (now 1e+30)") in proc.stderr, str(proc)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [(r["step"], r["skipped"]) for r in records] == [(1, False), (2, True)]
+    assert records[0]["grad_norm"] > 0 and records[1]["grad_norm"] is None
+    proc = mpiexec(2, "train.py", [*common, "--steps", "3", "--resume"], 120, tmp_path)
+    assert proc.returncode == 4 and not proc.outer_timeout, str(proc)
+    assert ("error: training diverged: every step of this run (1 step) was skipped: the gradients "
+            "were not finite") in proc.stderr, str(proc)
+    assert [json.loads(line)["skipped"] for line in metrics.read_text().splitlines()] == [
+        False, True, True]
 
 
 def test_readme_loops_run_and_differ_in_at_most_10_lines(tmp_path):
