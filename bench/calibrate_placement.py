@@ -34,16 +34,18 @@ def worker(args):
     import numpy as np
     from mpi4py import MPI
 
+    import rtxmpi
     from rtxmpi.nn import GPTConfig
     from rtxmpi.parallel.calibrate import ReferenceRun, balanced_subsets, fit_sharing
 
+    world = rtxmpi.init(check=False)
     comm = MPI.COMM_WORLD
     rank, R = comm.Get_rank(), comm.Get_size()
     cores = sorted(os.sched_getaffinity(0))
     P = len(cores)
     if R % P or len(set(comm.allgather(tuple(cores)))) != 1:
         raise SystemExit(f"[calibrate_placement] needs one node whose {P} cores divide the {R} ranks")
-    ref = ReferenceRun(comm, GPTConfig.named(args.model, seq_len=args.seq_len), args.micro_batch)
+    ref = ReferenceRun(world, GPTConfig.named(args.model, seq_len=args.seq_len), args.micro_batch)
     half = (R + 1) // 2
     subsets = balanced_subsets(R, half)
     layout = sorted({p for p in itertools.permutations([c for c in range(P) for _ in range(R // P)])

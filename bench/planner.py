@@ -178,7 +178,7 @@ def worker(args):
     cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
     t0 = time.perf_counter()
     profile = calibrate(world, cfg=cfg)
-    ref = ReferenceRun(comm, cfg, profile.ref_model["micro_batch"])
+    ref = ReferenceRun(world, cfg, profile.ref_model["micro_batch"])
     ref_samples = {k: [] for k in ref.ks}
     sync_samples, ranks_of_node = [], [list(range(world.world_size))]  # one node
     segment = min(0.02, float(profile.ref_busy_ms[str(ref.ks[-1])]) * 1e-3 / (2 * cfg.n_layer))
@@ -221,7 +221,7 @@ def worker(args):
         cores.append("".join(str(c) if 0 <= c < 10 else "?" for c in comm.allgather(_core())))
         for k, v in ref.sample(1).items():  # the reference run, interleaved with the layouts
             ref_samples[k] += v
-        sync_samples.append(_measure_sync(comm, ranks_of_node, cfg, segment, reps=3))
+        sync_samples.append(_measure_sync(comm, world, ranks_of_node, cfg, segment, reps=3))
         if rank0:
             print(f"[planner] round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     profile_end = calibrate(world, cfg=cfg) if args.end_profile else None

@@ -92,6 +92,7 @@ def cmd_info(args):
     from .comm import init
     from .comm.launch import slurm_env, slurm_summary
     from .errors import ConfigError
+    from .exchange import all_gather_json
 
     if not args.timeout_s > 0:  # a bad flag, not a reason to describe a lone process
         print(f"error: --timeout-s must be > 0 seconds, got {args.timeout_s}", file=sys.stderr)
@@ -104,9 +105,14 @@ def cmd_info(args):
         warning = str(exc)
         comm = MPI.COMM_WORLD
         rank, size, local_rank, device = comm.Get_rank(), comm.Get_size(), 0, "cpu"
-    row = (rank, socket.gethostname(), local_rank, device, gpu_count())
-    rows = MPI.COMM_WORLD.gather(row, root=0) if size > 1 and warning is None else [row]
-    slurm = MPI.COMM_WORLD.gather(slurm_env(), root=0) if size > 1 and warning is None else [slurm_env()]
+    row = [rank, socket.gethostname(), local_rank, str(device), gpu_count()]
+    if warning is None:  # init checked every rank's SLURM_* variables: slurm_env cannot raise
+        rows, slurm = zip(*all_gather_json(group, [row, slurm_env()]))
+    else:
+        try:
+            rows, slurm = [row], [slurm_env()]
+        except ConfigError:  # a malformed SLURM_* variable: init's warning already names it
+            rows, slurm = [row], []
     topo = None
     shm_text = "not known (rtxmpi.init failed, see the warning)"
     if warning is None:  # collective: GPUs, links, InfiniBand, NUMA of every host

@@ -77,6 +77,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..errors import ConfigError
+from ..exchange import all_gather_json, broadcast_json
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 SYNC_ROUNDS = 5  # sync-wait rounds at the end of the calibration (one more after each phase)
@@ -405,11 +406,12 @@ def _rate(kind, units, seconds):
     return units / seconds if kind == "flops" else seconds / units * 1e9
 
 
-def _measure_compute(comm, local_rank, ranks_per_node, cfg, micro_batch, reps):
+def _measure_compute(comm, group, local_rank, ranks_per_node, cfg, micro_batch, reps):
     """Per-kernel alone rates (local rank 0 of each node computing, the others in a barrier;
     median of reps) and the reference model: one GPT forward + backward of `micro_batch`
-    sequences, with 1, half and all of the node's ranks computing at once.
-    Returns (rates, {k: ms})."""
+    sequences, with 1, half and all of the node's ranks computing at once. comm: the
+    communicator whose barriers bracket the timings; group: the ProcessGroup over the same
+    ranks for the exchanges. Returns (rates, {k: ms}), group rank 0's on every rank."""
     C, H, T = cfg.n_embd, cfg.n_head, cfg.seq_len
     kernels = _compute_kernels(C, H, T, micro_batch * T)
     rates = {}
@@ -420,7 +422,7 @@ def _measure_compute(comm, local_rank, ranks_per_node, cfg, micro_batch, reps):
         if len(spec) > 3:  # subtract the re-fill copy that keeps the input the same every rep
             t -= _time_median(spec[3], comm, reps, active=local_rank == 0, clock=time.thread_time)
         rates[name] = _rate(kind, units, max(t, 1e-9))
-    ref = ReferenceRun(comm, cfg, micro_batch)
+    ref = ReferenceRun(group, cfg, micro_batch, comm=comm)
     # interleaved rounds, medians over them: 3 at the default reps = 5 (5 rounds before the
     # balanced subsets made the k = half part of a round R - 1 runs instead of 1; with 4 rounds
     # a calibration took a median 1.24x as long, paired runs at load 5-11), each round's
@@ -433,8 +435,8 @@ def _measure_compute(comm, local_rank, ranks_per_node, cfg, micro_batch, reps):
     # micro-batch: how the factor changes with the blocks a process holds (a block's activations
     # and weights stay in cache between its forward and backward when fewer blocks run between)
     small_batch = max(1, micro_batch // 4)
-    small = ReferenceRun(comm, cfg, small_batch)
-    one = ReferenceRun(comm, _one_block(cfg), micro_batch) if cfg.n_layer > 1 else None
+    small = ReferenceRun(group, cfg, small_batch, comm=comm)
+    one = ReferenceRun(group, _one_block(cfg), micro_batch, comm=comm) if cfg.n_layer > 1 else None
     ratios, ratios_one = [], []
     for _ in range(5):
         t_big = _time_min(ref._step, comm, 1, active=local_rank == 0, clock=time.thread_time)
@@ -448,12 +450,11 @@ def _measure_compute(comm, local_rank, ranks_per_node, cfg, micro_batch, reps):
     ref_small = {"micro_batch": small_batch, "ms_ratio": float(np.median(ratios))} \
         if ratios else None
     ref_block = {"n_layer": 1, "ms_ratio": float(np.median(ratios_one))} if ratios_one else {}
-    # rates measured on local rank 0: take the node-0 values everywhere (broadcast)
-    rates = comm.bcast(rates, root=0)  # (ref_cpu_ms: ranks with local rank 0, node 0's)
-    busy_ms = comm.bcast(busy_ms, root=0)
-    rates["ref_small"] = comm.bcast(ref_small, root=0)
-    rates["ref_block"] = comm.bcast(ref_block, root=0)
-    return rates, busy_ms
+    # rates measured on local rank 0: take the node-0 values everywhere (broadcast; ref_cpu_ms:
+    # ranks with local rank 0, node 0's)
+    rates, busy_ms, rates["ref_small"], rates["ref_block"] = broadcast_json(
+        group, [rates, {str(k): v for k, v in busy_ms.items()}, ref_small, ref_block])
+    return rates, {int(k): v for k, v in busy_ms.items()}
 
 
 def _one_block(cfg):
@@ -491,20 +492,24 @@ class ReferenceRun:
     """One GPT forward + backward of `micro_batch` sequences of `cfg`, timed with k = 1, half and
     all of each node's ranks computing at once (the others waiting in a barrier); for k between
     1 and all, every subset of `balanced_subsets` computes in turn and the round's time is their
-    mean (placement-independent, see there). Collective: every rank of `comm` (an mpi4py
-    communicator) builds it and calls sample() together. Benchmarks interleave sample() with
-    what they measure and refit with HardwareProfile.with_reference, so the profile sees the
-    same machine load as the runs."""
+    mean (placement-independent, see there). Collective: every rank of `group` (a ProcessGroup:
+    the exchanges) builds it and calls sample() together; comm (default: the group's MPI
+    communicator) brackets each run with barriers. Benchmarks interleave sample() with what
+    they measure and refit with HardwareProfile.with_reference, so the profile sees the same
+    machine load as the runs."""
 
-    def __init__(self, comm, cfg, micro_batch):
+    def __init__(self, group, cfg, micro_batch, comm=None):
         from mpi4py import MPI
 
         from ..nn.gpt import GPT
 
-        self.comm = comm
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-        self.local_rank, self.ranks_per_node = node.Get_rank(), max(comm.allgather(node.Get_size()))
+        self.group, self.comm = group, _mpi_comm(group) if comm is None else comm
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.comm.Get_rank())
+        self.local_rank = node.Get_rank()
+        size = np.array([node.Get_size()], np.int64)
         node.Free()
+        group.all_reduce(size, op="max")
+        self.ranks_per_node = int(size[0])
         self.model = GPT(cfg, seed=0)
         self.idx = np.random.default_rng(1).integers(0, cfg.vocab_size, (micro_batch, cfg.seq_len))
         R = self.ranks_per_node
@@ -535,7 +540,8 @@ class ReferenceRun:
                         self._step()
                         t, c = time.perf_counter() - t0, time.thread_time() - c0
                     self.comm.Barrier()
-                    done = [(w, u) for w, u in self.comm.allgather((t, c)) if w != float("inf")]
+                    times = self.group.all_gather(np.array([t, c], np.float64)).reshape(-1, 2)
+                    done = [(w, u) for w, u in times.tolist() if w != float("inf")]
                     walls.append(np.mean([w for w, _ in done]))
                     cpus.append(np.mean([u for _, u in done]))
                 samples[k].append(float(np.mean(walls)))
@@ -582,7 +588,7 @@ def fit_sharing(busy_ms, ranks_per_node, cores, work_ms=None):
     return best[1], best[2]
 
 
-def _measure_sync(comm, ranks_of_node, cfg, segment_s, reps, rounds=5):
+def _measure_sync(comm, group, ranks_of_node, cfg, segment_s, reps, rounds=5):
     """{str(n): seconds}: how long a rank waits inside an 8-byte all_reduce among every group of
     n ranks (consecutive ranks of a node, all groups at once) right after computing for about
     segment_s (a GEMM loop of at most 200 GEMMs): the time from entering the all_reduce to
@@ -591,8 +597,9 @@ def _measure_sync(comm, ranks_of_node, cfg, segment_s, reps, rounds=5):
     [0, segment_s]. The ranks' mean wait is E[last arrival] - E[own arrival], what the
     collective adds to the step beyond its alpha-beta time; alpha of an 8-byte all_reduce (a few
     us) is not subtracted. Measured directly, not as the difference of two loop timings, whose
-    noise is as large as the wait itself on a loaded machine."""
-    return _sync_median(_sync_rounds(comm, ranks_of_node, cfg, segment_s, reps, rounds),
+    noise is as large as the wait itself on a loaded machine. comm: the MPI communicator the
+    groups are split from; group: the ProcessGroup over its ranks for the exchanges."""
+    return _sync_median(_sync_rounds(comm, group, ranks_of_node, cfg, segment_s, reps, rounds),
                         segment_s)
 
 
@@ -601,7 +608,7 @@ def _sync_median(rounds, segment_s):
     return {n: float(min(max(0.0, np.median(v)), segment_s)) for n, v in rounds.items()}
 
 
-def _sync_rounds(comm, ranks_of_node, cfg, segment_s, reps, rounds):
+def _sync_rounds(comm, group, ranks_of_node, cfg, segment_s, reps, rounds):
     """{str(n): [seconds, one per round]}: _measure_sync's rounds, before the median."""
     from mpi4py import MPI
 
@@ -615,7 +622,8 @@ def _sync_rounds(comm, ranks_of_node, cfg, segment_s, reps, rounds):
         a @ w
         ones.append(time.perf_counter() - t0)
     one = max(1e-5, float(np.median(ones)))
-    loops = comm.bcast(max(1, min(200, int(segment_s / one))), root=0)
+    loops = np.array([max(1, min(200, int(segment_s / one)))], np.int64)
+    loops = int(group.broadcast(loops, src=0)[0])
     flag = np.zeros(1, np.float64)
     out = {}
     R = max(len(r) for r in ranks_of_node)
@@ -637,8 +645,8 @@ def _sync_rounds(comm, ranks_of_node, cfg, segment_s, reps, rounds):
                     t = time.perf_counter()
                     sub.Allreduce(MPI.IN_PLACE, flag)
                     waited += time.perf_counter() - t
-            waits.append(comm.allreduce(waited, op=MPI.SUM)
-                         / (comm.Get_size() * reps * len(subs)))
+            total = group.all_reduce(np.array([waited], np.float64), op="sum")
+            waits.append(float(total[0]) / (comm.Get_size() * reps * len(subs)))
         out[str(n)] = waits
         for sub in subs:
             sub.Free()
@@ -682,11 +690,11 @@ def _pairs_within(ranks_of_node, n):
     return groups
 
 
-def _measure_op(comm, op, sizes, reps, group=None):
+def _measure_op(comm, op, sizes, reps, group):
     """Median-of-reps slowest-rank time of `op` on this communicator for each byte size.
-    group: the rtxmpi ProcessGroup over the same ranks, or None: all_reduce, all_gather and
-    reduce_scatter then run through it (its shared-memory mailbox and cross-memory paths, what
-    training runs: rtxmpi/comm/shm.py), the others through MPI."""
+    group: the rtxmpi ProcessGroup over the same ranks: all_reduce, all_gather and
+    reduce_scatter run through it (its shared-memory mailbox and cross-memory paths, what
+    training runs: rtxmpi/comm/shm.py), the others through MPI; the slowest time too."""
     n = comm.Get_size()
     out = []
     for nbytes in sizes:
@@ -696,18 +704,12 @@ def _measure_op(comm, op, sizes, reps, group=None):
         peer = comm.Get_rank() ^ 1 if n >= 2 else 0
 
         def run():
-            if group is not None and op == "all_reduce":
+            if op == "all_reduce":
                 group.all_reduce(send)  # in place, as training's buckets and tp activations
-            elif group is not None and op == "all_gather":
-                group.all_gather(send[:count // n])
-            elif group is not None and op == "reduce_scatter":
-                group.reduce_scatter(send)
-            elif op == "all_reduce":
-                comm.Allreduce(send, recv)
             elif op == "all_gather":
-                comm.Allgather(send[:count // n], recv)
+                group.all_gather(send[:count // n])
             elif op == "reduce_scatter":
-                comm.Reduce_scatter_block(send, recv[:count // n])
+                group.reduce_scatter(send)
             elif op == "all_to_all":
                 comm.Alltoall(send, recv)
             elif peer < n:
@@ -718,7 +720,8 @@ def _measure_op(comm, op, sizes, reps, group=None):
             comm.Barrier()
             t0 = time.perf_counter()
             run()
-            times.append(comm.allreduce(time.perf_counter() - t0, op=__import__("mpi4py").MPI.MAX))
+            slowest = group.all_reduce(np.array([time.perf_counter() - t0]), op="max")
+            times.append(float(slowest[0]))
         out.append((count * 4, float(np.median(times))))
     return out
 
@@ -738,7 +741,8 @@ def _fit(points, op, n):
 def calibrate(group, cfg=None, micro_batch=None, sizes=None, reps=5):
     """Measure this machine's HardwareProfile. Collective: every rank of `group` must call it.
 
-    group: a ProcessGroup (rtxmpi.init()); its MPI communicator runs the benchmarks.
+    group: a ProcessGroup (rtxmpi.init()); a duplicate of its MPI communicator runs the
+    benchmarks, the group the exchanges of their results.
     cfg: the GPTConfig the plan is for (default: the "small" model at seq_len 128): the kernels
     run at its shapes and one forward + backward of it is the reference run. micro_batch:
     sequences of the reference run (default: enough for about 1024 tokens). sizes: message sizes
@@ -746,8 +750,6 @@ def calibrate(group, cfg=None, micro_batch=None, sizes=None, reps=5):
     measurement (medians). Takes 5-15 s at 4 ranks on 2 cores.
     Returns the same HardwareProfile on every rank. Raises ConfigError on bad arguments.
     """
-    from mpi4py import MPI
-
     from ..nn.gpt import GPTConfig
 
     cfg = GPTConfig.named("small", seq_len=128) if cfg is None else cfg
@@ -758,28 +760,30 @@ def calibrate(group, cfg=None, micro_batch=None, sizes=None, reps=5):
             or isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
         raise ConfigError(f"calibrate: micro_batch and reps must be integers >= 1, got "
                           f"{micro_batch!r}, {reps!r}")
-    comm = group.backend.comm if hasattr(group, "backend") and hasattr(group.backend, "comm") \
-        else MPI.COMM_WORLD
-    comm = comm.Dup()
+    comm = _mpi_comm(group).Dup()
     try:
-        return _calibrate(comm, cfg, micro_batch, sizes or [4096, 1 << 18, 1 << 22], reps,
-                          group if hasattr(group, "split") else None)
+        return _calibrate(comm, group, cfg, micro_batch, sizes or [4096, 1 << 18, 1 << 22], reps)
     finally:
         comm.Free()
 
 
+def _mpi_comm(group):
+    """The MPI communicator under `group` (COMM_WORLD for a backend without one)."""
+    from mpi4py import MPI
+
+    return getattr(getattr(group, "backend", None), "comm", None) or MPI.COMM_WORLD
+
+
 def _subgroup(group, comm, color, key):
-    """(communicator, rtxmpi group or None) over the ranks of `color` (collective). The group
-    runs without checking mode (on every rank alike): a profile measures the transport, not the
+    """(communicator, rtxmpi group) over the ranks of `color` (collective). The group runs
+    without checking mode (on every rank alike): a profile measures the transport, not the
     fingerprint exchange of RTXMPI_CHECK=1, a debugging aid."""
-    if group is None:
-        return comm.Split(color, key=key), None
     sub = group.split(color, key=key)
     sub.check = False
     return sub.backend.comm, sub
 
 
-def _calibrate(comm, cfg, micro_batch, sizes, reps, group=None):
+def _calibrate(comm, group, cfg, micro_batch, sizes, reps):
     from mpi4py import MPI
 
     t_start = time.perf_counter()
@@ -787,12 +791,13 @@ def _calibrate(comm, cfg, micro_batch, sizes, reps, group=None):
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank = node.Get_rank()
     node.Free()
-    host_of = comm.allgather(socket.gethostname())
+    host_of = all_gather_json(group, socket.gethostname())
     names = sorted(set(host_of))
     ranks_of_node = [[r for r in range(size) if host_of[r] == h] for h in names]
     ranks_per_node = max(len(r) for r in ranks_of_node)
-    cores = min(comm.allgather(_cores()))
-    rates, busy_ms = _measure_compute(comm, local_rank, ranks_per_node, cfg, micro_batch, reps)
+    cores = int(group.all_reduce(np.array([_cores()], np.int64), op="min")[0])
+    rates, busy_ms = _measure_compute(comm, group, local_rank, ranks_per_node, cfg, micro_batch,
+                                      reps)
     ref_ms = rates.pop("ref_cpu_ms")  # the work of the reference run (CPU time, k = 1)
     effective, wait_weight = fit_sharing(busy_ms, ranks_per_node, cores, work_ms=ref_ms)
     notes = []
@@ -809,7 +814,7 @@ def _calibrate(comm, cfg, micro_batch, sizes, reps, group=None):
     sync_rounds = {}
 
     def sample_sync(rounds=1):
-        for n, waits in _sync_rounds(comm, ranks_of_node, cfg, segment, 2, rounds).items():
+        for n, waits in _sync_rounds(comm, group, ranks_of_node, cfg, segment, 2, rounds).items():
             sync_rounds.setdefault(n, []).extend(waits)
 
     sample_sync()
@@ -826,8 +831,6 @@ def _calibrate(comm, cfg, micro_batch, sizes, reps, group=None):
             links["intra"].setdefault(op, {})[str(n)] = _fit(
                 _measure_op(sub, op, sizes, reps, sub_group), op, n)
             sample_sync()
-        if sub_group is None:
-            sub.Free()
     if len(names) > 1 and all(len(r) == ranks_per_node for r in ranks_of_node):
         # one rank per node per group: local rank i of every node together
         sub, sub_group = _subgroup(group, comm,
@@ -838,8 +841,6 @@ def _calibrate(comm, cfg, micro_batch, sizes, reps, group=None):
                 continue
             links["inter"].setdefault(op, {})[str(n)] = _fit(
                 _measure_op(sub, op, sizes, reps, sub_group), op, n)
-        if sub_group is None:
-            sub.Free()
     else:
         links["inter"] = default_profile().links["inter"]
         notes.append("inter-node links not measured (one node): the default profile's are used")
@@ -849,8 +850,7 @@ def _calibrate(comm, cfg, micro_batch, sizes, reps, group=None):
     sample_sync(SYNC_ROUNDS)
     sync = _sync_median(sync_rounds, segment)
     notes.append(f"calibration took {time.perf_counter() - t_start:.1f} s")
-    facts = _machine_facts(comm, len(names)) if rank == 0 else None
-    facts = comm.bcast(facts, root=0)
+    facts = broadcast_json(group, _machine_facts(comm, len(names)) if rank == 0 else None)
     profile = HardwareProfile(
         source=f"calibrated on {facts['host']} at {facts['date']} ({size} ranks, "
                f"{len(names)} node(s))",
@@ -863,4 +863,5 @@ def _calibrate(comm, cfg, micro_batch, sizes, reps, group=None):
                    "tie_embeddings": cfg.tie_embeddings, "micro_batch": micro_batch},
         ref_ms=float(ref_ms), clock="cpu",
         **{k: (v if k in ("ref_small", "ref_block") else float(v)) for k, v in rates.items()})
-    return comm.bcast(profile if rank == 0 else None, root=0)
+    # rank 0's measurements on every rank (the JSON a saved profile holds)
+    return HardwareProfile.from_dict(broadcast_json(group, asdict(profile) if rank == 0 else None))

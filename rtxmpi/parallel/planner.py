@@ -63,10 +63,11 @@ Pure: nothing here communicates.
 """
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ..data import batch_split, micro_batch_split
 from ..errors import ConfigError
+from ..exchange import broadcast_json
 from ..nn.gpt import GPTConfig, param_layout
 from .calibrate import HardwareProfile
 from .schedule import build_schedule, partition
@@ -982,7 +983,7 @@ def plan_for_job(group, cfg, global_batch, profile_path=None, mem_per_device=Non
                 profile = HardwareProfile.load(profile_path)
             except ConfigError as exc:
                 error = str(exc)
-        error, data = comm.bcast((error, vars(profile) if profile else None), root=0)
+        error, data = broadcast_json(group, [error, asdict(profile) if profile else None])
         if error:
             raise ConfigError(error)
         profile = HardwareProfile.from_dict(data, what=profile_path)
@@ -1006,7 +1007,7 @@ def plan_for_job(group, cfg, global_batch, profile_path=None, mem_per_device=Non
             error = plan.reason()
         else:
             choice = vars(plan.best.layout)
-    error, choice = comm.bcast((error, choice), root=0)
+    error, choice = broadcast_json(group, [error, choice])
     if error:
         raise ConfigError(f"--plan auto: {error}")
     return Layout(**choice), plan

@@ -12,7 +12,7 @@ from rtxmpi.parallel.calibrate import ReferenceRun, balanced_subsets
 
 def test_each_round_is_the_mean_over_the_balanced_subsets(world, assert_same_on_every_rank):
     comm = MPI.COMM_WORLD
-    ref = ReferenceRun(comm, GPTConfig.named("tiny", seq_len=16), 1)
+    ref = ReferenceRun(world, GPTConfig.named("tiny", seq_len=16), 1)
     R = ref.ranks_per_node
     calls = []
 
