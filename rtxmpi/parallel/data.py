@@ -290,15 +290,17 @@ class DataParallel:
         After it returns (outside no_sync), model.flat_grad holds the group average of every rank's
         accumulated gradient. Collective outside no_sync (every rank of the group must call).
         """
-        self._synced = self._sync
+        self._synced = False  # until this backward has completed
         if not self._sync or self.group.world_size == 1:
             self.model.backward(cache, scale=scale)
+            self._synced = self._sync
             return
         self.reducer.arm()
         self.model.backward(cache, scale=scale, grad_ready=self.reducer.ready)
         self.reducer.finish()  # the bucket completed last is reduced blocking, then all awaited
         # the epilogue (rtxmpi.kernels; one fused pass on GPU): average, and flag inf/NaN
         _, self.nonfinite = grad_epilogue(self.model.flat_grad, 1.0 / self.group.world_size)
+        self._synced = True
 
     # -- optimizer step ---------------------------------------------------------------------
     def step(self, optimizer, lr=None):

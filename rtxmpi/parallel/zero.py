@@ -594,6 +594,7 @@ class ZeroDataParallel:
         are gathered, and each unit's gradient is reduced at every backward, so that
         no full gradient is ever kept: no_sync only postpones the averaging).
         """
+        self._synced = False  # until this backward has completed
         if self._averaged:  # back to a sum, so backward can add to it
             self.grad_shard()[...] *= self.group.world_size
             self._averaged = False
