@@ -970,13 +970,11 @@ def train(args):
     if args.offload == "nvme":
         engine.close()  # removes this rank's offload files
     if skipped_steps == steps_run or not math.isfinite(record["loss"]):  # agreed on every rank
-        record["diverged"] = (
-            f"every step of this run ({_count(steps_run, 'step')}) was skipped: the gradients "
-            f"were not finite"
-            if skipped_steps == steps_run else
-            f"the loss is {record['loss']} after step {last_step} "
-            f"({skipped_steps} of {_count(steps_run, 'step')} skipped)") + (
-            f"; try a lower --lr (now {args.lr:g})")
+        why = (f"every step of this run ({_count(steps_run, 'step')}) was skipped: the gradients "
+               "were not finite" if skipped_steps == steps_run else
+               f"the loss is {record['loss']} after step {last_step} ({skipped_steps} of "
+               f"{_count(steps_run, 'step')} skipped)")
+        record["diverged"] = f"{why}; try a lower --lr (now {args.lr:g})"
     return record
 
 
