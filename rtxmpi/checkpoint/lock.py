@@ -392,9 +392,9 @@ def lock_dir(group, ckpt_dir):
         if "error" in outcome:
             raise ConfigError(f"cannot lock checkpoint directory {ckpt_dir}: {outcome['error']}")
         holder = outcome.get("holder")
-        raise DirectoryLocked(f"checkpoint directory {ckpt_dir} is in use by {describe(holder)} "
-                              f"({outcome['path']}); wait for that job to end or use another "
-                              f"directory", holder=holder)
+        raise DirectoryLocked(f"checkpoint directory {ckpt_dir} is in use by {describe(holder)}, "
+                              f"lock file {outcome['path']}: wait for that job to end or use "
+                              f"another directory", holder=holder)
     lock = DirLock(ckpt_dir, outcome["path"], outcome["mode"], outcome["holder"], outcome.get("warning"))
     if rank == 0:
         lock.owner, lock.fd = True, fd
