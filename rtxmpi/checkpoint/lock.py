@@ -111,6 +111,11 @@ def describe(holder):
     return f"{job}(host {text('host')}, pid {text('pid')}, since {since})"
 
 
+def _read_text(path):
+    with open(path, "rb") as f:
+        return f.read(RECORD_BYTES).decode("utf-8", "replace")
+
+
 def _parse(raw):
     try:
         holder = json.loads(raw)
@@ -156,8 +161,9 @@ class DirLock:
     """The lock of one checkpoint directory, held by rank 0 of the group that took it.
 
     Attributes (every rank): path (the lock or lease file), mode ("flock" or "lease"), holder
-    (the agreed holder record), taken_over (a warning line, or None). release() is local and
-    idempotent: rank 0 frees the lock, other ranks only forget it; it also runs at exit.
+    (the agreed holder record), taken_over (a warning line, or None); rank 0, lease mode: lost
+    (why the lease was lost, or None). release() is local and idempotent: rank 0 frees the lock,
+    other ranks only forget it; it also runs at exit.
     """
 
     def __init__(self, ckpt_dir, path, mode, holder, taken_over=None):
@@ -165,27 +171,32 @@ class DirLock:
         self.taken_over = taken_over
         self.fd = None  # rank 0, flock mode: the open file holding the flock
         self.owner = False  # this process holds the lock
-        self.lost = None  # lease mode: the record found in place of ours, once it was taken
+        self.lost = None
         self._stop = threading.Event()
         self._thread = None
 
     def _start_refresh(self, stale_s):
         def refresh():
+            warned = False
             while not self._stop.wait(stale_s / 4):
                 try:
-                    with open(self.path) as f:
-                        found = _parse(f.read())
-                    if not _same_holder(found, self.holder):
-                        self.lost = found
-                    else:
+                    found = _parse(_read_text(self.path))
+                    if _same_holder(found, self.holder):
                         os.utime(self.path)
-                except OSError as exc:
-                    self.lost = {"error": str(exc)}
-                if self.lost is not None:
-                    print(f"warning: checkpoint lock {self.path} lost: now held by "
-                          f"{describe(self.lost)}; this job no longer excludes others",
-                          file=sys.stderr, flush=True)
-                    return
+                        continue
+                    self.lost = f"now held by {describe(found)}"
+                except FileNotFoundError:
+                    self.lost = "removed by someone else"
+                except OSError as exc:  # e.g. a file server hiccup: try again next period
+                    if not warned:
+                        print(f"warning: cannot refresh checkpoint lease {self.path}: {exc}",
+                              file=sys.stderr, flush=True)
+                    warned = True
+                    continue
+                if not self._stop.is_set():
+                    print(f"warning: checkpoint lease {self.path} lost ({self.lost}); this job no "
+                          f"longer keeps others out of {self.ckpt_dir}", file=sys.stderr, flush=True)
+                return
 
         self._thread = threading.Thread(target=refresh, name="rtxmpi-ckpt-lease", daemon=True)
         self._thread.start()
@@ -201,10 +212,8 @@ class DirLock:
                 os.ftruncate(self.fd, 0)  # a holder that ends cleanly leaves no record
                 os.fsync(self.fd)
                 os.close(self.fd)  # drops the flock
-            else:
-                with open(self.path) as f:
-                    if _same_holder(_parse(f.read()), self.holder):
-                        os.unlink(self.path)
+            elif _same_holder(_parse(_read_text(self.path)), self.holder):
+                os.unlink(self.path)
         except OSError as exc:
             print(f"warning: releasing checkpoint lock {self.path}: {exc}", file=sys.stderr, flush=True)
         self.fd = None
@@ -252,9 +261,9 @@ def _flock(path, me, previous_record):
 def _read_lease(path):
     """(raw text, parsed holder or None, age in seconds, inode), or None when it is gone."""
     try:
-        with open(path) as f:
+        with open(path, "rb") as f:
             st = os.fstat(f.fileno())
-            raw = f.read(RECORD_BYTES)
+            raw = f.read(RECORD_BYTES).decode("utf-8", "replace")
     except FileNotFoundError:
         return None
     return raw, _parse(raw), time.time() - st.st_mtime, st.st_ino
@@ -381,14 +390,12 @@ def lock_dir(group, ckpt_dir):
         if rank == 0:
             try:
                 outcome, fd = _acquire(ckpt_dir, this_holder(), previous and previous.holder)
-            except (ConfigError, OSError) as exc:
-                outcome = {"ok": False, "error": str(exc)}
+            except (ConfigError, OSError, ValueError) as exc:
+                outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     outcome = _share(group, outcome)
     if outcome.get("kept"):
         return previous
     if not outcome["ok"]:
-        if fd is not None:
-            os.close(fd)
         if "error" in outcome:
             raise ConfigError(f"cannot lock checkpoint directory {ckpt_dir}: {outcome['error']}")
         holder = outcome.get("holder")

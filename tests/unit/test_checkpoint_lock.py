@@ -123,6 +123,19 @@ def test_lease_is_refreshed_while_held(tmp_path, monkeypatch):
     assert time.time() - path.stat().st_mtime < 100 and lock.lost is None
 
 
+def test_a_lease_taken_by_another_job_is_reported_lost(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("RTXMPI_CKPT_LOCK", "lease")
+    monkeypatch.setenv("RTXMPI_CKPT_LEASE_S", "0.4")
+    lock = lock_dir(None, tmp_path)
+    lease(tmp_path, job_id="thief")
+    time.sleep(0.5)
+    assert lock.lost == "now held by job thief (host elsewhere, pid 4242, since 2001-09-09 01:46:40 UTC)"
+    assert f"warning: checkpoint lease {tmp_path / LEASE_FILE} lost (now held by job thief" in \
+        capfd.readouterr().err
+    lock.release()
+    assert json.loads((tmp_path / LEASE_FILE).read_text())["job_id"] == "thief"  # not ours to remove
+
+
 def test_flock_unsupported_falls_back_to_a_lease(tmp_path, monkeypatch, capfd):
     def no_flock(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
@@ -185,7 +198,7 @@ def test_bad_environment_is_a_config_error_naming_it(tmp_path, monkeypatch, name
 
 def test_unreadable_holder_record_still_refuses(tmp_path, monkeypatch):
     monkeypatch.setenv("RTXMPI_CKPT_LOCK", "lease")
-    (tmp_path / LEASE_FILE).write_text("\0garbage{")
+    (tmp_path / LEASE_FILE).write_bytes(b"\xff\xfe\0garbage{")
     with pytest.raises(DirectoryLocked, match="a job that left no readable record"):
         lock_dir(None, tmp_path)
 
