@@ -232,7 +232,8 @@ class Supervisor:
     # -- signals -----------------------------------------------------------------------------
     def _on_signal(self, signum, frame):
         first = self.stop_signal is None
-        self.stop_signal = signum if first else self.stop_signal
+        if first:
+            self.stop_signal = signum
         running = self.process is not None and self.process.poll() is None
         if running and first:
             forward = signal.SIGUSR2 if signum == signal.SIGINT else signal.SIGUSR1
