@@ -85,6 +85,15 @@ def test_ctrl_c_under_rtxmpi_run_checkpoints_at_one_step_and_exits_130(tmp_path)
     assert f"continuing at step {stopped + 1}" in proc.stdout
 
 
+def test_sigint_to_one_rank_stops_every_rank_at_one_step_with_exit_130(tmp_path):
+    proc = run_command(mpiexec_argv(2) + [sys.executable, TRAIN, *train_args(tmp_path, steps=20)],
+                       outer_timeout_s=90, env=launch_env(RTXMPI_CACHE_DIR=tmp_path.parent / "cache",
+                                                          RTXMPI_FAULT="int:1:7:backward"))
+    assert proc.returncode == EXIT_INTERRUPTED, str(proc)
+    assert STOPPED.search(proc.stdout).group(1) == "7" and latest_step(tmp_path / "ckpt") == 7
+    assert steps_logged(tmp_path / "m.jsonl") == 7
+
+
 def test_ctrl_c_to_one_process_checkpoints_and_a_second_stops_at_once(tmp_path):
     job = start([sys.executable, TRAIN, *train_args(tmp_path)], tmp_path, RTXMPI_ALLOW_SINGLETON=1)
     wait_for_steps(tmp_path / "m.jsonl", 3, job)
