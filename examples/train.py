@@ -77,7 +77,7 @@ EXIT_CONFIG = 2
 MEMORY_SLACK = 1.5  # check_memory refuses estimates over 1.5 x the node's memory per rank
 EXIT_CHECKPOINT = 3  # a checkpoint or write-ahead log error, e.g. resume parity failed
 EXIT_PREEMPTED = elastic.EXIT_PREEMPTED  # 75: stopped by SIGTERM/SIGUSR1 with a committed checkpoint
-EXIT_INTERRUPTED = elastic.EXIT_INTERRUPTED  # 130: stopped by SIGINT (Ctrl-C) with a committed checkpoint
+EXIT_INTERRUPTED = elastic.EXIT_INTERRUPTED  # 130: stopped by Ctrl-C with a committed checkpoint
 
 
 def _count(n, noun):
@@ -839,7 +839,8 @@ def train(args):
         check_deterministic(world)
     replica = elastic.recovered_state()  # after an elastic shrink: the surviving replica's state
     start_step = (restore(world, args, cfg, engine, sampler, rng, replica) if replica else
-                  resume(world, args, cfg, engine, sampler, rng, dir_existed) if args.ckpt_dir else 0) + 1
+                  resume(world, args, cfg, engine, sampler, rng, dir_existed) if args.ckpt_dir
+                  else 0) + 1
     last_step = args.steps if args.stop_after_step is None else args.stop_after_step
     if replica is not None:  # the failure may have cut the tail of that step short
         finish_recovered_step(world, args, replica, metrics, last_step,

@@ -82,7 +82,8 @@ def test_flock_left_by_a_killed_job_is_taken_over_with_a_warning(tmp_path, holde
     other.wait(10)
     lock = lock_dir(None, tmp_path)
     assert lock.owner and f"pid {other.pid}" in lock.taken_over
-    assert f"warning: took over checkpoint lock {tmp_path / LOCK_FILE} left by a job" in capfd.readouterr().err
+    warning = f"warning: took over checkpoint lock {tmp_path / LOCK_FILE} left by a job"
+    assert warning in capfd.readouterr().err
 
 
 def test_lease_mode_refuses_a_live_holder_and_takes_over_once_its_pid_is_gone(
