@@ -1,7 +1,8 @@
 """Two examples/train.py jobs on one --ckpt-dir through mpiexec (docs/checkpoint.md, "One job per
 directory"): the second exits 2 with one line per rank naming the holder, the first finishes and
 every checkpoint in the directory is its own; jobs started at the same moment: exactly one runs.
-Both lock modes (flock; the O_EXCL lease file forced with RTXMPI_CKPT_LOCK=lease)."""
+Both lock modes (flock; the O_EXCL lease file forced with RTXMPI_CKPT_LOCK=lease). After an
+elastic shrink that lost rank 0, the new rank 0 holds the job's lease."""
 import json
 import re
 import subprocess
@@ -9,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, launch_env, mpiexec_argv
+from conftest import REPO, launch_env, mpiexec_argv, run_command
 
 from rtxmpi.checkpoint import list_checkpoints, load_checkpoint
 from rtxmpi.checkpoint.lock import LEASE_FILE, LOCK_FILE
@@ -80,3 +81,22 @@ def test_jobs_started_at_the_same_moment_one_runs_one_is_refused(tmp_path, mode)
     assert [c.step for c in list_checkpoints(ckpt) if c.committed] == [5, 10, 15, 20]
     assert len({load_checkpoint(None, ckpt, s).metadata["run_id"] for s in (5, 10, 15, 20)}) == 1
     assert re.search(r"done: 20 steps", results[("job-a", "job-b").index(winner)][0][0])
+
+
+def test_after_a_shrink_that_lost_rank_0_the_new_rank_0_holds_the_lease(tmp_path):
+    """--elastic shrink (ULFM): launch rank 0, the lease's holder, is killed; the survivors' new
+    rank 0 takes over its own job's lease without a warning, keeps saving, and releases it."""
+    ulfm = ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "--mca",
+            "mpi_ft_detector_period", "1", "--mca", "mpi_ft_detector_timeout", "10"]
+    mpiexec = mpiexec_argv(4)
+    ckpt = tmp_path / "ckpt"
+    proc = run_command(mpiexec[:1] + ulfm + mpiexec[1:] + [
+        sys.executable, TRAIN, *ARGS, "--steps", "12", "--ckpt-dir", ckpt, "--elastic", "shrink"],
+        outer_timeout_s=120, env=launch_env(RTXMPI_CACHE_DIR=tmp_path.parent / "cache",
+                                            RTXMPI_CKPT_LOCK="lease", RTXMPI_TIMEOUT_S=30,
+                                            RTXMPI_FAULT="kill:0:7:backward"))
+    assert proc.returncode == 0 and "shrank the world 4 -> 3" in proc.stderr, str(proc)
+    assert "took over" not in proc.stderr and "is in use by" not in proc.stderr
+    assert [c.step for c in list_checkpoints(ckpt) if c.committed] == [5, 10, 12]
+    assert load_checkpoint(None, ckpt, 12).world_size_saved == 3
+    assert not (ckpt / LEASE_FILE).exists()  # released by the new rank 0, whose lease it was
