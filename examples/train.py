@@ -14,13 +14,16 @@ world size (docs/checkpoint.md). Rank 0 logs every step to CKPT/wal.h5 (the writ
 --deterministic makes a resume re-run the logged steps after the checkpoint and check them bit for
 bit against the log (docs/wal.md). --stop-after-step S ends the run early as if pre-empted.
 SIGTERM or SIGUSR1 to any rank stops every rank after the same step with a committed checkpoint
-and exit code 75 (--requeue: and requeues the Slurm job); --elastic shrink continues on the
-surviving ranks after a rank dies (ULFM; docs/elastic.md).
+and exit code 75 (--requeue: and requeues the Slurm job); SIGINT (Ctrl-C) does the same with exit
+code 130 (under mpiexec: launch with `rtxmpi run`, README); --elastic shrink continues on the
+surviving ranks after a rank dies (ULFM; docs/elastic.md). --ckpt-dir is locked for the run: a
+second job on it exits 2 naming the holder (docs/checkpoint.md).
 A bad flag or data path gives a one-line error and exit code 2 on every rank; a run whose steps
 were all skipped (non-finite gradients) or whose final loss is not finite, exit code 4.
 """
 import argparse
 import difflib
+import hashlib
 import json
 import math
 import os
@@ -53,10 +56,11 @@ from rtxmpi.elastic.replan import describe, replan
 from rtxmpi.backend import array_module, to_host
 from rtxmpi.checkpoint import Shard, latest_step, load_checkpoint, save_checkpoint
 from rtxmpi.checkpoint.agree import raise_if_any_failed
+from rtxmpi.checkpoint.lock import lock_dir, release_all
 from rtxmpi.control import agree
 from rtxmpi.data import (BatchSampler, batch_split, decode, encode, eval_batches, load_corpus,
                          micro_batch_split)
-from rtxmpi.errors import CheckpointError, ConfigError
+from rtxmpi.errors import CheckpointError, ConfigError, DirectoryLocked
 from rtxmpi.observe.observer import Observer
 from rtxmpi.nn import (GPT, MODEL_SIZES, AdamW, GPTConfig, clip_grad_norm, cosine_lr, decay_mask,
                        grad_norm_sq)
@@ -76,6 +80,7 @@ MEMORY_SLACK = 1.5  # check_memory refuses estimates over 1.5 x the node's memor
 EXIT_CHECKPOINT = 3  # a checkpoint or write-ahead log error, e.g. resume parity failed
 EXIT_DIVERGED = 4  # every step of the run skipped (non-finite gradients), or a non-finite loss
 EXIT_PREEMPTED = elastic.EXIT_PREEMPTED  # 75: stopped by SIGTERM/SIGUSR1 with a committed checkpoint
+EXIT_INTERRUPTED = elastic.EXIT_INTERRUPTED  # 130: stopped by Ctrl-C with a committed checkpoint
 
 
 def _count(n, noun):
@@ -450,7 +455,7 @@ def save(world, args, step, cfg, model, engine, sampler, rng, pending=None):
                            meta=checkpoint_meta(args, cfg, model, engine, sampler),
                            rank_state={"rank": world.rank, "world_size": world.world_size,
                                        "rng": rng.bit_generator.state},
-                           overwrite=True, async_save=args.async_save)
+                           overwrite=True, async_save=args.async_save, run_id=args.run_id)
     if args.async_save:
         return path, t0  # an AsyncSave: committed by the next save() or finish_save()
     finish_save(world, model, (path, t0))
@@ -477,11 +482,13 @@ def step_of(step_dir):
     return int(os.path.basename(step_dir).split("_")[1])
 
 
-def resume(world, args, cfg, engine, sampler, rng):
+def resume(world, args, cfg, engine, sampler, rng, dir_existed=True):
     """Load the latest committed checkpoint in --ckpt-dir; returns its step (0: none, fresh).
     Any world size and ZeRO stage loads any other's. Without --resume, refuses a --ckpt-dir that
     already holds checkpoints (ConfigError). The per-rank generator continues from its saved state
-    at the same world size; at another, it restarts from (seed, rank, step) (docs/wal.md)."""
+    at the same world size; at another, it restarts from (seed, rank, step) (docs/wal.md). The
+    run continues the lineage of the checkpoint: it takes its run id (docs/checkpoint.md).
+    dir_existed: whether --ckpt-dir existed before this run locked (and so made) it."""
     found = np.array([-1 if world.rank else (latest_step(args.ckpt_dir) or 0)], np.int64)
     world.broadcast(found, src=0)
     if not args.resume:
@@ -490,13 +497,27 @@ def resume(world, args, cfg, engine, sampler, rng):
                               f"{found[0]}); pass --resume or use an empty directory")
         return 0
     if found[0] == 0:
-        if world.rank == 0 and not os.path.isdir(args.ckpt_dir):
+        if world.rank == 0 and not dir_existed:
             warn_missing_ckpt_dir(args.ckpt_dir)
         elif world.rank == 0:
             print(f"checkpoint: no committed checkpoint in {args.ckpt_dir}; starting fresh", flush=True)
         return 0
-    return restore(world, args, cfg, engine, sampler, rng,
-                   load_checkpoint(world, args.ckpt_dir, step=int(found[0])))
+    ckpt = load_checkpoint(world, args.ckpt_dir, step=int(found[0]))
+    args.run_id = ckpt.metadata.get("run_id") or args.run_id
+    return restore(world, args, cfg, engine, sampler, rng, ckpt)
+
+
+def lock_ckpt_dir(world, args):
+    """Lock --ckpt-dir for this job before anything is written there (collective; made if
+    missing; rtxmpi.checkpoint.lock): another job's lock is a DirectoryLocked on every rank. The
+    first time, also gives the run a fresh id (args.run_id, from the agreed lock holder) that a
+    resume replaces with its checkpoint's. Returns whether the directory existed before."""
+    existed = np.array([os.path.isdir(args.ckpt_dir) if world.rank == 0 else 0], np.int64)
+    world.broadcast(existed, src=0)
+    lock = lock_dir(world, args.ckpt_dir)
+    if getattr(args, "run_id", None) is None:
+        args.run_id = hashlib.sha1(json.dumps(lock.holder, sort_keys=True).encode()).hexdigest()[:16]
+    return bool(existed[0])
 
 
 def warn_missing_ckpt_dir(ckpt_dir):
@@ -799,6 +820,7 @@ def train(args):
     elif elastic.shrinks() or relaunched():  # the layout for the survivors (docs/elastic.md)
         replan_layout(world, args)
     check_args(args, world_size)
+    dir_existed = lock_ckpt_dir(world, args) if args.ckpt_dir else True
     cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
     check_memory(world, args, cfg)
     corpus = load_data(world, args)
@@ -854,7 +876,8 @@ def train(args):
         check_deterministic(world)
     replica = elastic.recovered_state()  # after an elastic shrink: the surviving replica's state
     start_step = (restore(world, args, cfg, engine, sampler, rng, replica) if replica else
-                  resume(world, args, cfg, engine, sampler, rng) if args.ckpt_dir else 0) + 1
+                  resume(world, args, cfg, engine, sampler, rng, dir_existed) if args.ckpt_dir
+                  else 0) + 1
     last_step = args.steps if args.stop_after_step is None else args.stop_after_step
     if replica is not None:  # the failure may have cut the tail of that step short
         finish_recovered_step(world, args, replica, metrics, last_step,
@@ -932,8 +955,9 @@ def train(args):
             loop.phase("save", step)
             with obs.span("checkpoint", "checkpoint"):
                 pending = save(world, args, step, cfg, model, engine, sampler, rng, pending)
-        if flags.stop:  # pre-empted: every rank stops after this step
+        if flags.stop:  # pre-empted or interrupted: every rank stops after this step
             record["preempted"], last_step = True, step
+            record["interrupted"] = not flags.preempt  # only Ctrl-C (SIGINT/SIGUSR2) on every rank
             break
     with obs.span("checkpoint", "checkpoint"):
         finish_save(world, model, pending)
@@ -952,7 +976,8 @@ def train(args):
               f"{steps_run * tokens_per_step / elapsed:.0f} tokens/s, "
               f"final loss {record['loss']:.3f}{val} nats/byte", flush=True)
         if last_step < args.steps:
-            why = "pre-empted" if record.get("preempted") else "--stop-after-step"
+            why = ("interrupted by Ctrl-C" if record.get("interrupted") else "pre-empted"
+                   if record.get("preempted") else "--stop-after-step")
             saved = (f"checkpoint of step {last_step} committed in {args.ckpt_dir}; continue with "
                      f"--resume up to step {args.steps}" if args.ckpt_dir else
                      "no --ckpt-dir: nothing saved, a rerun starts at step 1")
@@ -1009,6 +1034,9 @@ def main(argv=None):
         elastic.configure(policy=args.elastic, min_ranks=args.min_ranks,
                           stuck_timeout_s=args.stuck_timeout_s)
         record = elastic.run(train, args)  # --elastic shrink: re-entered on the survivors
+    except DirectoryLocked as exc:  # every rank says it: each node's log shows why its ranks left
+        print(f"error: rank {rtxmpi.world().rank}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CONFIG)
     except ConfigError as exc:
         if _is_rank0():
             print(f"error: {exc}", file=sys.stderr, flush=True)
@@ -1017,11 +1045,15 @@ def main(argv=None):
         if _is_rank0():
             print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CHECKPOINT)
+    finally:
+        release_all()  # the --ckpt-dir lock, once the last checkpoint is committed
     if record and record.get("diverged"):  # every rank: the skips and the loss are agreed
         if _is_rank0():
             print(f"error: training diverged: {record['diverged']}", file=sys.stderr, flush=True)
         sys.exit(EXIT_DIVERGED)
-    if record and record.get("preempted"):  # every rank: the stop was agreed
+    if record and record.get("interrupted"):  # every rank: the stop was agreed
+        sys.exit(EXIT_INTERRUPTED)
+    if record and record.get("preempted"):
         if args.requeue and rtxmpi.world().rank == 0:
             print(elastic.requeue(), flush=True)
         sys.exit(EXIT_PREEMPTED)

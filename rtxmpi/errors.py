@@ -2,6 +2,7 @@
 
 RtxmpiError
  +-- ConfigError            bad configuration or input a user can fix (also a ValueError)
+ |    +-- DirectoryLocked    another job holds the checkpoint directory's lock
  +-- CollectiveError        a collective could not complete correctly
  |    +-- CollectiveTimeout  a wait passed its deadline; names op, sequence number, missing ranks
  |    +-- CollectiveMismatch ranks called a collective with different op/shape/dtype
@@ -19,6 +20,15 @@ class RtxmpiError(Exception):
 
 class ConfigError(RtxmpiError, ValueError):
     """A configuration or argument a user can fix; the message says how."""
+
+
+class DirectoryLocked(ConfigError):
+    """Another job holds the lock of a checkpoint directory. Attribute: holder (the record read
+    from the lock file: job_id, host, pid, start_unix, attempt; untrusted, may be None)."""
+
+    def __init__(self, message, *, holder=None):
+        super().__init__(message)
+        self.holder = holder
 
 
 class CollectiveError(RtxmpiError):

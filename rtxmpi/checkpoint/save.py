@@ -64,20 +64,25 @@ def _check_same_tensors(group, shards, error, what):
                               f"dtypes); rank {group.rank} passed {table}")
 
 
-def _prepare_dir(ckpt_dir, step_dir, overwrite):
+def _prepare_dir(ckpt_dir, step_dir, overwrite, run_id):
     os.makedirs(ckpt_dir, exist_ok=True)
     if os.path.exists(step_dir):
         if fmt.is_committed(step_dir):
             if not overwrite:
                 raise CheckpointError(f"{step_dir} is already a committed checkpoint; pass "
                                       f"overwrite=True or save another step")
+            written_by = fmt.read_metadata(step_dir).get("run_id")
+            if written_by != run_id:
+                raise CheckpointError(f"{step_dir} is a committed checkpoint of run {written_by}, "
+                                      f"this is run {run_id}: a save never replaces another run's "
+                                      f"checkpoint; use another checkpoint directory")
             os.remove(os.path.join(step_dir, fmt.METADATA))  # de-commit first, then clear
             fmt.fsync_path(step_dir)
         shutil.rmtree(step_dir)
     os.makedirs(step_dir)  # its entry in ckpt_dir is made durable by the commit's last fsync
 
 
-def _metadata(step, world_size, names, pieces, file_bytes, dtypes, sizes, meta):
+def _metadata(step, world_size, names, pieces, file_bytes, dtypes, sizes, meta, run_id):
     """Build metadata.json's dict from the gathered piece table; checks exact coverage."""
     tensors = {}
     for t, name in enumerate(names):
@@ -99,10 +104,11 @@ def _metadata(step, world_size, names, pieces, file_bytes, dtypes, sizes, meta):
         tensors[name] = {"dtype": dtypes[name], "global_size": sizes[name], "pieces": entries}
     files = {fmt.rank_file_name(r): {"rank": r, "bytes": int(file_bytes[r])} for r in range(world_size)}
     return {"format_version": fmt.FORMAT_VERSION, "step": int(step), "world_size": world_size,
-            "created_unix": time.time(), "files": files, "tensors": tensors, "meta": meta}
+            "created_unix": time.time(), "files": files, "tensors": tensors, "meta": meta,
+            "run_id": run_id}
 
 
-def _begin(group, ckpt_dir, step_dir, shards, meta, overwrite, what):
+def _begin(group, ckpt_dir, step_dir, shards, meta, overwrite, run_id, what):
     """Collective steps 1-2: every rank passes the same valid tensors; rank 0 prepares step_dir."""
     rank = 0 if group is None else group.rank
     error = None
@@ -119,7 +125,7 @@ def _begin(group, ckpt_dir, step_dir, shards, meta, overwrite, what):
     if rank == 0:
         try:
             json.dumps(meta)
-            _prepare_dir(ckpt_dir, step_dir, overwrite)
+            _prepare_dir(ckpt_dir, step_dir, overwrite, run_id)
         except (CheckpointError, OSError, TypeError, ValueError) as exc:
             error = exc
     raise_if_any_failed(group, error, what)
@@ -139,7 +145,7 @@ def _write(step_dir, rank, step, shards, rank_state):
         return CheckpointError(f"{path}: write failed: {type(exc).__name__}: {exc}"), {}, 0
 
 
-def _commit(group, ckpt_dir, step_dir, step, names, write_result, meta, what):
+def _commit(group, ckpt_dir, step_dir, step, names, write_result, meta, run_id, what):
     """Collective steps 4-5: agree the writes succeeded, gather the piece table, rank 0 commits."""
     rank, world_size = (0, 1) if group is None else (group.rank, group.world_size)
     error, written, file_bytes = write_result
@@ -160,7 +166,7 @@ def _commit(group, ckpt_dir, step_dir, step, names, write_result, meta, what):
             dtypes = {n: written[n]["dtype"] for n in names}
             sizes = {n: written[n]["global_size"] for n in names}
             metadata = _metadata(step, world_size, names, table[:, 1:], table[:, 0, 0], dtypes,
-                                 sizes, meta)
+                                 sizes, meta, run_id)
             fmt.write_metadata(step_dir, metadata)
             fmt.write_latest(ckpt_dir, step)
         except (CheckpointError, OSError, TypeError, ValueError) as exc:
@@ -187,9 +193,9 @@ class AsyncSave:
     CheckpointError on every rank when any rank's write failed or timed out; nothing is committed.
     """
 
-    def __init__(self, group, ckpt_dir, step_dir, step, names, meta, what):
+    def __init__(self, group, ckpt_dir, step_dir, step, names, meta, run_id, what):
         self.group, self.ckpt_dir, self.path, self.step = group, ckpt_dir, step_dir, step
-        self._names, self._meta, self._what = names, meta, what
+        self._names, self._meta, self._run_id, self._what = names, meta, run_id, what
         self._result, self._outcome, self._thread = None, None, None
 
     def _start(self, shards, rank_state):
@@ -222,7 +228,7 @@ class AsyncSave:
                                       f"after {timeout_s} s"), {}, 0)
         try:
             self._outcome = _commit(self.group, self.ckpt_dir, self.path, self.step, self._names,
-                                    result, self._meta, self._what)
+                                    result, self._meta, self._run_id, self._what)
         except CheckpointError as exc:
             self._outcome = exc
             raise
@@ -240,7 +246,7 @@ def finish_pending():
 
 
 def save_checkpoint(group, ckpt_dir, step, shards, meta=None, rank_state=None, *, overwrite=False,
-                    async_save=False):
+                    async_save=False, run_id=None):
     """Write and commit checkpoint `step` in `ckpt_dir`; returns the committed step dir path
     (async_save: an `AsyncSave` handle whose finish() commits).
 
@@ -250,7 +256,9 @@ def save_checkpoint(group, ckpt_dir, step, shards, meta=None, rank_state=None, *
     cover each tensor exactly once. For data parallelism use `Shard.even(full, rank, size)`.
     meta: JSON-able dict (rank 0's is stored in metadata.json). rank_state: this rank's small
     JSON-able values and small numpy arrays (top-level keys), stored in its own file.
-    overwrite: replace an already committed checkpoint of the same step (default: refuse).
+    overwrite: replace an already committed checkpoint of the same step (default: refuse); only
+    one whose metadata.json has the same run_id (a run never replaces another run's step).
+    run_id: str or None (rank 0's is stored in metadata.json as "run_id"), the run's lineage.
     async_save: copy this rank's pieces to host memory (the caller may then change its arrays),
     write them on a background thread and return at once; call `.finish()` later (collective).
     Collective: every rank of `group` must call. Tensors are written one at a time. An async
@@ -263,11 +271,11 @@ def save_checkpoint(group, ckpt_dir, step, shards, meta=None, rank_state=None, *
     step_dir = os.path.join(ckpt_dir, fmt.step_dir_name(step))
     what = f"saving checkpoint {step_dir}"
     meta = {} if meta is None else meta
-    _begin(group, ckpt_dir, step_dir, shards, meta, overwrite, what)
+    _begin(group, ckpt_dir, step_dir, shards, meta, overwrite, run_id, what)
     names = sorted(shards)
     if not async_save:
         return _commit(group, ckpt_dir, step_dir, step, names,
-                       _write(step_dir, rank, step, shards, rank_state), meta, what)
+                       _write(step_dir, rank, step, shards, rank_state), meta, run_id, what)
     global _IN_FLIGHT
     error, snapshot = None, None
     try:
@@ -275,7 +283,7 @@ def save_checkpoint(group, ckpt_dir, step, shards, meta=None, rank_state=None, *
     except Exception as exc:  # noqa: BLE001 - e.g. out of host memory: every rank must know
         error = CheckpointError(f"{what}: host snapshot failed: {type(exc).__name__}: {exc}")
     raise_if_any_failed(group, error, what)
-    handle = AsyncSave(group, ckpt_dir, step_dir, step, names, copy.deepcopy(meta), what)
+    handle = AsyncSave(group, ckpt_dir, step_dir, step, names, copy.deepcopy(meta), run_id, what)
     handle._start(*snapshot)
     _IN_FLIGHT = handle
     return handle

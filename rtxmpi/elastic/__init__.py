@@ -4,7 +4,7 @@ See docs/elastic.md. Layer "elastic" (DESIGN.md): above state, below observe/app
 """
 from .loop import (PHASES, POLICIES, Loop, configure, exit_after, recovered_state, run, shrinks,
                    stop_request)
-from .preempt import EXIT_PREEMPTED, StopRequest, requeue
+from .preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopRequest, requeue
 
 __all__ = ["Loop", "configure", "run", "exit_after", "recovered_state", "shrinks", "stop_request", "requeue", "StopRequest",
-           "EXIT_PREEMPTED", "PHASES", "POLICIES"]
+           "EXIT_PREEMPTED", "EXIT_INTERRUPTED", "PHASES", "POLICIES"]

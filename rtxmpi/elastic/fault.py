@@ -5,7 +5,8 @@
 Spec: `ACTION:RANK:STEP[:PHASE[:SECONDS]]`, several separated by `,`. RANK is the launch rank
 (MPI_COMM_WORLD rank, stable across shrinks); PHASE one of `elastic.PHASES` (default forward).
 ACTION: `kill` (SIGKILL: a crash), `exit` (os._exit(1) without MPI_Finalize), `term` / `usr1`
-(deliver SIGTERM / SIGUSR1 to this process, as a scheduler would), each SECONDS after the phase
+/ `int` (deliver SIGTERM / SIGUSR1 to this process, as a scheduler would, or SIGINT, as a Ctrl-C
+reaching one rank), each SECONDS after the phase
 starts (default 0; from a timer thread, so it lands inside the phase); `stall` (sleep SECONDS,
 default 3600, in the phase: alive but making no progress). A fault fires at most once per
 process, and only in the first launch (not when $RTXMPI_RESTART > 0, set by `rtxmpi run`).
@@ -17,7 +18,8 @@ import time
 
 from ..errors import ConfigError
 
-ACTIONS = ("kill", "exit", "term", "usr1", "stall")
+ACTIONS = ("kill", "exit", "term", "usr1", "int", "stall")
+SIGNALS = {"term": signal.SIGTERM, "usr1": signal.SIGUSR1, "int": signal.SIGINT}
 
 
 class Fault:
@@ -57,8 +59,8 @@ def _act(action, where=""):
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "exit":
         os._exit(1)
-    elif action in ("term", "usr1"):
-        os.kill(os.getpid(), signal.SIGTERM if action == "term" else signal.SIGUSR1)
+    elif action in SIGNALS:
+        os.kill(os.getpid(), SIGNALS[action])
 
 
 class FaultPlan:

@@ -74,7 +74,7 @@ def configure(policy="off", min_ranks=1, stuck_timeout_s=None):
 
 
 def stop_request():
-    """This process's StopRequest (SIGTERM/SIGUSR1 handlers installed on first use)."""
+    """This process's StopRequest (SIGTERM/SIGUSR1/SIGINT/SIGUSR2 handlers installed on first use)."""
     if _config.stop is None:
         _config.stop = StopRequest().install()
     return _config.stop
@@ -143,10 +143,11 @@ class Loop:
                 self._applied_meta["record"] = dict(record)
 
     def agree(self, **flags):
-        """control.agree(world, **flags, stop=<a stop was requested on this rank>): the step
-        boundary's one agreed reduction; `.stop` is True on every rank when any rank got a signal.
-        Collective."""
-        return agree(self.world, **flags, stop=self.stop.requested)
+        """control.agree(world, **flags, stop=<a stop was requested on this rank>, preempt=<by a
+        pre-emption signal>): the step boundary's one agreed reduction; `.stop` is True on every
+        rank when any rank got a signal, `.preempt` when any got one that was not an interrupt
+        (Ctrl-C: stop and not preempt). Collective."""
+        return agree(self.world, **flags, stop=self.stop.requested, preempt=self.stop.preempted)
 
     def applied(self, step, record=None):
         """This rank applied (or agreed to skip) the update of `step`. record: a JSON-able dict

@@ -1,11 +1,15 @@
-"""Pre-emption: a signal sets a stop request; ranks agree on it at the next step boundary.
+"""Pre-emption and Ctrl-C: a signal sets a stop request; ranks agree on it at the next step boundary.
 
 A scheduler announces the end of an allocation with a signal (Slurm: `--signal=B:USR1@60`, or TERM
 under `srun`, with `KillWait` seconds before SIGKILL). Python runs a signal handler between
 bytecodes, so a rank blocked in MPI sees it when the call returns; the handler therefore only sets
 a flag. At the next step boundary every rank passes its flag to one agreed reduction
 (`rtxmpi.control.agree`), so a signal that reached one rank stops all of them after the same step.
-The training loop then writes one committed checkpoint and exits with `EXIT_PREEMPTED`.
+The training loop then writes one committed checkpoint and exits with `EXIT_PREEMPTED` (75, a
+scheduler requeues), or with `EXIT_INTERRUPTED` (130 = 128 + SIGINT, the shell's code for
+Ctrl-C; not requeued) when every signal was an interrupt: SIGINT, or SIGUSR2, which `rtxmpi run`
+sends through mpiexec for a Ctrl-C (prterun kills the ranks on SIGINT: docs/elastic.md). A
+second SIGINT ends the process at once (SIGINT's default action).
 The handler's one line (STOP_NOTE) promises no checkpoint: SIGTERM is also what mpiexec sends
 when it tears the whole job down (a rank died without ULFM, an abort), and SIGKILL follows before
 any step boundary; only the loop's final line, once the stop completed, names the checkpoint.
@@ -17,7 +21,9 @@ import subprocess
 import sys
 
 EXIT_PREEMPTED = 75  # sysexits EX_TEMPFAIL: stopped on request with a committed checkpoint; rerun to continue
-DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130: stopped by Ctrl-C (with a committed checkpoint)
+INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGUSR2)
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1) + INTERRUPT_SIGNALS
 # What the handler can promise: nothing is saved yet, and a launcher tearing the job down (mpiexec
 # after a rank died without ULFM, or after a CollectiveTimeout's abort) sends the same SIGTERM
 # moments before SIGKILL. The training loop's final line says which checkpoint was committed.
@@ -26,16 +32,18 @@ STOP_NOTE = ("stop requested; will stop at the next step boundary and checkpoint
 
 
 class StopRequest:
-    """A flag set by SIGTERM / SIGUSR1 (by default) in this process.
+    """A flag set by SIGTERM / SIGUSR1 (pre-emption) or SIGINT / SIGUSR2 (interrupt) by default.
 
-    Attributes: requested (bool), signal (the signal number that set it, or None).
+    Attributes: requested (bool), signal (the first signal number that set it, or None),
+    preempted (bool: set by a signal not in INTERRUPT_SIGNALS, or by request()).
     install() replaces the handlers of `signals` (main thread only); uninstall() restores them.
-    Local: no communication; agree on `requested` at a step boundary before acting on it.
+    Local: no communication; agree on `requested` and `preempted` at a step boundary.
     """
 
     def __init__(self, signals=DEFAULT_SIGNALS):
         self.signals = tuple(signals)
         self.requested = False
+        self.preempted = False
         self.signal = None
         self._previous = {}
 
@@ -50,14 +58,20 @@ class StopRequest:
         self._previous = {}
 
     def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:  # a second Ctrl-C: stop now, as users expect
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+            return
+        self.preempted = self.preempted or signum not in INTERRUPT_SIGNALS
         if not self.requested:
             self.requested, self.signal = True, signum
+            again = " (Ctrl-C again: stop at once)" if signum == signal.SIGINT else ""
             os.write(2, f"[rtxmpi pid {os.getpid()}] {signal.Signals(signum).name}: "
-                        f"{STOP_NOTE}\n".encode())
+                        f"{STOP_NOTE}{again}\n".encode())
 
     def request(self, signum=None):
-        """Set the flag from code (e.g. a time budget); the same effect as a signal."""
-        self.requested, self.signal = True, signum
+        """Set the flag from code (e.g. a time budget); the same effect as a pre-emption signal."""
+        self.requested, self.signal, self.preempted = True, signum, True
 
 
 def requeue(job_id=None, scontrol="scontrol"):

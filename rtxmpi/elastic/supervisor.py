@@ -8,7 +8,10 @@ set to the attempt's restart count (0 first). What the exit status means:
   0                 done: the supervisor exits 0.
   75 (pre-empted)   the job stopped on request with a committed checkpoint: not relaunched; the
                     supervisor exits 75 (a scheduler's requeue brings it back).
+  130 (Ctrl-C)      the job stopped on SIGINT with a committed checkpoint: not relaunched.
   2 (bad flags)     relaunching cannot help: the supervisor exits 2.
+  4 (diverged)      every step was skipped or the final loss is not finite: a relaunch would
+                    resume from the last checkpoint and hide it; the supervisor exits 4.
   anything else     a failure (a rank died, a collective timed out): relaunched, from the latest
                     committed checkpoint (the resume flag, default --resume, is added to COMMAND
                     when missing), on the ranks available then, until --max-restarts relaunches
@@ -35,16 +38,22 @@ cannot find the program, python cannot open the script) is not relaunched at all
 gives up at once with the same summary. The job's stderr is copied through as it comes
 (and its tail kept for that summary); stdout is inherited unchanged.
 
-Signals: SIGTERM, SIGUSR1 or SIGINT to the supervisor reach the ranks as SIGUSR1 through mpiexec
-(prterun forwards USR1/USR2 but turns TERM into SIGKILL of the ranks, so no handler would run); the
-ranks stop at the next step boundary with a checkpoint. After --grace-s seconds mpiexec gets
-SIGTERM, 5 s later the whole session SIGKILL.
+Signals: SIGTERM or SIGUSR1 to the supervisor reach the ranks as SIGUSR1 through mpiexec, SIGINT
+(Ctrl-C) as SIGUSR2 (prterun forwards USR1/USR2 but turns TERM and INT into SIGTERM then SIGKILL
+of the ranks within 0.5 s, so no checkpoint could be written); the ranks stop at the next step
+boundary with a checkpoint and exit 75, or 130 after Ctrl-C. mpiexec runs in a session of its
+own, so a terminal's Ctrl-C reaches the supervisor only. A second SIGINT sends SIGTERM to mpiexec
+at once; otherwise after --grace-s seconds mpiexec gets SIGTERM, 5 s later the whole session
+SIGKILL. Every attempt gets the same $RTXMPI_JOB_ID (the one given, else $SLURM_JOB_ID, else one
+made here), so a relaunch takes over the checkpoint directory lock of the attempt before it
+(rtxmpi.checkpoint.lock).
 """
 import os
 import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -53,9 +62,10 @@ import time
 
 from ..errors import ConfigError
 from . import exitreport
-from .preempt import EXIT_PREEMPTED
+from .preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 EXIT_CONFIG = 2
+EXIT_DIVERGED = 4
 KILL_AFTER_S = 5.0
 BACKOFF_MAX_S = 60.0
 TAIL_BYTES = 8192  # of the job's stderr, kept for the summary
@@ -215,6 +225,9 @@ class Supervisor:
         self.attempts = []  # (restart, ranks, exit status, seconds, what happened)
         self.process = None
         self.stop_signal = None
+        self._stop_now = False  # a second SIGINT: SIGTERM to mpiexec without the grace period
+        self.job_id = (os.environ.get("RTXMPI_JOB_ID") or os.environ.get("SLURM_JOB_ID")
+                       or f"run-{socket.gethostname()}-{os.getpid()}-{int(time.time())}")
 
     def say(self, text):
         print(f"rtxmpi run: {text}", file=self.out, flush=True)
@@ -222,11 +235,18 @@ class Supervisor:
     # -- signals -----------------------------------------------------------------------------
     def _on_signal(self, signum, frame):
         first = self.stop_signal is None
-        self.stop_signal = signum
-        if self.process is not None and self.process.poll() is None and first:
-            self.say(f"{signal.Signals(signum).name}: asking the ranks to stop (SIGUSR1 via "
-                     f"mpiexec); SIGTERM in {self.grace_s:g} s")
-            self._send(signal.SIGUSR1)
+        if first:
+            self.stop_signal = signum
+        running = self.process is not None and self.process.poll() is None
+        if running and first:
+            forward = signal.SIGUSR2 if signum == signal.SIGINT else signal.SIGUSR1
+            self.say(f"{signal.Signals(signum).name}: asking the ranks to stop ({forward.name} via "
+                     f"mpiexec); SIGTERM in {self.grace_s:g} s"
+                     + ("; Ctrl-C again: stop at once" if signum == signal.SIGINT else ""))
+            self._send(forward)
+        elif running and signum == signal.SIGINT:
+            self.say("SIGINT again: SIGTERM to mpiexec now")
+            self._stop_now = True
 
     def _send(self, signum, group=False):
         try:
@@ -240,6 +260,7 @@ class Supervisor:
     def _wait(self):
         """Wait for the attempt; enforce the grace period after a forwarded stop."""
         escalated = killed = None
+        self._stop_now = False
         while True:
             try:
                 return self.process.wait(timeout=0.1)
@@ -248,7 +269,7 @@ class Supervisor:
             if self.stop_signal is None:
                 continue
             now = time.monotonic()
-            escalated = escalated or now + self.grace_s
+            escalated = now if self._stop_now and killed is None else escalated or now + self.grace_s
             if killed is None and now >= escalated:
                 self.say(f"grace period of {self.grace_s:g} s over: SIGTERM to mpiexec")
                 self._send(signal.SIGTERM)
@@ -291,7 +312,8 @@ class Supervisor:
             argv = self.argv(ranks, restart)
             self.say(f"attempt {restart + 1}: {shlex.join(argv)}")
             reports = tempfile.mkdtemp(prefix="rtxmpi-exit-")  # exitreport: how the ranks ended
-            env = dict(os.environ, RTXMPI_RESTART=str(restart), **{exitreport.ENV: reports})
+            env = dict(os.environ, RTXMPI_RESTART=str(restart), RTXMPI_JOB_ID=self.job_id,
+                       **{exitreport.ENV: reports})
             start = time.monotonic()
             try:
                 self.process = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE,
@@ -312,12 +334,15 @@ class Supervisor:
             shutil.rmtree(reports, ignore_errors=True)
             if note:
                 self.say(note)
-            failed = status not in (0, EXIT_PREEMPTED, EXIT_CONFIG) and self.stop_signal is None
+            failed = (status not in (0, EXIT_PREEMPTED, EXIT_INTERRUPTED, EXIT_CONFIG, EXIT_DIVERGED)
+                      and self.stop_signal is None)
             early = (failed and not progressed and seconds < self.early_failure_s)
             early_in_a_row = early_in_a_row + 1 if early else 0
             what = ("done" if status == 0 else "pre-empted (checkpoint committed)"
-                    if status == EXIT_PREEMPTED else "bad flags or arguments: not relaunched"
-                    if status == EXIT_CONFIG
+                    if status == EXIT_PREEMPTED else "interrupted by Ctrl-C (checkpoint committed)"
+                    if status == EXIT_INTERRUPTED else "bad flags or arguments: not relaunched"
+                    if status == EXIT_CONFIG else "diverged: not relaunched"
+                    if status == EXIT_DIVERGED
                     else "stopped by a signal" if self.stop_signal is not None
                     else f"failed early (exit status {status}, no training step done)" if early
                     else f"failed (exit status {status})")
@@ -352,7 +377,7 @@ class Supervisor:
                 self.say(f"attempt {restart} {what}; relaunching from the latest committed "
                          f"checkpoint")
         self.summary(status)
-        if self.stop_signal is not None and status not in (0, EXIT_PREEMPTED):
+        if self.stop_signal is not None and status not in (0, EXIT_PREEMPTED, EXIT_INTERRUPTED):
             return 128 + self.stop_signal
         return status
 
@@ -362,7 +387,7 @@ class Supervisor:
         for restart, ranks, code, seconds, what in self.attempts:
             print(f"  attempt {restart + 1}: {ranks} rank{'' if ranks == 1 else 's'}, exit {code}, {seconds:.1f} s, {what}",
                   file=self.out, flush=True)
-        if status in (0, EXIT_PREEMPTED) or not self.attempts or not self.tail:
+        if status in (0, EXIT_PREEMPTED, EXIT_INTERRUPTED) or not self.attempts or not self.tail:
             return
         cause = failure_cause(self.tail)
         lines = ([f"  cause: {cause}"] if cause else []) + ["  last stderr lines of the job:"]

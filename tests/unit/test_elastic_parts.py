@@ -2,12 +2,13 @@
 (named apart from tests/launched/test_elastic.py: pytest imports test files by basename)."""
 import os
 import signal
+import subprocess
 import sys
 import time
 
 import pytest
 
-from rtxmpi.elastic import EXIT_PREEMPTED, PHASES, StopRequest, configure, requeue
+from rtxmpi.elastic import EXIT_INTERRUPTED, EXIT_PREEMPTED, PHASES, StopRequest, configure, requeue
 from rtxmpi.elastic import exitreport
 from rtxmpi.elastic.fault import FaultPlan, parse_faults
 from rtxmpi.elastic.supervisor import Supervisor, hostfile_slots, launch_size
@@ -60,6 +61,34 @@ def test_signal_sets_the_stop_request_and_uninstall_restores(signum, capfd):
     assert "if the job is not killed first" in note
     assert signal.getsignal(signum) in (signal.SIG_DFL, signal.default_int_handler, None) or \
         signal.getsignal(signum) != stop._handle
+
+
+@pytest.mark.parametrize("signals, preempted", [((signal.SIGINT,), False), ((signal.SIGUSR2,), False),
+                                                ((signal.SIGINT, signal.SIGTERM), True),
+                                                ((signal.SIGUSR1, signal.SIGUSR2), True)])
+def test_interrupts_stop_without_counting_as_a_preemption(signals, preempted, capfd):
+    stop = StopRequest().install()
+    try:
+        for signum in signals:
+            os.kill(os.getpid(), signum)
+        assert stop.requested and stop.signal == signals[0] and stop.preempted == preempted
+    finally:
+        stop.uninstall()
+    assert EXIT_INTERRUPTED == 130 and f"{signals[0].name}: stop requested" in capfd.readouterr().err
+
+
+def test_a_second_sigint_ends_the_process_at_once(tmp_path):
+    code = ("import os, signal, sys, time\n"
+            "from rtxmpi.elastic import StopRequest\n"
+            "stop = StopRequest().install()\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "assert stop.requested\n"
+            "print('first', flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "time.sleep(30)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGINT and proc.stdout == "first\n", proc.stderr
+    assert "Ctrl-C again: stop at once" in proc.stderr
 
 
 def test_requeue_outside_slurm_says_so_and_does_not_raise(monkeypatch):
@@ -122,8 +151,8 @@ def test_supervisor_relaunches_failures_with_resume_then_gives_up(tmp_path):
     assert "giving up: the job failed 3 times" in text and text.count(", exit 9, ") == 3
 
 
-@pytest.mark.parametrize("status", [0, EXIT_PREEMPTED, 2])
-def test_supervisor_does_not_relaunch_done_preempted_or_bad_flags(tmp_path, status):
+@pytest.mark.parametrize("status", [0, EXIT_PREEMPTED, EXIT_INTERRUPTED, 2, 4])
+def test_supervisor_does_not_relaunch_done_preempted_interrupted_bad_flags_or_diverged(tmp_path, status):
     fake = launcher(tmp_path, f"sys.exit({status})\n")
     out = open(tmp_path / "out", "w")
     assert Supervisor(["job"], n=1, mpiexec=fake, out=out).run() == status
@@ -159,6 +188,39 @@ def test_supervisor_forwards_sigterm_as_sigusr1_and_escalates_after_the_grace(tm
     assert status == 128 + signal.SIGTERM
     text = (tmp_path / "out").read_text()
     assert "asking the ranks to stop" in text and "grace period of 0.5 s over" in text
+
+
+def test_supervisor_forwards_sigint_as_sigusr2_and_a_second_sigint_without_the_grace(tmp_path):
+    got = tmp_path / "got"
+    fake = launcher(tmp_path, "import signal\n"
+                              f"signal.signal(signal.SIGUSR2, lambda s, f: open({str(got)!r}, 'a')"
+                              ".write('usr2 ' + os.environ['RTXMPI_JOB_ID']))\n"
+                              "signal.signal(signal.SIGTERM, lambda s, f: sys.exit(143))\n"
+                              "os.kill(os.getppid(), signal.SIGINT)\n"
+                              "time.sleep(1)\n"
+                              "os.kill(os.getppid(), signal.SIGINT)\n"
+                              "time.sleep(30)\n")
+    out = open(tmp_path / "out", "w")
+    start = time.monotonic()
+    status = Supervisor(["job"], n=1, grace_s=60, mpiexec=fake, out=out).run()
+    out.close()
+    assert got.read_text().startswith("usr2 run-") and time.monotonic() - start < 30
+    assert status == 128 + signal.SIGINT
+    text = (tmp_path / "out").read_text()
+    assert "SIGINT: asking the ranks to stop (SIGUSR2 via mpiexec)" in text
+    assert "SIGINT again: SIGTERM to mpiexec now" in text
+
+
+def test_every_attempt_gets_one_job_id(tmp_path, monkeypatch):
+    monkeypatch.delenv("RTXMPI_JOB_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    log = tmp_path / "log"
+    fake = launcher(tmp_path, f"open({str(log)!r}, 'a').write(os.environ['RTXMPI_JOB_ID'] + "
+                              "' ' + os.environ['RTXMPI_RESTART'] + '\\n')\nsys.exit(9)\n")
+    out = open(tmp_path / "out", "w")
+    Supervisor(["job"], n=1, max_restarts=1, mpiexec=fake, out=out, early_failure_s=0).run()
+    out.close()
+    assert log.read_text().splitlines() == ["4711 0", "4711 1"]
 
 
 def test_a_killed_supervisor_leaves_no_job_behind(tmp_path):
