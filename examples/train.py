@@ -571,9 +571,12 @@ def drop_metrics_after(path, step):
 
 
 def metrics_line(record):
-    """A step's JSONL line. A skipped step (the ranks agreed that some gradient was not finite)
-    has grad_norm null: no rank's own norm describes a step that was not taken."""
-    return json.dumps({**record, "grad_norm": None} if record.get("skipped") else record) + "\n"
+    """A step's JSONL line, strict JSON. A skipped step (the ranks agreed that some gradient was
+    not finite) has grad_norm null: no rank's own norm describes a step that was not taken. A
+    non-finite number (a diverged loss) is written as null."""
+    record = {**record, "grad_norm": None} if record.get("skipped") else record
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                       for k, v in record.items()}, allow_nan=False) + "\n"
 
 
 def finish_recovered_step(world, args, replica, metrics, last_step, save_step):

@@ -13,6 +13,7 @@ again from the breakdowns of the last N steps. Several runs of one job at differ
 add a scaling table (speedup and efficiency against the smallest). Local: one process.
 """
 import json
+import math
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -77,9 +78,12 @@ def load_run(path):
             for n, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        run.records.append(json.loads(line))
+                        record = json.loads(line)
                     except json.JSONDecodeError:
                         raise ConfigError(f"{metrics} line {n}: not valid JSON") from None
+                    if isinstance(record, dict) and "loss" in record and record["loss"] is None:
+                        record["loss"] = math.nan  # a diverged step: its line says null
+                    run.records.append(record)
     timeline = os.path.join(path, "timeline.json")
     if not os.path.exists(timeline) and run.info.get("timeline"):
         timeline = run.info["timeline"]

@@ -95,9 +95,11 @@ def test_a_diverged_run_exits_4_and_its_skipped_steps_say_so(tmp_path):
     assert proc.stderr.count("error: ") == 1 and "Traceback" not in proc.stderr, str(proc)
     assert ("error: training diverged: the loss is nan after step 2 (1 of 2 steps skipped); try "
             "a lower --lr (now 1e+30)") in proc.stderr, str(proc)
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = [json.loads(line, parse_constant=pytest.fail) for line in  # strict JSON: no NaN
+               metrics.read_text().splitlines()]
     assert [(r["step"], r["skipped"]) for r in records] == [(1, False), (2, True)]
     assert records[0]["grad_norm"] > 0 and records[1]["grad_norm"] is None
+    assert records[1]["loss"] is None  # not finite
     proc = mpiexec(2, "train.py", [*common, "--steps", "3", "--resume"], 120, tmp_path)
     assert proc.returncode == 4 and not proc.outer_timeout, str(proc)
     assert ("error: training diverged: every step of this run (1 step) was skipped: the gradients "

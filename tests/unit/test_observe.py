@@ -306,6 +306,14 @@ def test_report_refuses_a_directory_without_a_run(tmp_path):
         load_run(str(tmp_path / "missing"))
 
 
+def test_report_reads_a_diverged_run_whose_loss_is_null(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 5.5, "world_size": 1}\n{"step": 2, "loss": null, "world_size": 1}\n')
+    run = load_run(str(tmp_path))
+    assert "loss: 5.500 at step 1 -> nan at step 2" in summary([run])
+    assert plot(run, str(tmp_path / "plots"))
+
+
 # -- Observer (one process) ------------------------------------------------------------------------
 class Engine:
     def __init__(self):
