@@ -139,9 +139,6 @@ class GPT(Model):
     def __init__(self, cfg, seed=0, xp=np, dtype=np.float32, grad_alloc=None):
         if not isinstance(cfg, GPTConfig):
             raise ConfigError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
-        dtype = np.dtype(dtype)
-        if dtype.kind != "f":
-            raise ConfigError(f"GPT dtype must be a floating type, got {dtype.name}")
         self.cfg = cfg
         super().__init__(gpt_units(cfg), seed=seed, xp=xp, dtype=dtype, grad_alloc=grad_alloc)
 

@@ -240,8 +240,9 @@ class Model:
     def __init__(self, units, seed=0, xp=np, dtype=np.float32, grad_alloc=None):
         dtype = np.dtype(dtype)
         if dtype.kind != "f":
-            raise ConfigError(f"model dtype must be a floating type, got {dtype.name}")
+            raise ConfigError(f"{type(self).__name__} dtype must be a floating type, got {dtype.name}")
         self.xp, self.dtype = xp, dtype
+        units = list(units)
         self.modules = [m for _, m in map(_named, units)]
         if not self.modules or not hasattr(self.modules[-1], "loss_forward"):
             raise ConfigError("a Model's last unit must end in a head (a module with loss_forward)")
@@ -263,17 +264,18 @@ class Model:
 
     def _plan(self, unit_decls):
         """units, and per unit: where each declared array comes from ((unit, position among that
-        unit's own arrays) pairs), its parameter indices (None where tied), the units it borrows
-        tied arrays from (in first-use order), whether its backward fetches."""
+        unit's own arrays) pairs), its parameter index (None where tied), the units it borrows
+        tied arrays from (in first-use order); whether each unit's backward fetches."""
         self.units, self._sources, self._index, self._owners = [], [], [], []
         where, first = {}, 0  # where: full name -> (unit, position)
         for u, decls in enumerate(unit_decls):
-            sources, index, owners = [], [], []
+            sources, index, owners, k = [], [], [], 0
             for d in decls:
                 if d.tied_to is None:
-                    where[d.name] = (u, len(index) - index.count(None))
-                    sources.append(where[d.name])
-                    index.append(first + sources[-1][1])
+                    where[d.name] = (u, k)
+                    sources.append((u, k))
+                    index.append(first + k)
+                    k += 1
                     continue
                 if d.tied_to not in where:
                     raise ConfigError(f"parameter {d.name!r} is tied to {d.tied_to!r}, which is not "
@@ -287,13 +289,15 @@ class Model:
                 index.append(None)
                 if o not in owners:
                     owners.append(o)
-            stop = first + len(index) - index.count(None)
-            self.units.append((first, stop))
+            self.units.append((first, first + k))
             self._sources.append(sources)
             self._index.append(index)
             self._owners.append(owners)
-            first = stop
-        self._needs = [m.backward_needs_params for m in self.modules]
+            first += k
+        self._fetches = [m.backward_needs_params for m in self.modules]
+        # backward's prefetch hint: the previous unit whose backward fetches
+        self._back_hint = [next((v for v in range(u - 1, -1, -1) if self._fetches[v]), None)
+                           for u in range(len(self.modules))]
 
     def use_provider(self, provider, drop_flat=False):
         """Take parameters and gradients from `provider` (rtxmpi.nn.gpt's module docstring) from
@@ -386,15 +390,13 @@ class Model:
         P = self.provider
         dy = self.modules[-1].loss_backward(scale, cache.loss)
         for u in range(len(self.modules) - 1, -1, -1):
-            params = None
-            if self._needs[u]:
-                before = [v for v in range(u - 1, -1, -1) if self._needs[v]]
-                params = self._take(u, before[0] if before else None, get=True)
+            fetch = self._fetches[u]
+            params = self._take(u, self._back_hint[u], get=True) if fetch else None
             ready = None if grad_ready is None else self._reporter(u, grad_ready)
             with span(f"unit {u} backward", "compute", unit=u):
                 dy = run_backward(self.modules[u], params, self._take(u, None, get=False),
                                   cache.units[u], dy, ready)
-            if self._needs[u]:
+            if fetch:
                 self._release(u)
             P.grads_ready(u)
 

@@ -127,7 +127,7 @@ class Linear(Module):
         return y, x
 
     def backward(self, params, grads, cache, dy):
-        return layers.linear_backward(dy, (cache, params[0], len(params) == 2), *grads)[0]
+        return layers.linear_backward(dy, (cache, params[0], len(self.decls) == 2), *grads)[0]
 
 
 def _attention_cache_with(cache, w_qkv, w_proj):
