@@ -45,8 +45,8 @@ class Embedding(Module):
 
 
 class PositionalEmbedding(Module):
-    """Learned absolute positions: y[b, t] = x[b, t] + weight[t]. x: (B, T, C), T <= max_len.
-    Parameter `name` (max_len, C), replicated."""
+    """Learned absolute positions: y[b, t] = x[b, t] + weight[t]. x: (B, T, C), T <= max_len
+    (else ConfigError). Parameter `name` (max_len, C), replicated."""
 
     backward_needs_params = False
 
@@ -58,6 +58,9 @@ class PositionalEmbedding(Module):
         return [self.decl]
 
     def forward(self, params, x):
+        if x.shape[1] > params[0].shape[0]:
+            raise ConfigError(f"PositionalEmbedding: {x.shape[1]} positions but max_len is "
+                              f"{params[0].shape[0]}")
         return layers.position_embedding_forward(x, params[0])
 
     def backward(self, params, grads, cache, dy):
@@ -66,11 +69,12 @@ class PositionalEmbedding(Module):
 
 class PatchEmbedding(Module):
     """Vision-transformer patch embedding: y = patchify(x) @ w + b. x: (B, Hi, Wi, Ci) with Hi, Wi
-    divisible by `patch`; y: (B, Np, C). Parameters w (P*P*Ci, C), b (C,), replicated."""
+    divisible by `patch` (else ConfigError); y: (B, Np, C). Parameters w (P*P*Ci, C), b (C,),
+    replicated."""
 
     def __init__(self, patch, channels, n_embd, std=STD):
         _positive("PatchEmbedding", patch=patch, channels=channels, n_embd=n_embd)
-        self.patch = patch
+        self.patch, self.channels = patch, channels
         self.decls = [ParamDecl("w", (patch * patch * channels, n_embd), True, "replicated", std),
                       ParamDecl("b", (n_embd,), False)]
 
@@ -78,6 +82,10 @@ class PatchEmbedding(Module):
         return list(self.decls)
 
     def forward(self, params, x):
+        P = self.patch
+        if x.ndim != 4 or x.shape[1] % P or x.shape[2] % P or x.shape[3] != self.channels:
+            raise ConfigError(f"PatchEmbedding: images must be (B, Hi, Wi, {self.channels}) with "
+                              f"Hi, Wi divisible by {P}, got shape {x.shape}")
         y, (lin, shape, patch) = layers.patch_embedding_forward(x, *params, self.patch)
         return y, (lin[0], shape)
 

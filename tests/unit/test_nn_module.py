@@ -312,6 +312,15 @@ def test_bad_module_sizes_are_refused(make):
         make()
 
 
+@pytest.mark.parametrize("module,x", [
+    (PatchEmbedding(2, 3, C), np.zeros((B, 5, 6, 3))), (PatchEmbedding(2, 3, C), np.zeros((B, 4, 6, 1))),
+    (PatchEmbedding(2, 3, C), np.zeros((4, 6, 3))), (PositionalEmbedding(T, C), np.zeros((B, T + 1, C)))])
+def test_inputs_a_module_cannot_take_are_refused(module, x):
+    params = [np.zeros(d.shape) for d in module.param_specs()]
+    with pytest.raises(ConfigError, match=type(module).__name__):
+        module.forward(params, x)
+
+
 # ------------------------------------------------------------------------- docs
 def test_the_example_of_docs_model_md_runs():
     text = (ROOT / "docs" / "model.md").read_text()
