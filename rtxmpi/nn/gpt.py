@@ -1,4 +1,5 @@
-"""GPT-2 style decoder-only transformer on flat parameter buffers (Radford et al. 2019).
+"""GPT-2 style decoder-only transformer on flat parameter buffers (Radford et al. 2019): a
+`Model` (rtxmpi.nn.module) of the shipped modules (rtxmpi.nn.modules), `gpt_units(cfg)`.
 
 Shape legend: B batch, T sequence length (T <= seq_len), C = n_embd, H = n_head, V = vocab_size,
 L = n_layer.
@@ -11,10 +12,11 @@ Parameter order (parameter index = position in `model.params` = forward order):
     ln_f.g, ln_f.b, and lm_head (V, C) only when the embeddings are untied.
 The output head computes logits = ln_f(x) @ W.T with W = wte (tied) or lm_head (untied).
 
-Units and parameter providers (the hook ZeRO-3 uses): the parameters are grouped into `units`,
-contiguous ranges of parameter indices in forward order: unit 0 = the embeddings (wte, wpe), units
-1..L = the blocks, unit L+1 = the head (ln_f.g, ln_f.b, and lm_head when untied). The passes walk
-the units in order and take every parameter and gradient array from `model.provider`:
+Units and parameter providers (the hook ZeRO-3 uses; rtxmpi.nn.module.Model runs it): the
+parameters are grouped into `units`, contiguous ranges of parameter indices in forward order:
+unit 0 = the embeddings (wte, wpe), units 1..L = the blocks, unit L+1 = the head (ln_f.g, ln_f.b,
+and lm_head when untied). The passes walk the units in order and take every parameter and
+gradient array from `model.provider`:
 
     provider.fetch(u, then=None) -> list of unit u's parameter arrays (shaped as the params);
         `then` names the unit the model will fetch next (None: none soon), a prefetch hint
@@ -22,8 +24,8 @@ the units in order and take every parameter and gradient array from `model.provi
     provider.grads(u)            -> list of arrays to add unit u's gradients into (the same
         arrays on every call until grads_ready(u))
     provider.grads_ready(u)      -> unit u's gradient for this backward is final
-    provider.transient           -> True when released arrays may be freed or reused: the model
-        then keeps no reference to them in its caches and fetches again for backward
+    provider.transient           -> True when released arrays may be freed or reused (the
+        caches never hold a parameter: backward fetches again, whatever the provider)
 
 Forward fetches units 0, 1, ..., L+1 (the tied head also fetches unit 0 again, after L+1);
 backward fetches L+1 (and 0, tied), L, ..., 1 (the embedding backward needs no parameters) and
@@ -36,11 +38,11 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from rtxmpi.backend import xp_of
 from rtxmpi.errors import ConfigError
 from rtxmpi.nn import layers
-from rtxmpi.nn.params import bind, layout
-from rtxmpi.observe.trace import span
+from rtxmpi.nn.module import Model, Sequential, init_flat, own_layout
+from rtxmpi.nn.modules import (STD, Embedding, LayerNorm, LMHead, PositionalEmbedding,
+                               TransformerBlock)
 
 MODEL_SIZES = {
     "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64},
@@ -91,91 +93,33 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
 
+def gpt_units(cfg):
+    """The GPT's units as modules: Sequential(Embedding "wte", PositionalEmbedding "wpe"), the
+    blocks ("h0" ... "h{L-1}", causal TransformerBlocks), Sequential(LayerNorm "ln_f", LMHead:
+    tied to "wte", or its own "lm_head"). GPT-2 init: std 0.02, and 0.02 / sqrt(2 * n_layer) for
+    the residual projections (attn.w_proj, mlp.w_proj)."""
+    C, V = cfg.n_embd, cfg.vocab_size
+    proj_std = STD / math.sqrt(2 * cfg.n_layer)
+    return ([Sequential(Embedding(V, C, "wte"), PositionalEmbedding(cfg.seq_len, C, "wpe"))]
+            + [(f"h{l}", TransformerBlock(C, cfg.n_head, causal=True, proj_std=proj_std))
+               for l in range(cfg.n_layer)]
+            + [Sequential(("ln_f", LayerNorm(C)),
+                          LMHead(V, C, tied_to="wte" if cfg.tie_embeddings else None))])
+
+
 def param_layout(cfg):
     """The flat layout of a GPT's parameters without allocating it: list[ParamSpec] in parameter
     index order (see the module docstring)."""
-    C, V = cfg.n_embd, cfg.vocab_size
-    entries = [("wte", (V, C), True), ("wpe", (cfg.seq_len, C), True)]
-    for l in range(cfg.n_layer):
-        entries += [(f"h{l}.{name}", shape, decay)
-                    for name, shape, decay in layers.block_param_shapes(C)]
-    entries += [("ln_f.g", (C,), False), ("ln_f.b", (C,), False)]
-    if not cfg.tie_embeddings:
-        entries.append(("lm_head", (V, C), True))
-    return layout(entries)
+    return own_layout(gpt_units(cfg))[1]
 
 
 def _init_flat(cfg, specs, seed):
-    """GPT-2 initialization in float64 on the host: N(0, 0.02) for matrices and embeddings,
-    std 0.02 / sqrt(2 * n_layer) for the residual projections (attn.w_proj, mlp.w_proj), biases 0,
-    LayerNorm gains 1. Drawn parameter by parameter in index order from one generator."""
-    rng = np.random.default_rng(seed)
-    flat = np.zeros(specs[-1].stop, dtype=np.float64)
-    resid_std = 0.02 / math.sqrt(2 * cfg.n_layer)
-    for spec in specs:
-        view = flat[spec.offset:spec.stop]
-        if spec.name.endswith(".g"):
-            view[:] = 1.0
-        elif len(spec.shape) == 2:
-            std = resid_std if spec.name.endswith("w_proj") else 0.02
-            view[:] = rng.standard_normal(spec.size) * std
-    return flat
+    """The GPT's initial flat vector in float64 on the host (init_flat of gpt_units(cfg)'s
+    declarations); specs: param_layout(cfg)."""
+    return init_flat(own_layout(gpt_units(cfg))[0], specs, seed)
 
 
-class FlatParams:
-    """The default parameter provider: each unit's arrays are the Param views into the model's
-    flat_data / flat_grad; fetch and release cost nothing and nothing is ever freed."""
-
-    transient = False
-
-    def __init__(self, model):
-        self._data = [[p.data for p in model.params[a:b]] for a, b in model.units]
-        self._grad = [[p.grad for p in model.params[a:b]] for a, b in model.units]
-
-    def fetch(self, unit, then=None):
-        return self._data[unit]
-
-    def release(self, unit):
-        pass
-
-    def grads(self, unit):
-        return self._grad[unit]
-
-    def grads_ready(self, unit):
-        pass
-
-
-# Which arrays of a layer cache are parameters (rtxmpi.nn.layers keeps them for backward): a
-# transient provider's caches hold None there, and backward puts freshly fetched arrays back.
-def _block_cache_with(cache, params):
-    """A block cache (layers.block_forward) holding `params` (12 arrays, or None) as weights."""
-    g1, _, w_qkv, _, w_aproj, _, g2, _, w_fc, _, w_mproj, _ = params or (None,) * 12
-    (xhat1, rstd1, _), attn, (xhat2, rstd2, _), (fc, gelu, mproj) = cache
-    qkv, q, k, v, att, aproj, n_head = attn
-    return ((xhat1, rstd1, g1),
-            ((qkv[0], w_qkv, qkv[2]), q, k, v, att, (aproj[0], w_aproj, aproj[2]), n_head),
-            (xhat2, rstd2, g2),
-            ((fc[0], w_fc, fc[2]), gelu, (mproj[0], w_mproj, mproj[2])))
-
-
-def _linear_cache_with(cache, w):
-    return (cache[0], w, cache[2])
-
-
-def _layernorm_cache_with(cache, g):
-    return (cache[0], cache[1], g)
-
-
-class _Cache:
-    """What `GPT.forward` keeps for `GPT.backward`."""
-
-    __slots__ = ("emb", "blocks", "ln_f", "head", "ce")
-
-    def __init__(self, emb, blocks, ln_f, head, ce):
-        self.emb, self.blocks, self.ln_f, self.head, self.ce = emb, blocks, ln_f, head, ce
-
-
-class GPT:
+class GPT(Model):
     """GPT-2 style language model whose parameters and gradients are two flat buffers.
 
     cfg: GPTConfig; seed: int, initialization is a function of (cfg, seed) only (same values on
@@ -188,75 +132,15 @@ class GPT:
 
     Attributes: cfg, xp, dtype, params (list[Param] in index order), flat_data, flat_grad (1-D
     contiguous, length num_params), num_params, units (list of (first, stop) parameter-index
-    ranges: embeddings, each block, head), provider (FlatParams(self) unless use_provider()).
+    ranges: embeddings, each block, head), modules (gpt_units(cfg)'s), provider (FlatParams(self)
+    unless use_provider()); use_provider, param, zero_grad, load_flat as for every Model.
     """
 
     def __init__(self, cfg, seed=0, xp=np, dtype=np.float32, grad_alloc=None):
         if not isinstance(cfg, GPTConfig):
             raise ConfigError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
-        dtype = np.dtype(dtype)
-        if dtype.kind != "f":
-            raise ConfigError(f"GPT dtype must be a floating type, got {dtype.name}")
-        self.cfg, self.xp, self.dtype = cfg, xp, dtype
-        specs = param_layout(cfg)
-        self.num_params = specs[-1].stop
-        self.flat_data = xp.asarray(_init_flat(cfg, specs, seed).astype(dtype))
-        self.flat_grad = (grad_alloc or xp.zeros)(self.num_params, dtype=dtype)
-        grad = self.flat_grad
-        if (getattr(grad, "shape", None) != (self.num_params,) or grad.dtype != dtype
-                or not grad.flags.c_contiguous or type(grad) is not type(self.flat_data)):
-            raise ConfigError(f"grad_alloc returned {type(grad).__name__} "
-                              f"{getattr(grad, 'shape', None)} {getattr(grad, 'dtype', None)}; "
-                              f"expected a C-contiguous {type(self.flat_data).__name__} "
-                              f"({self.num_params},) {dtype}")
-        self.params = bind(specs, self.flat_data, self.flat_grad)
-        self._by_name = {p.name: p for p in self.params}
-        self._ln_f = self.params[2 + 12 * cfg.n_layer: 4 + 12 * cfg.n_layer]
-        self._head = self.params[0] if cfg.tie_embeddings else self.params[-1]
-        L = cfg.n_layer
-        self.units = [(0, 2)] + [(2 + 12 * l, 14 + 12 * l) for l in range(L)] + [
-            (2 + 12 * L, len(self.params))]
-        self.provider = FlatParams(self)
-
-    def use_provider(self, provider, drop_flat=False):
-        """Take parameters and gradients from `provider` (see the module docstring) from now on.
-
-        drop_flat: also let go of flat_data, flat_grad and the Param views (they become None), so
-        that only the provider holds parameter memory (ZeRO-3); load_flat then raises ConfigError
-        and zero_grad does nothing. Local.
-        """
-        self.provider = provider
-        if drop_flat:
-            self.flat_data = self.flat_grad = None
-            for p in self.params:
-                p.data = p.grad = None
-
-    # ------------------------------------------------------------------ parameters
-    def param(self, name):
-        """The Param called `name` (e.g. "h0.attn.w_qkv"). Raises ConfigError if unknown."""
-        try:
-            return self._by_name[name]
-        except KeyError:
-            raise ConfigError(f"no parameter named {name!r}; see [p.name for p in model.params]")
-
-    def zero_grad(self):
-        """Set every gradient to zero (the whole flat_grad buffer; nothing once dropped)."""
-        if self.flat_grad is not None:
-            self.flat_grad.fill(0)
-
-    def load_flat(self, array):
-        """Copy a flat parameter vector (numpy or cupy, any float dtype, length num_params) into
-        flat_data (cast to the model dtype). Raises ConfigError on a wrong size or rank."""
-        if self.flat_data is None:
-            raise ConfigError("this model's parameters are held by its provider (ZeRO-3): load "
-                              "them through it, e.g. ZeroDataParallel.load_shards")
-        shape = getattr(array, "shape", None)
-        if shape != (self.num_params,):
-            raise ConfigError(f"load_flat expects a 1-D array of {self.num_params} elements "
-                              f"(model.num_params), got shape {shape}")
-        if self.xp is np and xp_of(array) is not np:
-            array = array.get()  # a cupy array into a numpy model: copy to the host first
-        self.flat_data[...] = self.xp.asarray(array, dtype=self.dtype)
+        self.cfg = cfg
+        super().__init__(gpt_units(cfg), seed=seed, xp=xp, dtype=dtype, grad_alloc=grad_alloc)
 
     # ------------------------------------------------------------------ validation
     def check_tokens(self, idx, targets):
@@ -289,32 +173,6 @@ class GPT:
                               f"{self.cfg.vocab_size}; ids must be in [0, {self.cfg.vocab_size})")
 
     # ------------------------------------------------------------------ passes
-    def _logits(self, idx):
-        """All units forward: logits (B, T, V) and the caches (_Cache without ce)."""
-        P, L, last = self.provider, self.cfg.n_layer, len(self.units) - 1
-        wte, wpe = P.fetch(0, then=1)
-        x, emb_cache = layers.embedding_forward(idx, wte, wpe)  # the cache keeps no parameter
-        P.release(0)
-        block_caches = []
-        for u in range(1, L + 1):
-            params = P.fetch(u, then=u + 1)
-            with span(f"block {u} forward", "compute", layer=u):
-                x, cache = layers.block_forward(x, params, self.cfg.n_head)
-            block_caches.append(_block_cache_with(cache, None) if P.transient else cache)
-            P.release(u)
-        tied = self.cfg.tie_embeddings
-        head = P.fetch(last, then=0 if tied else None)
-        w = P.fetch(0)[0] if tied else head[2]
-        h, ln_f_cache = layers.layernorm_forward(x, head[0], head[1])
-        logits, head_cache = layers.linear_forward(h, w.T)
-        if tied:
-            P.release(0)
-        P.release(last)
-        if P.transient:
-            ln_f_cache = _layernorm_cache_with(ln_f_cache, None)
-            head_cache = _linear_cache_with(head_cache, None)
-        return logits, _Cache(emb_cache, block_caches, ln_f_cache, head_cache, None)
-
     def forward(self, idx, targets):
         """Loss and cache for one (micro-)batch.
 
@@ -324,10 +182,7 @@ class GPT:
         Raises ConfigError on a bad shape, dtype, length or id.
         """
         self.check_tokens(idx, targets)
-        idx, targets = self.xp.asarray(idx), self.xp.asarray(targets)
-        logits, cache = self._logits(idx)
-        loss, cache.ce = layers.crossentropy_forward(logits, targets)
-        return float(loss), cache
+        return super().forward(self.xp.asarray(idx), self.xp.asarray(targets))
 
     def backward(self, cache, scale=1.0, grad_ready=None):
         """Add the gradient of `scale * loss` into flat_grad (never overwrites, so successive
@@ -339,53 +194,14 @@ class GPT:
         (index 0) comes last, after the embedding backward. (With a provider, "flat_grad" is
         wherever provider.grads() points.)
         """
-        notify = grad_ready if grad_ready is not None else (lambda i: None)
-        P, L, last = self.provider, self.cfg.n_layer, len(self.units) - 1
-        tied = self.cfg.tie_embeddings
-        dlogits = layers.crossentropy_backward(scale, cache.ce)
-        head = P.fetch(last, then=0 if tied else L)
-        head_grads = P.grads(last)
-        if tied:
-            w, dw = P.fetch(0, then=L)[0], P.grads(0)[0]
-        else:
-            w, dw = head[2], head_grads[2]
-        head_cache, ln_f_cache = cache.head, cache.ln_f
-        if P.transient:
-            head_cache = _linear_cache_with(head_cache, w.T)
-            ln_f_cache = _layernorm_cache_with(ln_f_cache, head[0])
-        dh, _, _ = layers.linear_backward(dlogits, head_cache, dw_out=dw.T)
-        if tied:
-            P.release(0)
-        else:
-            notify(self._head.index)
-        g, b = self._ln_f
-        dx, _, _ = layers.layernorm_backward(dh, ln_f_cache, head_grads[0], head_grads[1])
-        P.release(last)
-        notify(b.index)
-        notify(g.index)
-        P.grads_ready(last)
-        for u in range(L, 0, -1):
-            block_cache, params = cache.blocks[u - 1], P.fetch(u, then=u - 1 or None)
-            if P.transient:
-                block_cache = _block_cache_with(block_cache, params)
-            base = self.units[u][0]
-            with span(f"block {u} backward", "compute", layer=u):
-                dx, _ = layers.block_backward(dx, block_cache, P.grads(u),
-                                              ready=lambda j, base=base: notify(base + j))
-            P.release(u)
-            P.grads_ready(u)
-        dwte, dwpe = P.grads(0)
-        layers.embedding_backward(dx, cache.emb, dwte, dwpe)
-        notify(1)
-        notify(0)
-        P.grads_ready(0)
+        super().backward(cache, scale, grad_ready)
 
     def logits(self, idx):
         """Next-token logits, no cache kept. idx: (B, T) ids, T <= seq_len.
         Returns (B, T, V) in the model dtype. Raises ConfigError like `forward`.
         (Collective when the provider is, as with ZeRO-3.)"""
         self._check_ids(idx, "idx")
-        return self._logits(self.xp.asarray(idx))[0]
+        return self.predict(self.xp.asarray(idx))
 
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, rng=None):
         """Autoregressive sampling: append `max_new_tokens` tokens to each row of idx.

@@ -1,7 +1,8 @@
 """Transformer layers as explicit forward/backward pairs (llm.c style).
 
 Shape legend: B batch, T sequence length, C channels, H heads, hs = C // H head size, V vocabulary
-size, N = B * T rows once (B, T, ...) is flattened for a 2-D matmul.
+size, N = B * T rows once (B, T, ...) is flattened for a 2-D matmul; for images Hi, Wi pixels,
+Ci colour channels, P patch side, Np = (Hi / P) * (Wi / P) patches, K classes.
 
 Conventions shared by every pair:
 - `*_forward(inputs..., params...) -> (out, cache)`; `*_backward(dout, cache, ...) -> (dinput,
@@ -93,14 +94,28 @@ def embedding_backward(dx, cache, dwte_out=None, dwpe_out=None):
     """Gradients of `embedding_forward`.
 
     dx: (B, T, C). Returns dwte: (V, C), dwpe: (T_max, C) (rows >= T get nothing), added into
-    dwte_out / dwpe_out when given. Rows of repeated token ids are summed by a stable sort and a
-    segmented sum (`add.reduceat`): no atomics, so the result does not depend on thread timing.
+    dwte_out / dwpe_out when given (see token_embedding_backward for the repeated ids).
     """
     idx, wte_shape, wpe_shape = cache
+    dwte = token_embedding_backward(dx, (idx, wte_shape), dwte_out)
+    dwpe = position_embedding_backward(dx, wpe_shape, dwpe_out)[1]
+    return dwte, dwpe
+
+
+def token_embedding_forward(idx, wte):
+    """x[b, t] = wte[idx[b, t]]. idx: (B, T) integer ids in [0, V); wte: (V, C).
+    Returns x: (B, T, C) in the dtype of wte, cache."""
+    return wte[idx], (idx, wte.shape)
+
+
+def token_embedding_backward(dx, cache, dwte_out=None):
+    """Gradient of `token_embedding_forward`. dx: (B, T, C). Returns dwte: (V, C), added into
+    dwte_out when given. Rows of repeated token ids are summed by a stable sort and a segmented
+    sum (`add.reduceat`): no atomics, so the result does not depend on thread timing."""
+    idx, wte_shape = cache
     xp = xp_of(dx)
-    T, C = dx.shape[1], dx.shape[2]
+    C = dx.shape[-1]
     dwte = xp.zeros(wte_shape, dx.dtype) if dwte_out is None else dwte_out
-    dwpe = xp.zeros(wpe_shape, dx.dtype) if dwpe_out is None else dwpe_out
     ids = idx.reshape(-1)
     if ids.size:
         order = xp.argsort(ids, kind="stable")
@@ -108,8 +123,59 @@ def embedding_backward(dx, cache, dwte_out=None, dwpe_out=None):
         starts = xp.flatnonzero(sorted_ids[1:] != sorted_ids[:-1]) + 1
         starts = xp.concatenate([xp.zeros(1, dtype=starts.dtype), starts])
         dwte[sorted_ids[starts]] += xp.add.reduceat(dx.reshape(-1, C)[order], starts, axis=0)
-    dwpe[:T] += dx.sum(axis=0)
-    return dwte, dwpe
+    return dwte
+
+
+def position_embedding_forward(x, wpe):
+    """y[b, t] = x[b, t] + wpe[t] (learned absolute positions). x: (B, T, C); wpe: (T_max, C),
+    T <= T_max. Returns y: (B, T, C) (a new array), cache."""
+    return x + wpe[:x.shape[1]], wpe.shape
+
+
+def position_embedding_backward(dy, cache, dwpe_out=None):
+    """Gradients of `position_embedding_forward`. dy: (B, T, C). Returns dx = dy (the same
+    array), dwpe: (T_max, C) (rows >= T get nothing), added into dwpe_out when given."""
+    xp = xp_of(dy)
+    dwpe = xp.zeros(cache, dy.dtype) if dwpe_out is None else dwpe_out
+    dwpe[:dy.shape[1]] += dy.sum(axis=0)
+    return dy, dwpe
+
+
+# ---------------------------------------------------------------------------- patch embedding
+def patchify(images, patch):
+    """Cut images into non-overlapping square patches, row-major over the patch grid.
+
+    images: (B, Hi, Wi, Ci) channels-last, Hi and Wi divisible by patch = P. Returns (B, Np, P*P*Ci);
+    inside a patch the values run over (row, column, channel).
+    """
+    B, Hi, Wi, Ci = images.shape
+    grid = images.reshape(B, Hi // patch, patch, Wi // patch, patch, Ci).transpose(0, 1, 3, 2, 4, 5)
+    return grid.reshape(B, (Hi // patch) * (Wi // patch), patch * patch * Ci)
+
+
+def unpatchify(patches, image_shape, patch):
+    """Inverse of `patchify`. patches: (B, Np, P*P*Ci); image_shape: (B, Hi, Wi, Ci).
+    Returns (B, Hi, Wi, Ci), a new array."""
+    B, Hi, Wi, Ci = image_shape
+    grid = patches.reshape(B, Hi // patch, Wi // patch, patch, patch, Ci).transpose(0, 1, 3, 2, 4, 5)
+    return grid.reshape(image_shape).copy()
+
+
+def patch_embedding_forward(images, w, b, patch):
+    """Patch embedding of a vision transformer (Dosovitskiy et al. 2021): y = patchify(images) @ w + b.
+
+    images: (B, Hi, Wi, Ci); w: (P*P*Ci, C); b: (C,); patch: P. Returns y: (B, Np, C), cache.
+    """
+    y, cache = linear_forward(patchify(images, patch), w, b)
+    return y, (cache, images.shape, patch)
+
+
+def patch_embedding_backward(dy, cache, dw_out=None, db_out=None):
+    """Gradients of `patch_embedding_forward`. dy: (B, Np, C).
+    Returns dimages: (B, Hi, Wi, Ci), dw, db (added into dw_out / db_out when given)."""
+    lin_cache, image_shape, patch = cache
+    dpatches, dw, db = linear_backward(dy, lin_cache, dw_out, db_out)
+    return unpatchify(dpatches, image_shape, patch), dw, db
 
 
 # -------------------------------------------------------------------------------- layernorm
@@ -261,13 +327,15 @@ def _heads(qkv, n_head):
     return qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
 
 
-def attention_forward(x, w_qkv, b_qkv, w_proj, b_proj, n_head):
-    """Causal multi-head self-attention (Vaswani et al. 2017) with a fused qkv projection.
+def attention_forward(x, w_qkv, b_qkv, w_proj, b_proj, n_head, causal=True):
+    """Multi-head self-attention (Vaswani et al. 2017) with a fused qkv projection.
 
     x: (B, T, C); w_qkv: (C, 3C), b_qkv: (3C,) with columns [q | k | v], heads contiguous inside
-    each; w_proj: (C, C), b_proj: (C,); n_head: H, dividing C.
-    att = softmax(q k^T / sqrt(hs) + causal mask); y = concat_h(att v) @ w_proj + b_proj.
+    each; w_proj: (C, C), b_proj: (C,); n_head: H, dividing C; causal: True masks the future
+    positions (a decoder), False lets every position see every other (an encoder, e.g. a ViT).
+    att = softmax(q k^T / sqrt(hs) [+ causal mask]); y = concat_h(att v) @ w_proj + b_proj.
     Returns y: (B, T, C), cache (holds the (B, H, T, T) attention probabilities).
+    `attention_backward` serves both: the mask only shapes att.
     """
     xp = xp_of(x)
     B, T, C = x.shape
@@ -276,7 +344,8 @@ def attention_forward(x, w_qkv, b_qkv, w_proj, b_proj, n_head):
     q, k, v = _heads(qkv, n_head)  # (B, H, T, hs) each, views
     q = q * (1.0 / math.sqrt(hs))  # scaled copy (the cache keeps it for dk)
     att = q @ k.swapaxes(-1, -2)  # (B, H, T, T)
-    att += _causal_bias(xp, T, att.dtype)
+    if causal:
+        att += _causal_bias(xp, T, att.dtype)
     _softmax_inplace(att)
     yh = xp.empty((B, T, n_head, hs), dtype=x.dtype)
     xp.matmul(att, v, out=yh.transpose(0, 2, 1, 3))  # (B, H, T, hs) written as (B, T, H, hs)
@@ -357,17 +426,18 @@ def block_param_shapes(C):
     return [(name, shape, len(shape) == 2) for name, shape in zip(BLOCK_PARAM_NAMES, shapes)]
 
 
-def block_forward(x, params, n_head):
+def block_forward(x, params, n_head, causal=True):
     """Pre-LN transformer block (GPT-2): x = x + attn(ln1(x)); x = x + mlp(ln2(x)).
 
     x: (B, T, C); params: sequence of 12 arrays in BLOCK_PARAM_NAMES order (shapes from
-    `block_param_shapes(C)`); n_head: H. Returns y: (B, T, C), cache. On cupy the residual add
+    `block_param_shapes(C)`); n_head: H; causal: as in `attention_forward`. Returns y: (B, T, C),
+    cache. On cupy the residual add
     and ln2 are one fused kernel (rtxmpi.kernels.residual_layernorm_forward), and the MLP's bias
     and GELU another (`mlp_forward`); numpy computes the same operations unfused.
     """
     g1, b1, w_qkv, b_qkv, w_aproj, b_aproj, g2, b2, w_fc, b_fc, w_mproj, b_mproj = params
     h1, ln1_cache = layernorm_forward(x, g1, b1)
-    a, attn_cache = attention_forward(h1, w_qkv, b_qkv, w_aproj, b_aproj, n_head)
+    a, attn_cache = attention_forward(h1, w_qkv, b_qkv, w_aproj, b_aproj, n_head, causal)
     x1, h2, ln2_cache = residual_layernorm_forward(a, x, g2, b2)  # x1 = x + attn(ln1(x))
     y, mlp_cache = mlp_forward(h2, w_fc, b_fc, w_mproj, b_mproj)
     y += x1
@@ -406,11 +476,28 @@ def block_backward(dy, cache, dparams=None, ready=None, defer=None):
     return dx, tuple(d)
 
 
+# ------------------------------------------------------------------------------ mean pool
+def mean_pool_forward(x):
+    """Mean over the sequence: y[b] = mean_t x[b, t] (a classifier's pooling over patches).
+    x: (B, T, C). Returns y: (B, C), cache."""
+    return x.mean(axis=1), x.shape
+
+
+def mean_pool_backward(dy, cache):
+    """Gradient of `mean_pool_forward`. dy: (B, C). Returns dx: (B, T, C), a new array."""
+    xp = xp_of(dy)
+    B, T, C = cache
+    dx = xp.empty(cache, dy.dtype)
+    dx[...] = (dy * (1.0 / T))[:, None, :]
+    return dx
+
+
 # ---------------------------------------------------------------------------- cross-entropy
 def crossentropy_forward(logits, targets):
-    """Mean cross-entropy in nats over all B*T positions, via a stable log-softmax.
+    """Mean cross-entropy in nats over all N positions, via a stable log-softmax.
 
-    logits: (B, T, V) float; targets: (B, T) integer ids in [0, V).
+    logits: (B, T, V) float (N = B*T), or (B, K) with one label per sample (N = B); targets:
+    integer ids in [0, V), shaped as logits without the last dim.
     Returns loss: 0-d array of the logits' dtype (call float() for a Python number), cache (holds
     the (N, V) softmax probabilities).
     """
@@ -434,7 +521,7 @@ def crossentropy_backward(dloss, cache):
     """Gradient of `crossentropy_forward` times `dloss`.
 
     dloss: Python float, the scale of the loss (1.0 for the plain gradient; 1/k to average k
-    micro-batches). Returns dlogits: (B, T, V) = dloss * (softmax - onehot(targets)) / (B*T).
+    micro-batches). Returns dlogits, shaped as the logits, = dloss * (softmax - onehot(targets)) / N.
     """
     probs, tgt, shape = cache
     xp = xp_of(probs)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from rtxmpi.nn import GPT, AdamW, GPTConfig
+from rtxmpi.nn import GPT, AdamW, GPTConfig, layers
 from rtxmpi.observe.memory import (MemoryReport, cache_bytes, gather_reports, optimizer_state_bytes,
                                    peak_rss_bytes, report, rss_bytes)
 
@@ -76,9 +76,14 @@ def test_activations_positive_and_grow_with_batch():
 def test_activations_exclude_parameter_buffers():
     model = GPT(CFG)
     _, cache = model.forward(*_batch(2))
-    with_params = cache_bytes(cache)
-    without = cache_bytes(cache, exclude=(model.flat_data, model.flat_grad))
-    assert with_params - without == model.flat_data.nbytes  # layer caches keep views of weights
+    # the model's cache holds no parameter (its backward takes them again) ...
+    assert cache_bytes(cache) == cache_bytes(cache, exclude=(model.flat_data, model.flat_grad))
+    # ... a layer's own cache does: a view of the weights, whose buffer is excluded
+    h = np.ones((2, 16, CFG.n_embd), np.float32)
+    _, layer_cache = layers.linear_forward(h, model.param("h0.attn.w_qkv").data)
+    without = cache_bytes(layer_cache, exclude=(model.flat_data, model.flat_grad))
+    assert cache_bytes(layer_cache) - without == model.flat_data.nbytes
+    assert without == h.nbytes
 
 
 def test_views_of_one_buffer_counted_once():

@@ -412,3 +412,78 @@ def test_dropping_the_flat_buffers_leaves_the_provider_in_charge():
     model.zero_grad()  # nothing to zero
     with pytest.raises(ConfigError, match="provider"):
         model.load_flat(np.zeros(model.num_params))
+
+
+# ------------------------------------------------------------------------- frozen reference
+# The GPT as written by hand before it became a Model of modules (2026-12), kept here verbatim in
+# substance: the re-expressed GPT must reproduce its init, loss, logits and gradients bit for bit.
+def frozen_init(cfg, seed):
+    rng = np.random.default_rng(seed)
+    flat = np.zeros(param_layout(cfg)[-1].stop, dtype=np.float64)
+    resid_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+    for spec in param_layout(cfg):
+        view = flat[spec.offset:spec.stop]
+        if spec.name.endswith(".g"):
+            view[:] = 1.0
+        elif len(spec.shape) == 2:
+            view[:] = rng.standard_normal(spec.size) * (
+                resid_std if spec.name.endswith("w_proj") else 0.02)
+    return flat
+
+
+def frozen_passes(cfg, flat, idx, targets, scale, dtype):
+    """(loss, logits, flat_grad, grad_ready order) of the hand-written GPT."""
+    from rtxmpi.nn import layers
+    from rtxmpi.nn.params import bind
+    flat = flat.astype(dtype)
+    grad = np.zeros_like(flat)
+    ps = bind(param_layout(cfg), flat, grad)
+    L = cfg.n_layer
+    blocks = [ps[2 + 12 * l:14 + 12 * l] for l in range(L)]
+    g, b = ps[2 + 12 * L:4 + 12 * L]
+    head = ps[0] if cfg.tie_embeddings else ps[-1]
+    x = ps[0].data[idx]
+    x += ps[1].data[:idx.shape[1]]
+    caches = []
+    for block in blocks:
+        x, c = layers.block_forward(x, [p.data for p in block], cfg.n_head)
+        caches.append(c)
+    h, ln_cache = layers.layernorm_forward(x, g.data, b.data)
+    logits, head_cache = layers.linear_forward(h, head.data.T)
+    loss, ce = layers.crossentropy_forward(logits, targets)
+    order = []
+    dh, _, _ = layers.linear_backward(layers.crossentropy_backward(scale, ce), head_cache,
+                                      dw_out=head.grad.T)
+    if not cfg.tie_embeddings:
+        order.append(head.index)
+    dx, _, _ = layers.layernorm_backward(dh, ln_cache, g.grad, b.grad)
+    order += [b.index, g.index]
+    for block, c in zip(reversed(blocks), reversed(caches)):
+        dx, _ = layers.block_backward(dx, c, [p.grad for p in block],
+                                      ready=lambda j, base=block[0].index: order.append(base + j))
+    ids = idx.reshape(-1)
+    order_ = np.argsort(ids, kind="stable")
+    starts = np.concatenate([[0], np.flatnonzero(ids[order_][1:] != ids[order_][:-1]) + 1])
+    ps[0].grad[ids[order_][starts]] += np.add.reduceat(dx.reshape(-1, cfg.n_embd)[order_], starts,
+                                                       axis=0)
+    ps[1].grad[:idx.shape[1]] += dx.sum(axis=0)
+    return float(loss), logits, grad, order + [1, 0]
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gpt_is_bitwise_the_hand_written_model(rng, tie, dtype):
+    cfg = GPTConfig(vocab_size=29, seq_len=12, n_layer=3, n_head=2, n_embd=16,
+                    tie_embeddings=tie)
+    model = GPT(cfg, seed=5, dtype=dtype)
+    flat = frozen_init(cfg, 5)
+    np.testing.assert_array_equal(model.flat_data, flat.astype(dtype))
+    idx, targets = batch(rng, cfg, B=3, T=10)
+    loss, cache = model.forward(idx, targets)
+    order = []
+    model.backward(cache, scale=0.5, grad_ready=order.append)
+    ref_loss, ref_logits, ref_grad, ref_order = frozen_passes(cfg, flat, idx, targets, 0.5, dtype)
+    assert loss == ref_loss
+    assert model.flat_grad.tobytes() == ref_grad.tobytes()
+    assert model.logits(idx).tobytes() == ref_logits.tobytes()
+    assert order == ref_order

@@ -1,5 +1,6 @@
 """Layer forward/backward pairs: float64 finite-difference gradient checks, accumulation into
-given gradient arrays, dtype preservation, causality, numerical stability."""
+given gradient arrays, dtype preservation, causal and bidirectional attention, patches, pooling,
+numerical stability."""
 import numpy as np
 import pytest
 
@@ -130,6 +131,29 @@ def test_attention_is_causal(rng):
     assert not np.allclose(y[:, 3:], y2[:, 3:])
 
 
+def test_bidirectional_attention_gradients_match_finite_differences(rng):
+    x = randn(rng, B, T, C)
+    params = [randn(rng, C, 3 * C, scale=0.5), randn(rng, 3 * C, scale=0.5),
+              randn(rng, C, C, scale=0.5), randn(rng, C, scale=0.5)]
+    y, cache = L.attention_forward(x, *params, H, causal=False)
+    dy = randn(rng, *y.shape)
+    dx, grads = L.attention_backward(dy, cache)
+    assert_grads_match(lambda: L.attention_forward(x, *params, H, causal=False)[0], [x] + params,
+                       [dx, *grads], dy, rng)
+
+
+def test_bidirectional_attention_sees_every_position(rng):
+    x = randn(rng, B, T, C)
+    params = [randn(rng, C, 3 * C), randn(rng, 3 * C), randn(rng, C, C), randn(rng, C)]
+    y, _ = L.attention_forward(x, *params, H, causal=False)
+    x2 = x.copy()
+    x2[:, -1] += 10.0  # change only the last position
+    y2, _ = L.attention_forward(x2, *params, H, causal=False)
+    assert not np.allclose(y[:, 0], y2[:, 0])
+    causal, _ = L.attention_forward(x, *params, H)
+    np.testing.assert_array_equal(y[:, -1], causal[:, -1])  # the last row sees all in both
+
+
 def test_attention_matches_per_head_reference(rng):
     x = randn(rng, B, T, C)
     w_qkv, b_qkv, w_proj, b_proj = (randn(rng, C, 3 * C), randn(rng, 3 * C), randn(rng, C, C),
@@ -244,6 +268,57 @@ def test_embedding_backward_adds_into_given_arrays(rng):
     L.embedding_backward(dx, cache, dwte_out, dwpe_out)
     np.testing.assert_allclose(dwte_out, dwte + 1, rtol=1e-14)
     np.testing.assert_allclose(dwpe_out, dwpe + 1, rtol=1e-14)
+
+
+def test_token_and_position_embeddings_compose_to_the_embedding(rng):
+    idx = rng.integers(0, V, (B, T))
+    wte, wpe = randn(rng, V, C), randn(rng, T + 2, C)
+    x, cache = L.embedding_forward(idx, wte, wpe)
+    tok, tok_cache = L.token_embedding_forward(idx, wte)
+    y, pos_cache = L.position_embedding_forward(tok, wpe)
+    np.testing.assert_array_equal(y, x)
+    dx = randn(rng, *x.shape)
+    dwte, dwpe = L.embedding_backward(dx, cache)
+    dtok, dwpe2 = L.position_embedding_backward(dx, pos_cache)
+    assert dtok is dx and not dwpe2[T:].any()
+    np.testing.assert_array_equal(dwpe2, dwpe)
+    np.testing.assert_array_equal(L.token_embedding_backward(dtok, tok_cache), dwte)
+
+
+def test_patchify_orders_patches_row_major_and_unpatchify_inverts_it(rng):
+    images = randn(rng, B, 4, 6, 3)  # a 2 x 3 grid of 2 x 2 patches
+    patches = L.patchify(images, 2)
+    assert patches.shape == (B, 6, 2 * 2 * 3)
+    np.testing.assert_array_equal(patches[:, 4], images[:, 2:4, 2:4, :].reshape(B, -1))
+    np.testing.assert_array_equal(L.unpatchify(patches, images.shape, 2), images)
+
+
+def test_patch_embedding_gradients_match_finite_differences(rng):
+    images, w, b = randn(rng, B, 4, 4, 2), randn(rng, 2 * 2 * 2, C), randn(rng, C)
+    y, cache = L.patch_embedding_forward(images, w, b, 2)
+    assert y.shape == (B, 4, C)
+    dy = randn(rng, *y.shape)
+    dimages, dw, db = L.patch_embedding_backward(dy, cache)
+    assert_grads_match(lambda: L.patch_embedding_forward(images, w, b, 2)[0], [images, w, b],
+                       [dimages, dw, db], dy, rng)
+
+
+def test_mean_pool_gradient_matches_finite_differences(rng):
+    x = randn(rng, B, T, C)
+    y, cache = L.mean_pool_forward(x)
+    np.testing.assert_allclose(y, x.mean(axis=1), rtol=1e-15)
+    dy = randn(rng, *y.shape)
+    assert_grads_match(lambda: L.mean_pool_forward(x)[0], [x], [L.mean_pool_backward(dy, cache)],
+                       dy, rng)
+
+
+def test_crossentropy_takes_one_label_per_sample(rng):
+    logits, labels = randn(rng, B, V), rng.integers(0, V, B)
+    loss, cache = L.crossentropy_forward(logits, labels)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    assert float(loss) == pytest.approx(-np.log(p[np.arange(B), labels]).mean(), rel=1e-12)
+    assert L.crossentropy_backward(1.0, cache).shape == (B, V)
 
 
 def test_block_backward_reports_each_parameter_ready_once_in_reverse(rng):
