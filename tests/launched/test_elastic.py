@@ -289,6 +289,44 @@ def test_stuck_rank_is_reported_with_its_phase_and_step_and_ends_the_job(tmp_pat
     assert "CollectiveTimeout" not in proc.stderr
 
 
+def _state(pid, script):
+    """The /proc state letter of `pid` while it runs `script` (R, S, T, Z...), else None."""
+    try:
+        if str(script).encode() not in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0"):
+            return None
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+@pytest.mark.parametrize("detect", [["--stuck-timeout-s", "3"], []], ids=["heartbeats", "ulfm"])
+def test_stopped_rank_is_ended_and_the_survivors_job_exits(tmp_path, detect):
+    """SIGSTOP freezes every thread of rank 3 at the start of step 8's backward: its heartbeats
+    stop (or, without them, ULFM's detector declares it dead after 10 s), the survivors shrink
+    and finish, and the frozen process is SIGKILLed by its node's survivors, so mpiexec exits
+    instead of waiting for it; the report names it with its phase and step of that moment."""
+    proc = train(tmp_path, tmp_path / "ckpt", "--elastic", "shrink", "--ckpt-every", "4", *detect,
+                 n=4, ulfm=True, steps=SHRINK_STEPS, RTXMPI_FAULT="stop:3:8:backward",
+                 outer_timeout_s=150)
+    assert not proc.outer_timeout and proc.returncode == 0, str(proc)
+    pid = int(re.search(r"\[rtxmpi fault\] stop launch rank 3 step 8 phase backward pid=(\d+)",
+                        proc.stderr).group(1))
+    assert f"elastic: rank 3's process (pid {pid}) ended by SIGKILL from its node's surviving ranks" \
+        in proc.stderr, str(proc)
+    assert _state(pid, TRAIN) is None  # neither stopped (T) nor a zombie: it ended with the job
+    if detect:
+        assert ("; rank 3: last in phase 'backward' of step 8; its heartbeats stopped "
+                in proc.stderr), str(proc)
+        assert "alive (heartbeats arrive)" not in proc.stderr, str(proc)
+    else:
+        assert "failed ranks [3]" in proc.stderr, str(proc)
+    assert "shrank the world 4 -> 3 ranks" in proc.stderr, str(proc)
+    got = records(tmp_path)
+    assert [r["step"] for r in got] == list(range(1, SHRINK_STEPS + 1))  # the survivors' result
+    assert {r["world_size"] for r in got if r["step"] >= 8} == {3}
+    assert load_checkpoint(None, tmp_path / "ckpt", SHRINK_STEPS).world_size_saved == 3
+
+
 ULFM_JOB = """
 import os, signal, time
 import numpy as np
