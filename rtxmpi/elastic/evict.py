@@ -5,7 +5,10 @@ stuck with its heartbeat thread unable to act on an eviction, or declared dead b
 while its process lives on. The launcher waits for every process it started, so such a process
 keeps mpiexec running after the survivors finish; resumed, it could write files the survivors
 own. So a survivor on the same node SIGKILLs it, which ULFM then reports as a failure within
-milliseconds (docs/elastic.md, "Stopped and evicted ranks").
+milliseconds (docs/elastic.md, "Stopped and evicted ranks"). Where no survivor shares its node, a
+stopped process can be ended only from outside; should it be resumed (SIGCONT), `guard_resume`'s
+handler sees that its world was revoked while it was stopped and SIGKILLs it before its training
+loop runs on (a stuck one is ended by its heartbeat thread, which receives the eviction).
 
 `Processes.exchange(comm)` (collective) gathers every rank's identity as one int64 row
 [pid, start time in clock ticks, pid-namespace inode, node]: node is the lowest rank of its
@@ -15,6 +18,7 @@ reused by another process, or one of another pid namespace, is never signalled).
 """
 import os
 import signal
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -91,3 +95,52 @@ class Processes:
         finally:
             if handle is not None:
                 os.close(handle)
+
+
+class _Guard:
+    comm = None  # the world communicator of the attempt in progress
+    installed = False
+
+
+_guard = _Guard()
+RESUME_LISTEN_S = 0.2  # how long a resumed process listens for a revoke that came while it was stopped
+
+
+def guard_resume(comm):
+    """Make a SIGCONT end this process when `comm` (the current world) was revoked while the
+    process was stopped: its peers gave up on it and shrank without it, and it must not run on
+    to write checkpoints, logs or metrics they own. Under ULFM only (a revoke is how the
+    survivors leave); call from the main thread at each attempt. Local."""
+    _guard.comm = comm
+    if not _guard.installed:
+        try:
+            signal.signal(signal.SIGCONT, _on_continue)
+            _guard.installed = True
+        except ValueError:
+            pass  # not the main thread: no handler (the node's survivors still SIGKILL it)
+
+
+def revoked_while_away(comm, listen_s=RESUME_LISTEN_S):
+    """True when `comm` is revoked, listening up to `listen_s` for a revoke still in transit."""
+    deadline = time.monotonic() + listen_s
+    while True:
+        try:
+            comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)  # progress: deliver a revoke
+            if comm.Is_revoked():
+                return True
+        except MPI.Exception as exc:
+            if exc.Get_error_class() == getattr(MPI, "ERR_REVOKED", None):
+                return True
+        except (AttributeError, NotImplementedError):
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+
+
+def _on_continue(signum, frame):
+    comm = _guard.comm
+    if comm is not None and revoked_while_away(comm):
+        os.write(2, f"[rtxmpi pid {os.getpid()}] resumed (SIGCONT) after its peers revoked the world "
+                    f"and went on without it: ending this process\n".encode())
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -28,11 +28,11 @@ import time
 from mpi4py import MPI
 
 from ..comm import progress, start_heartbeats
-from ..comm.failure import failed_ranks, is_process_failure, rank_failure
+from ..comm.failure import failed_ranks, is_process_failure, rank_failure, ulfm_enabled
 from ..control import agree
 from ..errors import ConfigError, RankFailure
 from . import exitreport
-from .evict import Processes
+from .evict import Processes, guard_resume
 from .fault import FaultPlan
 from .preempt import StopRequest
 from .shrink import exchange_pieces, exchange_replica, shrink_world
@@ -111,6 +111,8 @@ class Loop:
             start_heartbeats(_config.stuck_timeout_s)  # collective: every rank builds a Loop
         if _config.policy == "shrink" and world.world_size > 1:  # to end a rank given up on
             _config.processes = Processes.exchange(world.backend.comm)
+            if ulfm_enabled():
+                guard_resume(world.backend.comm)
         self.step, self.phase_name, self.applied_step = 0, None, None
         self._tensors = self._meta = self._pieces = None
         self._close = []
@@ -287,6 +289,7 @@ def recover(group, failure, loop):
     """Shrink after `failure` and prepare the next attempt's state (collective over survivors)."""
     _config.failure_time = seen = time.time()
     _config.attempts.append(loop)
+    guard_resume(None)  # this process takes part in the shrink: a SIGCONT now must not end it
     beat, processes = group.backend.monitor.heartbeat, _config.processes
     # a stuck or stopped rank is alive: make it a failed one, which the shrink removes
     named = _evict(group, beat, processes, failure)

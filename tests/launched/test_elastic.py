@@ -370,6 +370,67 @@ def test_ulfm_failure_is_rank_failure_on_every_survivor_and_shrink_works(tmp_pat
     assert {line.split()[2] for line in shrunk} == {"rank=0", "rank=1", "rank=2"}
 
 
+RESUMED_JOB = """
+import os, signal, sys, time
+import numpy as np
+import rtxmpi
+from rtxmpi.elastic.evict import guard_resume
+from rtxmpi.elastic.shrink import shrink_world
+
+world = rtxmpi.init(timeout_s=60)
+pids = np.empty(world.world_size, np.int64)
+world.backend.comm.Allgather(np.array([os.getpid()], np.int64), pids)
+guard_resume(world.backend.comm)
+world.barrier()
+if world.rank == 3:
+    os.kill(os.getpid(), signal.SIGSTOP)   # frozen until rank 0's SIGCONT below
+    print("RAN ON after the resume", flush=True)
+    open(sys.argv[1], "w").write("a file the survivors own")
+    os._exit(0)
+try:
+    for _ in range(100000):
+        world.all_reduce(np.ones(4, np.float32))
+except rtxmpi.RankFailure as exc:
+    print(f"FAILURE rank={world.rank} ranks={exc.ranks}", flush=True)
+new, _ = shrink_world(world)
+new.barrier()
+if new.rank == 0:
+    os.kill(int(pids[3]), signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    state = "?"
+    while time.monotonic() < deadline:
+        try:
+            state = open(f"/proc/{pids[3]}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            state = "gone"
+        if state in ("gone", "Z", "X"):
+            break
+        time.sleep(0.05)
+    print(f"RESUMED rank 3 state={state}", flush=True)
+new.barrier()
+os._exit(0)
+"""
+
+
+def test_rank_resumed_after_the_survivors_left_ends_itself_before_running_on(tmp_path):
+    """Where no survivor shares its node (simulated: nobody kills it here), a stopped rank
+    outlives the shrink; resumed by SIGCONT, its guard sees the revoked world and SIGKILLs the
+    process before its program goes on to write anything. (Open MPI itself sometimes aborts the
+    process first, when the guard's probe learns that the detector declared it dead.)"""
+    script, owned = tmp_path / "job.py", tmp_path / "owned.txt"
+    script.write_text(RESUMED_JOB)
+    mpiexec = mpiexec_argv(4)
+    proc = run_command(mpiexec[:1] + ULFM + mpiexec[1:] + [sys.executable, script, owned],
+                       outer_timeout_s=90, env=launch_env())
+    assert not proc.outer_timeout, str(proc)
+    assert len(proc.lines("FAILURE")) == 3, str(proc)  # ULFM's detector: rank 3 declared dead
+    assert proc.lines("RESUMED") == ["RESUMED rank 3 state=Z"] or proc.lines("RESUMED") == [
+        "RESUMED rank 3 state=gone"], str(proc)
+    assert ("resumed (SIGCONT) after its peers revoked the world" in proc.stderr
+            or "I have been reported dead by someone else" in proc.stderr), str(proc)
+    assert not proc.lines("RAN ON") and not owned.exists(), str(proc)
+
+
 def test_rtxmpi_run_turns_sigterm_into_a_checkpoint_and_exit_75(tmp_path):
     """SIGTERM to the supervisor reaches the ranks through mpiexec as SIGUSR1 (prterun would turn
     TERM into SIGKILL): they stop at one step with a committed checkpoint; nothing is relaunched."""
