@@ -80,22 +80,35 @@ class Heartbeat:
         self.started = time.monotonic()
         self._stop = threading.Event()
         self._sends = []  # (request, buffer) of the thread's beats in flight
-        self._change_sends = []  # the same for the beats sent by progress()
+        # progress()'s sends: at most one in flight per peer (a peer slow to take them costs
+        # nothing; the periodic beat carries a change skipped then), each with its own buffer
+        self._change_requests = [None] * self.size
+        self._change_buffers = np.zeros((self.size, 1), BEAT)
+        self._evictions = []  # (request, buffer) of evict()'s sends
         self._thread = threading.Thread(target=self._run, name="rtxmpi-heartbeat", daemon=True)
         self._thread.start()
         atexit.register(self.stop)
 
     def progress(self, phase, step):
         """This rank is now in `phase` of `step`: a change is sent to every peer at once (one
-        small nonblocking send per peer). Call at every phase change; local. Raises ConfigError
-        (a phase name longer than PHASE_BYTES)."""
+        small nonblocking send per peer, skipped for a peer whose previous one is still in
+        flight). Call at every phase change, from one thread; local. Raises ConfigError (a phase
+        name longer than PHASE_BYTES)."""
         old = self.marker
         if (phase, step) == old[:2]:
             return
         version = old[2] + 1
         beat = encode_beat(phase, step, 0.0, version)
         self.marker, self.changed = (phase, step, version), time.monotonic()
-        self._change_sends = self._send_all(beat, self._change_sends)
+        requests, buffers = self._change_requests, self._change_buffers
+        try:
+            for peer in range(self.size):
+                if peer == self.rank or not (requests[peer] is None or requests[peer].Test()):
+                    continue
+                buffers[peer] = beat
+                requests[peer] = self.comm.Isend([buffers[peer], MPI.BYTE], dest=peer, tag=TAG_BEAT)
+        except MPI.Exception:
+            pass  # a dead peer (ULFM): the failure is reported by the waits
 
     def _send_all(self, beat, in_flight):
         """Start a send of `beat` to every peer; returns `in_flight` without the completed sends,
@@ -197,8 +210,8 @@ class Heartbeat:
         """Ask `rank`'s heartbeat thread to SIGKILL its process (it becomes a failed rank)."""
         data = bytearray(reason.encode()[:EVICT_BYTES])
         try:
-            self._change_sends.append((self.comm.Isend([data, MPI.BYTE], dest=rank, tag=TAG_EVICT),
-                                       data))
+            self._evictions.append((self.comm.Isend([data, MPI.BYTE], dest=rank, tag=TAG_EVICT),
+                                    data))
         except MPI.Exception:
             pass
 
