@@ -229,26 +229,30 @@ def run(fn, args):
 def _end_processes(group, processes, ranks, survivors):
     """SIGKILL the processes of `ranks` that share this rank's node (every survivor there does;
     the lowest of them says so): a stopped or stuck process cannot act on an eviction, and one
-    left running keeps mpiexec waiting. survivors: the ranks that go on."""
+    left running keeps mpiexec waiting. survivors: the ranks that go on. Returns the ranks whose
+    process is ended (killed here, or gone)."""
+    ended = []
     if processes is None:
-        return
+        return ended
     for r in ranks:
         outcome = processes.kill(r)
         if outcome == "elsewhere":
             continue
+        ended.append(r)
         node = processes.table[r, 3]
         if group.rank == min(s for s in survivors if processes.table[s, 3] == node):
             print(f"elastic: rank {r}'s process (pid {processes.table[r, 0]}) ended by SIGKILL from "
                   f"its node's surviving ranks", file=sys.stderr, flush=True)
+    return ended
 
 
 def _evict(group, beat, processes, failure):
     """Make the ranks that ULFM reports failed on the world, and those named by `failure` that
     the heartbeats find stuck, dead processes: ask each to kill itself (its heartbeat thread
-    does, at its next beat), SIGKILL those on this node, and
-    wait up to a beat period + 0.5 s until ULFM reports them failed, so that a slow rank that was
-    not stuck after all does not rejoin the shrink. (A rank still alive after that is removed by
-    the shrink once it dies: a shrink waits for every live rank.)"""
+    does, at its next beat) and SIGKILL those on this node. For the others, wait up to a beat
+    period + 0.5 s until ULFM reports them failed, so that a slow rank that was not stuck after
+    all does not rejoin the shrink. (A rank still alive after that is removed by the shrink once
+    it dies: a shrink waits for every live rank.) Returns the ranks evicted."""
     comm = group.backend.comm
     stuck = {r for r in failure.ranks if beat is not None and beat.is_stuck(r)}
     named = sorted((stuck | set(failed_ranks(comm))) - {group.rank})
@@ -256,9 +260,9 @@ def _evict(group, beat, processes, failure):
     if beat is not None:
         for r in named:
             beat.evict(r, f"no progress; handled as a failed rank ({failure})")
-    _end_processes(group, processes, named, survivors)
+    ended = _end_processes(group, processes, named, survivors)
     wait_s = (beat.period_s if beat is not None else 0.0) + 0.5
-    alive = [r for r in named if r not in failed_ranks(comm)]
+    alive = [r for r in named if r not in ended and r not in failed_ranks(comm)]
     deadline = time.monotonic() + wait_s
     while alive and time.monotonic() < deadline:
         time.sleep(0.002)
