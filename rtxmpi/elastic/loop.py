@@ -303,6 +303,9 @@ def recover(group, failure, loop):
     survivors = [r for r in range(old_size) if r not in lost]
     # ULFM's detector may have declared a stopped process dead that still exists: end it too
     _end_processes(group, processes, [r for r in lost if r not in named], survivors)
+    if new.rank == 0 and processes is not None:  # for `rtxmpi run`: these will not report an exit
+        for r in lost:
+            exitreport.mark("evicted", pid=int(processes.table[r, 0]))
     _config.processes = None
     _config.shrinks.append((old_size, new.world_size))
     shrunk = time.time()

@@ -35,6 +35,12 @@ cannot find the program, python cannot open the script) is not relaunched at all
 gives up at once with the same summary. The job's stderr is copied through as it comes
 (and its tail kept for that summary); stdout is inherited unchanged.
 
+A finished job whose launcher still waits: when the reports say every rank process exited or
+was evicted by a shrink, and one exited 0 (exitreport.finished), and mpiexec has not ended
+FINISHED_GRACE_S seconds later, it waits for an evicted rank's process that no survivor could
+end (stopped, on a node without survivors): mpiexec gets SIGTERM (prterun then kills the ranks
+left, stopped ones too), 5 s later the session SIGKILL, and the attempt counts as done.
+
 Signals: SIGTERM, SIGUSR1 or SIGINT to the supervisor reach the ranks as SIGUSR1 through mpiexec
 (prterun forwards USR1/USR2 but turns TERM into SIGKILL of the ranks, so no handler would run); the
 ranks stop at the next step boundary with a checkpoint. After --grace-s seconds mpiexec gets
@@ -57,6 +63,7 @@ from .preempt import EXIT_PREEMPTED
 
 EXIT_CONFIG = 2
 KILL_AFTER_S = 5.0
+FINISHED_GRACE_S = 10.0  # a finished job's mpiexec normally ends well within this
 BACKOFF_MAX_S = 60.0
 TAIL_BYTES = 8192  # of the job's stderr, kept for the summary
 TAIL_LINES = 6
@@ -215,6 +222,8 @@ class Supervisor:
         self.attempts = []  # (restart, ranks, exit status, seconds, what happened)
         self.process = None
         self.stop_signal = None
+        self.reports = None  # the attempt's exit-report folder
+        self.ended_finished = False  # the attempt's mpiexec was ended after the job finished
 
     def say(self, text):
         print(f"rtxmpi run: {text}", file=self.out, flush=True)
@@ -238,23 +247,38 @@ class Supervisor:
             pass
 
     def _wait(self):
-        """Wait for the attempt; enforce the grace period after a forwarded stop."""
-        escalated = killed = None
+        """Wait for the attempt; enforce the grace period after a forwarded stop, and end a
+        finished job's mpiexec that still waits for an evicted process."""
+        escalated = killed = finished_at = None
+        polls = 0
         while True:
             try:
                 return self.process.wait(timeout=0.1)
             except subprocess.TimeoutExpired:
                 pass
+            now = time.monotonic()
+            if killed is not None:
+                if now >= killed:
+                    self._send(signal.SIGKILL, group=True)
+                continue
+            polls += 1
+            if self.stop_signal is None and self.reports and polls % 5 == 0:
+                if finished_at is None and exitreport.finished(self.reports):
+                    finished_at = now
+                if finished_at is not None and now >= finished_at + FINISHED_GRACE_S:
+                    self.say(f"every rank finished or was evicted, yet mpiexec still runs "
+                             f"{FINISHED_GRACE_S:g} s later (waiting for an evicted rank's process "
+                             f"that no survivor could end): SIGTERM to mpiexec")
+                    self._send(signal.SIGTERM)
+                    self.ended_finished, killed = True, now + KILL_AFTER_S
+                continue
             if self.stop_signal is None:
                 continue
-            now = time.monotonic()
             escalated = escalated or now + self.grace_s
-            if killed is None and now >= escalated:
+            if now >= escalated:
                 self.say(f"grace period of {self.grace_s:g} s over: SIGTERM to mpiexec")
                 self._send(signal.SIGTERM)
                 killed = now + KILL_AFTER_S
-            elif killed is not None and now >= killed:
-                self._send(signal.SIGKILL, group=True)
 
     # -- attempts ----------------------------------------------------------------------------
     def argv(self, ranks, restart):
@@ -303,7 +327,10 @@ class Supervisor:
                 self.say(f"{self.tail[0]}; check --mpiexec: giving up")
                 break
             tail = StderrTail(self.process.stderr, sys.stderr)
+            self.reports, self.ended_finished = reports, False
             status = self._wait()
+            if self.ended_finished:
+                status = 0  # done by the reports; mpiexec's status is that of our SIGTERM
             seconds = time.monotonic() - start
             self.process = None
             self.tail = tail.lines()
