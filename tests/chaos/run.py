@@ -163,7 +163,8 @@ def scenario(kind, rng, folder):
                                  ulfm=True), RTXMPI_FAULT=fault)
         if done.returncode != 0:
             return fault, f"exit {done.returncode}: {done.stderr[-600:]}"
-        if f"rank {victim}: last in phase '{phase}' of step {step}; its heartbeats stopped" not in done.stderr:
+        report = f"rank {victim}: last in phase '{phase}' of step {step}; its heartbeats stopped"
+        if report not in done.stderr:
             return fault, "the stopped rank was not reported with its phase, step and stopped heartbeats"
         if f"elastic: rank {victim}'s process" not in done.stderr:
             return fault, "the stopped process was not ended by its node's survivors"
