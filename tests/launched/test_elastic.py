@@ -299,7 +299,7 @@ def _state(pid, script):
         return None
 
 
-@pytest.mark.parametrize("detect", [["--stuck-timeout-s", "3"], []], ids=["heartbeats", "ulfm"])
+@pytest.mark.parametrize("detect", [["--stuck-timeout-s", "5"], []], ids=["heartbeats", "ulfm"])
 def test_stopped_rank_is_ended_and_the_survivors_job_exits(tmp_path, detect):
     """SIGSTOP freezes every thread of rank 3 at the start of step 8's backward: its heartbeats
     stop (or, without them, ULFM's detector declares it dead after 10 s), the survivors shrink
