@@ -443,7 +443,6 @@ class Model:
             with span(f"unit {u} backward", "compute", unit=u):
                 dy = run_backward(m, params if m.backward_needs_params else None,
                                   self._take(u, None, get=False), unit_cache, dy, ready)
-            del unit_cache  # a recomputed cache is freed before the next unit's is built
             if fetch:
                 self._release(u)
             P.grads_ready(u)
