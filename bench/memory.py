@@ -24,7 +24,8 @@ single block cache (what backward rebuilds at a time under "blocks"), the peak o
 allocations over a forward and backward (tracemalloc, which numpy reports to; the logits, the
 recomputed block and backward's temporaries included), and the time of a step (forward, backward,
 AdamW): the process's CPU time, which other processes on a loaded machine barely change (one
-thread: OMP_NUM_THREADS=1), and wall time; medians of --repeats, the two policies alternating.
+thread: OMP_NUM_THREADS=1), and wall time, and the minor page faults of a step (fresh memory the
+kernel maps in, CPU time too); medians of --repeats, the two policies alternating.
 
 Target (issue): at 4 ranks, ZeRO-3 per-rank model-state bytes <= (DP's / 4 + one layer's gathered
 parameters) x 1.05, where "one layer" is the largest of: one transformer block's parameters, the
@@ -136,6 +137,7 @@ def mesh_worker(args, world, corpus, cfg):
 
 def compare_recompute(args):
     """The --recompute table: rows (model, policy) of activation bytes and step time."""
+    import resource
     import time
     import tracemalloc
 
@@ -166,11 +168,12 @@ def compare_recompute(args):
             del cache
             peak = tracemalloc.get_traced_memory()[1] - base
             tracemalloc.stop()
-            runs[policy] = {"model": model, "opt": opt, "cpu": [], "wall": [], "loss": loss,
+            runs[policy] = {"model": model, "opt": opt, "cpu": [], "wall": [], "faults": [], "loss": loss,
                             "activations_bytes": activations, "peak_bytes": peak,
                             "block_bytes": block}
         for _ in range(args.repeats + 1):  # the first round warms up
             for run in runs.values():
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 c0, t0 = time.process_time(), time.perf_counter()
                 run["model"].zero_grad()
                 _, cache = run["model"].forward(x, y)
@@ -178,6 +181,7 @@ def compare_recompute(args):
                 run["opt"].step(run["model"].flat_grad)
                 run["cpu"].append(time.process_time() - c0)
                 run["wall"].append(time.perf_counter() - t0)
+                run["faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
                 del cache
         none = runs["none"]
         for policy, run in runs.items():
@@ -185,6 +189,7 @@ def compare_recompute(args):
                          "same_loss": run["loss"] == none["loss"],
                          "step_cpu_ms": float(np.median(run["cpu"][1:])) * 1e3,
                          "step_time_ms": float(np.median(run["wall"][1:])) * 1e3,
+                         "page_faults": int(np.median(run["faults"][1:])),
                          **{k: run[k] for k in ("activations_bytes", "block_bytes", "peak_bytes")}})
         for row in rows[-2:]:
             row["activations_ratio"] = none["activations_bytes"] / row["activations_bytes"]
@@ -194,11 +199,12 @@ def compare_recompute(args):
           f"load average {os.getloadavg()[0]:.1f} at the end\n")
     print(markdown_table(
         ["model", "recompute", "activations (MiB)", "none / this", "one block (MiB)",
-         "fwd+bwd peak (MiB)", "step CPU (ms)", "CPU / none", "step wall (ms)", "same loss"],
+         "fwd+bwd peak (MiB)", "step CPU (ms)", "CPU / none", "step wall (ms)", "page faults",
+         "same loss"],
         [[f"{r['model']} (L={r['n_layer']})", r["recompute"], mib(r["activations_bytes"]),
           f"{r['activations_ratio']:.1f}", mib(r["block_bytes"]), mib(r["peak_bytes"]),
           f"{r['step_cpu_ms']:.1f}", f"{r['step_cpu_ratio']:.3f}", f"{r['step_time_ms']:.1f}",
-          r["same_loss"]] for r in rows]))
+          r["page_faults"], r["same_loss"]] for r in rows]))
     print(f"\nmachine: {machine_line(machine_info())}")
     print(f"command: python bench/memory.py {shlex.join(sys.argv[1:])}".rstrip())
     if args.json:

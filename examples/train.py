@@ -168,13 +168,13 @@ def parse_args(argv=None):
     p.add_argument("--offload", default="none", choices=("none", "cpu", "nvme"),
                    help="ZeRO master parameters and optimizer state in host memory (cpu) or in "
                         "files under --offload-dir, streamed in chunks (nvme); needs --zero-stage >= 1")
+    p.add_argument("--offload-dir", default=None, metavar="DIR",
+                   help="directory for --offload nvme files (DIR/rank_XXXXX/; use a local NVMe disk)")
     p.add_argument("--recompute", default="none", choices=RECOMPUTE,
                    help="blocks: forward keeps only each transformer block's input and backward "
                         "reruns the block (activations of about one block instead of all, at "
                         "about one extra forward; the same bits); data parallelism and ZeRO only "
                         "(docs/model.md)")
-    p.add_argument("--offload-dir", default=None, metavar="DIR",
-                   help="directory for --offload nvme files (DIR/rank_XXXXX/; use a local NVMe disk)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up (default steps/20)")
