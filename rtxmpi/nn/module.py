@@ -17,6 +17,8 @@ Units are what the engines schedule and what a parameter provider hands out (rtx
 docstring gives the provider calls and their order). A parameter declared with `tied_to` (the full
 name of a parameter of an earlier unit) has no storage of its own: the unit is handed the owner's
 array and gradient, and the owner's gradient is final once the owner's unit has run backward.
+A Model may recompute units (`Model.recompute`): forward keeps such a unit's input instead of its
+cache, and backward reruns its forward just before its backward (docs/model.md).
 """
 import math
 from dataclasses import dataclass
@@ -276,7 +278,7 @@ class Model:
     def _plan(self, unit_decls):
         """units, and per unit: where each declared array comes from ((unit, position among that
         unit's own arrays) pairs), its parameter index (None where tied), the units it borrows
-        tied arrays from (in first-use order); whether each unit's backward fetches."""
+        tied arrays from (in first-use order)."""
         self.units, self._sources, self._index, self._owners = [], [], [], []
         where, first = {}, 0  # where: full name -> (unit, position)
         for u, decls in enumerate(unit_decls):
