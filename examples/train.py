@@ -65,6 +65,7 @@ from rtxmpi.observe.observer import Observer
 from rtxmpi.nn import (GPT, MODEL_SIZES, AdamW, GPTConfig, clip_grad_norm, cosine_lr, decay_mask,
                        grad_norm_sq)
 from rtxmpi.nn.gpt import param_layout
+from rtxmpi.nn.module import RECOMPUTE
 from rtxmpi.comm.failure import ulfm_enabled
 from rtxmpi.parallel.data import DataParallel, weighted_micro_batches
 from rtxmpi.parallel.hybrid import build_hybrid, check_layout
@@ -169,6 +170,11 @@ def parse_args(argv=None):
                         "files under --offload-dir, streamed in chunks (nvme); needs --zero-stage >= 1")
     p.add_argument("--offload-dir", default=None, metavar="DIR",
                    help="directory for --offload nvme files (DIR/rank_XXXXX/; use a local NVMe disk)")
+    p.add_argument("--recompute", default="none", choices=RECOMPUTE,
+                   help="blocks: forward keeps only each transformer block's input and backward "
+                        "reruns the block (activations of about one block instead of all, at "
+                        "about one extra forward; the same bits); data parallelism and ZeRO only "
+                        "(docs/model.md)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up (default steps/20)")
@@ -279,6 +285,10 @@ def check_args(args, world_size):
     if (args.offload == "nvme") != (args.offload_dir is not None):
         raise ConfigError("--offload nvme needs --offload-dir DIR, and --offload-dir only goes "
                           "with --offload nvme")
+    if args.recompute != "none" and args.tp * args.pp * args.sp > 1:
+        raise ConfigError(f"--recompute {args.recompute} runs with data parallelism and ZeRO only: "
+                          f"drop it or use --tp 1 --pp 1 --sp 1 (the tensor-, sequence- and "
+                          f"pipeline-parallel engines keep every activation)")
     dp = check_layout(world_size, dp=args.dp, tp=args.tp, pp=getattr(args, "pp", 1), sp=args.sp,
                       seq_len=args.seq_len, zero_stage=args.zero_stage,
                       sequence_parallel=args.sequence_parallel)  # docs/parallel.md
@@ -324,7 +334,7 @@ def check_memory(world, args, cfg):
     available = node_memory_per_rank(world.backend.comm)
     dp = world.world_size // (args.tp * args.pp * args.sp)
     layout = Layout(dp, args.tp, args.pp, args.sp, args.micro_batches or 1, args.zero_stage,
-                    args.schedule if args.pp > 1 else "none", args.offload)
+                    args.schedule if args.pp > 1 else "none", args.offload, args.recompute)
     peak = max(stage["total"] for stage in memory_breakdown(cfg, layout, args.global_batch))
     too_big = args.device == "cpu" and available is not None and peak > MEMORY_SLACK * available
     if agree(world, too_big=too_big).too_big:
@@ -763,7 +773,8 @@ def apply_plan(world, args):
     """--plan auto: calibrate (or read --plan-profile), plan, and set the layout flags in args."""
     cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
     layout, plan = plan_for_job(world, cfg, args.global_batch, args.plan_profile,
-                                offload_dir=args.offload_dir, device=args.device)
+                                offload_dir=args.offload_dir, device=args.device,
+                                recompute=args.recompute)
     args.dp, args.tp, args.pp, args.sp = layout.degrees
     args.micro_batches, args.zero_stage = layout.micro_batches, layout.zero_stage
     args.schedule = layout.schedule if layout.pp > 1 else args.schedule
@@ -852,7 +863,8 @@ def train(args):
     # on CPU the gradient lives in memory the node's peers can map: the data-parallel all_reduce
     # of its buckets folds straight from it (rtxmpi.shared_zeros, docs/comm.md)
     model = engine.model if hybrid else GPT(
-        cfg, seed=args.seed, xp=xp, grad_alloc=rtxmpi.shared_zeros if xp is np else None)
+        cfg, seed=args.seed, xp=xp, grad_alloc=rtxmpi.shared_zeros if xp is np else None,
+        recompute=args.recompute)
     engine = engine or build_engine(args, model, world)
     data_rank, data_size = (engine.mesh.dp_rank, engine.mesh.dp) if hybrid else (rank, world_size)
     rng = np.random.default_rng([args.seed, rank])  # per-rank randomness (dropout, ...), checkpointed
