@@ -268,32 +268,35 @@ def test_format_version_1_with_zlib_crc32_still_loads_and_verifies(tmp_path, mon
         load_checkpoint(None, tmp_path).read("params")
 
 
+def resign(meta_path, metadata):
+    """Write `metadata` with a matching metadata_checksum (an edit the checksum cannot see)."""
+    metadata[fmt.METADATA_CHECKSUM] = fmt.metadata_checksum(metadata)
+    meta_path.write_text(json.dumps(metadata))
+
+
 def test_unknown_format_version_or_checksum_algorithm_raises_clearly(tmp_path):
     save(tmp_path, 1)
     step_dir = tmp_path / "step_00000001"
     meta_path = step_dir / "metadata.json"
     metadata = json.loads(meta_path.read_text())
     metadata["tensors"]["params"]["pieces"][0]["checksum"] = "sha0:00"
-    meta_path.write_text(json.dumps(metadata))
-    with pytest.raises(CheckpointError, match="unknown algorithm"):
-        load_checkpoint(None, tmp_path).read("params")
+    resign(meta_path, metadata)
+    with pytest.raises(CheckpointError, match=r"pieces\[0\].checksum: 'sha0:00' is not 'crc32c:'"):
+        load_checkpoint(None, tmp_path)
     metadata["format_version"] = 99
-    meta_path.write_text(json.dumps(metadata))
-    with pytest.raises(CheckpointError, match="format_version 99; this rtxmpi reads versions 1, 2"):
+    resign(meta_path, metadata)
+    with pytest.raises(CheckpointError, match="format_version 99; this rtxmpi reads versions 1, 2, 3"):
         load_checkpoint(None, tmp_path)
 
 
-def test_chunked_compressed_dataset_is_read_through_h5py_and_verified(tmp_path):
-    """rtxmpi writes contiguous datasets (read with preadv at their offset); another layout
-    goes through h5py and is verified the same way."""
+def test_chunked_compressed_dataset_is_refused_before_it_is_read(tmp_path):
+    """rtxmpi writes contiguous datasets; a chunked or filtered one would hand HDF5's filter
+    pipeline bytes from the file, so it is refused."""
     a = np.random.default_rng(3).standard_normal(5000).astype(np.float32)
-    path = str(tmp_path / "r.h5")
-    with h5py.File(path, "w") as f:
+    with h5py.File(tmp_path / "rank_00000.h5", "w") as f:
         f.create_dataset("tensors/w", data=a, chunks=(700,), compression="gzip")
         f["tensors/w"].attrs["checksum"] = fmt.checksum(a)
     expected = {"length": a.size, "checksum": fmt.checksum(a), "dtype": "<f4"}
-    assert np.array_equal(fmt.read_piece(path, "w", expected, 123, 4567), a[123:4567])
-    with h5py.File(path, "r+") as f:
-        f["tensors/w"][4999] = 7.0  # a changed element outside the range read
-    with pytest.raises(CheckpointError, match="checksum mismatch"):
-        fmt.read_piece(path, "w", expected, 0, 10)
+    with fmt.RankFile(str(tmp_path), "rank_00000.h5") as rank_file, \
+            pytest.raises(CheckpointError, match="stored as layout 2 .* 1 filter"):
+        fmt.read_piece(rank_file, "w", expected, 123, 4567)
