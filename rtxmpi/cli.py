@@ -164,18 +164,22 @@ def cmd_ckpt_ls(args):
 
 
 def cmd_ckpt_verify(args):
-    """Read every dataset of a committed checkpoint and check sizes and checksums."""
+    """Check a committed checkpoint as a resume would: metadata.json, every file and dataset
+    (structure, sizes, checksums). The same reader as `load_checkpoint` and `latest_valid`."""
     from .checkpoint import verify_checkpoint
     from .errors import CheckpointError
 
     if args.step is not None and args.step < 0:
         print(f"error: --step must be >= 0, got {args.step}", file=sys.stderr)
         return 2
+    warnings = []
     try:
-        checked = verify_checkpoint(args.dir, args.step)
+        checked = verify_checkpoint(args.dir, args.step, warnings)
     except CheckpointError as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
+    for text in warnings:
+        print(f"warning: {text}", file=sys.stderr)
     print(f"ok: {len(checked)} dataset{'' if len(checked) == 1 else 's'} verified (sizes and checksums)")
     return 0
 

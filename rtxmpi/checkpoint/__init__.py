@@ -16,5 +16,5 @@ from rtxmpi.checkpoint.load import (Checkpoint, CheckpointInfo, latest_valid, li
 from rtxmpi.checkpoint.save import AsyncSave, finish_pending, save_checkpoint
 from rtxmpi.checkpoint.shard import Shard
 
-__all__ = ["Shard", "save_checkpoint", "AsyncSave", "finish_pending", "load_checkpoint", "latest_step", "list_checkpoints",
-           "verify_checkpoint", "latest_valid", "Checkpoint", "CheckpointInfo"]
+__all__ = ["Shard", "save_checkpoint", "AsyncSave", "finish_pending", "load_checkpoint", "latest_step",
+           "latest_valid", "list_checkpoints", "verify_checkpoint", "Checkpoint", "CheckpointInfo"]
