@@ -128,6 +128,9 @@ def read_metadata(step_dir):
         stored = metadata.get(fmt.METADATA_CHECKSUM)
         if stored is None and version < 3:
             warnings.append(f"{path}: " + OLD_FORMAT_WARNING.format(v=version))
+        elif stored is None:
+            raise CheckpointError(f"{path}: no {fmt.METADATA_CHECKSUM}, which format_version "
+                                  f"{version} carries (edited or corrupt)")
         elif stored != fmt.metadata_checksum(metadata):
             raise CheckpointError(f"{path}: {fmt.METADATA_CHECKSUM} {str(stored)[:80]!r} does not "
                                   f"match its content (edited or corrupt)")
