@@ -84,7 +84,7 @@ class Checkpoint:
         return out
 
     def _open_file(self, name):
-        return fmt.RankFile(self.path, name, self.metadata["files"][name]["bytes"])
+        return _open_rank_file(self.path, self.metadata, name)
 
     def read(self, name, offset=0, length=None, out=None):
         """Elements [offset, offset + length) of tensor `name` as a 1-D numpy array.
@@ -166,13 +166,25 @@ def _open_local(ckpt_dir, step):
     return step_dir, metadata, ignored, warnings
 
 
+def _open_rank_file(step_dir, metadata, name):
+    """RankFile `name` of a step dir, its /tensors checked against the (validated) metadata."""
+    rank_file = fmt.RankFile(step_dir, name, metadata["files"][name]["bytes"])
+    try:
+        rank_file.check_listed({t for t, info in metadata["tensors"].items()
+                                if any(p["file"] == name for p in info["pieces"])})
+    except BaseException:
+        rank_file.close()
+        raise
+    return rank_file
+
+
 def _verify_files(step_dir, metadata, names):
     """Check rank files `names` of a step dir whose metadata was read: structure, every piece's
     checksum, the rank state. Returns (the "file: dataset" entries checked, problems found)."""
     checked, problems = [], []
     for file in names:
         try:
-            rank_file = fmt.RankFile(step_dir, file, metadata["files"][file]["bytes"])
+            rank_file = _open_rank_file(step_dir, metadata, file)
         except READ_ERRORS as exc:
             problems.append(str(_as_checkpoint_error(exc, os.path.join(step_dir, file))))
             continue

@@ -135,4 +135,7 @@ def read_metadata(step_dir):
             raise CheckpointError(f"{path}: {fmt.METADATA_CHECKSUM} {str(stored)[:80]!r} does not "
                                   f"match its content (edited or corrupt)")
     validate_metadata(metadata, path)
+    named = fmt.parse_step(os.path.basename(os.path.normpath(step_dir)))
+    if named is not None and metadata["step"] != named:
+        raise CheckpointError(f"{path}: step {metadata['step']} in a directory of step {named}")
     return metadata, warnings

@@ -240,3 +240,20 @@ def test_latest_valid_falls_back_past_a_corrupt_newest_checkpoint(tmp_path):
     os.truncate(tmp_path / "step_00000001" / "rank_00000.h5", 100)
     step, skipped = latest_valid(None, tmp_path)
     assert step is None and len(skipped) == 3
+
+
+def test_variable_length_string_attributes_are_refused_in_format_3(tmp_path):
+    """Their text lives in HDF5's global heap, which has no checksum: a damaged reference there
+    made HDF5 loop forever; rtxmpi writes fixed-length strings since format 3."""
+    save(tmp_path)
+    path = tmp_path / STEP / "rank_00000.h5"
+    with h5py.File(path, "a") as f:
+        f.attrs["rank_state_json"] = "{}"  # h5py stores a str as a variable-length string
+    edit_metadata(tmp_path, lambda m: m["files"]["rank_00000.h5"].update(bytes=path.stat().st_size))
+    refused(tmp_path, "attribute rank_state_json is .* not a str")
+
+
+def test_tensor_missing_from_metadata_is_an_error_not_a_smaller_checkpoint(tmp_path):
+    save(tmp_path)
+    edit_metadata(tmp_path, lambda m: m["tensors"].pop("adam.v"))
+    refused(tmp_path, "holds dataset /tensors/adam.v of shape \\(300,\\), which metadata.json does not list")
