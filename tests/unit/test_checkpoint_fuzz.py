@@ -27,7 +27,7 @@ from rtxmpi.errors import CheckpointError
 
 CASES = int(os.environ.get("RTXMPI_FUZZ_CASES", "1000"))
 SEED = int(os.environ.get("RTXMPI_FUZZ_SEED", "0"))
-CASE_TIMEOUT_S = 20.0  # a case takes milliseconds; the margin is for a loaded machine
+CASE_TIMEOUT_S = float(os.environ.get("RTXMPI_FUZZ_TIMEOUT_S", "20"))  # a case takes milliseconds; the margin is for a loaded machine
 STEP_DIR = "step_00000007"
 FILES = ["metadata.json", "rank_00000.h5", "rank_00001.h5"]
 
@@ -325,6 +325,7 @@ def test_fuzzed_checkpoints_load_correctly_or_raise_checkpoint_error(pristine, t
             seen.get((mutation.__name__, result if result in ("ok", "error") else "BAD"), 0) + 1
         if result not in ("ok", "error"):
             bad.append(f"seed {case} ({mutation.__name__}): {result}")
+            print(bad[-1], flush=True)
         shutil.rmtree(work)
     print(f"{CASES} cases in {time.monotonic() - start:.1f} s: {sorted(seen.items())}")
     assert not bad, f"{len(bad)} of {CASES} cases:\n" + "\n".join(bad[:20])
