@@ -4,7 +4,7 @@
     mpiexec -n 4 rtxmpi info          ... and of every rank: hosts, local ranks, devices, topology
     mpiexec -n 4 rtxmpi info --calibrate   ... with measured bandwidth/latency between ranks
     rtxmpi ckpt ls DIR                checkpoints in DIR: step, committed, world size, size, latest
-    rtxmpi ckpt verify DIR [--step S] every file and dataset: sizes and checksums (exit 1 if bad)
+    rtxmpi ckpt verify DIR [--step S] metadata, every file and dataset, checksums (exit 1 if bad)
     rtxmpi ckpt inspect DIR [--step S] the tensor table (name, dtype, shape, pieces) and the meta
     rtxmpi run -n N [--min-ranks K] [--max-restarts R] -- python train.py ...
                                       supervise: forward signals, relaunch after a failure
