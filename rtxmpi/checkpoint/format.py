@@ -335,7 +335,7 @@ class RankFile:
     def __exit__(self, *exc):
         self.close()
 
-    def _hard(self, parent, name, kind, where):
+    def member(self, parent, name, kind, where):
         """parent[name] when it is a hard link to a `kind` (never an external or soft link)."""
         try:
             link = parent.get(name, getlink=True)
@@ -379,13 +379,13 @@ class RankFile:
         hard link, contiguous, unfiltered, no external or virtual storage, an allowlisted dtype
         (equal to `dtype` when given), `shape` when given, and all its bytes inside the file."""
         where = f"{self.path}: dataset /{group}/{name}"
-        parent = self._hard(self.h5, group, h5py.Group, f"{self.path}: group /{group}")
-        ds = self._hard(parent, name, h5py.Dataset, where)
+        parent = self.member(self.h5, group, h5py.Group, f"{self.path}: group /{group}")
+        ds = self.member(parent, name, h5py.Dataset, where)
         try:
             plist = ds.id.get_create_plist()
             layout, external, filters = plist.get_layout(), plist.get_external_count(), plist.get_nfilters()
             found, found_shape = ds.dtype, ds.shape
-        except (OSError, TypeError, ValueError) as exc:  # a type h5py cannot map, e.g.
+        except (OSError, TypeError, ValueError) as exc:  # e.g. an HDF5 type numpy has no dtype for
             raise CheckpointError(f"{where}: unreadable: {exc}") from None
         if layout != h5py.h5d.CONTIGUOUS or external or filters:
             raise CheckpointError(f"{where}: stored as layout {layout} with {external} external "
@@ -407,10 +407,10 @@ class RankFile:
         """Every non-empty dataset under /tensors is one of `names` (the tensors metadata.json
         gives a piece in this file): a tensor left out of the metadata is an error, not a
         smaller checkpoint."""
-        group = self._hard(self.h5, "tensors", h5py.Group, f"{self.path}: group /tensors")
+        group = self.member(self.h5, "tensors", h5py.Group, f"{self.path}: group /tensors")
         for key in group:
             if key not in names:
-                ds = self._hard(group, key, h5py.Dataset, f"{self.path}: dataset /tensors/{key}")
+                ds = self.member(group, key, h5py.Dataset, f"{self.path}: dataset /tensors/{key}")
                 if ds.shape != (0,):
                     raise CheckpointError(f"{self.path}: holds dataset /tensors/{key} of shape "
                                           f"{ds.shape}, which metadata.json does not list")
@@ -495,7 +495,7 @@ def read_rank_state(rank_file):
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: attribute rank_state_json is not a JSON object")
     try:
-        keys = list(rank_file._hard(rank_file.h5, "rank_state", h5py.Group,
+        keys = list(rank_file.member(rank_file.h5, "rank_state", h5py.Group,
                                     f"{path}: group /rank_state").keys())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: group /rank_state unreadable: {exc}") from None

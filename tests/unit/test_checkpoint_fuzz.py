@@ -6,7 +6,8 @@ symlinks, FIFOs, HDF5 links and foreign storage), and each case must end in a co
 of other data. Each case runs in a forked child, so a crash or a hang is reported, not fatal.
 
 RTXMPI_FUZZ_CASES (default 1000) sets the number of cases, RTXMPI_FUZZ_SEED (default 0) the
-first seed: case i uses seed + i, and a failure names it.
+first seed (case i uses seed + i, and a failure names it), RTXMPI_FUZZ_TIMEOUT_S the bound per
+case (default 20 s).
 """
 import json
 import os
@@ -27,7 +28,8 @@ from rtxmpi.errors import CheckpointError
 
 CASES = int(os.environ.get("RTXMPI_FUZZ_CASES", "1000"))
 SEED = int(os.environ.get("RTXMPI_FUZZ_SEED", "0"))
-CASE_TIMEOUT_S = float(os.environ.get("RTXMPI_FUZZ_TIMEOUT_S", "20"))  # a case takes milliseconds; the margin is for a loaded machine
+# a case takes milliseconds; the margin is for a loaded machine
+CASE_TIMEOUT_S = float(os.environ.get("RTXMPI_FUZZ_TIMEOUT_S", "20"))
 STEP_DIR = "step_00000007"
 FILES = ["metadata.json", "rank_00000.h5", "rank_00001.h5"]
 

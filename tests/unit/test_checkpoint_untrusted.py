@@ -109,7 +109,8 @@ def test_dtypes_outside_the_allowlist_are_refused(tmp_path, dtype):
     refused(tmp_path, r"\['params'\](: |\.)dtype")
 
 
-@pytest.mark.parametrize("file", ["/etc/passwd", "../../x.h5", "rank_00000.h5/../../x.h5", "sub/rank_00000.h5"])
+@pytest.mark.parametrize("file", ["/etc/passwd", "../../x.h5", "rank_00000.h5/../../x.h5",
+                                  "sub/rank_00000.h5"])
 def test_piece_files_outside_the_step_directory_are_refused(tmp_path, file):
     save(tmp_path)
     edit_metadata(tmp_path, lambda m: m["tensors"]["params"]["pieces"][0].update(file=file))
