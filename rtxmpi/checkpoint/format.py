@@ -544,11 +544,12 @@ def write_latest(ckpt_dir, step):
 
 
 def read_latest(ckpt_dir):
-    """The step named by CKPT/latest, or None (missing or unparsable)."""
+    """The step named by CKPT/latest, or None (missing, not a regular file, or unparsable)."""
     try:
-        with open(os.path.join(ckpt_dir, LATEST)) as f:
-            return parse_step(f.read().strip())
-    except OSError:
+        fd, _ = open_regular(os.path.join(ckpt_dir, LATEST))
+        with os.fdopen(fd, "rb") as f:
+            return parse_step(f.read(64).decode("ascii", "replace").strip())
+    except (CheckpointError, OSError):
         return None
 
 

@@ -241,7 +241,8 @@ def test_fifo_as_rank_file_exits_3_within_the_deadline_and_leaves_no_process(ref
     ckpt = copy_ckpt(reference, tmp_path, "ckpt")
     fifo = ckpt / "step_00000012" / "rank_00001.h5"
     fifo.unlink()
-    os.mkfifo(fifo)
+    os.mkfifo(fifo)  # its size, 0, recorded too: only its type tells it from a rank file
+    edit_metadata(fifo.parent, lambda m: m["files"]["rank_00001.h5"].update(bytes=0))
     proc = train(2, tmp_path, ckpt, "--resume", "--resume-strict", "--timeout-s", "30")
     assert proc.returncode == 3 and not proc.outer_timeout and proc.elapsed_s < 60, str(proc)
     assert f"{fifo}: not a regular file" in proc.stderr, str(proc)
@@ -283,7 +284,7 @@ def test_edited_or_unusable_metadata_is_refused_with_exit_3(reference, tmp_path)
     edit_metadata(signed / "step_00000006", consumed_56)
     edit_metadata(unsigned / "step_00000006", consumed_56, resign=False)
     edit_metadata(no_config / "step_00000006", lambda m: m["meta"].pop("model_config"))
-    common = [*ARGS, "--resume", "--deterministic"]
+    common = [*ARGS, "--resume"]
     cases = refused(2, [[*common, "--ckpt-dir", signed],
                         [*common, "--resume-strict", "--ckpt-dir", unsigned],
                         [*common, "--ckpt-dir", no_config]], tmp_path)

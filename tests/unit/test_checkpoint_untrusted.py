@@ -258,3 +258,15 @@ def test_tensor_missing_from_metadata_is_an_error_not_a_smaller_checkpoint(tmp_p
     save(tmp_path)
     edit_metadata(tmp_path, lambda m: m["tensors"].pop("adam.v"))
     refused(tmp_path, "holds dataset /tensors/adam.v of shape \\(300,\\), which metadata.json does not list")
+
+
+def test_fifo_as_latest_is_ignored_without_blocking(tmp_path):
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    (tmp_path / "latest").unlink()
+    os.mkfifo(tmp_path / "latest")
+    outcome = []
+    worker = threading.Thread(target=lambda: outcome.append(latest_valid(None, tmp_path)), daemon=True)
+    worker.start()
+    worker.join(30)
+    assert outcome == [(2, [])], "latest_valid blocked on the FIFO"  # the highest committed step
