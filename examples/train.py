@@ -558,14 +558,14 @@ def restore(world, args, cfg, engine, sampler, rng, ckpt):
     try:  # the meta is the same on every rank: each reaches the same verdict
         saved_cfg = GPTConfig(**ckpt.meta["model_config"])
         sampler.load_state_dict(ckpt.meta["sampler"])
-        str(ckpt.meta["model"])
+        saved_model = str(ckpt.meta["model"])
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {ckpt.path}: its meta cannot be resumed from: "
                               f"{type(exc).__name__}: {exc}") from None
     if saved_cfg != cfg:
-        raise CheckpointError(f"checkpoint {ckpt.path} holds model {ckpt.meta['model']} "
+        raise CheckpointError(f"checkpoint {ckpt.path} holds model {saved_model} "
                               f"({saved_cfg}), this run builds model {args.model} ({cfg}); "
-                              f"resume with --model {ckpt.meta['model']} and --seq-len "
+                              f"resume with --model {saved_model} and --seq-len "
                               f"{saved_cfg.seq_len}, or use another --ckpt-dir")
     engine.load_shards(ckpt.read)  # reads only the slices this rank keeps
     saved, error = ckpt.rank_state(world.rank).get("rng"), None
