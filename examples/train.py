@@ -54,7 +54,7 @@ import rtxmpi
 from rtxmpi import elastic
 from rtxmpi.elastic.replan import describe, replan
 from rtxmpi.backend import array_module, to_host
-from rtxmpi.checkpoint import Shard, latest_step, load_checkpoint, save_checkpoint
+from rtxmpi.checkpoint import Shard, latest_step, latest_valid, load_checkpoint, save_checkpoint
 from rtxmpi.checkpoint.agree import raise_if_any_failed
 from rtxmpi.checkpoint.lock import lock_dir, release_all
 from rtxmpi.control import agree
@@ -74,7 +74,8 @@ from rtxmpi.parallel.planner import (Layout, explicit_layout_flags, memory_break
                                      node_memory_per_rank, plan_for_job)
 from rtxmpi.parallel.replica import replica_pieces
 from rtxmpi.parallel.zero import ZeroDataParallel
-from rtxmpi.wal import ResumeParity, WriteAheadLog, params_digest, read_wal, wal_path
+from rtxmpi.wal import (ResumeParity, WriteAheadLog, check_checkpoint_record, params_digest, read_wal,
+                        wal_path)
 
 EXIT_CONFIG = 2
 MEMORY_SLACK = 1.5  # check_memory refuses estimates over 1.5 x the node's memory per rank
@@ -207,7 +208,11 @@ def parse_args(argv=None):
                    help="write each checkpoint on a background thread while training goes on; it "
                         "is committed at the next checkpoint or the end (docs/checkpoint.md)")
     p.add_argument("--resume", action="store_true",
-                   help="continue from the latest committed checkpoint in --ckpt-dir (none: start fresh)")
+                   help="continue from the newest committed checkpoint in --ckpt-dir that verifies "
+                        "(a corrupt newer one is skipped with a warning; none: start fresh)")
+    p.add_argument("--resume-strict", action="store_true",
+                   help="with --resume: refuse (exit 3) when the newest committed checkpoint does "
+                        "not verify, instead of falling back to an older one")
     p.add_argument("--stop-after-step", type=int, default=None, metavar="S",
                    help="end this run after step S with a committed checkpoint, as if pre-empted "
                         "(the schedule still follows --steps); needs --ckpt-dir")
@@ -268,6 +273,8 @@ def check_args(args, world_size):
         raise ConfigError(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
     if args.ckpt_dir is not None:
         check_ckpt_dir(args.ckpt_dir)
+    if args.resume_strict and not args.resume:
+        raise ConfigError("--resume-strict needs --resume")
     if args.ckpt_dir is None and (args.ckpt_every or args.resume or args.stop_after_step
                                   or args.async_save):
         flag = ("--ckpt-every" if args.ckpt_every else "--resume" if args.resume else
@@ -493,26 +500,36 @@ def step_of(step_dir):
 
 
 def resume(world, args, cfg, engine, sampler, rng, dir_existed=True):
-    """Load the latest committed checkpoint in --ckpt-dir; returns its step (0: none, fresh).
-    Any world size and ZeRO stage loads any other's. Without --resume, refuses a --ckpt-dir that
-    already holds checkpoints (ConfigError). The per-rank generator continues from its saved state
-    at the same world size; at another, it restarts from (seed, rank, step) (docs/wal.md). The
-    run continues the lineage of the checkpoint: it takes its run id (docs/checkpoint.md).
-    dir_existed: whether --ckpt-dir existed before this run locked (and so made) it."""
-    found = np.array([-1 if world.rank else (latest_step(args.ckpt_dir) or 0)], np.int64)
-    world.broadcast(found, src=0)
+    """Load the newest committed checkpoint in --ckpt-dir that verifies (latest_valid; rank 0
+    warns naming each newer one skipped and why; --resume-strict: CheckpointError instead);
+    returns its step (0: none, fresh). Any world size and ZeRO stage loads any other's. Without
+    --resume, refuses a --ckpt-dir that already holds checkpoints (ConfigError). The per-rank
+    generator continues from its saved state at the same world size; at another, it restarts
+    from (seed, rank, step) (docs/wal.md). The run continues the lineage of the checkpoint: it
+    takes its run id (docs/checkpoint.md). dir_existed: whether --ckpt-dir existed before this
+    run locked (and so made) it."""
     if not args.resume:
+        found = np.array([-1 if world.rank else (latest_step(args.ckpt_dir) or 0)], np.int64)
+        world.broadcast(found, src=0)
         if found[0] > 0:
             raise ConfigError(f"--ckpt-dir {args.ckpt_dir} already holds checkpoints (latest step "
                               f"{found[0]}); pass --resume or use an empty directory")
         return 0
-    if found[0] == 0:
+    step, skipped = latest_valid(world, args.ckpt_dir, fallback=not args.resume_strict)
+    if world.rank == 0:
+        for path, why in skipped:
+            print(f"warning: checkpoint {path} does not verify, skipped: {why}", file=sys.stderr,
+                  flush=True)
+    if step is None and skipped:
+        raise CheckpointError(f"no checkpoint in {args.ckpt_dir} verifies ({len(skipped)} "
+                              f"committed, all corrupt; see the warnings above)")
+    if not step:
         if world.rank == 0 and not dir_existed:
             warn_missing_ckpt_dir(args.ckpt_dir)
         elif world.rank == 0:
             print(f"checkpoint: no committed checkpoint in {args.ckpt_dir}; starting fresh", flush=True)
         return 0
-    ckpt = load_checkpoint(world, args.ckpt_dir, step=int(found[0]))
+    ckpt = load_checkpoint(world, args.ckpt_dir, step=step)
     args.run_id = ckpt.metadata.get("run_id") or args.run_id
     return restore(world, args, cfg, engine, sampler, rng, ckpt)
 
@@ -608,24 +625,36 @@ def finish_recovered_step(world, args, replica, metrics, last_step, save_step):
 
 def restore(world, args, cfg, engine, sampler, rng, ckpt):
     """Load `ckpt` (a loaded checkpoint, or the surviving replica's state after an elastic
-    shrink) into engine, sampler and rng; returns its step (collective)."""
-    saved_cfg = GPTConfig(**ckpt.meta["model_config"])
+    shrink) into engine, sampler and rng; returns its step (collective). Raises CheckpointError
+    on every rank when the saved meta or rank state lacks a field or has one of the wrong type."""
+    try:  # the meta is the same on every rank: each reaches the same verdict
+        saved_cfg = GPTConfig(**ckpt.meta["model_config"])
+        sampler.load_state_dict(ckpt.meta["sampler"])
+        saved_model = str(ckpt.meta["model"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {ckpt.path}: its meta cannot be resumed from: "
+                              f"{type(exc).__name__}: {exc}") from None
     if saved_cfg != cfg:
-        raise CheckpointError(f"checkpoint {ckpt.path} holds model {ckpt.meta['model']} "
+        raise CheckpointError(f"checkpoint {ckpt.path} holds model {saved_model} "
                               f"({saved_cfg}), this run builds model {args.model} ({cfg}); "
-                              f"resume with --model {ckpt.meta['model']} and --seq-len "
+                              f"resume with --model {saved_model} and --seq-len "
                               f"{saved_cfg.seq_len}, or use another --ckpt-dir")
     engine.load_shards(ckpt.read)  # reads only the slices this rank keeps
-    sampler.load_state_dict(ckpt.meta["sampler"])
-    saved = ckpt.rank_state(world.rank).get("rng")
-    if saved is not None and ckpt.world_size_saved == world.world_size:
-        rng.bit_generator.state = saved
-    else:
-        rng.bit_generator.state = np.random.default_rng(
-            [args.seed, world.rank, ckpt.step]).bit_generator.state
+    saved, error = ckpt.rank_state(world.rank).get("rng"), None
+    try:  # a rank's own state: agree on its verdict
+        if saved is not None and ckpt.world_size_saved == world.world_size:
+            rng.bit_generator.state = saved
+        else:
+            rng.bit_generator.state = np.random.default_rng(
+                [args.seed, world.rank, ckpt.step]).bit_generator.state
+    except (KeyError, TypeError, ValueError) as exc:
+        error = CheckpointError(f"checkpoint {ckpt.path}: saved generator state unusable: {exc}")
+    raise_if_any_failed(world, error, "restoring the generator state")
     if world.rank == 0:
         for path in ckpt.ignored:
             print(f"checkpoint: ignoring uncommitted {path}", flush=True)
+        for text in getattr(ckpt, "warnings", ()):
+            print(f"warning: {text}", file=sys.stderr, flush=True)
         print(f"checkpoint: resumed from {ckpt.path} (saved at world size {ckpt.world_size_saved}, "
               f"ZeRO stage {ckpt.meta.get('zero_stage', 0)}, {sampler.samples_consumed} samples "
               f"consumed); continuing at step {ckpt.step + 1}", flush=True)
@@ -659,8 +688,9 @@ class StepLog:
     against it (CheckpointError on every rank at the first difference), then it is kept up to L
     and continued at L+1."""
 
-    def __init__(self, world, args, engine, ckpt_step):
+    def __init__(self, world, args, engine, ckpt_step, samples_consumed=0):
         self.world, self.args, self.engine = world, args, engine
+        self.samples_consumed = samples_consumed  # the checkpoint's, checked against the log
         self.path, self.wal, self.parity, self.records = wal_path(args.ckpt_dir), None, None, None
         error, verify_until = None, 0
         digest = self._digest() if ckpt_step else None
@@ -691,6 +721,9 @@ class StepLog:
             records = self.records = read_wal(self.path)
         except CheckpointError as exc:
             raise CheckpointError(f"{exc}; move it away to resume without the log") from None
+        message = check_checkpoint_record(self.path, records, ckpt_step, self.samples_consumed)
+        if ckpt_step and message:
+            raise CheckpointError(message)
         kept, logged = records[records["step"] <= ckpt_step], records[records["step"] > ckpt_step]
         last = int(records["step"][-1]) if len(records) else 0
         at_ckpt = kept[kept["step"] == ckpt_step]
@@ -905,7 +938,7 @@ def train(args):
                   f"{'--steps' if last_step == args.steps else '--stop-after-step'} {last_step}",
                   flush=True)
         return None
-    log = StepLog(world, args, engine, start_step - 1) if args.ckpt_dir else None
+    log = StepLog(world, args, engine, start_step - 1, sampler.samples_consumed) if args.ckpt_dir else None
     bar = tqdm(total=args.steps, initial=start_step - 1, disable=rank != 0 or args.no_progress,
                unit="step", mininterval=1.0)
     tokens_per_step = args.global_batch * args.seq_len
