@@ -76,13 +76,15 @@ def train(args, world):
     model = ViT(cfg, seed=args.seed)
     sampler = ImageBatchSampler(data.train_images, data.train_labels, args.batch, seed=args.seed,
                                 dp_rank=world.rank, dp_size=world.world_size)
-    mask = decay_mask(model.params, dtype=model.dtype)
+
+    def adamw(params, mask):
+        return AdamW(params, lr=args.lr, weight_decay=args.weight_decay, decay_mask=mask)
+
     if args.zero_stage:
-        engine = ZeroDataParallel(model, world, stage=args.zero_stage, optimizer=lambda p, m: AdamW(
-            p, lr=args.lr, weight_decay=args.weight_decay, decay_mask=m))
+        engine = ZeroDataParallel(model, world, stage=args.zero_stage, optimizer=adamw)
     else:
         engine = DataParallel(model, world)
-        opt = AdamW(model.flat_data, lr=args.lr, weight_decay=args.weight_decay, decay_mask=mask)
+        opt = adamw(model.flat_data, decay_mask(model.params, dtype=model.dtype))
     if world.rank == 0:
         print(f"ViT {args.model} ({model.num_params} parameters, {cfg.seq_len} positions) on "
               f"digits: {len(data.train_labels)} train, {len(data.val_labels)} held-out images; "

@@ -8,11 +8,10 @@ ship inside scikit-learn, so nothing is downloaded at run time; install it with
 batch, and the position is one integer to checkpoint. Nothing here needs MPI.
 """
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import numpy as np
 
-from rtxmpi.data import _check_int, _check_rank, batch_split
+from rtxmpi.data import _check_int, _check_rank, _epoch_keys, _permute, batch_split
 from rtxmpi.errors import ConfigError
 
 
@@ -54,25 +53,19 @@ def load_digits(val_fraction=0.2, seed=0):
                         np.ascontiguousarray(images[val]), labels[val], 10)
 
 
-@lru_cache(maxsize=8)
-def _epoch_order(n, seed, epoch):
-    """The sample order of one epoch: a permutation of [0, n) from (seed, epoch) alone."""
-    order = np.random.default_rng([seed, epoch]).permutation(n)
-    order.flags.writeable = False
-    return order
-
-
 class ImageBatchSampler:
     """This rank's slice of each global batch of images, drawn from (seed, global sample index).
 
     images: (N, ...) array; labels: (N,) array. global_batch: samples per step over all
     data-parallel ranks, at least dp_size. dp_rank, dp_size: this rank's place in the
     data-parallel group (ints). start_sample: global samples already consumed (the resume
-    position). Global sample i is image _epoch_order(N, seed, i // N)[i % N]: every epoch visits
-    each image once, in an order of its own. Step k reads global samples [s, s + global_batch),
-    s = samples_consumed, and rank r the slice batch_split(global_batch, dp_size) gives it
-    (rtxmpi.data.BatchSampler's rule): the slices of all ranks in rank order are the dp_size=1
-    batch bit for bit. Endless. Local: no rank talks to another.
+    position). Global sample i is image perm(i % N), perm the keyed bijection of [0, N) of
+    (seed, epoch = i // N) that the text sampler uses (docs/data.md): every epoch visits each
+    image once, in an order of its own, whatever the numpy version. Step k reads global samples
+    [s, s + global_batch), s = samples_consumed, and rank r the slice that
+    batch_split(global_batch, dp_size) gives it (rtxmpi.data.BatchSampler's rule): the slices of
+    all ranks in rank order are the dp_size=1 batch bit for bit. Endless. Local: no rank talks
+    to another.
     Raises ConfigError: global_batch smaller than dp_size, no images, labels not matching,
     a rank outside [0, dp_size), non-integer or negative sizes.
     """
@@ -107,7 +100,7 @@ class ImageBatchSampler:
         out = np.empty(samples.shape, np.int64)
         for epoch in np.unique(samples // n):
             sel = samples // n == epoch
-            out[sel] = _epoch_order(n, self.seed, int(epoch))[samples[sel] % n]
+            out[sel] = _permute(samples[sel] % n, n, _epoch_keys(self.seed, int(epoch))[0])
         return out
 
     def next_batch(self):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from rtxmpi.backend import xp_of
 from rtxmpi.errors import ConfigError
 from rtxmpi.nn.module import Model, Sequential
 from rtxmpi.nn.modules import (ClassToken, ClassTokenHead, LayerNorm, PatchEmbedding,
@@ -86,7 +87,7 @@ def vit_units(cfg):
     C = cfg.n_embd
     return ([Sequential(("patch", PatchEmbedding(cfg.patch_size, cfg.channels, C)),
                         ClassToken(C, "cls"), PositionalEmbedding(cfg.seq_len, C, "pos"))]
-            + [(f"h{l}", TransformerBlock(C, cfg.n_head, causal=False)) for l in range(cfg.n_layer)]
+            + [(f"h{i}", TransformerBlock(C, cfg.n_head, causal=False)) for i in range(cfg.n_layer)]
             + [Sequential(("ln_f", LayerNorm(C)), ("head", ClassTokenHead(C, cfg.n_classes)))])
 
 
@@ -116,7 +117,7 @@ class ViT(Model):
                               f"{shape if shape is not None else type(images).__name__}")
         if images.dtype.kind not in "fiu":
             raise ConfigError(f"images must hold real numbers, got dtype {images.dtype}")
-        if images.dtype.kind == "f" and not bool(self.xp.isfinite(images).all()):
+        if images.dtype.kind == "f" and not bool(xp_of(images).isfinite(images).all()):
             raise ConfigError("images hold NaN or infinite values")
 
     def check_batch(self, images, labels):
