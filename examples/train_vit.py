@@ -37,7 +37,7 @@ def parse_args(argv=None):
     p = _Parser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="small", help=f"size: {', '.join(VIT_SIZES)}")
     p.add_argument("--patch", type=int, default=2, help="patch side in pixels (8 must divide)")
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch", type=int, default=64, help="global batch (images per step)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup-steps", type=int, default=20)
