@@ -177,4 +177,6 @@ def test_zero_vit_checkpoint_resumes_at_another_world_size(world, ckpt_dir, stag
     resumed.load_shards(ckpt.read)
     assert resumed.optimizer.step_count == 3
     train(half, resumed, 3, first_step=3)
-    np.testing.assert_allclose(resumed.full_params(), expected, rtol=1e-10, atol=1e-13)
+    # the resumed half sums gradients over fewer ranks, in another order: float64 round-off,
+    # which Adam turns into differences of up to ~1e-13 in parameters near 0 (they are ~0.03)
+    np.testing.assert_allclose(resumed.full_params(), expected, rtol=1e-10, atol=1e-11)
