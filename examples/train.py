@@ -450,9 +450,10 @@ def build_engine(args, model, world):
                             offload=None if args.offload == "none" else args.offload)
 
 
-def checkpoint_meta(args, cfg, model, engine, sampler):
-    """What a resume needs besides the flat tensors (JSON, stored in metadata.json)."""
-    return {"model": args.model, "model_config": asdict(cfg), "dtype": np.dtype(model.dtype).str,
+def checkpoint_meta(args, cfg, model, engine, sampler, loss=None):
+    """What a resume needs besides the flat tensors (JSON, stored in metadata.json). loss: the
+    step's loss, stored as its float64 bits (hex), which a resume compares with the log's."""
+    return {"loss_bits": None if loss is None else loss_bits(loss), "model": args.model, "model_config": asdict(cfg), "dtype": np.dtype(model.dtype).str,
             "param_layout": [[p.name, list(p.shape), p.offset]
                              for p in getattr(model, "full_specs", model.params)],
             "optimizer_step": engine.optimizer.step_count, "sampler": sampler.state_dict(),
@@ -461,7 +462,12 @@ def checkpoint_meta(args, cfg, model, engine, sampler):
             "zero_stage": args.zero_stage}
 
 
-def save(world, args, step, cfg, model, engine, sampler, rng, pending=None):
+def loss_bits(loss):
+    """A loss as the hex of its float64 bits: exact, and JSON even when the loss is not finite."""
+    return f"{int(np.float64(loss).view(np.uint64)):016x}"
+
+
+def save(world, args, step, cfg, model, engine, sampler, rng, pending=None, loss=None):
     """Commit a checkpoint of `step`: each rank writes its piece of params, m, v and the step,
     and its generator's state. With --async-save, first commits `pending` (the previous save),
     then snapshots and returns the new save in flight for `finish_save` (collective)."""
@@ -469,7 +475,7 @@ def save(world, args, step, cfg, model, engine, sampler, rng, pending=None):
     t0 = time.perf_counter()
     shards = {name: Shard(*piece) for name, piece in engine.shards().items()}
     path = save_checkpoint(world, args.ckpt_dir, step, shards,
-                           meta=checkpoint_meta(args, cfg, model, engine, sampler),
+                           meta=checkpoint_meta(args, cfg, model, engine, sampler, loss),
                            rank_state={"rank": world.rank, "world_size": world.world_size,
                                        "rng": rng.bit_generator.state},
                            overwrite=True, async_save=args.async_save, run_id=args.run_id)
@@ -631,6 +637,8 @@ def restore(world, args, cfg, engine, sampler, rng, ckpt):
         saved_cfg = GPTConfig(**ckpt.meta["model_config"])
         sampler.load_state_dict(ckpt.meta["sampler"])
         saved_model = str(ckpt.meta["model"])
+        bits = ckpt.meta.get("loss_bits")  # absent in a replica and in older checkpoints
+        args.ckpt_loss = None if bits is None else float(np.uint64(int(bits, 16)).view(np.float64))
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {ckpt.path}: its meta cannot be resumed from: "
                               f"{type(exc).__name__}: {exc}") from None
@@ -688,9 +696,9 @@ class StepLog:
     against it (CheckpointError on every rank at the first difference), then it is kept up to L
     and continued at L+1."""
 
-    def __init__(self, world, args, engine, ckpt_step, samples_consumed=0):
+    def __init__(self, world, args, engine, ckpt_step, samples_consumed=0, loss=None):
         self.world, self.args, self.engine = world, args, engine
-        self.samples_consumed = samples_consumed  # the checkpoint's, checked against the log
+        self.samples_consumed, self.loss = samples_consumed, loss  # the checkpoint's, checked against the log
         self.path, self.wal, self.parity, self.records = wal_path(args.ckpt_dir), None, None, None
         error, verify_until = None, 0
         digest = self._digest() if ckpt_step else None
@@ -721,7 +729,8 @@ class StepLog:
             records = self.records = read_wal(self.path)
         except CheckpointError as exc:
             raise CheckpointError(f"{exc}; move it away to resume without the log") from None
-        message = check_checkpoint_record(self.path, records, ckpt_step, self.samples_consumed)
+        message = check_checkpoint_record(self.path, records, ckpt_step, self.samples_consumed,
+                                          self.loss)
         if ckpt_step and message:
             raise CheckpointError(message)
         kept, logged = records[records["step"] <= ckpt_step], records[records["step"] > ckpt_step]
@@ -938,7 +947,8 @@ def train(args):
                   f"{'--steps' if last_step == args.steps else '--stop-after-step'} {last_step}",
                   flush=True)
         return None
-    log = StepLog(world, args, engine, start_step - 1, sampler.samples_consumed) if args.ckpt_dir else None
+    log = (StepLog(world, args, engine, start_step - 1, sampler.samples_consumed,
+                   getattr(args, "ckpt_loss", None)) if args.ckpt_dir else None)
     bar = tqdm(total=args.steps, initial=start_step - 1, disable=rank != 0 or args.no_progress,
                unit="step", mininterval=1.0)
     tokens_per_step = args.global_batch * args.seq_len
@@ -1002,7 +1012,8 @@ def train(args):
         if ckpt_now:
             loop.phase("save", step)
             with obs.span("checkpoint", "checkpoint"):
-                pending = save(world, args, step, cfg, model, engine, sampler, rng, pending)
+                pending = save(world, args, step, cfg, model, engine, sampler, rng, pending,
+                               record["loss"])
         if flags.stop:  # pre-empted or interrupted: every rank stops after this step
             record["preempted"], last_step = True, step
             record["interrupted"] = not flags.preempt  # only Ctrl-C (SIGINT/SIGUSR2) on every rank

@@ -187,18 +187,26 @@ def _valid_prefix(records):
     return records[:bad[0]] if bad.size else records
 
 
-def check_checkpoint_record(path, records, step, samples_consumed):
+def check_checkpoint_record(path, records, step, samples_consumed, loss=None):
     """Compare the log's record of checkpoint step `step` with what the checkpoint says.
 
-    records: from `read_wal(path)`; samples_consumed: the checkpoint's data position after `step`.
+    records: from `read_wal(path)`; samples_consumed: the checkpoint's data position after `step`;
+    loss: the step's loss the checkpoint recorded (float, compared bit for bit), or None (not
+    recorded: checkpoints written before it was).
     Returns None when they agree or the log holds no record of `step` (a log that starts later,
     or was cut before it), else a one-line message naming the log, the step and both values.
     """
     at = records[records["step"] == step]
-    if len(at) and int(at["samples_consumed"][0]) != int(samples_consumed):
+    if not len(at):
+        return None
+    why = "(an edited metadata.json, or the log of another run)"
+    if int(at["samples_consumed"][0]) != int(samples_consumed):
         return (f"{path} step {step}: the checkpoint says {int(samples_consumed)} samples consumed, "
                 f"the log recorded {int(at['samples_consumed'][0])}: checkpoint and log disagree "
-                f"(an edited metadata.json, or the log of another run)")
+                + why)
+    if loss is not None and not _same_bits(loss, at["loss"][0]):
+        return (f"{path} step {step}: the checkpoint says loss {float(loss)!r}, the log recorded "
+                f"{float(at['loss'][0])!r}: checkpoint and log disagree " + why)
     return None
 
 

@@ -291,10 +291,11 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_older_one_with_a_warning(re
 
 
 def test_edited_or_unusable_metadata_is_refused_with_exit_3(reference, tmp_path):
-    """One launch, three checkpoint dirs: samples_consumed edited 48 -> 56 with the checksum
-    recomputed (the log recorded 48), the same edit left unsigned with --resume-strict, and a
-    re-signed meta without model_config."""
+    """One launch, four checkpoint dirs: samples_consumed edited 48 -> 56 with the checksum
+    recomputed (the log recorded 48), the same edit left unsigned with --resume-strict, a
+    re-signed meta without model_config, and a re-signed loss of the step (the log's differs)."""
     signed = copy_ckpt(reference, tmp_path, "signed", drop=["step_00000012"])
+    loss = copy_ckpt(reference, tmp_path, "loss", drop=["step_00000012"])
     unsigned = copy_ckpt(reference, tmp_path, "unsigned", drop=["step_00000012"])
     no_config = copy_ckpt(reference, tmp_path, "no_config", drop=["step_00000012"])
 
@@ -303,11 +304,17 @@ def test_edited_or_unusable_metadata_is_refused_with_exit_3(reference, tmp_path)
     edit_metadata(signed / "step_00000006", consumed_56)
     edit_metadata(unsigned / "step_00000006", consumed_56, resign=False)
     edit_metadata(no_config / "step_00000006", lambda m: m["meta"].pop("model_config"))
+
+    def other_loss(m):
+        m["meta"]["loss_bits"] = f"{int(np.float64(2.5).view(np.uint64)):016x}"
+    edit_metadata(loss / "step_00000006", other_loss)
     common = [*ARGS, "--resume"]
     cases = refused(2, [[*common, "--ckpt-dir", signed],
                         [*common, "--resume-strict", "--ckpt-dir", unsigned],
-                        [*common, "--ckpt-dir", no_config]], tmp_path)
+                        [*common, "--ckpt-dir", no_config],
+                        [*common, "--ckpt-dir", loss]], tmp_path)
     assert_one_line_error(cases[0], "the checkpoint says 56 samples consumed, the log recorded 48",
                           code=3)
     assert_one_line_error(cases[1], "metadata_checksum", code=3)
     assert_one_line_error(cases[2], "its meta cannot be resumed from: KeyError: 'model_config'", code=3)
+    assert_one_line_error(cases[3], "the checkpoint says loss 2.5, the log recorded", code=3)

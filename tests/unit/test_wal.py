@@ -160,3 +160,12 @@ def test_checkpoint_record_must_agree_with_the_checkpoints_samples_consumed(tmp_
     message = check_checkpoint_record("wal.h5", records, 6, 56)
     assert message == ("wal.h5 step 6: the checkpoint says 56 samples consumed, the log recorded 48: "
                        "checkpoint and log disagree (an edited metadata.json, or the log of another run)")
+
+
+def test_checkpoint_record_must_agree_with_the_checkpoints_loss_bit_for_bit():
+    records = np.array([(s, 8 * s, 1.5, 0.1, 1.0, 0.0, 2, NO_DIGEST) for s in (5, 6)], RECORD_DTYPE)
+    assert check_checkpoint_record("wal.h5", records, 6, 48, loss=1.5) is None
+    assert check_checkpoint_record("wal.h5", records, 6, 48, loss=None) is None  # not recorded
+    message = check_checkpoint_record("wal.h5", records, 6, 48, loss=np.nextafter(1.5, 2))
+    assert message.startswith("wal.h5 step 6: the checkpoint says loss 1.5000000000000002, the log "
+                              "recorded 1.5: checkpoint and log disagree")
