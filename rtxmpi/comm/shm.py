@@ -119,7 +119,7 @@ from mpi4py import MPI
 
 from ..backend import env_flag
 from ..errors import CollectiveError, CollectiveMismatch, ConfigError, RankFailure
-from . import monitor, tuning
+from . import fingerprint, monitor, tuning
 from .failure import ulfm_enabled
 
 try:  # the compiled mailbox (_mailbox.c, built at install); numpy and plain stores without it
@@ -710,6 +710,7 @@ class NodeAllReduce:
         self._tuner = (tuning.OnlineChoice() if bounce and bounce_bytes and not bounce_any_cpu
                        and self.local_rank == 0 else None)
         self.mailbox_off = None  # create(): why there is no mailbox (None: there is one)
+        self.group_name = "?"  # the group's name, for CollectiveMismatch (set by its backend)
         self.all_reduce_from = min_bytes  # smallest all_reduce of the cross-memory path / arena
         self._lines = self.mailbox = None
         if box is not None:
@@ -734,8 +735,8 @@ class NodeAllReduce:
         if peers is not None:
             self._reader, self._pids = peers
             self._tmp = np.zeros(chunk_bytes, np.uint8)  # touched once, reused
-            self._my_addr = np.zeros(2, np.int64)  # (address, key) of this call's array
-            self._addrs = np.zeros((size, 2), np.int64)
+            self._my_addr = np.zeros(3, np.int64)  # (address, key, code) of this call's array
+            self._addrs = np.zeros((size, 3), np.int64)
 
     @classmethod
     def create(cls, comm, config, members=None):
@@ -834,7 +835,7 @@ class NodeAllReduce:
         return views
 
     # -- cross-memory helpers ---------------------------------------------------------------
-    def _exchange(self, x, wait):
+    def _exchange(self, x, wait, code=0):
         """Arrival of every rank of the group and the local peers' array addresses. Returns
         [(pid, address)] of the other local ranks, in local-rank order. On one node with the
         flag lines (see __init__): this rank publishes its address, then raises its arrival flag,
@@ -842,24 +843,26 @@ class NodeAllReduce:
         start its next call, and overwrite its address, before this rank has finished (`_done`).
         Otherwise one all_gather of two int64 over the group. Each rank publishes its array's
         size and dtype with the address; CollectiveMismatch on every local rank when they
-        differ (checking off: a larger peer array would send transfers past the end of x)."""
+        differ (checking off: a larger peer array would send transfers past the end of x), or
+        when their fingerprint codes (`code`: the caller's dtype and op) differ."""
         self._drain(wait)
         me, pids = self.local_rank, self._pids
         lines = self._lines if TSO else None
         key = x.nbytes * 64 + _FOLD_CHARS.find(x.dtype.char) + 1  # what every rank must share
         if lines is None:
-            self._my_addr[:] = x.ctypes.data, key
+            self._my_addr[:] = x.ctypes.data, key, code
             wait([self.comm.Iallgather(self._my_addr, self._addrs)])
-            keys, ranks = self._addrs[:, 1], self._group_ranks  # every rank of the group
-            table = self._addrs[self._local_group]  # (address, key) by local rank
+            keys, codes, ranks = self._addrs[:, 1], self._addrs[:, 2], self._group_ranks
+            table = self._addrs[self._local_group]  # (address, key, code) by local rank
         else:
             self._cma_calls += 1
-            lines[me, 2], lines[me, 7] = x.ctypes.data, key
+            lines[me, 2], lines[me, 7], lines[me, 15] = x.ctypes.data, key, code
             lines[me, 1] = self._cma_calls
             self._await(1, wait)
             table = lines[:, [2, 7]]
-            keys, ranks = table[:, 1], self._local_ranks
-        if (keys != key).any():  # every rank sees every key: each raises, before any transfer
+            keys, codes, ranks = table[:, 1], lines[:, 15].copy(), self._local_ranks
+        if (keys != key).any() or (codes != code).any():  # every rank sees every key: each
+            # raises, before any transfer
             error = self._mismatch(ranks, [f"{int(k) // 64} bytes, "
                                            f"{_FOLD_NAMES.get(int(k) % 64 - 1, 'other dtype')}"
                                            for k in keys])
@@ -915,19 +918,22 @@ class NodeAllReduce:
             f"rtxmpi.init(check=True)) to see each rank's call [rank {self._rank}]")
 
     # -- all_reduce -------------------------------------------------------------------------
-    def small_all_reduce(self, x, mpi_op, wait=_wait_all):
+    def small_all_reduce(self, x, mpi_op, wait=_wait_all, code=0, seq=0):
         """The mailbox all_reduce: one synchronization. Every local rank copies `x` into its slot
         of the shared mailbox and raises its flag to the call number; once every flag has reached
         it (`wait(poll)`: the arrival check), every rank reduces all slots in local-rank order
         into `x`, so every rank computes bitwise the same result. Slots alternate between calls
         (a rank can be at most one call ahead of a peer, whose slot of the previous call it then
-        no longer reads). Same contract as all_reduce; the caller checks
-        `x.nbytes <= small_bytes` and supports() (both the same on every rank)."""
+        no longer reads). Each rank posts x's element count and `code` (the caller's fingerprint
+        code) beside its flag: when they differ, nothing is reduced and every rank raises
+        CollectiveMismatch naming each rank's call (`seq`: the group's call number). Same contract
+        as all_reduce; the caller checks `x.nbytes <= small_bytes` and supports() (both the same
+        on every rank for matching calls)."""
         self._drain(wait)
         if self.mailbox is not None:  # compiled: post, spin and reduce in one call (_mailbox.c)
-            call = self.mailbox.all_reduce(x, mpi_op, SPIN_NS)
+            call = self.mailbox.all_reduce(x, mpi_op, SPIN_NS, code)
             if call:
-                self.small_finish(x, mpi_op, call, wait)
+                self.small_finish(x, mpi_op, call, wait, seq)
             return True
         self._box_calls += 1
         call, flags, me = self._box_calls, self._flags, self.local_rank
@@ -939,6 +945,9 @@ class NodeAllReduce:
             views = self._box_views[key] = [slot[:x.nbytes].view(x.dtype)
                                             for slot in self._box_slots[call & 1]]
         np.copyto(views[me], x)
+        column = 11 + 2 * (call & 1)  # as the compiled mailbox's: _mailbox.c
+        lines = self._lines
+        lines[me, column], lines[me, column + 1] = x.size, code
         flags[me] = call
         if self.local_size == 2:
             peer = 1 - me
@@ -953,19 +962,32 @@ class NodeAllReduce:
                 break
         else:
             wait(self._watched(poll))
+        keys = lines[:, column:column + 2]
+        if (keys != keys[me]).any():
+            raise self._box_mismatch(keys, seq)
         ufunc = ufunc_of(mpi_op)
         ufunc(views[0], views[1], out=x)
         for view in views[2:]:
             ufunc(x, view, out=x)
         return True
 
-    def small_finish(self, x, mpi_op, call, wait):
-        """The compiled mailbox's late-peer path: `mailbox.all_reduce(x, mpi_op, SPIN_NS)` returned
-        `call` (a peer had not posted it within the spin): wait(poll) until every local rank has
-        (the caller's deadline; a dead local peer raises RankFailure), then reduce into x."""
+    def small_finish(self, x, mpi_op, call, wait, seq=0):
+        """After `mailbox.all_reduce(x, mpi_op, SPIN_NS, code)` returned `call` != 0: a negative
+        call, the ranks' calls differ (CollectiveMismatch); else a peer had not posted it within
+        the spin: wait(poll) until every local rank has (the caller's deadline; a dead local
+        peer raises RankFailure), then reduce into x, or raise CollectiveMismatch. seq: the
+        group's call number, for the message."""
         mailbox = self.mailbox
-        wait(self._watched(lambda: mailbox.arrived(call)))
-        mailbox.finish(x, mpi_op, call)
+        if call > 0:
+            wait(self._watched(lambda: mailbox.arrived(call)))
+            if mailbox.finish(x, mpi_op, call):
+                return
+        raise self._box_mismatch(mailbox.box_keys(abs(call)), seq)
+
+    def _box_mismatch(self, keys, seq):
+        """CollectiveMismatch for a mailbox call whose local ranks posted different (count, code)
+        pairs (keys, by local rank = group rank: the mailbox serves one node)."""
+        return CollectiveMismatch(fingerprint.describe("all_reduce", seq, self.group_name, keys))
 
     def supports(self, x, mpi_op):
         """Whether all_reduce(x, mpi_op) runs here: a contiguous 1-D numpy array and an MPI op
@@ -974,22 +996,29 @@ class NodeAllReduce:
         return (type(x) is np.ndarray and x.ndim == 1 and x.flags.c_contiguous
                 and ufunc_of(mpi_op) is not None)
 
-    def all_reduce(self, x, mpi_op, wait=_wait_all, guard=contextlib.nullcontext):
+    def all_reduce(self, x, mpi_op, wait=_wait_all, guard=contextlib.nullcontext, code=0, seq=0):
         """Reduce the contiguous 1-D array `x` in place over the group; every rank must call, with
         the same size, dtype and op, and only when supports(x, mpi_op). Includes the arrival check
-        (through `wait`). Raises RankFailure (a local peer exited during a transfer),
-        CollectiveError (another cross-memory failure), and what `wait` raises."""
+        (through `wait`), which compares every rank's size, dtype and `code` (the caller's
+        fingerprint code) before anything moves. Raises CollectiveMismatch (they differ; `seq`:
+        the group's call number, for the message), RankFailure (a local peer exited during a
+        transfer), CollectiveError (another cross-memory failure), and what `wait` raises."""
         ufunc = ufunc_of(mpi_op)
         if self.mode == "cma":
-            self._all_reduce_cma(x, ufunc, mpi_op, wait, guard)
-        else:
-            wait([self.comm.Ibarrier()])
+            self._all_reduce_cma(x, ufunc, mpi_op, wait, guard, code, seq)
+        else:  # the arena: one all_gather of every rank's (count, code) is the arrival check
+            mine = np.array([x.size, code], np.int64)
+            table = np.empty((self.comm.Get_size(), 2), np.int64)
+            wait([self.comm.Iallgather(mine, table)])
+            if (table != mine).any():
+                raise CollectiveMismatch(fingerprint.describe("all_reduce", seq, self.group_name,
+                                                              table))
             if x.size:
                 with guard():
                     self._all_reduce_copy(x, ufunc, mpi_op)
         return True
 
-    def _all_reduce_cma(self, x, ufunc, mpi_op, wait, guard):
+    def _all_reduce_cma(self, x, ufunc, mpi_op, wait, guard, code, seq):
         """Arrival + address exchange; then for each cache-sized piece of this rank's segment:
         read the piece of every peer into the scratch buffer, fold it into `x` in place, and
         write the reduced piece straight into every peer's array (one node; across nodes the
@@ -997,9 +1026,9 @@ class NodeAllReduce:
         barrier (no rank returns while a peer still reads or writes its array)."""
         mailbox = self.mailbox
         if mailbox is not None and x.dtype.isnative and x.dtype.char in _FOLD_CHARS:
-            self._cross_compiled(mailbox, x, mpi_op, wait)
+            self._cross_compiled(mailbox, x, mpi_op, wait, code, seq)
             return
-        peers = self._exchange(x, wait)
+        peers = self._exchange(x, wait, code)
         n, me = self.local_size, self.local_rank
         total, itemsize = x.size, x.itemsize
         lo, hi = (total * me) // n, (total * (me + 1)) // n
@@ -1034,7 +1063,7 @@ class NodeAllReduce:
             raise self._peer_error("all_reduce", exc) from exc
         self._done(wait)
 
-    def _cross_compiled(self, mailbox, x, mpi_op, wait):
+    def _cross_compiled(self, mailbox, x, mpi_op, wait, code, seq):
         """_all_reduce_cma on one node in one C call (_mailbox.c, Mailbox.cross: the same flag
         lines, steps and piece loop); a peer later than the spin is waited for here, with the
         caller's deadline."""
@@ -1046,12 +1075,12 @@ class NodeAllReduce:
             bounce = tuner.pick(x.nbytes, _ALGORITHMS) == 1
         else:  # beyond bounce_bytes only the system calls run: nothing to choose
             tuner = None
-        status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, 0, bounce)
+        status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, 0, bounce, code)
         while status in _CROSS_WAITS:  # a peer later than the spin: wait, then the next stage
             wait(self._watched(mailbox.cross_ready))
             status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, _CROSS_WAITS[status],
-                                   bounce)
-        error = self._cross_error(status)
+                                   bounce, code)
+        error = self._cross_error(status, seq)
         if error is not None:
             raise error
         if tuner is not None:
@@ -1060,13 +1089,18 @@ class NodeAllReduce:
                 # those would count as the tuner's check of the other algorithm
                 tuner.record(x.nbytes, _ALGORITHMS, algorithm, ns * 1e-9)
 
-    def _cross_error(self, status):
+    def _cross_error(self, status, seq):
         """The error a Mailbox.cross status stands for (a failed transfer's tuple: RankFailure or
-        CollectiveError; 3: the ranks' arrays differ, CollectiveMismatch), else None."""
+        CollectiveError; 3: the ranks' calls differ, CollectiveMismatch naming each rank's count,
+        dtype and op, from the fingerprint codes when the caller gave them), else None."""
         if type(status) is tuple:
             return self._peer_error("all_reduce", PeerAccessError(*status))
         if status == 3:
-            return self._mismatch(self._local_ranks, _described(self.mailbox.keys()))
+            keys, codes = self.mailbox.keys(), self.mailbox.codes()
+            if not any(codes):
+                return self._mismatch(self._local_ranks, _described(keys))
+            table = [(n // np.dtype(_TYPE_NAMES[t]).itemsize, c) for (n, t, _), c in zip(keys, codes)]
+            return CollectiveMismatch(fingerprint.describe("all_reduce", seq, self.group_name, table))
         return None
 
     # -- nonblocking all_reduce --------------------------------------------------------------
@@ -1084,7 +1118,7 @@ class NodeAllReduce:
         return self.mailbox is not None and (
             nbytes <= self.small_bytes or (self.mode == "cma" and nbytes >= self.all_reduce_from))
 
-    def start_all_reduce(self, x, mpi_op):
+    def start_all_reduce(self, x, mpi_op, code=0, seq=0):
         """Start the all_reduce of `x` without waiting (the caller checked supports_nonblocking):
         through the mailbox up to small_bytes, else the cross-memory call. Returns poll() ->
         bool, True once x holds the result. Every rank must start the same calls in the same
@@ -1099,17 +1133,22 @@ class NodeAllReduce:
         engine does), and every blocking mailbox or cross-memory call first drains the queue. A
         peer transfer that fails raises RankFailure (CollectiveError) from whichever call ran
         progress(), and every queued call fails with it: their poll() raises it too. So does a
-        local peer found dead while a poll() waits (the queue can never complete)."""
+        local peer found dead while a poll() waits (the queue can never complete). A call whose
+        ranks passed different counts, dtypes or ops (`code`: the caller's fingerprint code)
+        moves nothing; its poll() raises CollectiveMismatch on every rank (`seq`: the group's
+        call number, for the message) and the queue goes on."""
         small = x.nbytes <= self.small_bytes
         if small:  # numbered by the mailbox when posted: now (a short spin, START_SPIN_NS), when
             # nothing is queued before it
-            call = self.mailbox.all_reduce(x, mpi_op, START_SPIN_NS) if not self._queue else None
+            call = (self.mailbox.all_reduce(x, mpi_op, START_SPIN_NS, code) if not self._queue
+                    else None)
             if call == 0:  # every peer had posted it: reduced already
                 return _finished
         else:
             self._cma_calls += 1
             call = self._cma_calls
-        entry = [x, mpi_op, call, None, False, small]  # array, op, call, status, outcome, mailbox
+        # array, op, call, status, outcome, mailbox, code, seq
+        entry = [x, mpi_op, call, None, False, small, code, seq]
 
         def done():  # outcome: False (queued), True (done) or the error that ended the queue
             if entry[4] is False:
@@ -1132,30 +1171,38 @@ class NodeAllReduce:
         peer has not arrived; 4, a peer's bounce slot is not filled; 2, this rank's segment is
         done, a peer's is not). Local; raises RankFailure when a transfer with a local
         peer fails (CollectiveError for another failure), and every queued call then fails with
-        it (_fail)."""
+        it (_fail). A call whose ranks' calls differ ends with CollectiveMismatch as its outcome;
+        the calls after it go on."""
         queue, mailbox = self._queue, self.mailbox
         while queue:
             entry = queue[0]
-            x, mpi_op, call, status, _, small = entry
+            x, mpi_op, call, status, _, small, code, seq = entry
+            outcome = True
             if small:
                 if call is None:
-                    call = entry[2] = mailbox.all_reduce(x, mpi_op, 0)
-                    if call:
+                    call = entry[2] = mailbox.all_reduce(x, mpi_op, 0, code)
+                    if call > 0:
                         return
-                elif mailbox.arrived(call):
-                    mailbox.finish(x, mpi_op, call)
-                else:
-                    return
+                elif call > 0:
+                    if not mailbox.arrived(call):
+                        return
+                    if not mailbox.finish(x, mpi_op, call):
+                        call = -call
+                if call < 0:  # every rank posted it; their counts or codes differ
+                    outcome = self._box_mismatch(mailbox.box_keys(-call), seq)
             else:  # the next stage of the call (0 at first), after the flag its status awaits
                 stage = 0 if status is None else _CROSS_WAITS[status]
-                status = entry[3] = mailbox.cross(x, mpi_op, call, self._tmp, 0, stage, False)
-                error = self._cross_error(status)
-                if error is not None:
+                status = entry[3] = mailbox.cross(x, mpi_op, call, self._tmp, 0, stage, False,
+                                                  code)
+                error = self._cross_error(status, seq)
+                if status == 3:
+                    outcome = error
+                elif error is not None:
                     self._fail(error)
                     raise error
-                if status:
+                elif status:
                     return
-            entry[4] = True
+            entry[4] = outcome
             entry[0] = None  # the array: no longer held here
             queue.popleft()
         self._end_queue()
