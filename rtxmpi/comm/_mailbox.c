@@ -307,21 +307,23 @@ static int get_arg(Mailbox *b, PyObject *x, int op, Arg *a, Py_ssize_t max_bytes
 }
 
 static PyObject *Mailbox_all_reduce(Mailbox *b, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 && nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "all_reduce(x, op, spin_ns, code=0)");
+    if (nargs < 3 || nargs > 5) {
+        PyErr_SetString(PyExc_TypeError, "all_reduce(x, op, spin_ns, code=0, count=len(x))");
         return NULL;
     }
     int64_t spin_ns = PyLong_AsLongLong(args[2]);
     if (spin_ns == -1 && PyErr_Occurred()) return NULL;
-    int64_t code = nargs == 4 ? PyLong_AsLongLong(args[3]) : 0;
+    int64_t code = nargs >= 4 ? PyLong_AsLongLong(args[3]) : 0;
     if (code == -1 && PyErr_Occurred()) return NULL;
+    int64_t count = nargs == 5 ? PyLong_AsLongLong(args[4]) : 0;
+    if (count == -1 && PyErr_Occurred()) return NULL;
     int op = op_of(b, args[1]);
     Arg a;
     if (get_arg(b, args[0], op, &a, b->slot_bytes) < 0) return NULL;
     int64_t call = ++b->calls, *mine = flag_of(b, b->local_rank);
     int c = box_column(call);
     memcpy(slot_of(b, b->local_rank, call), a.view.buf, a.view.len);
-    __atomic_store_n(mine + c, (int64_t)a.count, __ATOMIC_RELAXED);
+    __atomic_store_n(mine + c, nargs == 5 ? count : (int64_t)a.count, __ATOMIC_RELAXED);
     __atomic_store_n(mine + c + 1, code, __ATOMIC_RELAXED);
     __atomic_store_n(mine, call, __ATOMIC_RELEASE);
     int done = spin_until(b, 0, call, spin_ns), same = done && box_same(b, call);
@@ -360,6 +362,11 @@ static PyObject *Mailbox_finish(Mailbox *b, PyObject *const *args, Py_ssize_t na
     if (same) reduce_into(b, a.view.buf, a.view.len, a.count, a.type, op, call);
     PyBuffer_Release(&a.view);
     return PyBool_FromLong(same);
+}
+
+static PyObject *Mailbox_calls(Mailbox *b, PyObject *unused) {
+    (void)unused;
+    return PyLong_FromLongLong(b->calls);
 }
 
 static PyObject *Mailbox_box_keys(Mailbox *b, PyObject *arg) {
@@ -1208,8 +1215,8 @@ static PyMethodDef module_methods[] = {
 
 static PyMethodDef Mailbox_methods[] = {
     {"all_reduce", (PyCFunction)(void (*)(void))Mailbox_all_reduce, METH_FASTCALL,
-     "all_reduce(x, op, spin_ns, code=0) -> int: post x (with its count and the fingerprint "
-     "code), wait up to spin_ns for the peers, reduce in place when they arrived (0); -call: "
+     "all_reduce(x, op, spin_ns, code=0, count=len(x)) -> int: post x (with the count and the "
+     "fingerprint code), wait up to spin_ns for the peers, reduce in place when they arrived (0); -call: "
      "they arrived, but the counts or codes differ (nothing reduced; box_keys(call)); else the "
      "call number: wait on arrived(call), then finish()."},
     {"arrived", (PyCFunction)Mailbox_arrived, METH_O,
@@ -1225,6 +1232,8 @@ static PyMethodDef Mailbox_methods[] = {
     {"codes", (PyCFunction)Mailbox_codes, METH_NOARGS,
      "codes() -> (code, ...): each local rank's fingerprint code when a cross() call last found "
      "the ranks' calls differ (status 3)."},
+    {"calls", (PyCFunction)Mailbox_calls, METH_NOARGS,
+     "calls() -> int: the mailbox calls numbered so far."},
     {"box_keys", (PyCFunction)Mailbox_box_keys, METH_O,
      "box_keys(call) -> ((count, code), ...): what each local rank posted with mailbox call "
      "`call` (before this rank posts call + 1)."},

@@ -20,6 +20,7 @@ REDUCE_NAMES = ("sum", "avg", "max", "min", "prod")  # the order of mpi.REDUCE_O
 REDUCE_CODES = {name: i for i, name in enumerate(REDUCE_NAMES, start=1)}
 ARG_SHIFT = 16  # reduce_scatter's arg: op code + ARG_SHIFT * crc32(counts) (0: even shards)
 NO_DTYPE = 255  # the dtype code of a call without an array
+POISON = 1 << 62  # marks a call posted only to fail a peer's on another path (comm/shm.py)
 _OP_SHIFT, _DTYPE_SHIFT, _ARG_MASK = 56, 48, (1 << 48) - 1
 _NAMES = {code: name for name, code in OP_CODES.items()}
 _DTYPE_CODES = {dtype: i for i, dtype in enumerate(SUPPORTED_DTYPES)}
@@ -70,6 +71,7 @@ def of(op, x=None, arg=0):
 
 def describe_row(count, fcode):
     """One rank's call, as text: 'all_reduce(count=4, dtype=float32, op=sum)'."""
+    fcode &= ~POISON
     op = _NAMES.get(fcode >> _OP_SHIFT, "?")
     dcode, arg = (fcode >> _DTYPE_SHIFT) & 0xFF, fcode & _ARG_MASK
     parts = [] if dcode == NO_DTYPE else [f"count={count}", f"dtype={dtype_from_code(dcode)}"]

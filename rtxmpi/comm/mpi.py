@@ -84,8 +84,13 @@ class MPIBackend:
     def arrive(self, op, seq, timeout_s, fp=None):
         """Return once every rank of the group has reached this call (a few direct polls first:
         see _wait_fast). fp: the call's fingerprint (count, code), compared on every rank by the
-        same nonblocking all_gather that is the arrival check (CollectiveMismatch on every rank
-        when they differ); None: a plain barrier."""
+        arrival check itself (CollectiveMismatch on every rank when they differ): an empty
+        mailbox call on one node with the shared-memory engine's mailbox, else a nonblocking
+        all_gather of the fingerprints; None: a plain barrier."""
+        engine = self._shm
+        if fp is not None and engine and engine.small_bytes >= 0:  # the mailbox (comm/shm.py)
+            engine.arrive(op, fp, seq, lambda poll: self._wait_fast(poll, op, seq, timeout_s))
+            return
         mine, table = self._fp, self._fp_table
         try:
             if fp is None:
@@ -152,7 +157,7 @@ class MPIBackend:
                 if call is None:
                     engine.small_all_reduce(buf, mpi_op, wait, code, seq)
                 else:
-                    engine.small_finish(buf, mpi_op, call, wait, seq)
+                    engine.small_finish(buf, mpi_op, call, wait, seq, (buf.size, code))
             return
         fp = (buf.size, code)
         try:

@@ -612,6 +612,12 @@ _CROSS_WAITS = {1: 1, 4: 2, 2: 3}
 _ALGORITHMS = (0, 1)  # local rank 0's tuner picks the system calls (0) or the bounce (1)
 
 
+def _box_column(call):
+    """The flag line column of a mailbox call's element count (its code follows): [11] for even
+    calls, [13] for odd ones (_mailbox.c)."""
+    return 11 + 2 * (call & 1)
+
+
 def _finished():
     """The poll() of a nonblocking call that completed when it started."""
     return True
@@ -719,6 +725,8 @@ class NodeAllReduce:
             self._lines = raw.view(np.int64).reshape(self.local_size, region // 8)
             self._flags = self._lines[:, 0]
             self._cma_calls = 0
+            self._poisoned = 0  # a mismatched cross-memory call posted (_post_cross), else 0
+            self._no_data = np.zeros(0, np.int64)  # the mailbox call of arrive()
             self._boxes = [[raw[j * region + FLAG_BYTES + k * small_bytes:
                                 j * region + FLAG_BYTES + (k + 1) * small_bytes] for k in (0, 1)]
                            for j in range(self.local_size)]
@@ -848,6 +856,8 @@ class NodeAllReduce:
         self._drain(wait)
         me, pids = self.local_rank, self._pids
         lines = self._lines if TSO else None
+        if lines is not None:
+            self._settle(wait)
         key = x.nbytes * 64 + _FOLD_CHARS.find(x.dtype.char) + 1  # what every rank must share
         if lines is None:
             self._my_addr[:] = x.ctypes.data, key, code
@@ -918,22 +928,25 @@ class NodeAllReduce:
             f"rtxmpi.init(check=True)) to see each rank's call [rank {self._rank}]")
 
     # -- all_reduce -------------------------------------------------------------------------
-    def small_all_reduce(self, x, mpi_op, wait=_wait_all, code=0, seq=0):
+    def small_all_reduce(self, x, mpi_op, wait=_wait_all, code=0, seq=0, count=None,
+                         op="all_reduce"):
         """The mailbox all_reduce: one synchronization. Every local rank copies `x` into its slot
         of the shared mailbox and raises its flag to the call number; once every flag has reached
         it (`wait(poll)`: the arrival check), every rank reduces all slots in local-rank order
         into `x`, so every rank computes bitwise the same result. Slots alternate between calls
         (a rank can be at most one call ahead of a peer, whose slot of the previous call it then
-        no longer reads). Each rank posts x's element count and `code` (the caller's fingerprint
-        code) beside its flag: when they differ, nothing is reduced and every rank raises
-        CollectiveMismatch naming each rank's call (`seq`: the group's call number). Same contract
-        as all_reduce; the caller checks `x.nbytes <= small_bytes` and supports() (both the same
-        on every rank for matching calls)."""
+        no longer reads). Each rank posts the call's fingerprint beside its flag, (x.size or
+        `count`, `code`): when they differ, nothing is reduced and every rank raises
+        CollectiveMismatch naming each rank's call (`seq`: the group's call number, `op`: the
+        collective's name). Same contract as all_reduce; the caller checks
+        `x.nbytes <= small_bytes` and supports() (both the same on every rank for matching
+        calls)."""
         self._drain(wait)
+        fp = (x.size if count is None else count, code)
         if self.mailbox is not None:  # compiled: post, spin and reduce in one call (_mailbox.c)
-            call = self.mailbox.all_reduce(x, mpi_op, SPIN_NS, code)
+            call = self.mailbox.all_reduce(x, mpi_op, SPIN_NS, code, fp[0])
             if call:
-                self.small_finish(x, mpi_op, call, wait, seq)
+                self.small_finish(x, mpi_op, call, wait, seq, fp, op)
             return True
         self._box_calls += 1
         call, flags, me = self._box_calls, self._flags, self.local_rank
@@ -945,9 +958,9 @@ class NodeAllReduce:
             views = self._box_views[key] = [slot[:x.nbytes].view(x.dtype)
                                             for slot in self._box_slots[call & 1]]
         np.copyto(views[me], x)
-        column = 11 + 2 * (call & 1)  # as the compiled mailbox's: _mailbox.c
+        column = _box_column(call)
         lines = self._lines
-        lines[me, column], lines[me, column + 1] = x.size, code
+        lines[me, column], lines[me, column + 1] = fp
         flags[me] = call
         if self.local_size == 2:
             peer = 1 - me
@@ -961,33 +974,140 @@ class NodeAllReduce:
             if poll():
                 break
         else:
-            wait(self._watched(poll))
-        keys = lines[:, column:column + 2]
+            wait(self._watched(self._box_watch(poll, call, fp)))
+        keys = lines[:, column:column + 2].copy()
         if (keys != keys[me]).any():
-            raise self._box_mismatch(keys, seq)
+            raise self._box_mismatch(keys, seq, op, fp, wait)
         ufunc = ufunc_of(mpi_op)
         ufunc(views[0], views[1], out=x)
         for view in views[2:]:
             ufunc(x, view, out=x)
         return True
 
-    def small_finish(self, x, mpi_op, call, wait, seq=0):
-        """After `mailbox.all_reduce(x, mpi_op, SPIN_NS, code)` returned `call` != 0: a negative
-        call, the ranks' calls differ (CollectiveMismatch); else a peer had not posted it within
-        the spin: wait(poll) until every local rank has (the caller's deadline; a dead local
-        peer raises RankFailure), then reduce into x, or raise CollectiveMismatch. seq: the
-        group's call number, for the message."""
+    def small_finish(self, x, mpi_op, call, wait, seq=0, fp=(0, 0), op="all_reduce"):
+        """After `mailbox.all_reduce(x, mpi_op, SPIN_NS, *fp)` returned `call` != 0: a negative
+        call, the ranks' fingerprints differ (CollectiveMismatch); else a peer had not posted
+        it within the spin: wait(poll) until every local rank has (the caller's deadline; a dead
+        local peer raises RankFailure), then reduce into x, or raise CollectiveMismatch. seq,
+        op: the group's call number and the collective, for the message."""
         mailbox = self.mailbox
         if call > 0:
-            wait(self._watched(lambda: mailbox.arrived(call)))
+            wait(self._watched(self._box_watch(lambda: mailbox.arrived(call), call, fp)))
             if mailbox.finish(x, mpi_op, call):
                 return
-        raise self._box_mismatch(mailbox.box_keys(abs(call)), seq)
+        raise self._box_mismatch(mailbox.box_keys(abs(call)), seq, op, fp, wait)
 
-    def _box_mismatch(self, keys, seq):
+    def arrive(self, op, fp, seq, wait):
+        """The arrival check of a collective other than all_reduce through the mailbox (the
+        caller checked small_bytes >= 0): an empty mailbox call that posts the fingerprint fp =
+        (count, code). Raises CollectiveMismatch on every rank when the fingerprints differ
+        (also against an all_reduce on another rank), and what `wait` raises."""
+        self.small_all_reduce(self._no_data, MPI.SUM, wait, fp[1], seq, fp[0], op)
+
+    # Mismatched calls on two paths of one node: a rank in a mailbox call whose peer is in a
+    # cross-memory call (or the reverse: their sizes fall on either side of all_reduce_from, or
+    # one calls all_reduce and the other another collective) would each wait for the other's
+    # flag. The waiting rank sees the peer's other flag ahead of its own count, and posts a
+    # mismatched call on that path with its own fingerprint and the POISON bit: every rank of
+    # each path then finds the fingerprints differ, raises CollectiveMismatch, and the calls
+    # numbered on both paths stay the same on every rank.
+    def _box_count(self):
+        return self.mailbox.calls() if self.mailbox is not None else self._box_calls
+
+    def _box_watch(self, poll, call, fp):
+        """poll() of a wait for mailbox `call` that also looks, every SPIN_POLLS polls, for a peer
+        in a cross-memory call this rank did not make, and then posts one (_post_cross)."""
+        lines, polls = self._lines if TSO else None, [0]
+        if lines is None:
+            return poll
+
+        def watched():
+            if poll():
+                return True
+            polls[0] += 1
+            if polls[0] % SPIN_POLLS == 0:
+                self._box_diverged(poll, call, fp)
+            return False
+
+        return watched
+
+    def _box_diverged(self, poll, call, fp):
+        """While mailbox `call` waits (poll() False): post a cross-memory call if a peer is in
+        one this rank did not make (its arrival flag ahead of this rank's count, and its mailbox
+        flag, read after that, still short of `call`)."""
+        lines = self._lines
+        if self._cma_calls < lines[:, 1].max() and (lines[:, 0] < call).any() and not poll():
+            self._post_cross(fp)
+
+    def _cross_watch(self, poll, call, fp):
+        """poll() of a wait for the arrival of cross-memory `call` that also looks for a peer in a
+        mailbox call this rank did not make, and then posts one (_post_box)."""
+        lines, polls = self._lines if TSO else None, [0]
+        if lines is None:
+            return poll
+
+        def watched():
+            if poll():
+                return True
+            polls[0] += 1
+            if polls[0] % SPIN_POLLS == 0:
+                self._cross_diverged(poll, call, fp)
+            return False
+
+        return watched
+
+    def _cross_diverged(self, poll, call, fp):
+        """While cross-memory `call` waits for the arrivals (poll() False): post a mailbox call if
+        a peer is in one this rank did not make."""
+        lines = self._lines
+        if self._box_count() < lines[:, 0].max() and (lines[:, 1] < call).any() and not poll():
+            self._post_box(fp)
+
+    def _post_box(self, fp):
+        """Post a mailbox call that matches no real one: fingerprint fp with the POISON bit."""
+        count, code = fp
+        if self.mailbox is not None:
+            self.mailbox.all_reduce(self._no_data, MPI.SUM, 0, code | fingerprint.POISON, count)
+            return
+        self._box_calls += 1
+        call, me = self._box_calls, self.local_rank
+        column = _box_column(call)
+        self._lines[me, column], self._lines[me, column + 1] = count, code | fingerprint.POISON
+        self._flags[me] = call
+
+    def _post_cross(self, fp):
+        """Post a cross-memory arrival that matches no real one (key -(count + 1) * 64, code fp
+        with the POISON bit, no region, no bounce) and its done flag; the next cross-memory call
+        first waits until every peer has compared it (_settle)."""
+        count, code = fp
+        self._cma_calls += 1
+        call, line = self._cma_calls, self._lines[self.local_rank]
+        line[4], line[10], line[7], line[15] = -1, 0, -(count + 1) * 64, code | fingerprint.POISON
+        line[1] = call
+        line[3] = call
+        self._poisoned = call
+
+    def _settle(self, wait):
+        """Before a cross-memory call: wait until every peer has compared this rank's posted
+        mismatched call (_post_cross), whose flag line the call rewrites."""
+        call, self._poisoned = self._poisoned, 0
+        done = self._lines[:, 3]
+        if call and not (done >= call).all():
+            wait(self._watched(lambda: bool((done >= call).all())))
+
+    def _box_mismatch(self, keys, seq, op="all_reduce", fp=None, wait=None):
         """CollectiveMismatch for a mailbox call whose local ranks posted different (count, code)
-        pairs (keys, by local rank = group rank: the mailbox serves one node)."""
-        return CollectiveMismatch(fingerprint.describe("all_reduce", seq, self.group_name, keys))
+        pairs (keys, by local rank = group rank: the mailbox serves one node). A peer that
+        posted it from a cross-memory call (POISON) waits for this rank's arrival in that call:
+        post it, then wait (`wait`; None: before the next cross-memory call) until every peer
+        has compared it."""
+        keys = [(int(count), int(code)) for count, code in keys]
+        if (fp is not None and any(code & fingerprint.POISON for _, code in keys)
+                and self._cma_calls < int(self._lines[:, 1].max())):
+            self._post_cross(fp)
+            if wait is not None:
+                self._settle(wait)
+        return CollectiveMismatch(fingerprint.describe(op, seq, self.group_name, keys))
 
     def supports(self, x, mpi_op):
         """Whether all_reduce(x, mpi_op) runs here: a contiguous 1-D numpy array and an MPI op
@@ -1068,8 +1188,10 @@ class NodeAllReduce:
         lines, steps and piece loop); a peer later than the spin is waited for here, with the
         caller's deadline."""
         self._drain(wait)
+        self._settle(wait)
         self._cma_calls += 1
         call, tuner = self._cma_calls, self._tuner
+        fp = (x.size, code)
         bounce = True  # the other local ranks follow local rank 0; none bounces beyond bounce_bytes
         if tuner is not None and x.nbytes <= self.bounce_bytes:
             bounce = tuner.pick(x.nbytes, _ALGORITHMS) == 1
@@ -1077,10 +1199,11 @@ class NodeAllReduce:
             tuner = None
         status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, 0, bounce, code)
         while status in _CROSS_WAITS:  # a peer later than the spin: wait, then the next stage
-            wait(self._watched(mailbox.cross_ready))
+            ready = mailbox.cross_ready
+            wait(self._watched(self._cross_watch(ready, call, fp) if status == 1 else ready))
             status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, _CROSS_WAITS[status],
                                    bounce, code)
-        error = self._cross_error(status, seq)
+        error = self._cross_error(status, seq, fp)
         if error is not None:
             raise error
         if tuner is not None:
@@ -1089,17 +1212,22 @@ class NodeAllReduce:
                 # those would count as the tuner's check of the other algorithm
                 tuner.record(x.nbytes, _ALGORITHMS, algorithm, ns * 1e-9)
 
-    def _cross_error(self, status, seq):
+    def _cross_error(self, status, seq, fp):
         """The error a Mailbox.cross status stands for (a failed transfer's tuple: RankFailure or
         CollectiveError; 3: the ranks' calls differ, CollectiveMismatch naming each rank's count,
-        dtype and op, from the fingerprint codes when the caller gave them), else None."""
+        dtype and op, from the fingerprint codes when the caller gave them), else None. A peer
+        that posted its arrival from a mailbox call (_post_cross: a negative key) waits for this
+        rank in that call: it is posted (_post_box) with this call's fingerprint `fp`."""
         if type(status) is tuple:
             return self._peer_error("all_reduce", PeerAccessError(*status))
         if status == 3:
             keys, codes = self.mailbox.keys(), self.mailbox.codes()
             if not any(codes):
                 return self._mismatch(self._local_ranks, _described(keys))
-            table = [(n // np.dtype(_TYPE_NAMES[t]).itemsize, c) for (n, t, _), c in zip(keys, codes)]
+            if any(n < 0 for n, _, _ in keys) and self._box_count() < int(self._lines[:, 0].max()):
+                self._post_box(fp)
+            table = [(-n - 1 if n < 0 else n // np.dtype(_TYPE_NAMES[t]).itemsize, c)
+                     for (n, t, _), c in zip(keys, codes)]
             return CollectiveMismatch(fingerprint.describe("all_reduce", seq, self.group_name, table))
         return None
 
@@ -1177,7 +1305,7 @@ class NodeAllReduce:
         while queue:
             entry = queue[0]
             x, mpi_op, call, status, _, small, code, seq = entry
-            outcome = True
+            outcome, fp = True, (x.size, code)
             if small:
                 if call is None:
                     call = entry[2] = mailbox.all_reduce(x, mpi_op, 0, code)
@@ -1185,16 +1313,24 @@ class NodeAllReduce:
                         return
                 elif call > 0:
                     if not mailbox.arrived(call):
+                        if TSO:  # a peer on the cross-memory path?
+                            self._box_diverged(lambda: mailbox.arrived(call), call, fp)
                         return
                     if not mailbox.finish(x, mpi_op, call):
                         call = -call
                 if call < 0:  # every rank posted it; their counts or codes differ
-                    outcome = self._box_mismatch(mailbox.box_keys(-call), seq)
+                    outcome = self._box_mismatch(mailbox.box_keys(-call), seq, "all_reduce", fp)
             else:  # the next stage of the call (0 at first), after the flag its status awaits
+                if status is None and self._poisoned:  # _settle, without waiting
+                    if not mailbox.cross_reached(3, self._poisoned):
+                        return
+                    self._poisoned = 0
                 stage = 0 if status is None else _CROSS_WAITS[status]
                 status = entry[3] = mailbox.cross(x, mpi_op, call, self._tmp, 0, stage, False,
                                                   code)
-                error = self._cross_error(status, seq)
+                if status == 1 and TSO:  # a peer on the mailbox path?
+                    self._cross_diverged(lambda: mailbox.cross_reached(1, call), call, fp)
+                error = self._cross_error(status, seq, fp)
                 if status == 3:
                     outcome = error
                 elif error is not None:
