@@ -679,6 +679,13 @@ class NodeAllReduce:
     a blocking MPI call (the backend's watchdog entry; default: none).
     """
 
+    _lines = None  # the mailbox's flag lines (__init__)
+    _poisoned = 0  # a mismatched cross-memory call this rank posted (_post_cross), else 0
+    # the mailbox call during which this rank posted a mismatched cross-memory call, and the
+    # cross-memory call during which it posted a mismatched mailbox call: once per call each
+    _cross_posted_in = _box_posted_in = 0
+    _no_data = np.zeros(0, np.int64)  # the (empty, never written) array of arrive()'s mailbox call
+
     def __init__(self, comm, node, cross, chunk_bytes, *, members=None, mm=None, peers=None,
                  box=None, small_bytes=0, compiled=False, min_bytes=DEFAULT_MIN_BYTES,
                  bounce_slot=0, bounce_bytes=0, bounce_any_cpu=False):
@@ -725,8 +732,6 @@ class NodeAllReduce:
             self._lines = raw.view(np.int64).reshape(self.local_size, region // 8)
             self._flags = self._lines[:, 0]
             self._cma_calls = 0
-            self._poisoned = 0  # a mismatched cross-memory call posted (_post_cross), else 0
-            self._no_data = np.zeros(0, np.int64)  # the mailbox call of arrive()
             self._boxes = [[raw[j * region + FLAG_BYTES + k * small_bytes:
                                 j * region + FLAG_BYTES + (k + 1) * small_bytes] for k in (0, 1)]
                            for j in range(self.local_size)]
@@ -977,7 +982,7 @@ class NodeAllReduce:
             wait(self._watched(self._box_watch(poll, call, fp)))
         keys = lines[:, column:column + 2].copy()
         if (keys != keys[me]).any():
-            raise self._box_mismatch(keys, seq, op, fp, wait)
+            raise self._box_mismatch(keys, seq, op, fp, wait, call)
         ufunc = ufunc_of(mpi_op)
         ufunc(views[0], views[1], out=x)
         for view in views[2:]:
@@ -995,7 +1000,7 @@ class NodeAllReduce:
             wait(self._watched(self._box_watch(lambda: mailbox.arrived(call), call, fp)))
             if mailbox.finish(x, mpi_op, call):
                 return
-        raise self._box_mismatch(mailbox.box_keys(abs(call)), seq, op, fp, wait)
+        raise self._box_mismatch(mailbox.box_keys(abs(call)), seq, op, fp, wait, abs(call))
 
     def arrive(self, op, fp, seq, wait):
         """The arrival check of a collective other than all_reduce through the mailbox (the
@@ -1036,8 +1041,10 @@ class NodeAllReduce:
         one this rank did not make (its arrival flag ahead of this rank's count, and its mailbox
         flag, read after that, still short of `call`)."""
         lines = self._lines
-        if self._cma_calls < lines[:, 1].max() and (lines[:, 0] < call).any() and not poll():
+        if (self._cross_posted_in != call and self._cma_calls < lines[:, 1].max()
+                and (lines[:, 0] < call).any() and not poll()):
             self._post_cross(fp)
+            self._cross_posted_in = call
 
     def _cross_watch(self, poll, call, fp):
         """poll() of a wait for the arrival of cross-memory `call` that also looks for a peer in a
@@ -1060,8 +1067,10 @@ class NodeAllReduce:
         """While cross-memory `call` waits for the arrivals (poll() False): post a mailbox call if
         a peer is in one this rank did not make."""
         lines = self._lines
-        if self._box_count() < lines[:, 0].max() and (lines[:, 1] < call).any() and not poll():
+        if (self._box_posted_in != call and self._box_count() < lines[:, 0].max()
+                and (lines[:, 1] < call).any() and not poll()):
             self._post_box(fp)
+            self._box_posted_in = call
 
     def _post_box(self, fp):
         """Post a mailbox call that matches no real one: fingerprint fp with the POISON bit."""
@@ -1095,7 +1104,7 @@ class NodeAllReduce:
         if call and not (done >= call).all():
             wait(self._watched(lambda: bool((done >= call).all())))
 
-    def _box_mismatch(self, keys, seq, op="all_reduce", fp=None, wait=None):
+    def _box_mismatch(self, keys, seq, op="all_reduce", fp=None, wait=None, call=0):
         """CollectiveMismatch for a mailbox call whose local ranks posted different (count, code)
         pairs (keys, by local rank = group rank: the mailbox serves one node). A peer that
         posted it from a cross-memory call (POISON) waits for this rank's arrival in that call:
@@ -1103,8 +1112,9 @@ class NodeAllReduce:
         has compared it."""
         keys = [(int(count), int(code)) for count, code in keys]
         if (fp is not None and any(code & fingerprint.POISON for _, code in keys)
-                and self._cma_calls < int(self._lines[:, 1].max())):
+                and self._cross_posted_in != call):
             self._post_cross(fp)
+            self._cross_posted_in = call
             if wait is not None:
                 self._settle(wait)
         return CollectiveMismatch(fingerprint.describe(op, seq, self.group_name, keys))
@@ -1138,7 +1148,7 @@ class NodeAllReduce:
                     self._all_reduce_copy(x, ufunc, mpi_op)
         return True
 
-    def _all_reduce_cma(self, x, ufunc, mpi_op, wait, guard, code, seq):
+    def _all_reduce_cma(self, x, ufunc, mpi_op, wait, guard, code=0, seq=0):
         """Arrival + address exchange; then for each cache-sized piece of this rank's segment:
         read the piece of every peer into the scratch buffer, fold it into `x` in place, and
         write the reduced piece straight into every peer's array (one node; across nodes the
@@ -1183,7 +1193,7 @@ class NodeAllReduce:
             raise self._peer_error("all_reduce", exc) from exc
         self._done(wait)
 
-    def _cross_compiled(self, mailbox, x, mpi_op, wait, code, seq):
+    def _cross_compiled(self, mailbox, x, mpi_op, wait, code=0, seq=0):
         """_all_reduce_cma on one node in one C call (_mailbox.c, Mailbox.cross: the same flag
         lines, steps and piece loop); a peer later than the spin is waited for here, with the
         caller's deadline."""
@@ -1203,7 +1213,7 @@ class NodeAllReduce:
             wait(self._watched(self._cross_watch(ready, call, fp) if status == 1 else ready))
             status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, _CROSS_WAITS[status],
                                    bounce, code)
-        error = self._cross_error(status, seq, fp)
+        error = self._cross_error(status, seq, fp, call)
         if error is not None:
             raise error
         if tuner is not None:
@@ -1212,7 +1222,7 @@ class NodeAllReduce:
                 # those would count as the tuner's check of the other algorithm
                 tuner.record(x.nbytes, _ALGORITHMS, algorithm, ns * 1e-9)
 
-    def _cross_error(self, status, seq, fp):
+    def _cross_error(self, status, seq, fp, call=0):
         """The error a Mailbox.cross status stands for (a failed transfer's tuple: RankFailure or
         CollectiveError; 3: the ranks' calls differ, CollectiveMismatch naming each rank's count,
         dtype and op, from the fingerprint codes when the caller gave them), else None. A peer
@@ -1224,8 +1234,9 @@ class NodeAllReduce:
             keys, codes = self.mailbox.keys(), self.mailbox.codes()
             if not any(codes):
                 return self._mismatch(self._local_ranks, _described(keys))
-            if any(n < 0 for n, _, _ in keys) and self._box_count() < int(self._lines[:, 0].max()):
+            if any(n < 0 for n, _, _ in keys) and self._box_posted_in != call:
                 self._post_box(fp)
+                self._box_posted_in = call
             table = [(-n - 1 if n < 0 else n // np.dtype(_TYPE_NAMES[t]).itemsize, c)
                      for (n, t, _), c in zip(keys, codes)]
             return CollectiveMismatch(fingerprint.describe("all_reduce", seq, self.group_name, table))
@@ -1313,13 +1324,14 @@ class NodeAllReduce:
                         return
                 elif call > 0:
                     if not mailbox.arrived(call):
-                        if TSO:  # a peer on the cross-memory path?
+                        if TSO and self._lines is not None:  # a peer on the cross-memory path?
                             self._box_diverged(lambda: mailbox.arrived(call), call, fp)
                         return
                     if not mailbox.finish(x, mpi_op, call):
                         call = -call
                 if call < 0:  # every rank posted it; their counts or codes differ
-                    outcome = self._box_mismatch(mailbox.box_keys(-call), seq, "all_reduce", fp)
+                    outcome = self._box_mismatch(mailbox.box_keys(-call), seq, "all_reduce", fp,
+                                                 None, -call)
             else:  # the next stage of the call (0 at first), after the flag its status awaits
                 if status is None and self._poisoned:  # _settle, without waiting
                     if not mailbox.cross_reached(3, self._poisoned):
@@ -1328,9 +1340,9 @@ class NodeAllReduce:
                 stage = 0 if status is None else _CROSS_WAITS[status]
                 status = entry[3] = mailbox.cross(x, mpi_op, call, self._tmp, 0, stage, False,
                                                   code)
-                if status == 1 and TSO:  # a peer on the mailbox path?
+                if status == 1 and TSO and self._lines is not None:  # a peer on the mailbox path?
                     self._cross_diverged(lambda: mailbox.cross_reached(1, call), call, fp)
-                error = self._cross_error(status, seq, fp)
+                error = self._cross_error(status, seq, fp, call)
                 if status == 3:
                     outcome = error
                 elif error is not None:
