@@ -338,17 +338,58 @@ def configure(comm):
     """Collective over `comm` (rtxmpi.init): rank 0 parses the RTXMPI_SHM* variables and every
     rank adopts the result, or raises the same ConfigError. Returns the ShmConfig."""
     global CONFIG
-    parsed = None
+    fields, error = np.zeros(len(ShmConfig.__slots__), np.int64), None
     if comm.Get_rank() == 0:
         try:
             parsed = ShmConfig.from_env()
+            fields[:] = [-1 if v is None else int(v)
+                         for v in (getattr(parsed, name) for name in ShmConfig.__slots__)]
         except ConfigError as exc:
-            parsed = str(exc)
-    parsed = comm.bcast(parsed, root=0)
-    if isinstance(parsed, str):
-        raise ConfigError(parsed)
-    CONFIG = parsed
+            error = str(exc)
+    error = _bcast_text(comm, error)
+    if error is not None:
+        raise ConfigError(error)
+    comm.Bcast(fields, root=0)
+    values = {name: None if name in _OPTIONAL and v == -1 else int(v)
+              for name, v in zip(ShmConfig.__slots__, fields.tolist())}
+    CONFIG = ShmConfig(**values)
     return CONFIG
+
+
+_OPTIONAL = ("min_bytes", "node_size", "small_bytes")  # ShmConfig fields that may be None (-1)
+
+
+# The set-up's small exchanges, as typed buffers (no pickling).
+def _allgather_int(comm, value):
+    """Every rank's int `value`, by rank. Collective over `comm`."""
+    out = np.empty(comm.Get_size(), np.int64)
+    comm.Allgather(np.array([value], np.int64), out)
+    return [int(v) for v in out]
+
+
+def _allreduce_int(comm, value, op):
+    """The reduction (MPI.MIN / MPI.MAX) of every rank's int `value`. Collective over `comm`."""
+    out = np.empty(1, np.int64)
+    comm.Allreduce(np.array([int(value)], np.int64), out, op=op)
+    return int(out[0])
+
+
+def _all_true(comm, flag):
+    """Whether `flag` is true on every rank. Collective over `comm`."""
+    return _allreduce_int(comm, bool(flag), MPI.MIN) == 1
+
+
+def _bcast_text(comm, text, root=0):
+    """`text` (str or None) of rank `root` on every rank: its UTF-8 length, then its bytes.
+    Collective over `comm`."""
+    data = b"" if text is None or comm.Get_rank() != root else text.encode()
+    size = np.array([-1 if text is None and comm.Get_rank() == root else len(data)], np.int64)
+    comm.Bcast(size, root=root)
+    if size[0] < 0:
+        return None
+    buf = bytearray(data) if comm.Get_rank() == root else bytearray(int(size[0]))
+    comm.Bcast([buf, MPI.BYTE], root=root)
+    return buf.decode()
 
 
 # MPI reduction op -> in-place numpy ufunc (bool travels as uint8: MAX is or, MIN is and)
@@ -525,7 +566,7 @@ def _probe_peers(node, comm, enabled):
             except OSError:
                 ok = False
                 break
-    ok = comm.allreduce(ok, op=MPI.LAND)
+    ok = _all_true(comm, ok)
     node.Barrier()  # every peer has read our probe before it goes away
     return (reader, [int(p) for p in table[:, 0]]) if ok else None
 
@@ -562,7 +603,7 @@ def _map_arena(node, comm, total):
             if path is not None:
                 os.unlink(path)
             ok, path = False, None
-    path = node.bcast(path, root=0)
+    path = _bcast_text(node, path)
     if path is not None:
         try:
             fd = os.open(path, os.O_RDWR)
@@ -575,7 +616,7 @@ def _map_arena(node, comm, total):
     node.Barrier()  # every local rank has mapped (or failed to map) the file
     if node.Get_rank() == 0 and path is not None:
         os.unlink(path)
-    if not comm.allreduce(ok and mm is not None, op=MPI.LAND):
+    if not _all_true(comm, ok and mm is not None):
         if mm is not None:
             mm.close()
         return None
@@ -698,14 +739,14 @@ class NodeAllReduce:
         size = comm.Get_size()
         members = list(members) if members is not None else list(range(size))
         # group ranks of the local ranks (by local rank), and of the cross ranks (by cross rank)
-        self._local_group = [int(r) for r in node.allgather(comm.Get_rank())]
-        self._node_pids = [int(p) for p in node.allgather(os.getpid())]
+        self._local_group = _allgather_int(node, comm.Get_rank())
+        self._node_pids = _allgather_int(node, os.getpid())
         # world ranks of the local ranks (by local rank), and this rank's (RankFailure)
         self._local_ranks = [members[g] for g in self._local_group]
         self._group_ranks = members
         self._rank = members[comm.Get_rank()]
         self._cross_group = ([comm.Get_rank()] if cross is None else
-                             [int(r) for r in cross.allgather(comm.Get_rank())])
+                             _allgather_int(cross, comm.Get_rank()))
         self._arena = None if mm is None else np.frombuffer(mm, np.uint8)
         self._views = {}  # dtype -> [1-D view of each local rank's buffers]
         self._stage = np.zeros(0, np.uint8)  # hierarchical reduce_scatter: grown, reused
@@ -763,7 +804,7 @@ class NodeAllReduce:
             node.Free()
             node = pretend
         local_size, local_rank = node.Get_size(), node.Get_rank()
-        sizes = comm.allgather(local_size)
+        sizes = _allgather_int(comm, local_size)
         if local_size == 1 or min(sizes) != max(sizes):
             node.Free()
             return None
@@ -776,12 +817,12 @@ class NodeAllReduce:
         ordered = (cross is None and not ulfm_enabled() and (_mailbox is not None or TSO))
         # agreed: _map_arena below is collective, and each rank's facts (environment, installed
         # extension) are its own
-        ordered = comm.allreduce(ordered, op=MPI.LAND)
-        compiled = comm.allreduce(ordered and _mailbox is not None, op=MPI.LAND)
+        ordered = _all_true(comm, ordered)
+        compiled = _all_true(comm, ordered and _mailbox is not None)
         peers = _probe_peers(node, comm, config.cma)
         # slots in whole cache lines, so every rank's flag line starts one (FLAG_BYTES)
         small = max(config.small_threshold, 0) // FLAG_BYTES * FLAG_BYTES if ordered else 0
-        small = comm.allreduce(small if compiled else min(small, NUMPY_SMALL_BYTES), op=MPI.MIN)
+        small = _allreduce_int(comm, small if compiled else min(small, NUMPY_SMALL_BYTES), MPI.MIN)
         if config.small_bytes is None:  # the default: less per message as local ranks add reads
             fast = compiled and peers is not None and config.min_bytes is None
             small = min(small, MAILBOX_READ_BYTES // local_size // FLAG_BYTES * FLAG_BYTES,
