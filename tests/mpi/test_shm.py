@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 from test_collectives import REDUCE_CASES, assert_exact, rank_values, reduce_reference
 
 from rtxmpi import CollectiveMismatch
@@ -905,3 +906,47 @@ def test_info_says_which_all_reduce_paths_the_group_runs(world):
         assert "async_op=True: queued on the same paths" in text, text
     else:
         assert text.startswith("no mailbox ("), text
+
+
+class _NoPickling:
+    """A communicator that refuses mpi4py's pickling (lowercase) calls and wraps the
+    communicators its methods return."""
+
+    PICKLING = {"bcast", "allgather", "allreduce", "gather", "scatter", "alltoall", "reduce",
+                "send", "recv", "sendrecv", "isend", "irecv", "exscan", "scan"}
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def __getattr__(self, name):
+        if name in self.PICKLING:
+            raise AssertionError(f"the set-up pickled a Python object: comm.{name}()")
+        attr = getattr(self._comm, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            out = attr(*(a._comm if isinstance(a, _NoPickling) else a for a in args), **kwargs)
+            return _NoPickling(out) if isinstance(out, MPI.Comm) and out != MPI.COMM_NULL else out
+
+        return call
+
+    def __eq__(self, other):
+        return self._comm == getattr(other, "_comm", other)
+
+
+def test_the_set_up_sends_typed_buffers_only(world):
+    """configure() and NodeAllReduce.create() exchange typed buffers (Allgather, Allreduce, Bcast
+    of int64 and bytes): before, they pickled Python objects (comm.allgather, bcast, allreduce)."""
+    comm = world.backend.comm.Dup()
+    saved = shm.CONFIG
+    try:
+        config = shm.configure(_NoPickling(comm))
+        assert repr(config) == repr(shm.ShmConfig.from_env())
+        engine = shm.NodeAllReduce.create(_NoPickling(comm), shm.ShmConfig(),
+                                          list(range(world.world_size)))
+        if engine:
+            engine.close()
+    finally:
+        shm.CONFIG = saved
+        comm.Free()
