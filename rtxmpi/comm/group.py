@@ -128,7 +128,7 @@ class ProcessGroup:
         self._seq += 1
         seq = self._seq
         if not self.check:
-            if op == "all_reduce" and not arrive or self.world_size == 1:
+            if (op == "all_reduce" and not arrive) or self.world_size == 1:
                 return seq, False
             self.backend.arrive(op, seq, self.timeout_s, fingerprint.of(op, x, arg))
             return seq, True

@@ -1140,10 +1140,12 @@ class NodeAllReduce:
     def _settle(self, wait):
         """Before a cross-memory call: wait until every peer has compared this rank's posted
         mismatched call (_post_cross), whose flag line the call rewrites."""
-        call, self._poisoned = self._poisoned, 0
-        done = self._lines[:, 3]
-        if call and not (done >= call).all():
-            wait(self._watched(lambda: bool((done >= call).all())))
+        call = self._poisoned
+        if call:
+            self._poisoned = 0
+            done = self._lines[:, 3]
+            if not (done >= call).all():
+                wait(self._watched(lambda: bool((done >= call).all())))
 
     def _box_mismatch(self, keys, seq, op="all_reduce", fp=None, wait=None, call=0):
         """CollectiveMismatch for a mailbox call whose local ranks posted different (count, code)
