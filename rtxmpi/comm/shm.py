@@ -1020,7 +1020,7 @@ class NodeAllReduce:
             if poll():
                 break
         else:
-            wait(self._watched(self._box_watch(poll, call, fp)))
+            wait(self._watched(self._watch_paths(poll, self._box_diverged, call, fp)))
         keys = lines[:, column:column + 2].copy()
         if (keys != keys[me]).any():
             raise self._box_mismatch(keys, seq, op, fp, wait, call)
@@ -1038,7 +1038,8 @@ class NodeAllReduce:
         op: the group's call number and the collective, for the message."""
         mailbox = self.mailbox
         if call > 0:
-            wait(self._watched(self._box_watch(lambda: mailbox.arrived(call), call, fp)))
+            arrived = self._watch_paths(lambda: mailbox.arrived(call), self._box_diverged, call, fp)
+            wait(self._watched(arrived))
             if mailbox.finish(x, mpi_op, call):
                 return
         raise self._box_mismatch(mailbox.box_keys(abs(call)), seq, op, fp, wait, abs(call))
@@ -1060,19 +1061,20 @@ class NodeAllReduce:
     def _box_count(self):
         return self.mailbox.calls() if self.mailbox is not None else self._box_calls
 
-    def _box_watch(self, poll, call, fp):
-        """poll() of a wait for mailbox `call` that also looks, every SPIN_POLLS polls, for a peer
-        in a cross-memory call this rank did not make, and then posts one (_post_cross)."""
-        lines, polls = self._lines if TSO else None, [0]
-        if lines is None:
+    def _watch_paths(self, poll, diverged, call, fp):
+        """poll() of a wait in `call` that also runs diverged(poll, call, fp) (_box_diverged or
+        _cross_diverged) every SPIN_POLLS polls; `poll` itself where the flag lines' plain stores
+        are not ordered (not TSO)."""
+        if not TSO or self._lines is None:
             return poll
+        polls = [0]
 
         def watched():
             if poll():
                 return True
             polls[0] += 1
             if polls[0] % SPIN_POLLS == 0:
-                self._box_diverged(poll, call, fp)
+                diverged(poll, call, fp)
             return False
 
         return watched
@@ -1086,23 +1088,6 @@ class NodeAllReduce:
                 and (lines[:, 0] < call).any() and not poll()):
             self._post_cross(fp)
             self._cross_posted_in = call
-
-    def _cross_watch(self, poll, call, fp):
-        """poll() of a wait for the arrival of cross-memory `call` that also looks for a peer in a
-        mailbox call this rank did not make, and then posts one (_post_box)."""
-        lines, polls = self._lines if TSO else None, [0]
-        if lines is None:
-            return poll
-
-        def watched():
-            if poll():
-                return True
-            polls[0] += 1
-            if polls[0] % SPIN_POLLS == 0:
-                self._cross_diverged(poll, call, fp)
-            return False
-
-        return watched
 
     def _cross_diverged(self, poll, call, fp):
         """While cross-memory `call` waits for the arrivals (poll() False): post a mailbox call if
@@ -1253,7 +1238,9 @@ class NodeAllReduce:
         status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, 0, bounce, code)
         while status in _CROSS_WAITS:  # a peer later than the spin: wait, then the next stage
             ready = mailbox.cross_ready
-            wait(self._watched(self._cross_watch(ready, call, fp) if status == 1 else ready))
+            if status == 1:  # waiting for the arrivals: is a peer on the mailbox path?
+                ready = self._watch_paths(ready, self._cross_diverged, call, fp)
+            wait(self._watched(ready))
             status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, _CROSS_WAITS[status],
                                    bounce, code)
         error = self._cross_error(status, seq, fp, call)

@@ -75,7 +75,7 @@ ALL_REDUCE_KINDS = {
 @pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
 @pytest.mark.parametrize("kind", list(ALL_REDUCE_KINDS))
 def test_all_reduce_mismatch_raises_on_every_rank(path, kind, async_op):
-    name, group, n = path
+    _, group, n = path
     x, op = ALL_REDUCE_KINDS[kind](group, n)
     error = expect_mismatch(group, lambda a: group.all_reduce(x, op, async_op=a), async_op)
     assert "all_reduce" in str(error)
@@ -98,7 +98,7 @@ REDUCE_SCATTER_KINDS = {
 @pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
 @pytest.mark.parametrize("kind", list(REDUCE_SCATTER_KINDS))
 def test_reduce_scatter_mismatch_raises_on_every_rank(path, kind, async_op):
-    name, group, n = path
+    _, group, n = path
     x, op, counts = REDUCE_SCATTER_KINDS[kind](group, n)
     expect_mismatch(group, lambda a: group.reduce_scatter(x, op, counts=counts, async_op=a),
                     async_op)
@@ -114,14 +114,14 @@ DATA_KINDS = {
 @pytest.mark.parametrize("kind", list(DATA_KINDS))
 @pytest.mark.parametrize("collective", ["all_gather", "all_to_all", "broadcast"])
 def test_data_movement_mismatch_raises_on_every_rank(path, collective, kind, async_op):
-    name, group, n = path
+    _, group, n = path
     x = DATA_KINDS[kind](group, n)
     expect_mismatch(group, lambda a: getattr(group, collective)(x, async_op=a), async_op)
 
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
 def test_broadcast_src_mismatch_raises_on_every_rank(path, async_op):
-    name, group, n = path
+    _, group, n = path
     x = np.ones(n, np.float32)
     error = expect_mismatch(group, lambda a: group.broadcast(x, per_rank(group, 0, 1), async_op=a),
                             async_op)
@@ -129,7 +129,7 @@ def test_broadcast_src_mismatch_raises_on_every_rank(path, async_op):
 
 
 def test_all_reduce_against_another_collective_raises_on_every_rank(path):
-    name, group, n = path
+    _, group, n = path
     x = np.ones(rows(group, n), np.float32)
     expect_mismatch(group, lambda a: group.all_reduce(x) if group.rank == 0 else group.broadcast(x),
                     False)
@@ -163,7 +163,7 @@ P2P_KINDS = {
 @pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
 @pytest.mark.parametrize("kind", list(P2P_KINDS))
 def test_send_recv_mismatch_raises_on_both_ranks(path, kind, async_op):
-    name, group, n = path
+    _, group, n = path
     sent, into = P2P_KINDS[kind]
     error = None
     try:
