@@ -163,7 +163,8 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* all_reached, polled for up to spin_ns; when it was not, the wait is recorded (cross_ready).
+/* all_reached, polled for up to spin_ns; when it was not, a cross() wait is recorded
+ * (cross_ready).
  * After the first CALM_NS the poll gives the core away between checks (sched_yield, as Open MPI's
  * mpi_yield_when_idle does): a peer that shares this core, or waits for it behind another
  * process, runs at once instead of after the spin. Alone on the core, sched_yield returns at
@@ -185,7 +186,8 @@ static int spin_until(Mailbox *b, int column, int64_t call, int64_t spin_ns) {
             }
         }
     }
-    if (!done) {
+    if (!done && column != 0) {  /* a mailbox call's waiter polls arrived(); a cross() call in
+                                  * flight keeps its wait for cross_ready() */
         b->wait_column = column;
         b->wait_value = call;
     }
