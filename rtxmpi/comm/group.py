@@ -309,10 +309,10 @@ class ProcessGroup:
         those rows of the reduction (or a Work whose wait() returns it). stream: CUDA stream for
         cupy arrays. Collective: every rank of the group must call, in the same order, with the
         same op and counts.
-        Raises CollectiveMismatch (checking mode; also when ranks pass different counts),
-        CollectiveTimeout, TypeError (dtype/op), ValueError (N not divisible; counts of the wrong
-        length, negative, not integers or not summing to N; a 0-d x) — on every rank, as the
-        checks depend only on arguments every rank shares.
+        Raises CollectiveMismatch (ranks pass different counts, element counts, dtypes or ops;
+        checking mode: shapes), CollectiveTimeout, TypeError (dtype/op), ValueError (N not
+        divisible; counts of the wrong length, negative, not integers or not summing to N; a 0-d
+        x) — on every rank, as the checks depend only on arguments every rank shares.
         """
         self._check_array(x, "reduce_scatter")
         self._check_reduce_op(x, "reduce_scatter", op)
@@ -373,7 +373,8 @@ class ProcessGroup:
         x: (N, ...) array (or a 0-d array), same shape and dtype on every rank.
         Returns a new (world_size * N, ...) array (or (world_size,) for 0-d input), or a Work.
         Collective: every rank of the group must call, in the same order.
-        Raises CollectiveMismatch (checking mode), CollectiveTimeout, TypeError (dtype).
+        Raises CollectiveMismatch (element count or dtype differ; checking mode: shape),
+        CollectiveTimeout, TypeError (dtype).
         """
         self._check_array(x, "all_gather")
         seq, arrived = self._begin("all_gather", x)
@@ -389,7 +390,8 @@ class ProcessGroup:
 
         x: array, same shape and dtype on every rank (its contents are ignored except on src).
         Collective: every rank of the group must call, in the same order, with the same src.
-        Raises CollectiveMismatch (checking mode), CollectiveTimeout, TypeError, ValueError (src).
+        Raises CollectiveMismatch (element count, dtype or src differ; checking mode: shape),
+        CollectiveTimeout, TypeError, ValueError (src).
         """
         self._check_array(x, "broadcast", writable=True)
         self._check_rank(src, "src")
@@ -411,7 +413,8 @@ class ProcessGroup:
         x: (world_size * N, ...) array, same shape and dtype on every rank.
         Returns a new array of x's shape whose chunk j (rows [j*N, (j+1)*N)) came from rank j
         (or a Work). Collective: every rank of the group must call, in the same order.
-        Raises CollectiveMismatch (checking mode), CollectiveTimeout, TypeError, ValueError.
+        Raises CollectiveMismatch (element count or dtype differ; checking mode: shape),
+        CollectiveTimeout, TypeError, ValueError.
         """
         self._check_array(x, "all_to_all")
         seq, arrived = self._begin("all_to_all", x)
