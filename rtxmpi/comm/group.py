@@ -439,10 +439,12 @@ class ProcessGroup:
     @_host_staged
     def send(self, x, dst, tag=0, *, async_op=False, stream=None):
         """Send `x` to group rank `dst`; the matching recv must have the same element count and
-        dtype. Completes once dst has posted that recv.
+        dtype.
 
-        Returns None (or a Work). Raises CollectiveMismatch (the recv's count or dtype differs;
-        on both ranks), CollectiveTimeout when dst does not receive in time.
+        Returns None (or a Work). Raises CollectiveMismatch when the recv's count or dtype
+        differs: the recv raises it, and this rank here when dst's answer has come by the time
+        the send completes, else at its next send or recv on the group.
+        CollectiveTimeout when dst does not receive in time.
         """
         self._check_array(x, "send")
         self._check_rank(dst, "dst")

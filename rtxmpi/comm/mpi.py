@@ -5,6 +5,7 @@
 blocking MPI algorithms after an arrival check with a deadline; asynchronous calls use the
 nonblocking (I-prefixed) variants, completed by `Monitor.wait` with a deadline.
 """
+import collections
 import contextlib
 
 import numpy as np
@@ -58,6 +59,7 @@ class MPIBackend:
         self._fp_table = np.zeros((self.size, 2), np.int64)
         # send/recv exchange fingerprints here, beside their data on `comm` (same tags)
         self.p2p = comm.Dup()
+        self._sent = collections.deque()  # sends not yet compared with their recv's reply
 
     # -- waiting ---------------------------------------------------------------------------
     def test(self, requests):
@@ -301,35 +303,55 @@ class MPIBackend:
     # send/recv: the data goes on `comm`; the sender's fingerprint (count, code) goes to the
     # receiver and the receiver's back to the sender on `p2p`, with the same tag, all posted at
     # once (no round trip before the data). A receive of more bytes than its buffer holds ends in
-    # MPI's truncation error, which is safe; each side compares the two fingerprints once all
-    # three messages are done and raises CollectiveMismatch naming both calls. A send therefore
-    # completes only once its recv was posted (as MPI's Issend).
+    # MPI's truncation error, which is safe; the receiver compares once its messages are done.
+    # A send completes as before (it does not wait for its recv: rings of blocking send-then-recv
+    # of small messages keep working); it compares when the reply is there by then, else at this
+    # rank's next send or recv on the group (_check_sent).
     def send(self, buf, dst, tag, fp, seq):
         """Start sending the contiguous `buf` to group rank `dst`; fp: (count, code) of the
-        caller's array. Returns a poll() that raises CollectiveMismatch when dst's recv differs
-        in count or dtype."""
+        caller's array. Returns a poll(); it, or the next send/recv of this rank on the group,
+        raises CollectiveMismatch when dst's recv differs in count or dtype."""
+        self._check_sent()
         mine, theirs = np.array(fp, np.int64), np.zeros(2, np.int64)
         requests = [self.p2p.Isend(mine, dest=dst, tag=tag),
-                    self.comm.Isend([as_bytes(buf), MPI.BYTE], dest=dst, tag=tag),
-                    self.p2p.Irecv(theirs, source=dst, tag=tag)]
-        op = f"send to {dst}"
+                    self.comm.Isend([as_bytes(buf), MPI.BYTE], dest=dst, tag=tag)]
+        reply = self.p2p.Irecv(theirs, source=dst, tag=tag)
+        sent = (reply, mine, theirs, f"send to {dst}", seq, dst)
 
         def poll():
-            try:
-                if not MPI.Request.Testall(requests):
-                    return False
-            except MPI.Exception as exc:
-                raise self._translate(exc, f"{op} #{seq}") from None
-            if not fingerprint.same_data(mine, theirs):
-                raise self._p2p_mismatch(op, seq, [mine, theirs], dst, send=True)
+            if requests:
+                try:
+                    if not MPI.Request.Testall(requests):
+                        return False
+                except MPI.Exception as exc:
+                    raise self._translate(exc, f"{sent[3]} #{seq}") from None
+                requests.clear()
+                self._sent.append(sent)
+            self._check_sent()
             return True
 
         return poll
+
+    def _check_sent(self):
+        """Compare the fingerprints of the sends whose recv's reply has arrived (in order);
+        CollectiveMismatch for the first that differs. Local, never waits."""
+        while self._sent:
+            reply, mine, theirs, op, seq, dst = self._sent[0]
+            try:
+                if not reply.Test():
+                    return
+            except MPI.Exception as exc:
+                self._sent.popleft()
+                raise self._translate(exc, f"{op} #{seq}") from None
+            self._sent.popleft()
+            if not fingerprint.same_data(mine, theirs):
+                raise self._p2p_mismatch(op, seq, [mine, theirs], dst, send=True)
 
     def recv(self, buf, src, tag, fp, seq):
         """Start receiving into the contiguous `buf` from group rank `src`; fp: (count, code) of
         the caller's array. Returns a poll() that raises CollectiveMismatch when src's send
         differs in count or dtype (buf's contents are then undefined)."""
+        self._check_sent()
         mine, theirs = np.array(fp, np.int64), np.zeros(2, np.int64)
         control = [self.p2p.Irecv(theirs, source=src, tag=tag),
                    self.p2p.Isend(mine, dest=src, tag=tag)]
