@@ -452,7 +452,7 @@ class ProcessGroup:
         buf = np.ascontiguousarray(x)
         work = Work(self, f"send to {dst}", self._p2p_seq,
                     self.backend.send(buf, dst, tag, fingerprint.of("send", x), self._p2p_seq),
-                    lambda: None, keep=buf)
+                    self.backend.check_sent, keep=buf)
         return work if async_op else work.wait()
 
     @_host_staged

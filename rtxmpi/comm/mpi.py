@@ -306,33 +306,21 @@ class MPIBackend:
     # MPI's truncation error, which is safe; the receiver compares once its messages are done.
     # A send completes as before (it does not wait for its recv: rings of blocking send-then-recv
     # of small messages keep working); it compares when the reply is there by then, else at this
-    # rank's next send or recv on the group (_check_sent).
+    # rank's next send or recv on the group (check_sent).
     def send(self, buf, dst, tag, fp, seq):
         """Start sending the contiguous `buf` to group rank `dst`; fp: (count, code) of the
-        caller's array. Returns a poll(); it, or the next send/recv of this rank on the group,
-        raises CollectiveMismatch when dst's recv differs in count or dtype."""
-        self._check_sent()
+        caller's array. Returns MPI requests; check_sent() after they complete, or the next
+        send/recv of this rank on the group, raises CollectiveMismatch when dst's recv differs in
+        count or dtype."""
+        self.check_sent()
         mine, theirs = np.array(fp, np.int64), np.zeros(2, np.int64)
         requests = [self.p2p.Isend(mine, dest=dst, tag=tag),
                     self.comm.Isend([as_bytes(buf), MPI.BYTE], dest=dst, tag=tag)]
         reply = self.p2p.Irecv(theirs, source=dst, tag=tag)
-        sent = (reply, mine, theirs, f"send to {dst}", seq, dst)
+        self._sent.append((reply, mine, theirs, f"send to {dst}", seq, dst))
+        return requests
 
-        def poll():
-            if requests:
-                try:
-                    if not MPI.Request.Testall(requests):
-                        return False
-                except MPI.Exception as exc:
-                    raise self._translate(exc, f"{sent[3]} #{seq}") from None
-                requests.clear()
-                self._sent.append(sent)
-            self._check_sent()
-            return True
-
-        return poll
-
-    def _check_sent(self):
+    def check_sent(self):
         """Compare the fingerprints of the sends whose recv's reply has arrived (in order);
         CollectiveMismatch for the first that differs. Local, never waits."""
         while self._sent:
@@ -351,7 +339,7 @@ class MPIBackend:
         """Start receiving into the contiguous `buf` from group rank `src`; fp: (count, code) of
         the caller's array. Returns a poll() that raises CollectiveMismatch when src's send
         differs in count or dtype (buf's contents are then undefined)."""
-        self._check_sent()
+        self.check_sent()
         mine, theirs = np.array(fp, np.int64), np.zeros(2, np.int64)
         control = [self.p2p.Irecv(theirs, source=src, tag=tag),
                    self.p2p.Isend(mine, dest=src, tag=tag)]
@@ -377,6 +365,7 @@ class MPIBackend:
                 raise self._translate(truncated[0], f"{op} #{seq}")
             return True
 
+        poll.no_spin = True  # Work.wait: no busy spin before the deadline-aware wait
         return poll
 
     def _p2p_mismatch(self, op, seq, table, peer, send):
