@@ -5,7 +5,8 @@
  * `region` bytes at j * region: a 128-byte flag line (int64 [0] the mailbox call number; for the
  * cross-memory all_reduce, [1] its arrival call, [2] this call's array address, [3] its done
  * call, [4]-[6] its shared region, [7] its bytes, type and op, [8] and [9] the bounce's
- * copy-in and fold round counters, [10] its CPU + 1 when it may bounce, else 0), then two slots
+ * copy-in and fold round counters, [10] its CPU + 1 when it may bounce, else 0; [11]-[14] the
+ * mailbox calls' element counts and fingerprint codes, [15] the cross-memory call's code), then two slots
  * of `slot_bytes` (call parity 0 and 1), then the bounce slot of `bounce_bytes` (two round
  * parities x local_size pieces of piece_bytes).
  *
@@ -17,6 +18,12 @@
  * not arrived yet, and the caller waits (deadline-aware, in Python) on arrived(call), then calls
  * finish(x, op, call). op: one of the `ops` given at construction (mpi4py's MPI.SUM, MPI.MAX,
  * MPI.MIN, MPI.PROD: compared by identity, then by ==), so no Python code maps it first.
+ *
+ * Each call also publishes, next to its flag, its element count and the caller's fingerprint code
+ * (int64 [11] and [12] for even calls, [13] and [14] for odd ones: a rank one call ahead must
+ * not overwrite what a peer still compares); when every rank has posted, the terms are reduced
+ * only if every rank's pair is the same, else all_reduce returns -call on every rank and nothing
+ * is reduced (box_keys(call) says what each rank posted).
  *
  * Slots alternate between calls, so a rank one call ahead never overwrites a slot a peer still
  * reads; it cannot get two calls ahead (its next call needs every peer's flag of this one, raised
@@ -72,7 +79,8 @@ typedef struct {
     uintptr_t *peer_addrs;  /* cross(): their arrays' addresses in the current call */
     struct PeerMap *maps;   /* cross(): peers' shared regions mapped here, MAPS_PER_PEER each */
     char **peer_ptrs;       /* cross(): their arrays in those mappings, in the current call */
-    int64_t *seen_keys;     /* cross(): every local rank's key when a call found them differ */
+    int64_t *seen_keys;     /* cross(): every local rank's key ([7]) when a call found them
+                             * differ, then every local rank's fingerprint code ([15]) */
     uint64_t map_clock;     /* least-recently-used eviction of `maps` */
     int64_t direct_calls;   /* cross() calls that took the shared-region path */
     int64_t bounce_calls;   /* cross() calls that bounced */
@@ -131,13 +139,32 @@ static int all_reached(Mailbox *b, int column, int64_t call) {
     return 1;
 }
 
+/* The mailbox call's fingerprint columns: [11], [12] for even calls, [13], [14] for odd. */
+static inline int box_column(int64_t call) { return 11 + 2 * (int)(call & 1); }
+
+/* Every local rank posted the same element count and code for `call` (after all_reached). */
+static int box_same(Mailbox *b, int64_t call) {
+    int c = box_column(call);
+    int64_t *mine = flag_of(b, b->local_rank);
+    int64_t count = __atomic_load_n(mine + c, __ATOMIC_RELAXED);
+    int64_t code = __atomic_load_n(mine + c + 1, __ATOMIC_RELAXED);
+    for (int j = 0; j < b->local_size; j++) {
+        int64_t *line = flag_of(b, j);
+        if (__atomic_load_n(line + c, __ATOMIC_RELAXED) != count
+                || __atomic_load_n(line + c + 1, __ATOMIC_RELAXED) != code)
+            return 0;
+    }
+    return 1;
+}
+
 static int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* all_reached, polled for up to spin_ns; when it was not, the wait is recorded (cross_ready).
+/* all_reached, polled for up to spin_ns; when it was not, a cross() wait is recorded
+ * (cross_ready).
  * After the first CALM_NS the poll gives the core away between checks (sched_yield, as Open MPI's
  * mpi_yield_when_idle does): a peer that shares this core, or waits for it behind another
  * process, runs at once instead of after the spin. Alone on the core, sched_yield returns at
@@ -159,7 +186,8 @@ static int spin_until(Mailbox *b, int column, int64_t call, int64_t spin_ns) {
             }
         }
     }
-    if (!done) {
+    if (!done && column != 0) {  /* a mailbox call's waiter polls arrived(); a cross() call in
+                                  * flight keeps its wait for cross_ready() */
         b->wait_column = column;
         b->wait_value = call;
     }
@@ -281,22 +309,29 @@ static int get_arg(Mailbox *b, PyObject *x, int op, Arg *a, Py_ssize_t max_bytes
 }
 
 static PyObject *Mailbox_all_reduce(Mailbox *b, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "all_reduce(x, op, spin_ns)");
+    if (nargs < 3 || nargs > 5) {
+        PyErr_SetString(PyExc_TypeError, "all_reduce(x, op, spin_ns, code=0, count=len(x))");
         return NULL;
     }
     int64_t spin_ns = PyLong_AsLongLong(args[2]);
     if (spin_ns == -1 && PyErr_Occurred()) return NULL;
+    int64_t code = nargs >= 4 ? PyLong_AsLongLong(args[3]) : 0;
+    if (code == -1 && PyErr_Occurred()) return NULL;
+    int64_t count = nargs == 5 ? PyLong_AsLongLong(args[4]) : 0;
+    if (count == -1 && PyErr_Occurred()) return NULL;
     int op = op_of(b, args[1]);
     Arg a;
     if (get_arg(b, args[0], op, &a, b->slot_bytes) < 0) return NULL;
-    int64_t call = ++b->calls;
+    int64_t call = ++b->calls, *mine = flag_of(b, b->local_rank);
+    int c = box_column(call);
     memcpy(slot_of(b, b->local_rank, call), a.view.buf, a.view.len);
-    __atomic_store_n(flag_of(b, b->local_rank), call, __ATOMIC_RELEASE);
-    int done = spin_until(b, 0, call, spin_ns);
-    if (done) reduce_into(b, a.view.buf, a.view.len, a.count, a.type, op, call);
+    __atomic_store_n(mine + c, nargs == 5 ? count : (int64_t)a.count, __ATOMIC_RELAXED);
+    __atomic_store_n(mine + c + 1, code, __ATOMIC_RELAXED);
+    __atomic_store_n(mine, call, __ATOMIC_RELEASE);
+    int done = spin_until(b, 0, call, spin_ns), same = done && box_same(b, call);
+    if (same) reduce_into(b, a.view.buf, a.view.len, a.count, a.type, op, call);
     PyBuffer_Release(&a.view);
-    return PyLong_FromLongLong(done ? 0 : call);
+    return PyLong_FromLongLong(!done ? call : same ? 0 : -call);
 }
 
 static PyObject *Mailbox_arrived(Mailbox *b, PyObject *arg) {
@@ -325,9 +360,37 @@ static PyObject *Mailbox_finish(Mailbox *b, PyObject *const *args, Py_ssize_t na
                      (long long)call);
         return NULL;
     }
-    reduce_into(b, a.view.buf, a.view.len, a.count, a.type, op, call);
+    int same = box_same(b, call);
+    if (same) reduce_into(b, a.view.buf, a.view.len, a.count, a.type, op, call);
     PyBuffer_Release(&a.view);
-    Py_RETURN_NONE;
+    return PyBool_FromLong(same);
+}
+
+static PyObject *Mailbox_calls(Mailbox *b, PyObject *unused) {
+    (void)unused;
+    return PyLong_FromLongLong(b->calls);
+}
+
+static PyObject *Mailbox_box_keys(Mailbox *b, PyObject *arg) {
+    int64_t call = PyLong_AsLongLong(arg);
+    if (call == -1 && PyErr_Occurred()) return NULL;
+    if (!b->open) {
+        PyErr_SetString(PyExc_ValueError, "mailbox is closed");
+        return NULL;
+    }
+    int c = box_column(call);
+    PyObject *out = PyTuple_New(b->local_size);
+    for (int j = 0; out != NULL && j < b->local_size; j++) {
+        int64_t *line = flag_of(b, j);
+        PyObject *item = Py_BuildValue("(LL)", (long long)__atomic_load_n(line + c, __ATOMIC_RELAXED),
+                                       (long long)__atomic_load_n(line + c + 1, __ATOMIC_RELAXED));
+        if (item == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyTuple_SET_ITEM(out, j, item);
+    }
+    return out;
 }
 
 static PyObject *Mailbox_close(Mailbox *b, PyObject *unused) {
@@ -446,7 +509,7 @@ static int Mailbox_init(Mailbox *b, PyObject *args, PyObject *kwds) {
     b->seen_keys = NULL;
     if (peer_pids) {
         b->peer_ptrs = PyMem_Calloc(local_size, sizeof(char *));
-        b->seen_keys = PyMem_Calloc(local_size, sizeof(int64_t));
+        b->seen_keys = PyMem_Calloc(2 * (size_t)local_size, sizeof(int64_t));
         b->maps = PyMem_Calloc((size_t)local_size * MAPS_PER_PEER, sizeof(struct PeerMap));
         if (b->peer_ptrs == NULL || b->seen_keys == NULL || b->maps == NULL) {
             PyBuffer_Release(&b->map);
@@ -767,11 +830,16 @@ static void fold_direct(char *base, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t ite
  * rank must share; arrays of different sizes would send a transfer past the end of one. */
 #define CALL_KEY(len, type, op) (((int64_t)(len) << 6) | ((int64_t)(type) << 2) | (int64_t)(op))
 
-/* Every local rank published the same key (after every peer's arrival flag was read). */
+/* Every local rank published the same key and fingerprint code ([15], the caller's: the dtype
+ * and reduce op it was called with, which the buffer's may not show) (after every peer's
+ * arrival flag was read). */
 static int same_call(Mailbox *b) {
-    int64_t key = __atomic_load_n(flag_of(b, b->local_rank) + 7, __ATOMIC_RELAXED);
+    int64_t *mine = flag_of(b, b->local_rank);
+    int64_t key = __atomic_load_n(mine + 7, __ATOMIC_RELAXED);
+    int64_t code = __atomic_load_n(mine + 15, __ATOMIC_RELAXED);
     for (int j = 0; j < b->local_size; j++)
-        if (__atomic_load_n(flag_of(b, j) + 7, __ATOMIC_RELAXED) != key) return 0;
+        if (__atomic_load_n(flag_of(b, j) + 7, __ATOMIC_RELAXED) != key
+                || __atomic_load_n(flag_of(b, j) + 15, __ATOMIC_RELAXED) != code) return 0;
     return 1;
 }
 
@@ -920,10 +988,11 @@ static int bounce_run(Mailbox *b, char *x, Py_ssize_t count, Py_ssize_t itemsize
  * op (nothing moved, on every rank; keys() says how; returned once every rank raised [3] for
  * it, 2 until then); or the (errno, pid, what) tuple of a failed transfer. */
 static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "cross(x, op, call, tmp, spin_ns, stage, bounce)");
+    if (nargs != 7 && nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "cross(x, op, call, tmp, spin_ns, stage, bounce, code=0)");
         return NULL;
     }
+    int64_t code = nargs == 8 ? PyLong_AsLongLong(args[7]) : 0;
     int64_t call = PyLong_AsLongLong(args[2]), spin_ns = PyLong_AsLongLong(args[4]);
     long stage = PyLong_AsLong(args[5]);
     int may_bounce = PyObject_IsTrue(args[6]);
@@ -969,6 +1038,7 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
     if (stage == 0) {  /* [4] region fd (-1: none), [5] offset in it, [6] its inode, [7] the call */
         const Region *reg = region_of((uintptr_t)a.view.buf, a.view.len);
         __atomic_store_n(mine + 7, CALL_KEY(a.view.len, a.type, op), __ATOMIC_RELAXED);
+        __atomic_store_n(mine + 15, code, __ATOMIC_RELAXED);
         __atomic_store_n(mine + 2, (int64_t)(uintptr_t)a.view.buf, __ATOMIC_RELAXED);
         __atomic_store_n(mine + 4, reg ? reg->fd : -1, __ATOMIC_RELAXED);
         __atomic_store_n(mine + 5, reg ? (int64_t)((uintptr_t)a.view.buf - reg->start) : 0,
@@ -988,8 +1058,10 @@ static PyObject *Mailbox_cross(Mailbox *b, PyObject *const *args, Py_ssize_t nar
              * flags: a rank that returned at once could publish its next call's key while a
              * peer still compares this call's, and that peer would take it for a match */
             b->mismatch_call = call;
-            for (int j = 0; j < n; j++)  /* for keys(): a peer may publish its next one soon */
+            for (int j = 0; j < n; j++) {  /* for keys(): a peer may publish its next one soon */
                 b->seen_keys[j] = __atomic_load_n(flag_of(b, j) + 7, __ATOMIC_RELAXED);
+                b->seen_keys[n + j] = __atomic_load_n(flag_of(b, j) + 15, __ATOMIC_RELAXED);
+            }
             stage = 3;
             __atomic_store_n(mine + 3, call, __ATOMIC_RELEASE);
         } else {
@@ -1086,6 +1158,25 @@ static PyObject *Mailbox_keys(Mailbox *b, PyObject *unused) {
     return out;
 }
 
+static PyObject *Mailbox_codes(Mailbox *b, PyObject *unused) {
+    (void)unused;
+    if (!b->open || b->seen_keys == NULL) {
+        PyErr_SetString(PyExc_ValueError, b->open ? "mailbox: codes() needs the local ranks' pids"
+                                                  : "mailbox is closed");
+        return NULL;
+    }
+    PyObject *out = PyTuple_New(b->local_size);
+    for (int j = 0; out != NULL && j < b->local_size; j++) {
+        PyObject *item = PyLong_FromLongLong(b->seen_keys[b->local_size + j]);
+        if (item == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyTuple_SET_ITEM(out, j, item);
+    }
+    return out;
+}
+
 static PyObject *Mailbox_cross_reached(Mailbox *b, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "cross_reached(column, call)");
@@ -1126,16 +1217,28 @@ static PyMethodDef module_methods[] = {
 
 static PyMethodDef Mailbox_methods[] = {
     {"all_reduce", (PyCFunction)(void (*)(void))Mailbox_all_reduce, METH_FASTCALL,
-     "all_reduce(x, op, spin_ns) -> int: post x, wait up to spin_ns for the peers, reduce in "
-     "place when they arrived (0); else the call number: wait on arrived(call), then finish()."},
+     "all_reduce(x, op, spin_ns, code=0, count=len(x)) -> int: post x (with the count and the "
+     "fingerprint code), wait up to spin_ns for the peers, reduce in place when they arrived (0); -call: "
+     "they arrived, but the counts or codes differ (nothing reduced; box_keys(call)); else the "
+     "call number: wait on arrived(call), then finish()."},
     {"arrived", (PyCFunction)Mailbox_arrived, METH_O,
      "arrived(call) -> bool: every local rank has posted call number `call`."},
     {"finish", (PyCFunction)(void (*)(void))Mailbox_finish, METH_FASTCALL,
-     "finish(x, op, call): reduce the posted terms of `call` into x (after arrived(call))."},
+     "finish(x, op, call) -> bool: reduce the posted terms of `call` into x (after "
+     "arrived(call)); False: the counts or codes differ, nothing reduced."},
     {"cross", (PyCFunction)(void (*)(void))Mailbox_cross, METH_FASTCALL,
-     "cross(x, op, call, tmp, spin_ns, stage, bounce) -> int or (errno, pid, what): the one-node "
-     "cross-memory all_reduce of x in place (0 done; 1, 4, 2: wait on cross_ready(), then call "
-     "again at stage 1, 2, 3; 3: the ranks' arrays differ); bounce: this rank may bounce it."},
+     "cross(x, op, call, tmp, spin_ns, stage, bounce, code=0) -> int or (errno, pid, what): the "
+     "one-node cross-memory all_reduce of x in place (0 done; 1, 4, 2: wait on cross_ready(), "
+     "then call again at stage 1, 2, 3; 3: the ranks' arrays or codes differ); bounce: this "
+     "rank may bounce it; code: the caller's fingerprint code, which every rank must share."},
+    {"codes", (PyCFunction)Mailbox_codes, METH_NOARGS,
+     "codes() -> (code, ...): each local rank's fingerprint code when a cross() call last found "
+     "the ranks' calls differ (status 3)."},
+    {"calls", (PyCFunction)Mailbox_calls, METH_NOARGS,
+     "calls() -> int: the mailbox calls numbered so far."},
+    {"box_keys", (PyCFunction)Mailbox_box_keys, METH_O,
+     "box_keys(call) -> ((count, code), ...): what each local rank posted with mailbox call "
+     "`call` (before this rank posts call + 1)."},
     {"cross_ready", (PyCFunction)Mailbox_cross_ready, METH_NOARGS,
      "cross_ready() -> bool: the flags the last unfinished cross() waited for are reached."},
     {"cross_reached", (PyCFunction)(void (*)(void))Mailbox_cross_reached, METH_FASTCALL,

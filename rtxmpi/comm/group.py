@@ -6,6 +6,12 @@ dtype handling (float16/bfloat16 reduce in float32; bool sum is logical or), non
 (reduced on a contiguous copy, written back) and host staging of cupy arrays for backends that
 cannot read device memory.
 
+Mismatched calls raise CollectiveMismatch on every rank also with checking off: each call's
+fingerprint (comm/fingerprint.py: element count, dtype, op and its reduce op / src / counts) is
+compared where the transport synchronizes anyway (the arrival check of every collective but
+all_reduce; for all_reduce the mailbox's flags, the cross-memory address exchange, or the arrival
+check before MPI's algorithm; send/recv's header message).
+
 Every collective is a *collective call*: every rank of the group must call it, in the same order,
 with the same shape and dtype. Nothing here decides whether to enter a collective from local data.
 """
@@ -19,51 +25,30 @@ import numpy as np
 
 from ..backend import LOW_PRECISION, SUPPORTED_DTYPES, dtype_name, is_device_array, xp_of
 from ..errors import CollectiveMismatch, ConfigError
+from . import fingerprint
+from .fingerprint import ARG_SHIFT as _ARG_SHIFT, OP_CODES as _OP_CODES, REDUCE_CODES as _REDUCE_CODES
+from .fingerprint import counts_crc as _counts_crc, dtype_code as _dtype_code
+from .fingerprint import dtype_from_code as _dtype_from_code
 from .mpi import BOOL_OPS, REDUCE_OPS
 from .work import CompletedWork, Work
 
-_OP_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4,
-             "all_to_all": 5, "barrier": 6, "split": 7, "new_group": 8}
-_REDUCE_CODES = {name: i for i, name in enumerate(REDUCE_OPS, start=1)}
 _MAX_DIMS = 10
-# all_reduce fast path (numpy, contiguous, checking off, blocking): op -> {dtype: MPI op} for the
-# dtypes MPI reduces in place with no staging ("avg" on integers is refused by the general path)
+# all_reduce fast path (numpy, contiguous, checking off): op -> {dtype: (MPI op, fingerprint
+# code)} for the dtypes MPI reduces in place with no staging ("avg" on integers is refused by the
+# general path)
 # int8 / uint8 sum and prod reduce in int32, then wrap back like numpy: Open MPI's AVX op
 # component saturates 8-bit sums (127 + 1 = 127) where the shared-memory paths wrap, so the
 # result would depend on the path (rank count, size, async)
 WIDENED = {np.dtype(np.int8), np.dtype(np.uint8)}
 WIDENED_OPS = ("sum", "prod")
-_DIRECT_REDUCE = {op: {dtype: mpi_op for dtype in SUPPORTED_DTYPES
+_DIRECT_REDUCE = {op: {dtype: (mpi_op, fingerprint.code("all_reduce", dtype, _REDUCE_CODES[op]))
+                        for dtype in SUPPORTED_DTYPES
                        if dtype not in LOW_PRECISION and dtype.kind != "b"
                        and not (op == "avg" and dtype.kind in "iu")
                        and not (op in WIDENED_OPS and dtype in WIDENED)}
                   for op, mpi_op in REDUCE_OPS.items()}
 _NONE = {}
 _FP_LEN = 5 + _MAX_DIMS + 1  # seq, op, arg, dtype, ndim, dims..., overflow-hash
-_ARG_SHIFT = 16  # reduce_scatter's fingerprint arg: op code + _ARG_SHIFT * crc32(counts) (0: even)
-
-
-def _counts_crc(counts):
-    """crc32 of reduce_scatter's `counts` for the checking-mode fingerprint (0 for None), also for
-    counts that validation will refuse."""
-    if counts is None:
-        return 0
-    try:
-        values = np.asarray([operator.index(c) for c in counts], np.int64)
-    except (TypeError, ValueError, OverflowError):
-        return zlib.crc32(repr(counts).encode()) | 1  # never 0
-    return zlib.crc32(b"counts" + values.tobytes())
-
-
-def _dtype_code(dtype):
-    dtype = np.dtype(dtype)
-    if dtype in SUPPORTED_DTYPES:
-        return SUPPORTED_DTYPES.index(dtype)
-    return 1000 + zlib.crc32(dtype.str.encode()) % 1000000
-
-
-def _dtype_from_code(code):
-    return dtype_name(SUPPORTED_DTYPES[code]) if code < len(SUPPORTED_DTYPES) else f"<dtype#{code}>"
 
 
 def _host_staged(method):
@@ -109,8 +94,9 @@ class ProcessGroup:
     world ranks, indexed by group rank), backend.
 
     Errors common to every collective: CollectiveTimeout (a wait passed `timeout_s`; raised on every
-    waiting rank), CollectiveMismatch (checking mode: ranks disagree on op, shape or dtype; raised on
-    every rank), TypeError (unsupported dtype, or an operation the dtype cannot do), ValueError /
+    waiting rank), CollectiveMismatch (ranks disagree on op, element count, dtype or reduce op /
+    src / counts, and in checking mode on shape; raised on every rank, nothing moved),
+    TypeError (unsupported dtype, or an operation the dtype cannot do), ValueError /
     ConfigError (shapes or arguments the operation cannot take).
     """
 
@@ -134,12 +120,18 @@ class ProcessGroup:
                 f"backend={self.backend.name} check={self.check}>")
 
     # -- the common path of every collective --------------------------------------------------
-    def _begin(self, op, x=None, arg=0):
-        """Number the call; in checking mode exchange fingerprints. Returns (seq, arrived)."""
+    def _begin(self, op, x=None, arg=0, arrive=None):
+        """Number the call and check that every rank makes the same call: in checking mode by
+        exchanging full fingerprints (shape included); with checking off by the arrival check's
+        all_gather of (count, code) (comm/fingerprint.py), except for all_reduce (unless
+        `arrive`), whose transports compare them where they synchronize. Returns (seq, arrived)."""
         self._seq += 1
         seq = self._seq
         if not self.check:
-            return seq, False
+            if (op == "all_reduce" and not arrive) or self.world_size == 1:
+                return seq, False
+            self.backend.arrive(op, seq, self.timeout_s, fingerprint.of(op, x, arg))
+            return seq, True
         fp = np.zeros(_FP_LEN, np.int64)
         fp[0], fp[1], fp[2] = seq, _OP_CODES[op], arg
         if x is not None:
@@ -243,22 +235,24 @@ class ProcessGroup:
         bool, sum and max are logical or, min and prod logical and; "avg" needs a floating dtype.
         Returns x (or a Work whose wait() returns x). stream: CUDA stream for cupy arrays (None =
         current). Collective: every rank of the group must call, in the same order.
-        Raises CollectiveMismatch (checking mode; with checking off too, for arrays of
-        different sizes on the cross-memory path), CollectiveTimeout, TypeError (dtype, or "avg"
-        on an integer dtype), ValueError (unknown op, read-only x).
+        Raises CollectiveMismatch (ranks disagree on element count, dtype or op; checking mode:
+        on shape), CollectiveTimeout, TypeError (dtype, or "avg" on an integer dtype),
+        ValueError (unknown op, read-only x).
         """
         if type(x) is np.ndarray and type(op) is str and not self.check:
-            mpi_op = _DIRECT_REDUCE.get(op, _NONE).get(x.dtype)
-            if mpi_op is not None and x.flags.carray:  # C-contiguous, aligned, writeable
+            direct = _DIRECT_REDUCE.get(op, _NONE).get(x.dtype)
+            if direct is not None and x.flags.carray:  # C-contiguous, aligned, writeable
                 # Fast path (the common case), same steps as the general path below: Python
                 # costs per call are paid again, cold, after every large transfer.
+                mpi_op, code = direct
                 self._seq += 1
                 flat = x if x.ndim == 1 else x.reshape(-1)
                 if async_op:
                     return Work(self, "all_reduce", self._seq,
-                                self.backend.all_reduce_start(flat, mpi_op),
+                                self.backend.all_reduce_start(flat, mpi_op, self._seq,
+                                                              self.timeout_s, code),
                                 self._averaged(x) if op == "avg" else lambda: x, keep=x)
-                self.backend.all_reduce_now(flat, mpi_op, self._seq, self.timeout_s)
+                self.backend.all_reduce_now(flat, mpi_op, self._seq, self.timeout_s, code)
                 if op == "avg":
                     np.divide(x, self.world_size, out=x)
                 return x
@@ -287,10 +281,15 @@ class ProcessGroup:
                 writeback()
             return x
 
-        if not (async_op or arrived) and hasattr(self.backend, "all_reduce_now"):
+        if not arrived and self.world_size > 1:
             # the fast path's steps (all_reduce above): whether a rank came by the fast or this
             # path depends on its own array (layout, subclass), so both must synchronize alike
-            self.backend.all_reduce_now(buf, mpi_op, seq, self.timeout_s)
+            code = fingerprint.code("all_reduce", x.dtype, _REDUCE_CODES[op])
+            if async_op:
+                return Work(self, "all_reduce", seq,
+                            self.backend.all_reduce_start(buf, mpi_op, seq, self.timeout_s, code),
+                            finish, keep=buf)
+            self.backend.all_reduce_now(buf, mpi_op, seq, self.timeout_s, code)
             return finish()
         return self._run("all_reduce", seq, arrived,
                          lambda nb: self.backend.all_reduce(buf, mpi_op, nb), finish, async_op)
@@ -310,10 +309,10 @@ class ProcessGroup:
         those rows of the reduction (or a Work whose wait() returns it). stream: CUDA stream for
         cupy arrays. Collective: every rank of the group must call, in the same order, with the
         same op and counts.
-        Raises CollectiveMismatch (checking mode; also when ranks pass different counts),
-        CollectiveTimeout, TypeError (dtype/op), ValueError (N not divisible; counts of the wrong
-        length, negative, not integers or not summing to N; a 0-d x) — on every rank, as the
-        checks depend only on arguments every rank shares.
+        Raises CollectiveMismatch (ranks pass different counts, element counts, dtypes or ops;
+        checking mode: shapes), CollectiveTimeout, TypeError (dtype/op), ValueError (N not
+        divisible; counts of the wrong length, negative, not integers or not summing to N; a 0-d
+        x) — on every rank, as the checks depend only on arguments every rank shares.
         """
         self._check_array(x, "reduce_scatter")
         self._check_reduce_op(x, "reduce_scatter", op)
@@ -374,7 +373,8 @@ class ProcessGroup:
         x: (N, ...) array (or a 0-d array), same shape and dtype on every rank.
         Returns a new (world_size * N, ...) array (or (world_size,) for 0-d input), or a Work.
         Collective: every rank of the group must call, in the same order.
-        Raises CollectiveMismatch (checking mode), CollectiveTimeout, TypeError (dtype).
+        Raises CollectiveMismatch (element count or dtype differ; checking mode: shape),
+        CollectiveTimeout, TypeError (dtype).
         """
         self._check_array(x, "all_gather")
         seq, arrived = self._begin("all_gather", x)
@@ -390,7 +390,8 @@ class ProcessGroup:
 
         x: array, same shape and dtype on every rank (its contents are ignored except on src).
         Collective: every rank of the group must call, in the same order, with the same src.
-        Raises CollectiveMismatch (checking mode), CollectiveTimeout, TypeError, ValueError (src).
+        Raises CollectiveMismatch (element count, dtype or src differ; checking mode: shape),
+        CollectiveTimeout, TypeError, ValueError (src).
         """
         self._check_array(x, "broadcast", writable=True)
         self._check_rank(src, "src")
@@ -412,7 +413,8 @@ class ProcessGroup:
         x: (world_size * N, ...) array, same shape and dtype on every rank.
         Returns a new array of x's shape whose chunk j (rows [j*N, (j+1)*N)) came from rank j
         (or a Work). Collective: every rank of the group must call, in the same order.
-        Raises CollectiveMismatch (checking mode), CollectiveTimeout, TypeError, ValueError.
+        Raises CollectiveMismatch (element count or dtype differ; checking mode: shape),
+        CollectiveTimeout, TypeError, ValueError.
         """
         self._check_array(x, "all_to_all")
         seq, arrived = self._begin("all_to_all", x)
@@ -436,23 +438,29 @@ class ProcessGroup:
     # -- point to point -------------------------------------------------------------------------
     @_host_staged
     def send(self, x, dst, tag=0, *, async_op=False, stream=None):
-        """Send `x` to group rank `dst`; the matching recv must have the same shape and dtype.
+        """Send `x` to group rank `dst`; the matching recv must have the same element count and
+        dtype.
 
-        Returns None (or a Work). Raises CollectiveTimeout when dst does not receive in time.
+        Returns None (or a Work). Raises CollectiveMismatch when the recv's count or dtype
+        differs: the recv raises it, and this rank here when dst's answer has come by the time
+        the send completes, else at its next send or recv on the group.
+        CollectiveTimeout when dst does not receive in time.
         """
         self._check_array(x, "send")
         self._check_rank(dst, "dst")
         self._p2p_seq += 1
         buf = np.ascontiguousarray(x)
         work = Work(self, f"send to {dst}", self._p2p_seq,
-                    self.backend.send(buf, dst, tag), lambda: None, keep=buf)
+                    self.backend.send(buf, dst, tag, fingerprint.of("send", x), self._p2p_seq),
+                    self.backend.check_sent, keep=buf)
         return work if async_op else work.wait()
 
     @_host_staged
     def recv(self, x, src, tag=0, *, async_op=False, stream=None):
         """Receive into `x` (in place) from group rank `src`; returns x (or a Work).
 
-        Raises CollectiveTimeout when src does not send in time.
+        Raises CollectiveMismatch (the send's count or dtype differs; on both ranks; x's contents
+        are then undefined), CollectiveTimeout when src does not send in time.
         """
         self._check_array(x, "recv", writable=True)
         self._check_rank(src, "src")
@@ -464,7 +472,9 @@ class ProcessGroup:
                 x[...] = buf
             return x
 
-        work = Work(self, f"recv from {src}", self._p2p_seq, self.backend.recv(buf, src, tag), finish)
+        work = Work(self, f"recv from {src}", self._p2p_seq,
+                    self.backend.recv(buf, src, tag, fingerprint.of("recv", x), self._p2p_seq),
+                    finish, keep=buf)
         return work if async_op else work.wait()
 
     # -- sub-groups -----------------------------------------------------------------------------

@@ -360,7 +360,7 @@ class DeviceGroup(ProcessGroup):
             return super().all_reduce(x, op, async_op=async_op, stream=stream)
         self._device_array(x, "all_reduce", writable=True)
         self._check_reduce_op(x, "all_reduce", op)
-        seq, _ = self._begin("all_reduce", x, _REDUCE_CODES[op])
+        seq, _ = self._begin("all_reduce", x, _REDUCE_CODES[op], arrive=True)
         buf, writeback, dop = self._reduce_device_buffer(x, op)
         size, on = self.world_size, self._on(stream)
 

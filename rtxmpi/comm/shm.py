@@ -119,7 +119,7 @@ from mpi4py import MPI
 
 from ..backend import env_flag
 from ..errors import CollectiveError, CollectiveMismatch, ConfigError, RankFailure
-from . import monitor, tuning
+from . import fingerprint, monitor, tuning
 from .failure import ulfm_enabled
 
 try:  # the compiled mailbox (_mailbox.c, built at install); numpy and plain stores without it
@@ -338,17 +338,58 @@ def configure(comm):
     """Collective over `comm` (rtxmpi.init): rank 0 parses the RTXMPI_SHM* variables and every
     rank adopts the result, or raises the same ConfigError. Returns the ShmConfig."""
     global CONFIG
-    parsed = None
+    fields, error = np.zeros(len(ShmConfig.__slots__), np.int64), None
     if comm.Get_rank() == 0:
         try:
             parsed = ShmConfig.from_env()
+            fields[:] = [-1 if v is None else int(v)
+                         for v in (getattr(parsed, name) for name in ShmConfig.__slots__)]
         except ConfigError as exc:
-            parsed = str(exc)
-    parsed = comm.bcast(parsed, root=0)
-    if isinstance(parsed, str):
-        raise ConfigError(parsed)
-    CONFIG = parsed
+            error = str(exc)
+    error = _bcast_text(comm, error)
+    if error is not None:
+        raise ConfigError(error)
+    comm.Bcast(fields, root=0)
+    values = {name: None if name in _OPTIONAL and v == -1 else int(v)
+              for name, v in zip(ShmConfig.__slots__, fields.tolist())}
+    CONFIG = ShmConfig(**values)
     return CONFIG
+
+
+_OPTIONAL = ("min_bytes", "node_size", "small_bytes")  # ShmConfig fields that may be None (-1)
+
+
+# The set-up's small exchanges, as typed buffers (no pickling).
+def _allgather_int(comm, value):
+    """Every rank's int `value`, by rank. Collective over `comm`."""
+    out = np.empty(comm.Get_size(), np.int64)
+    comm.Allgather(np.array([value], np.int64), out)
+    return [int(v) for v in out]
+
+
+def _allreduce_int(comm, value, op):
+    """The reduction (MPI.MIN / MPI.MAX) of every rank's int `value`. Collective over `comm`."""
+    out = np.empty(1, np.int64)
+    comm.Allreduce(np.array([int(value)], np.int64), out, op=op)
+    return int(out[0])
+
+
+def _all_true(comm, flag):
+    """Whether `flag` is true on every rank. Collective over `comm`."""
+    return _allreduce_int(comm, bool(flag), MPI.MIN) == 1
+
+
+def _bcast_text(comm, text, root=0):
+    """`text` (str or None) of rank `root` on every rank: its UTF-8 length, then its bytes.
+    Collective over `comm`."""
+    data = b"" if text is None or comm.Get_rank() != root else text.encode()
+    size = np.array([-1 if text is None and comm.Get_rank() == root else len(data)], np.int64)
+    comm.Bcast(size, root=root)
+    if size[0] < 0:
+        return None
+    buf = bytearray(data) if comm.Get_rank() == root else bytearray(int(size[0]))
+    comm.Bcast([buf, MPI.BYTE], root=root)
+    return buf.decode()
 
 
 # MPI reduction op -> in-place numpy ufunc (bool travels as uint8: MAX is or, MIN is and)
@@ -525,7 +566,7 @@ def _probe_peers(node, comm, enabled):
             except OSError:
                 ok = False
                 break
-    ok = comm.allreduce(ok, op=MPI.LAND)
+    ok = _all_true(comm, ok)
     node.Barrier()  # every peer has read our probe before it goes away
     return (reader, [int(p) for p in table[:, 0]]) if ok else None
 
@@ -562,7 +603,7 @@ def _map_arena(node, comm, total):
             if path is not None:
                 os.unlink(path)
             ok, path = False, None
-    path = node.bcast(path, root=0)
+    path = _bcast_text(node, path)
     if path is not None:
         try:
             fd = os.open(path, os.O_RDWR)
@@ -575,7 +616,7 @@ def _map_arena(node, comm, total):
     node.Barrier()  # every local rank has mapped (or failed to map) the file
     if node.Get_rank() == 0 and path is not None:
         os.unlink(path)
-    if not comm.allreduce(ok and mm is not None, op=MPI.LAND):
+    if not _all_true(comm, ok and mm is not None):
         if mm is not None:
             mm.close()
         return None
@@ -610,6 +651,12 @@ def _described(keys):
 # Mailbox.cross statuses that wait for the peers (on cross_ready()): status -> stage to resume at
 _CROSS_WAITS = {1: 1, 4: 2, 2: 3}
 _ALGORITHMS = (0, 1)  # local rank 0's tuner picks the system calls (0) or the bounce (1)
+
+
+def _box_column(call):
+    """The flag line column of a mailbox call's element count (its code follows): [11] for even
+    calls, [13] for odd ones (_mailbox.c)."""
+    return 11 + 2 * (call & 1)
 
 
 def _finished():
@@ -673,6 +720,13 @@ class NodeAllReduce:
     a blocking MPI call (the backend's watchdog entry; default: none).
     """
 
+    _lines = None  # the mailbox's flag lines (__init__)
+    _poisoned = 0  # a mismatched cross-memory call this rank posted (_post_cross), else 0
+    # the mailbox call during which this rank posted a mismatched cross-memory call, and the
+    # cross-memory call during which it posted a mismatched mailbox call: once per call each
+    _cross_posted_in = _box_posted_in = 0
+    _no_data = np.zeros(0, np.int64)  # the (empty, never written) array of arrive()'s mailbox call
+
     def __init__(self, comm, node, cross, chunk_bytes, *, members=None, mm=None, peers=None,
                  box=None, small_bytes=0, compiled=False, min_bytes=DEFAULT_MIN_BYTES,
                  bounce_slot=0, bounce_bytes=0, bounce_any_cpu=False):
@@ -685,14 +739,14 @@ class NodeAllReduce:
         size = comm.Get_size()
         members = list(members) if members is not None else list(range(size))
         # group ranks of the local ranks (by local rank), and of the cross ranks (by cross rank)
-        self._local_group = [int(r) for r in node.allgather(comm.Get_rank())]
-        self._node_pids = [int(p) for p in node.allgather(os.getpid())]
+        self._local_group = _allgather_int(node, comm.Get_rank())
+        self._node_pids = _allgather_int(node, os.getpid())
         # world ranks of the local ranks (by local rank), and this rank's (RankFailure)
         self._local_ranks = [members[g] for g in self._local_group]
         self._group_ranks = members
         self._rank = members[comm.Get_rank()]
         self._cross_group = ([comm.Get_rank()] if cross is None else
-                             [int(r) for r in cross.allgather(comm.Get_rank())])
+                             _allgather_int(cross, comm.Get_rank()))
         self._arena = None if mm is None else np.frombuffer(mm, np.uint8)
         self._views = {}  # dtype -> [1-D view of each local rank's buffers]
         self._stage = np.zeros(0, np.uint8)  # hierarchical reduce_scatter: grown, reused
@@ -710,6 +764,7 @@ class NodeAllReduce:
         self._tuner = (tuning.OnlineChoice() if bounce and bounce_bytes and not bounce_any_cpu
                        and self.local_rank == 0 else None)
         self.mailbox_off = None  # create(): why there is no mailbox (None: there is one)
+        self.group_name = "?"  # the group's name, for CollectiveMismatch (set by its backend)
         self.all_reduce_from = min_bytes  # smallest all_reduce of the cross-memory path / arena
         self._lines = self.mailbox = None
         if box is not None:
@@ -734,8 +789,8 @@ class NodeAllReduce:
         if peers is not None:
             self._reader, self._pids = peers
             self._tmp = np.zeros(chunk_bytes, np.uint8)  # touched once, reused
-            self._my_addr = np.zeros(2, np.int64)  # (address, key) of this call's array
-            self._addrs = np.zeros((size, 2), np.int64)
+            self._my_addr = np.zeros(3, np.int64)  # (address, key, code) of this call's array
+            self._addrs = np.zeros((size, 3), np.int64)
 
     @classmethod
     def create(cls, comm, config, members=None):
@@ -749,7 +804,7 @@ class NodeAllReduce:
             node.Free()
             node = pretend
         local_size, local_rank = node.Get_size(), node.Get_rank()
-        sizes = comm.allgather(local_size)
+        sizes = _allgather_int(comm, local_size)
         if local_size == 1 or min(sizes) != max(sizes):
             node.Free()
             return None
@@ -762,12 +817,12 @@ class NodeAllReduce:
         ordered = (cross is None and not ulfm_enabled() and (_mailbox is not None or TSO))
         # agreed: _map_arena below is collective, and each rank's facts (environment, installed
         # extension) are its own
-        ordered = comm.allreduce(ordered, op=MPI.LAND)
-        compiled = comm.allreduce(ordered and _mailbox is not None, op=MPI.LAND)
+        ordered = _all_true(comm, ordered)
+        compiled = _all_true(comm, ordered and _mailbox is not None)
         peers = _probe_peers(node, comm, config.cma)
         # slots in whole cache lines, so every rank's flag line starts one (FLAG_BYTES)
         small = max(config.small_threshold, 0) // FLAG_BYTES * FLAG_BYTES if ordered else 0
-        small = comm.allreduce(small if compiled else min(small, NUMPY_SMALL_BYTES), op=MPI.MIN)
+        small = _allreduce_int(comm, small if compiled else min(small, NUMPY_SMALL_BYTES), MPI.MIN)
         if config.small_bytes is None:  # the default: less per message as local ranks add reads
             fast = compiled and peers is not None and config.min_bytes is None
             small = min(small, MAILBOX_READ_BYTES // local_size // FLAG_BYTES * FLAG_BYTES,
@@ -834,7 +889,7 @@ class NodeAllReduce:
         return views
 
     # -- cross-memory helpers ---------------------------------------------------------------
-    def _exchange(self, x, wait):
+    def _exchange(self, x, wait, code=0):
         """Arrival of every rank of the group and the local peers' array addresses. Returns
         [(pid, address)] of the other local ranks, in local-rank order. On one node with the
         flag lines (see __init__): this rank publishes its address, then raises its arrival flag,
@@ -842,24 +897,28 @@ class NodeAllReduce:
         start its next call, and overwrite its address, before this rank has finished (`_done`).
         Otherwise one all_gather of two int64 over the group. Each rank publishes its array's
         size and dtype with the address; CollectiveMismatch on every local rank when they
-        differ (checking off: a larger peer array would send transfers past the end of x)."""
+        differ (checking off: a larger peer array would send transfers past the end of x), or
+        when their fingerprint codes (`code`: the caller's dtype and op) differ."""
         self._drain(wait)
         me, pids = self.local_rank, self._pids
         lines = self._lines if TSO else None
+        if lines is not None:
+            self._settle(wait)
         key = x.nbytes * 64 + _FOLD_CHARS.find(x.dtype.char) + 1  # what every rank must share
         if lines is None:
-            self._my_addr[:] = x.ctypes.data, key
+            self._my_addr[:] = x.ctypes.data, key, code
             wait([self.comm.Iallgather(self._my_addr, self._addrs)])
-            keys, ranks = self._addrs[:, 1], self._group_ranks  # every rank of the group
-            table = self._addrs[self._local_group]  # (address, key) by local rank
+            keys, codes, ranks = self._addrs[:, 1], self._addrs[:, 2], self._group_ranks
+            table = self._addrs[self._local_group]  # (address, key, code) by local rank
         else:
             self._cma_calls += 1
-            lines[me, 2], lines[me, 7] = x.ctypes.data, key
+            lines[me, 2], lines[me, 7], lines[me, 15] = x.ctypes.data, key, code
             lines[me, 1] = self._cma_calls
             self._await(1, wait)
             table = lines[:, [2, 7]]
-            keys, ranks = table[:, 1], self._local_ranks
-        if (keys != key).any():  # every rank sees every key: each raises, before any transfer
+            keys, codes, ranks = table[:, 1], lines[:, 15].copy(), self._local_ranks
+        if (keys != key).any() or (codes != code).any():  # every rank sees every key: each
+            # raises, before any transfer
             error = self._mismatch(ranks, [f"{int(k) // 64} bytes, "
                                            f"{_FOLD_NAMES.get(int(k) % 64 - 1, 'other dtype')}"
                                            for k in keys])
@@ -915,19 +974,25 @@ class NodeAllReduce:
             f"rtxmpi.init(check=True)) to see each rank's call [rank {self._rank}]")
 
     # -- all_reduce -------------------------------------------------------------------------
-    def small_all_reduce(self, x, mpi_op, wait=_wait_all):
+    def small_all_reduce(self, x, mpi_op, wait=_wait_all, code=0, seq=0, count=None,
+                         op="all_reduce"):
         """The mailbox all_reduce: one synchronization. Every local rank copies `x` into its slot
         of the shared mailbox and raises its flag to the call number; once every flag has reached
         it (`wait(poll)`: the arrival check), every rank reduces all slots in local-rank order
         into `x`, so every rank computes bitwise the same result. Slots alternate between calls
         (a rank can be at most one call ahead of a peer, whose slot of the previous call it then
-        no longer reads). Same contract as all_reduce; the caller checks
-        `x.nbytes <= small_bytes` and supports() (both the same on every rank)."""
+        no longer reads). Each rank posts the call's fingerprint beside its flag, (x.size or
+        `count`, `code`): when they differ, nothing is reduced and every rank raises
+        CollectiveMismatch naming each rank's call (`seq`: the group's call number, `op`: the
+        collective's name). Same contract as all_reduce; the caller checks
+        `x.nbytes <= small_bytes` and supports() (both the same on every rank for matching
+        calls)."""
         self._drain(wait)
+        fp = (x.size if count is None else count, code)
         if self.mailbox is not None:  # compiled: post, spin and reduce in one call (_mailbox.c)
-            call = self.mailbox.all_reduce(x, mpi_op, SPIN_NS)
+            call = self.mailbox.all_reduce(x, mpi_op, SPIN_NS, code, fp[0])
             if call:
-                self.small_finish(x, mpi_op, call, wait)
+                self.small_finish(x, mpi_op, call, wait, seq, fp, op)
             return True
         self._box_calls += 1
         call, flags, me = self._box_calls, self._flags, self.local_rank
@@ -939,6 +1004,9 @@ class NodeAllReduce:
             views = self._box_views[key] = [slot[:x.nbytes].view(x.dtype)
                                             for slot in self._box_slots[call & 1]]
         np.copyto(views[me], x)
+        column = _box_column(call)
+        lines = self._lines
+        lines[me, column], lines[me, column + 1] = fp
         flags[me] = call
         if self.local_size == 2:
             peer = 1 - me
@@ -952,20 +1020,132 @@ class NodeAllReduce:
             if poll():
                 break
         else:
-            wait(self._watched(poll))
+            wait(self._watched(self._watch_paths(poll, self._box_diverged, call, fp)))
+        keys = lines[:, column:column + 2].copy()
+        if (keys != keys[me]).any():
+            raise self._box_mismatch(keys, seq, op, fp, wait, call)
         ufunc = ufunc_of(mpi_op)
         ufunc(views[0], views[1], out=x)
         for view in views[2:]:
             ufunc(x, view, out=x)
         return True
 
-    def small_finish(self, x, mpi_op, call, wait):
-        """The compiled mailbox's late-peer path: `mailbox.all_reduce(x, mpi_op, SPIN_NS)` returned
-        `call` (a peer had not posted it within the spin): wait(poll) until every local rank has
-        (the caller's deadline; a dead local peer raises RankFailure), then reduce into x."""
+    def small_finish(self, x, mpi_op, call, wait, seq=0, fp=(0, 0), op="all_reduce"):
+        """After `mailbox.all_reduce(x, mpi_op, SPIN_NS, *fp)` returned `call` != 0: a negative
+        call, the ranks' fingerprints differ (CollectiveMismatch); else a peer had not posted
+        it within the spin: wait(poll) until every local rank has (the caller's deadline; a dead
+        local peer raises RankFailure), then reduce into x, or raise CollectiveMismatch. seq,
+        op: the group's call number and the collective, for the message."""
         mailbox = self.mailbox
-        wait(self._watched(lambda: mailbox.arrived(call)))
-        mailbox.finish(x, mpi_op, call)
+        if call > 0:
+            arrived = self._watch_paths(lambda: mailbox.arrived(call), self._box_diverged, call, fp)
+            wait(self._watched(arrived))
+            if mailbox.finish(x, mpi_op, call):
+                return
+        raise self._box_mismatch(mailbox.box_keys(abs(call)), seq, op, fp, wait, abs(call))
+
+    def arrive(self, op, fp, seq, wait):
+        """The arrival check of a collective other than all_reduce through the mailbox (the
+        caller checked small_bytes >= 0): an empty mailbox call that posts the fingerprint fp =
+        (count, code). Raises CollectiveMismatch on every rank when the fingerprints differ
+        (also against an all_reduce on another rank), and what `wait` raises."""
+        self.small_all_reduce(self._no_data, MPI.SUM, wait, fp[1], seq, fp[0], op)
+
+    # Mismatched calls on two paths of one node: a rank in a mailbox call whose peer is in a
+    # cross-memory call (or the reverse: their sizes fall on either side of all_reduce_from, or
+    # one calls all_reduce and the other another collective) would each wait for the other's
+    # flag. The waiting rank sees the peer's other flag ahead of its own count, and posts a
+    # mismatched call on that path with its own fingerprint and the POISON bit: every rank of
+    # each path then finds the fingerprints differ, raises CollectiveMismatch, and the calls
+    # numbered on both paths stay the same on every rank.
+    def _box_count(self):
+        return self.mailbox.calls() if self.mailbox is not None else self._box_calls
+
+    def _watch_paths(self, poll, diverged, call, fp):
+        """poll() of a wait in `call` that also runs diverged(poll, call, fp) (_box_diverged or
+        _cross_diverged) every SPIN_POLLS polls; `poll` itself where the flag lines' plain stores
+        are not ordered (not TSO)."""
+        if not TSO or self._lines is None:
+            return poll
+        polls = [0]
+
+        def watched():
+            if poll():
+                return True
+            polls[0] += 1
+            if polls[0] % SPIN_POLLS == 0:
+                diverged(poll, call, fp)
+            return False
+
+        return watched
+
+    def _box_diverged(self, poll, call, fp):
+        """While mailbox `call` waits (poll() False): post a cross-memory call if a peer is in
+        one this rank did not make (its arrival flag ahead of this rank's count, and its mailbox
+        flag, read after that, still short of `call`)."""
+        lines = self._lines
+        if (self._cross_posted_in != call and self._cma_calls < lines[:, 1].max()
+                and (lines[:, 0] < call).any() and not poll()):
+            self._post_cross(fp)
+            self._cross_posted_in = call
+
+    def _cross_diverged(self, poll, call, fp):
+        """While cross-memory `call` waits for the arrivals (poll() False): post a mailbox call if
+        a peer is in one this rank did not make."""
+        lines = self._lines
+        if (self._box_posted_in != call and self._box_count() < lines[:, 0].max()
+                and (lines[:, 1] < call).any() and not poll()):
+            self._post_box(fp)
+            self._box_posted_in = call
+
+    def _post_box(self, fp):
+        """Post a mailbox call that matches no real one: fingerprint fp with the POISON bit."""
+        count, code = fp
+        if self.mailbox is not None:
+            self.mailbox.all_reduce(self._no_data, MPI.SUM, 0, code | fingerprint.POISON, count)
+            return
+        self._box_calls += 1
+        call, me = self._box_calls, self.local_rank
+        column = _box_column(call)
+        self._lines[me, column], self._lines[me, column + 1] = count, code | fingerprint.POISON
+        self._flags[me] = call
+
+    def _post_cross(self, fp):
+        """Post a cross-memory arrival that matches no real one (key -(count + 1) * 64, code fp
+        with the POISON bit, no region, no bounce) and its done flag; the next cross-memory call
+        first waits until every peer has compared it (_settle)."""
+        count, code = fp
+        self._cma_calls += 1
+        call, line = self._cma_calls, self._lines[self.local_rank]
+        line[4], line[10], line[7], line[15] = -1, 0, -(count + 1) * 64, code | fingerprint.POISON
+        line[1] = call
+        line[3] = call
+        self._poisoned = call
+
+    def _settle(self, wait):
+        """Before a cross-memory call: wait until every peer has compared this rank's posted
+        mismatched call (_post_cross), whose flag line the call rewrites."""
+        call = self._poisoned
+        if call:
+            self._poisoned = 0
+            done = self._lines[:, 3]
+            if not (done >= call).all():
+                wait(self._watched(lambda: bool((done >= call).all())))
+
+    def _box_mismatch(self, keys, seq, op="all_reduce", fp=None, wait=None, call=0):
+        """CollectiveMismatch for a mailbox call whose local ranks posted different (count, code)
+        pairs (keys, by local rank = group rank: the mailbox serves one node). A peer that
+        posted it from a cross-memory call (POISON) waits for this rank's arrival in that call:
+        post it, then wait (`wait`; None: before the next cross-memory call) until every peer
+        has compared it."""
+        keys = [(int(count), int(code)) for count, code in keys]
+        if (fp is not None and any(code & fingerprint.POISON for _, code in keys)
+                and self._cross_posted_in != call):
+            self._post_cross(fp)
+            self._cross_posted_in = call
+            if wait is not None:
+                self._settle(wait)
+        return CollectiveMismatch(fingerprint.describe(op, seq, self.group_name, keys))
 
     def supports(self, x, mpi_op):
         """Whether all_reduce(x, mpi_op) runs here: a contiguous 1-D numpy array and an MPI op
@@ -974,22 +1154,29 @@ class NodeAllReduce:
         return (type(x) is np.ndarray and x.ndim == 1 and x.flags.c_contiguous
                 and ufunc_of(mpi_op) is not None)
 
-    def all_reduce(self, x, mpi_op, wait=_wait_all, guard=contextlib.nullcontext):
+    def all_reduce(self, x, mpi_op, wait=_wait_all, guard=contextlib.nullcontext, code=0, seq=0):
         """Reduce the contiguous 1-D array `x` in place over the group; every rank must call, with
         the same size, dtype and op, and only when supports(x, mpi_op). Includes the arrival check
-        (through `wait`). Raises RankFailure (a local peer exited during a transfer),
-        CollectiveError (another cross-memory failure), and what `wait` raises."""
+        (through `wait`), which compares every rank's size, dtype and `code` (the caller's
+        fingerprint code) before anything moves. Raises CollectiveMismatch (they differ; `seq`:
+        the group's call number, for the message), RankFailure (a local peer exited during a
+        transfer), CollectiveError (another cross-memory failure), and what `wait` raises."""
         ufunc = ufunc_of(mpi_op)
         if self.mode == "cma":
-            self._all_reduce_cma(x, ufunc, mpi_op, wait, guard)
-        else:
-            wait([self.comm.Ibarrier()])
+            self._all_reduce_cma(x, ufunc, mpi_op, wait, guard, code, seq)
+        else:  # the arena: one all_gather of every rank's (count, code) is the arrival check
+            mine = np.array([x.size, code], np.int64)
+            table = np.empty((self.comm.Get_size(), 2), np.int64)
+            wait([self.comm.Iallgather(mine, table)])
+            if (table != mine).any():
+                raise CollectiveMismatch(fingerprint.describe("all_reduce", seq, self.group_name,
+                                                              table))
             if x.size:
                 with guard():
                     self._all_reduce_copy(x, ufunc, mpi_op)
         return True
 
-    def _all_reduce_cma(self, x, ufunc, mpi_op, wait, guard):
+    def _all_reduce_cma(self, x, ufunc, mpi_op, wait, guard, code=0, seq=0):
         """Arrival + address exchange; then for each cache-sized piece of this rank's segment:
         read the piece of every peer into the scratch buffer, fold it into `x` in place, and
         write the reduced piece straight into every peer's array (one node; across nodes the
@@ -997,9 +1184,9 @@ class NodeAllReduce:
         barrier (no rank returns while a peer still reads or writes its array)."""
         mailbox = self.mailbox
         if mailbox is not None and x.dtype.isnative and x.dtype.char in _FOLD_CHARS:
-            self._cross_compiled(mailbox, x, mpi_op, wait)
+            self._cross_compiled(mailbox, x, mpi_op, wait, code, seq)
             return
-        peers = self._exchange(x, wait)
+        peers = self._exchange(x, wait, code)
         n, me = self.local_size, self.local_rank
         total, itemsize = x.size, x.itemsize
         lo, hi = (total * me) // n, (total * (me + 1)) // n
@@ -1034,24 +1221,29 @@ class NodeAllReduce:
             raise self._peer_error("all_reduce", exc) from exc
         self._done(wait)
 
-    def _cross_compiled(self, mailbox, x, mpi_op, wait):
+    def _cross_compiled(self, mailbox, x, mpi_op, wait, code=0, seq=0):
         """_all_reduce_cma on one node in one C call (_mailbox.c, Mailbox.cross: the same flag
         lines, steps and piece loop); a peer later than the spin is waited for here, with the
         caller's deadline."""
         self._drain(wait)
+        self._settle(wait)
         self._cma_calls += 1
         call, tuner = self._cma_calls, self._tuner
+        fp = (x.size, code)
         bounce = True  # the other local ranks follow local rank 0; none bounces beyond bounce_bytes
         if tuner is not None and x.nbytes <= self.bounce_bytes:
             bounce = tuner.pick(x.nbytes, _ALGORITHMS) == 1
         else:  # beyond bounce_bytes only the system calls run: nothing to choose
             tuner = None
-        status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, 0, bounce)
+        status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, 0, bounce, code)
         while status in _CROSS_WAITS:  # a peer later than the spin: wait, then the next stage
-            wait(self._watched(mailbox.cross_ready))
+            ready = mailbox.cross_ready
+            if status == 1:  # waiting for the arrivals: is a peer on the mailbox path?
+                ready = self._watch_paths(ready, self._cross_diverged, call, fp)
+            wait(self._watched(ready))
             status = mailbox.cross(x, mpi_op, call, self._tmp, SPIN_NS, _CROSS_WAITS[status],
-                                   bounce)
-        error = self._cross_error(status)
+                                   bounce, code)
+        error = self._cross_error(status, seq, fp, call)
         if error is not None:
             raise error
         if tuner is not None:
@@ -1060,13 +1252,24 @@ class NodeAllReduce:
                 # those would count as the tuner's check of the other algorithm
                 tuner.record(x.nbytes, _ALGORITHMS, algorithm, ns * 1e-9)
 
-    def _cross_error(self, status):
+    def _cross_error(self, status, seq, fp, call=0):
         """The error a Mailbox.cross status stands for (a failed transfer's tuple: RankFailure or
-        CollectiveError; 3: the ranks' arrays differ, CollectiveMismatch), else None."""
+        CollectiveError; 3: the ranks' calls differ, CollectiveMismatch naming each rank's count,
+        dtype and op, from the fingerprint codes when the caller gave them), else None. A peer
+        that posted its arrival from a mailbox call (_post_cross: a negative key) waits for this
+        rank in that call: it is posted (_post_box) with this call's fingerprint `fp`."""
         if type(status) is tuple:
             return self._peer_error("all_reduce", PeerAccessError(*status))
         if status == 3:
-            return self._mismatch(self._local_ranks, _described(self.mailbox.keys()))
+            keys, codes = self.mailbox.keys(), self.mailbox.codes()
+            if not any(codes):
+                return self._mismatch(self._local_ranks, _described(keys))
+            if any(n < 0 for n, _, _ in keys) and self._box_posted_in != call:
+                self._post_box(fp)
+                self._box_posted_in = call
+            table = [(-n - 1 if n < 0 else n // np.dtype(_TYPE_NAMES[t]).itemsize, c)
+                     for (n, t, _), c in zip(keys, codes)]
+            return CollectiveMismatch(fingerprint.describe("all_reduce", seq, self.group_name, table))
         return None
 
     # -- nonblocking all_reduce --------------------------------------------------------------
@@ -1084,7 +1287,7 @@ class NodeAllReduce:
         return self.mailbox is not None and (
             nbytes <= self.small_bytes or (self.mode == "cma" and nbytes >= self.all_reduce_from))
 
-    def start_all_reduce(self, x, mpi_op):
+    def start_all_reduce(self, x, mpi_op, code=0, seq=0):
         """Start the all_reduce of `x` without waiting (the caller checked supports_nonblocking):
         through the mailbox up to small_bytes, else the cross-memory call. Returns poll() ->
         bool, True once x holds the result. Every rank must start the same calls in the same
@@ -1099,17 +1302,22 @@ class NodeAllReduce:
         engine does), and every blocking mailbox or cross-memory call first drains the queue. A
         peer transfer that fails raises RankFailure (CollectiveError) from whichever call ran
         progress(), and every queued call fails with it: their poll() raises it too. So does a
-        local peer found dead while a poll() waits (the queue can never complete)."""
+        local peer found dead while a poll() waits (the queue can never complete). A call whose
+        ranks passed different counts, dtypes or ops (`code`: the caller's fingerprint code)
+        moves nothing; its poll() raises CollectiveMismatch on every rank (`seq`: the group's
+        call number, for the message) and the queue goes on."""
         small = x.nbytes <= self.small_bytes
         if small:  # numbered by the mailbox when posted: now (a short spin, START_SPIN_NS), when
             # nothing is queued before it
-            call = self.mailbox.all_reduce(x, mpi_op, START_SPIN_NS) if not self._queue else None
+            call = (self.mailbox.all_reduce(x, mpi_op, START_SPIN_NS, code) if not self._queue
+                    else None)
             if call == 0:  # every peer had posted it: reduced already
                 return _finished
         else:
             self._cma_calls += 1
             call = self._cma_calls
-        entry = [x, mpi_op, call, None, False, small]  # array, op, call, status, outcome, mailbox
+        # array, op, call, status, outcome, mailbox, code, seq
+        entry = [x, mpi_op, call, None, False, small, code, seq]
 
         def done():  # outcome: False (queued), True (done) or the error that ended the queue
             if entry[4] is False:
@@ -1132,30 +1340,47 @@ class NodeAllReduce:
         peer has not arrived; 4, a peer's bounce slot is not filled; 2, this rank's segment is
         done, a peer's is not). Local; raises RankFailure when a transfer with a local
         peer fails (CollectiveError for another failure), and every queued call then fails with
-        it (_fail)."""
+        it (_fail). A call whose ranks' calls differ ends with CollectiveMismatch as its outcome;
+        the calls after it go on."""
         queue, mailbox = self._queue, self.mailbox
         while queue:
             entry = queue[0]
-            x, mpi_op, call, status, _, small = entry
+            x, mpi_op, call, status, _, small, code, seq = entry
+            outcome, fp = True, (x.size, code)
             if small:
                 if call is None:
-                    call = entry[2] = mailbox.all_reduce(x, mpi_op, 0)
-                    if call:
+                    call = entry[2] = mailbox.all_reduce(x, mpi_op, 0, code)
+                    if call > 0:
                         return
-                elif mailbox.arrived(call):
-                    mailbox.finish(x, mpi_op, call)
-                else:
-                    return
+                elif call > 0:
+                    if not mailbox.arrived(call):
+                        if TSO and self._lines is not None:  # a peer on the cross-memory path?
+                            self._box_diverged(lambda: mailbox.arrived(call), call, fp)
+                        return
+                    if not mailbox.finish(x, mpi_op, call):
+                        call = -call
+                if call < 0:  # every rank posted it; their counts or codes differ
+                    outcome = self._box_mismatch(mailbox.box_keys(-call), seq, "all_reduce", fp,
+                                                 None, -call)
             else:  # the next stage of the call (0 at first), after the flag its status awaits
+                if status is None and self._poisoned:  # _settle, without waiting
+                    if not mailbox.cross_reached(3, self._poisoned):
+                        return
+                    self._poisoned = 0
                 stage = 0 if status is None else _CROSS_WAITS[status]
-                status = entry[3] = mailbox.cross(x, mpi_op, call, self._tmp, 0, stage, False)
-                error = self._cross_error(status)
-                if error is not None:
+                status = entry[3] = mailbox.cross(x, mpi_op, call, self._tmp, 0, stage, False,
+                                                  code)
+                if status == 1 and TSO and self._lines is not None:  # a peer on the mailbox path?
+                    self._cross_diverged(lambda: mailbox.cross_reached(1, call), call, fp)
+                error = self._cross_error(status, seq, fp, call)
+                if status == 3:
+                    outcome = error
+                elif error is not None:
                     self._fail(error)
                     raise error
-                if status:
+                elif status:
                     return
-            entry[4] = True
+            entry[4] = outcome
             entry[0] = None  # the array: no longer held here
             queue.popleft()
         self._end_queue()

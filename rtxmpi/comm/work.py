@@ -46,7 +46,9 @@ class Work:
         """Block until done; return the result. Raises CollectiveTimeout past the deadline."""
         if not self._done:
             requests = self._requests
-            if callable(requests):  # a shared-memory poll: the peers are usually microseconds away
+            if callable(requests) and not getattr(requests, "no_spin", False):  # a shared-memory
+                # poll: the peers are usually microseconds away (a recv's poll waits for MPI
+                # messages, whose progress needs the core the spin would hold)
                 for _ in range(SPIN_POLLS):
                     if requests():
                         return self._complete()

@@ -267,3 +267,35 @@ def test_unsupported_device_dtype_and_numpy_arrays(group):
     host = np.ones(3, np.float32)
     assert group.all_reduce(host) is host  # numpy stays on MPI
     assert not FakeNcclComm.created
+
+
+def test_device_collectives_compare_fingerprints_before_launching(group, monkeypatch):
+    """Checking off, every device collective runs the arrival check with its fingerprint before
+    it enqueues anything (before: a device all_reduce, reduce_scatter, all_gather, broadcast or
+    all_to_all with ranks passing different sizes launched NCCL kernels that could hang or
+    corrupt memory)."""
+    from rtxmpi.comm import fingerprint
+    from rtxmpi.errors import CollectiveMismatch
+
+    seen = []
+
+    def arrive(op, seq, timeout_s, fp=None):
+        seen.append((op, fp))
+        raise CollectiveMismatch(f"{op}: the ranks' fingerprints differ")
+
+    monkeypatch.setattr(group.backend, "arrive", arrive)
+    group.world_size = 2  # the check runs only with peers
+    x = dev(np.ones(4, np.float32))
+    calls = {"all_reduce": lambda: group.all_reduce(x, op="max"),
+             "reduce_scatter": lambda: group.reduce_scatter(x),
+             "all_gather": lambda: group.all_gather(x),
+             "broadcast": lambda: group.broadcast(x, src=1),
+             "all_to_all": lambda: group.all_to_all(x)}
+    for call in calls.values():
+        with pytest.raises(CollectiveMismatch):
+            call()
+    assert [op for op, _ in seen] == list(calls)
+    host = np.ones(4, np.float32)
+    assert seen[0][1] == fingerprint.of("all_reduce", host, fingerprint.REDUCE_CODES["max"])
+    assert seen[3][1] == fingerprint.of("broadcast", host, 1)
+    assert not FakeNcclComm.created  # nothing was launched

@@ -120,7 +120,7 @@ def test_cross_memory_fold_reads_folds_and_pushes_in_pieces(compiled, monkeypatc
         engine.mailbox = None  # the piece loop of fold_peers, not Mailbox.cross (test_mailbox)
         engine._tmp = np.zeros(64 * 4, np.uint8)  # 64 float32 per piece: 8 pieces of the half
         engine._reader = shm._PeerReader(shm._load_cma())
-        engine._exchange = lambda x, wait: [(child.pid, addr)]
+        engine._exchange = lambda x, wait, code=0: [(child.pid, addr)]
         engine._done = lambda wait: None
         if not compiled:
             monkeypatch.setattr(shm, "_mailbox", None)
@@ -173,7 +173,7 @@ def test_cross_memory_fold_of_any_dtype_the_engine_supports(dtype):
     engine.local_size, engine.local_rank, engine.cross, engine.mailbox = 2, 0, None, None
     engine._tmp = np.zeros(40 * 8, np.uint8)
     engine._reader = shm._PeerReader(shm._load_cma())
-    engine._exchange = lambda x, wait: [(os.getpid(), peer.ctypes.data)]
+    engine._exchange = lambda x, wait, code=0: [(os.getpid(), peer.ctypes.data)]
     engine._done = lambda wait: None
     want = x.copy()
     want[:150] += peer[:150]
@@ -192,13 +192,13 @@ class _Cross:
         self.statuses = []
         self.posted, self.finished, self.arrived_calls, self.done_at_post = [], [], set(), False
 
-    def cross(self, x, op, call, tmp, spin_ns, resume, bounce):
+    def cross(self, x, op, call, tmp, spin_ns, resume, bounce, code=0):
         return self.statuses.pop(0) if self.statuses else 1
 
     def cross_ready(self):
         return False
 
-    def all_reduce(self, x, op, spin_ns):
+    def all_reduce(self, x, op, spin_ns, code=0, count=0):
         self.posted.append(len(self.posted) + 1)
         return 0 if self.done_at_post else self.posted[-1]
 
@@ -207,6 +207,7 @@ class _Cross:
 
     def finish(self, x, op, call):
         self.finished.append(call)
+        return True
 
 
 @pytest.fixture
