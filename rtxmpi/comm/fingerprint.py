@@ -11,8 +11,10 @@ import operator
 import zlib
 
 import numpy as np
+from mpi4py import MPI
 
 from ..backend import SUPPORTED_DTYPES, dtype_name
+from ..errors import CollectiveMismatch
 
 OP_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4,
             "all_to_all": 5, "barrier": 6, "split": 7, "new_group": 8, "send": 9, "recv": 10}
@@ -94,3 +96,21 @@ def describe(op, seq, group, table, ranks=None):
                      for r, (count, fcode) in zip(ranks, table))
     return (f"CollectiveMismatch in {op} #{seq} on group '{group}': ranks called it "
             f"differently: {rows}")
+
+
+def agree(comm, fp, wait, op, seq, group):
+    """The arrival check of an MPI transport that compares the fingerprint fp = (count, code):
+    one nonblocking MAX all_reduce of (count, code, -count, -code) on `comm`, whose result has
+    max == min exactly when every rank passed the same fp (32 bytes at any world size, one
+    synchronization like a barrier); only then a mismatch all_gathers the rows to name them
+    (every rank sees the same maximum, so all take that branch together).
+    wait(requests): completes MPI requests (deadline-aware). Collective on `comm`.
+    Raises CollectiveMismatch on every rank when the fingerprints differ, and what `wait` raises.
+    """
+    mine = np.array([fp[0], fp[1], -fp[0], -fp[1]], np.int64)
+    high = np.empty(4, np.int64)
+    wait([comm.Iallreduce(mine, high, MPI.MAX)])
+    if high[0] != -high[2] or high[1] != -high[3]:
+        table = np.empty((comm.Get_size(), 2), np.int64)
+        wait([comm.Iallgather(mine[:2].copy(), table)])
+        raise CollectiveMismatch(describe(op, seq, group, table))

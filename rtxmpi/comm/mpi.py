@@ -55,8 +55,6 @@ class MPIBackend:
         self.shm_min_bytes = self.shm_config.threshold if self.size > 1 else shm.NEVER
         self._shm = None
         # the arrival check's all_gather of every rank's fingerprint (count, code), reused
-        self._fp = np.zeros(2, np.int64)
-        self._fp_table = np.zeros((self.size, 2), np.int64)
         # send/recv exchange fingerprints here, beside their data on `comm` (same tags)
         self.p2p = comm.Dup()
         self._sent = collections.deque()  # sends not yet compared with their recv's reply
@@ -88,23 +86,23 @@ class MPIBackend:
         see _wait_fast). fp: the call's fingerprint (count, code), compared on every rank by the
         arrival check itself (CollectiveMismatch on every rank when they differ): an empty
         mailbox call on one node with the shared-memory engine's mailbox, else a nonblocking
-        all_gather of the fingerprints; None: a plain barrier."""
+        MAX all_reduce of (count, code, -count, -code), whose result shows max == min exactly
+        when every rank agrees (O(1) bytes at any world size, one synchronization like the
+        barrier it replaces; only a mismatch all_gathers the calls to name them); None: a plain
+        barrier."""
         engine = self._shm
         if fp is not None and engine and engine.small_bytes >= 0:  # the mailbox (comm/shm.py)
             engine.arrive(op, fp, seq, lambda poll: self._wait_fast(poll, op, seq, timeout_s))
             return
-        mine, table = self._fp, self._fp_table
+        wait = lambda requests: self._wait_fast(requests, op, seq, timeout_s)  # noqa: E731
         try:
-            if fp is None:
-                request = self.comm.Ibarrier()
-            else:
-                mine[0], mine[1] = fp
-                request = self.comm.Iallgather(mine, table)
+            if fp is not None:
+                fingerprint.agree(self.comm, fp, wait, op, seq, self.group_name)
+                return
+            request = self.comm.Ibarrier()
         except MPI.Exception as exc:
             raise self._translate(exc, f"{op} #{seq}") from None
-        self._wait_fast([request], op, seq, timeout_s)
-        if fp is not None and table.tobytes() != mine.tobytes() * self.size:
-            raise CollectiveMismatch(fingerprint.describe(op, seq, self.group_name, table))
+        wait([request])
 
     def barrier(self):
         return [self.comm.Ibarrier()]

@@ -1164,13 +1164,8 @@ class NodeAllReduce:
         ufunc = ufunc_of(mpi_op)
         if self.mode == "cma":
             self._all_reduce_cma(x, ufunc, mpi_op, wait, guard, code, seq)
-        else:  # the arena: one all_gather of every rank's (count, code) is the arrival check
-            mine = np.array([x.size, code], np.int64)
-            table = np.empty((self.comm.Get_size(), 2), np.int64)
-            wait([self.comm.Iallgather(mine, table)])
-            if (table != mine).any():
-                raise CollectiveMismatch(fingerprint.describe("all_reduce", seq, self.group_name,
-                                                              table))
+        else:  # the arena: the fingerprints' agreement is the arrival check
+            fingerprint.agree(self.comm, (x.size, code), wait, "all_reduce", seq, self.group_name)
             if x.size:
                 with guard():
                     self._all_reduce_copy(x, ufunc, mpi_op)
