@@ -294,9 +294,9 @@ def norm_ranges(params, tp_rank, start=0, stop=None, replicated=None):
 
     params: Param-likes (.name, .offset, .size: elements in the flat vector). stop: None for the
     end of the last parameter. replicated: one bool per parameter (a TensorParallelModel's
-    `replicated`), or None to judge GPT names (`is_replicated`). Returns [(lo, hi)] relative to `start`, one per parameter that
-    overlaps [start, stop), in parameter order (not merged, so a sum over them adds each
-    parameter's part separately). Local."""
+    `replicated`), or None to judge GPT names (`is_replicated`). Returns [(lo, hi)] relative to
+    `start`, one per parameter that overlaps [start, stop), in parameter order (not merged, so a
+    sum over them adds each parameter's part separately). Local."""
     if stop is None:
         stop = max((p.offset + p.size for p in params), default=start)
     if replicated is None:

@@ -1,0 +1,161 @@
+"""Tensor and sequence parallelism of Models other than the GPT, built from the shipped modules,
+against the same Model in one process: a bidirectional token encoder (every parallel module,
+alone and in a TransformerBlock) and a small vision transformer (PatchEmbedding, a
+ClassificationHead), and the layouts a model refuses.
+
+Every layout with pp = 1 whose product is the world size runs; the others are skipped."""
+import numpy as np
+import pytest
+from conftest import GLOBAL_BATCH, T, global_batch
+
+from rtxmpi.errors import ConfigError
+from rtxmpi.mesh import DeviceMesh
+from rtxmpi.nn import AdamW, decay_mask
+from rtxmpi.nn.module import Model, Module, ParamDecl, Sequential
+from rtxmpi.nn.modules import (MLP, ClassificationHead, Embedding, LayerNorm, Linear, LMHead,
+                               MultiHeadAttention, PatchEmbedding, PositionalEmbedding,
+                               TransformerBlock)
+from rtxmpi.parallel.hybrid import HybridParallel, TensorParallelModel, build_hybrid
+
+V, C, H, K = 256, 32, 4, 5
+IMAGE = (4, 6, 3)  # Hi, Wi, Ci: 2x2 patches -> 6 positions
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (4, 1, 1), (2, 2, 1), (2, 1, 2),
+           (1, 4, 1), (1, 2, 2), (1, 1, 4)]
+
+
+def encoder():
+    """A bidirectional token model with an untied head: every module with a parallel version."""
+    return [Sequential(Embedding(V, C, "tok"), PositionalEmbedding(T, C, "pos")),
+            ("h0", TransformerBlock(C, H, causal=False)),
+            Sequential(("attn", MultiHeadAttention(C, H, causal=False)), ("mlp", MLP(C))),
+            Sequential(("ln", LayerNorm(C)), ("up", Linear(C, 2 * C, split="column")),
+                       ("down", Linear(2 * C, C, split="row")), ("mix", Linear(C, C, split="replicated"))),
+            Sequential(("ln_f", LayerNorm(C)), LMHead(V, C, name="out"))]
+
+
+def vit():
+    """A small vision transformer: patches, positions, bidirectional blocks, a classifier."""
+    n_patches = (IMAGE[0] // 2) * (IMAGE[1] // 2)
+    return [Sequential(("patch", PatchEmbedding(2, IMAGE[2], C)),
+                       PositionalEmbedding(n_patches, C, name="pos"))] + [
+        (f"h{l}", TransformerBlock(C, H, causal=False)) for l in range(2)] + [
+        Sequential(("ln_f", LayerNorm(C)), ("head", ClassificationHead(C, K)))]
+
+
+def images(step):
+    rng = np.random.default_rng(step)
+    return rng.standard_normal((GLOBAL_BATCH,) + IMAGE), rng.integers(0, K, GLOBAL_BATCH)
+
+
+def mesh_or_skip(world, dp, tp, sp):
+    if dp * tp * sp != world.world_size:
+        pytest.skip(f"layout dp={dp} tp={tp} sp={sp} needs {dp * tp * sp} ranks")
+    return DeviceMesh(dp=dp, tp=tp, pp=1, sp=sp, group=world)
+
+
+def gradients(engine, x, y):
+    """(loss averaged over the loss group, the one-process layout's gradient) of one step."""
+    mesh = engine.mesh
+    rows = mesh.batch_slice(GLOBAL_BATCH)
+    loss, cache = engine.forward(x[rows], y[rows])
+    engine.backward(cache)
+    losses = np.array([loss])
+    mesh.loss_group.all_reduce(losses, op="avg")
+    return float(losses[0]), engine.model.gather_full(engine.model.flat_grad)
+
+
+def reference_gradients(units, x, y):
+    model = Model(units, seed=0, dtype=np.float64)
+    loss, cache = model.forward(x, y)
+    model.backward(cache)
+    return loss, model.flat_grad
+
+
+@pytest.mark.parametrize("dp,tp,sp", LAYOUTS)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["", "megatron_sp"])
+def test_encoder_gradients_match_single_process(world, dp, tp, sp, sequence_parallel):
+    if sequence_parallel and tp == 1:
+        pytest.skip("Megatron sequence parallelism splits over tp")
+    mesh = mesh_or_skip(world, dp, tp, sp)
+    x, y = global_batch(0)
+    ref_loss, ref_grad = reference_gradients(encoder(), x, y)
+    engine = HybridParallel(TensorParallelModel(encoder(), mesh, dtype=np.float64,
+                                                sequence_parallel=sequence_parallel))
+    loss, grad = gradients(engine, x, y)
+    assert loss == pytest.approx(ref_loss, rel=1e-12)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("dp,tp", [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4)])
+def test_vit_gradients_and_three_adamw_steps_match_single_process(world, dp, tp):
+    mesh = mesh_or_skip(world, dp, tp, 1)
+    reference = Model(vit(), seed=0, dtype=np.float64)
+    ref_opt = AdamW(reference.flat_data, lr=1e-2, decay_mask=decay_mask(reference.params))
+    engine = build_hybrid(vit(), world, dp=dp, tp=tp, dtype=np.float64,
+                          optimizer=lambda p, m: AdamW(p, lr=1e-2, decay_mask=m))
+    np.testing.assert_array_equal(engine.full_params(), reference.flat_data)  # the same init
+    for step in range(3):
+        x, y = images(step)
+        ref_loss, cache = reference.forward(x, y)
+        reference.backward(cache)
+        loss, grad = gradients(engine, x, y)
+        assert loss == pytest.approx(ref_loss, rel=1e-12), f"step {step}"
+        np.testing.assert_allclose(grad, reference.flat_grad, rtol=1e-8, atol=1e-12)
+        assert engine.grad_norm() == pytest.approx(np.linalg.norm(reference.flat_grad), rel=1e-10)
+        ref_opt.step(reference.flat_grad)
+        reference.zero_grad()
+        engine.step()
+        engine.zero_grad()
+    np.testing.assert_allclose(engine.full_params(), reference.flat_data, rtol=1e-8, atol=1e-10)
+
+
+def classifier_of_tokens():
+    return [Sequential(Embedding(V, C, "tok"), PositionalEmbedding(T, C, "pos")),
+            ("h0", TransformerBlock(C, H, causal=False)),
+            Sequential(("ln_f", LayerNorm(C)), ("head", ClassificationHead(C, K)))]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("axis", ["sp", "sequence_parallel"])
+def test_a_head_that_pools_the_sequence_refuses_sequence_parallelism(world, axis,
+                                                                    assert_raised_on_every_rank):
+    n = world.world_size
+    mesh = DeviceMesh(dp=1, tp=1, sp=n, group=world) if axis == "sp" else DeviceMesh(
+        dp=1, tp=n, group=world)
+    error = assert_raised_on_every_rank(
+        world, lambda: TensorParallelModel(classifier_of_tokens(), mesh,
+                                           sequence_parallel=axis != "sp"), ConfigError)
+    assert "ClassificationHead needs every position" in str(error)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_patch_embedding_refuses_ulysses(world, assert_raised_on_every_rank):
+    mesh = DeviceMesh(dp=1, sp=world.world_size, group=world)
+    error = assert_raised_on_every_rank(world, lambda: TensorParallelModel(vit(), mesh),
+                                        ConfigError)
+    assert "PatchEmbedding needs every position" in str(error)
+
+
+class _Scale(Module):
+    """y = x * s, s (C,) declared column-split but with no tensor-parallel version."""
+
+    def param_specs(self):
+        return [ParamDecl("s", (C,), False, "column", "ones")]
+
+    def forward(self, params, x):
+        return x * params[0], x
+
+    def backward(self, params, grads, cache, dy):
+        grads[0] += (dy * cache).sum(axis=(0, 1))
+        return dy * params[0]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_split_module_without_a_parallel_version_is_refused_under_tp(
+        world, assert_raised_on_every_rank):
+    mesh = DeviceMesh(dp=1, tp=world.world_size, group=world)
+    units = [Sequential(Embedding(V, C, "tok"), ("scale", _Scale())),
+             Sequential(("ln_f", LayerNorm(C)), LMHead(V, C, name="out"))]
+    error = assert_raised_on_every_rank(world, lambda: TensorParallelModel(units, mesh),
+                                        ConfigError)
+    assert "_Scale declares tensor-parallel splits" in str(error)
