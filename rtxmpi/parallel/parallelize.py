@@ -393,10 +393,37 @@ def parallel_module(module, ax):
     if any(d.split != "replicated" for d in decls) and ax.tp > 1:
         raise ConfigError(f"{kind.__name__} declares tensor-parallel splits "
                           f"{[d.split for d in decls]} but has no tensor-parallel version; use tp=1")
-    if ax.splits_sequence and not isinstance(module, _POSITION_WISE + _WHOLE_SEQUENCE):
+    if ax.splits_sequence and not isinstance(module, _POSITION_WISE):
         raise ConfigError(f"{kind.__name__} has no sequence-parallel version (it may mix "
                           f"positions); use sp=1 and sequence_parallel=False")
     return module, [None] * len(decls)
+
+
+def _leaves(module):
+    if isinstance(module, Sequential):
+        for child in module.children:
+            yield from _leaves(child)
+    else:
+        yield module
+
+
+def _check_linear_pairs(modules):
+    """ConfigError unless every column-split Linear is followed by a row-split Linear with no
+    module between them (that module would see 1/tp of the features), and every row-split Linear
+    follows one."""
+    column = None
+    for m in (leaf for module in modules for leaf in _leaves(module)):
+        split = m.decls[0].split if type(m) is Linear else None
+        if split == "row" and column is None:
+            raise ConfigError("a row-split Linear must follow a column-split Linear (its input is "
+                              "split over tp); declare it split='replicated' or add the column one")
+        if column is not None and split != "row":
+            raise ConfigError(f"{type(m).__name__} follows a column-split Linear, whose output is "
+                              f"split over tp: put a row-split Linear right after it")
+        column = m if split == "column" else None
+    if column is not None:
+        raise ConfigError("the model ends in a column-split Linear, whose output is split over tp: "
+                          "put a row-split Linear after it")
 
 
 def parallelize(units, ax):
@@ -404,9 +431,11 @@ def parallelize(units, ax):
     the kinds of its declarations (tied ones included). units: Modules or (name, Module) pairs,
     as rtxmpi.nn.module.Model takes. Local; raises ConfigError on every rank alike (it depends
     only on the units and the axes)."""
+    named = [unit if isinstance(unit, tuple) else (None, unit) for unit in units]
+    if ax.tp > 1:
+        _check_linear_pairs(m for _, m in named)
     out, kinds = [], []
-    for unit in units:
-        name, module = unit if isinstance(unit, tuple) else (None, unit)
+    for name, module in named:
         par, k = parallel_module(module, ax)
         if ax.sequence_parallel and None in k:
             par = _SequenceSplitUnit(par, k, ax)
@@ -456,6 +485,7 @@ class TensorParallelModel(Model):
         self.tp, self.sp, self.tp_rank, self.sp_rank = ax.tp, ax.sp, ax.tp_rank, ax.sp_rank
         self.sequence_parallel = ax.sequence_parallel
         parallel_units, unit_kinds = parallelize(units, ax)
+        # Model draws values for the local shapes; they are replaced by the shards of the full draw
         super().__init__(parallel_units, seed=seed, xp=xp, dtype=dtype)
         full_decls, self.full_specs = own_layout(units)
         self.full_num_params = self.full_specs[-1].stop if self.full_specs else 0
@@ -607,17 +637,7 @@ class ParallelGPT(TensorParallelModel):
     def __init__(self, cfg, mesh, seed=0, xp=np, dtype=np.float32, sequence_parallel=False):
         if not isinstance(cfg, GPTConfig):
             raise ConfigError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
-        dtype = np.dtype(dtype)
-        if dtype.kind != "f":
-            raise ConfigError(f"ParallelGPT dtype must be a floating type, got {dtype.name}")
-        tp = mesh.tp
         self.cfg = cfg
-        self.n_head_local = tpl.split_size(
-            cfg.n_head, tp, "n_head", f" (tp={tp}): each tensor-parallel rank needs whole "
-            f"attention heads; use n_head divisible by tp")
-        tpl.split_size(4 * cfg.n_embd, tp, "MLP width 4*n_embd", f" (tp={tp})")
-        self.vocab_start, _ = tpl.vocab_range(cfg.vocab_size, mesh.tp_rank, tp)
-        check_heads(self.n_head_local, mesh.sp)
         super().__init__(gpt_units(cfg), mesh, seed=seed, xp=xp, dtype=dtype,
                          sequence_parallel=sequence_parallel)
 

@@ -31,7 +31,7 @@ def check_heads(n_head, sp):
 
 
 # ------------------------------------------------------------------------------ attention core
-def causal_attention_forward(q, k, v, causal=True):
+def attention_core_forward(q, k, v, causal=True):
     """softmax(q k^T / sqrt(hs) [+ causal mask]) v (Vaswani et al. 2017) on already split heads.
 
     q, k, v: (B, H, T, hs); causal: False lets every position see every other (an encoder).
@@ -48,8 +48,8 @@ def causal_attention_forward(q, k, v, causal=True):
     return att @ v, (q, k, v, att)
 
 
-def causal_attention_backward(dy, cache):
-    """Gradients of `causal_attention_forward`: dy (B, H, T, hs) -> dq, dk, dv (B, H, T, hs)."""
+def attention_core_backward(dy, cache):
+    """Gradients of `attention_core_forward`: dy (B, H, T, hs) -> dq, dk, dv (B, H, T, hs)."""
     q, k, v, att = cache
     hs = q.shape[-1]
     dv = att.swapaxes(-1, -2) @ dy
@@ -86,7 +86,7 @@ def ulysses_attention_forward(qkv, n_head, group, causal=True):
     Hs = n_head // sp
     if sp == 1:
         q, k, v = qkv.reshape(B, Ts, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
-        y, core = causal_attention_forward(q, k, v, causal)
+        y, core = attention_core_forward(q, k, v, causal)
         return y.transpose(0, 2, 1, 3).reshape(B, Ts, n_head * hs), (core, n_head, 1)
     # chunk j = heads [j*Hs, (j+1)*Hs) of my positions -> sp rank j
     send = qkv.reshape(B, Ts, 3, sp, Hs, hs).transpose(3, 0, 1, 2, 4, 5)
@@ -94,7 +94,7 @@ def ulysses_attention_forward(qkv, n_head, group, causal=True):
     T = sp * Ts
     full = recv.transpose(1, 0, 2, 3, 4, 5).reshape(B, T, 3, Hs, hs)
     q, k, v = full.transpose(2, 0, 3, 1, 4)  # (B, Hs, T, hs)
-    y, core = causal_attention_forward(q, k, v, causal)
+    y, core = attention_core_forward(q, k, v, causal)
     # chunk i = my heads at rank i's positions -> sp rank i
     back = _all_to_all(y.reshape(B, Hs, sp, Ts, hs).transpose(2, 0, 3, 1, 4), group)
     # chunk j = heads of rank j at my positions: (sp, B, Ts, Hs, hs) -> (B, Ts, H * hs)
@@ -109,7 +109,7 @@ def ulysses_attention_backward(dy, cache, group):
     B, Ts, C = dy.shape
     hs, Hs = C // n_head, n_head // sp
     if sp == 1:
-        dq, dk, dv = causal_attention_backward(dy.reshape(B, Ts, n_head, hs).transpose(0, 2, 1, 3),
+        dq, dk, dv = attention_core_backward(dy.reshape(B, Ts, n_head, hs).transpose(0, 2, 1, 3),
                                                core)
         dqkv = xp.stack([dq, dk, dv], axis=2)  # (B, H, 3, T, hs)
         return xp.ascontiguousarray(dqkv.transpose(0, 3, 2, 1, 4)).reshape(B, Ts, 3 * C)
@@ -118,7 +118,7 @@ def ulysses_attention_backward(dy, cache, group):
     recv = _all_to_all(send, group)  # chunk i = my heads at rank i's positions
     T = sp * Ts
     dyh = recv.transpose(1, 3, 0, 2, 4).reshape(B, Hs, T, hs)
-    dq, dk, dv = causal_attention_backward(dyh, core)
+    dq, dk, dv = attention_core_backward(dyh, core)
     dfull = xp.stack([dq, dk, dv], axis=0)  # (3, B, Hs, T, hs)
     # chunk i = rank i's positions of my heads -> rank i
     send = dfull.reshape(3, B, Hs, sp, Ts, hs).transpose(3, 1, 4, 0, 2, 5)  # (sp, B, Ts, 3, Hs, hs)

@@ -159,3 +159,26 @@ def test_a_split_module_without_a_parallel_version_is_refused_under_tp(
     error = assert_raised_on_every_rank(world, lambda: TensorParallelModel(units, mesh),
                                         ConfigError)
     assert "_Scale declares tensor-parallel splits" in str(error)
+
+
+def column_then_layernorm():
+    """A LayerNorm between the column- and the row-split Linear: it would see 1/tp of the
+    features."""
+    return [Sequential(Embedding(V, C, "tok"), ("up", Linear(C, 2 * C, split="column")),
+                       ("ln", LayerNorm(2 * C)), ("down", Linear(2 * C, C, split="row"))),
+            Sequential(("ln_f", LayerNorm(C)), LMHead(V, C, name="out"))]
+
+
+def column_without_row():
+    return [Sequential(Embedding(V, C, "tok"), ("up", Linear(C, 2 * C, split="column"))),
+            Sequential(("ln_f", LayerNorm(2 * C)), LMHead(V, 2 * C, name="out"))]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("units", [column_then_layernorm, column_without_row])
+def test_a_column_linear_must_be_followed_by_a_row_linear_under_tp(world, units,
+                                                                  assert_raised_on_every_rank):
+    mesh = DeviceMesh(dp=1, tp=world.world_size, group=world)
+    error = assert_raised_on_every_rank(world, lambda: TensorParallelModel(units(), mesh),
+                                        ConfigError)
+    assert "LayerNorm follows a column-split Linear" in str(error)
