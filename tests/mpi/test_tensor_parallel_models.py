@@ -16,6 +16,7 @@ from rtxmpi.nn.modules import (MLP, ClassificationHead, Embedding, LayerNorm, Li
                                MultiHeadAttention, PatchEmbedding, PositionalEmbedding,
                                TransformerBlock)
 from rtxmpi.parallel.hybrid import HybridParallel, TensorParallelModel, build_hybrid
+from rtxmpi.parallel.replica import full_index
 
 V, C, H, K = 256, 32, 4, 5
 IMAGE = (4, 6, 3)  # Hi, Wi, Ci: 2x2 patches -> 6 positions
@@ -107,6 +108,15 @@ def test_vit_gradients_and_three_adamw_steps_match_single_process(world, dp, tp)
         engine.step()
         engine.zero_grad()
     np.testing.assert_allclose(engine.full_params(), reference.flat_data, rtol=1e-8, atol=1e-10)
+
+
+def test_replica_positions_follow_the_model_shards(world):
+    """Elastic recovery rebuilds replicas from full_index: each local element's position in the
+    one-process layout."""
+    mesh = DeviceMesh(dp=1, tp=world.world_size, group=world)
+    model = TensorParallelModel(encoder(), mesh, dtype=np.float64)
+    full = Model(encoder(), seed=0, dtype=np.float64).flat_data
+    np.testing.assert_array_equal(model.flat_data, full[full_index(model)])
 
 
 def classifier_of_tokens():
