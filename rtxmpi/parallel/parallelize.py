@@ -34,7 +34,7 @@ import zlib
 
 import numpy as np
 
-from ..backend import xp_of
+from ..backend import to_host, xp_of
 from ..control import raise_if_any_failed
 from ..errors import ConfigError
 from ..nn import layers
@@ -460,14 +460,28 @@ class _LiveViews(FlatParams):
         return [p.grad for p in self.model.params[a:b]]
 
 
+def units_of(model):
+    """A Model's units as Modules or (name, Module) pairs, the names recovered from its parameter
+    names (what Model was built from, up to units without parameters of their own)."""
+    out = []
+    for m, (first, _) in zip(model.modules, model.units):
+        own = [d for d in m.param_specs() if d.tied_to is None]
+        name = None
+        if own and model.params[first].name != own[0].name:
+            name = model.params[first].name[:-len(own[0].name) - 1]
+        out.append(m if name is None else (name, m))
+    return out
+
+
 class TensorParallelModel(Model):
     """One rank's part of a Model under tensor (tp) and sequence (sp) parallelism.
 
     units: the one-process model's units (Modules or (name, Module) pairs, e.g.
-    rtxmpi.nn.gpt.gpt_units(cfg)); mesh: rtxmpi.mesh.DeviceMesh (uses group("tp"), group("sp"));
-    seed: the same on every rank; xp, dtype: as for Model; sequence_parallel: Megatron sequence
-    parallelism inside tp. Every rank draws the full model's initial values (init_flat of the
-    units' declarations) and keeps its shard: the one-process Model's values.
+    rtxmpi.nn.gpt.gpt_units(cfg)), or a Model (its units and its current parameter values);
+    mesh: rtxmpi.mesh.DeviceMesh (uses group("tp"), group("sp")); seed: the same on every rank;
+    xp, dtype: as for Model; sequence_parallel: Megatron sequence parallelism inside tp. Every
+    rank draws the full model's initial values (init_flat of the units' declarations; a given
+    Model's flat_data instead) and keeps its shard: the one-process Model's values.
     Raises ConfigError (on every rank alike) when a split width is not divisible by tp, the
     heads per tp rank not by sp, or a module cannot run under the layout (parallel_module).
 
@@ -479,6 +493,13 @@ class TensorParallelModel(Model):
     """
 
     def __init__(self, units, mesh, seed=0, xp=np, dtype=np.float32, sequence_parallel=False):
+        values = None
+        if isinstance(units, Model):
+            if units.flat_data is None:
+                raise ConfigError("the model's parameters are held by its provider (ZeRO-3); "
+                                  "pass its units, or a Model that holds them")
+            values = np.asarray(to_host(units.flat_data), np.float64)
+            units = units_of(units)
         units = list(units)
         ax = self.axes = Axes(mesh, sequence_parallel)
         self.mesh, self.tp_group, self.sp_group = mesh, ax.tp_group, ax.sp_group
@@ -492,7 +513,7 @@ class TensorParallelModel(Model):
         self.kinds = [k for decls, kinds in zip(declarations(units), unit_kinds)
                       for d, k in zip(decls, kinds) if d.tied_to is None]
         self.replicated = [k is None for k in self.kinds]
-        full = init_flat(full_decls, self.full_specs, seed)
+        full = init_flat(full_decls, self.full_specs, seed) if values is None else values
         local = np.empty(self.num_params, np.float64)
         for p, spec, kind in zip(self.params, self.full_specs, self.kinds):
             piece = tpl.shard(kind, full[spec.offset:spec.stop].reshape(spec.shape), self.tp_rank,
@@ -679,6 +700,6 @@ class ParallelGPT(TensorParallelModel):
                               f"{self.cfg.vocab_size}")
 
 
-__all__ = ["Axes", "parallel_module", "parallelize", "TensorParallelModel", "ParallelGPT",
+__all__ = ["Axes", "parallel_module", "parallelize", "units_of", "TensorParallelModel", "ParallelGPT",
            "VocabParallelEmbedding", "PositionSlice", "ColumnParallelLinear", "RowParallelLinear",
            "ParallelAttention", "ParallelMLP", "ParallelTransformerBlock", "VocabParallelLMHead"]

@@ -119,6 +119,16 @@ def test_replica_positions_follow_the_model_shards(world):
     np.testing.assert_array_equal(model.flat_data, full[full_index(model)])
 
 
+@pytest.mark.parametrize("dp,tp,sp", [(1, 1, 1), (1, 2, 1), (1, 1, 2), (1, 4, 1), (1, 2, 2)])
+def test_a_model_is_split_with_its_current_values(world, dp, tp, sp):
+    mesh = mesh_or_skip(world, dp, tp, sp)
+    model = Model(encoder(), seed=0, dtype=np.float64)
+    model.flat_data += np.random.default_rng(1).standard_normal(model.num_params)
+    split = TensorParallelModel(model, mesh, seed=5, dtype=np.float64)
+    assert [p.name for p in split.params] == [p.name for p in model.params]
+    np.testing.assert_array_equal(split.gather_full(split.flat_data), model.flat_data)
+
+
 def classifier_of_tokens():
     return [Sequential(Embedding(V, C, "tok"), PositionalEmbedding(T, C, "pos")),
             ("h0", TransformerBlock(C, H, causal=False)),
