@@ -48,9 +48,6 @@ from ..nn.optim import grad_norm_sq
 from . import tensor as tpl
 from .sequence import check_heads, ulysses_attention_backward, ulysses_attention_forward
 
-_KIND = {"column": "cols", "row": "rows", "vocab": "vocab", "replicated": None}
-
-
 class Axes:
     """The parallel axes a parallel module computes over: tp_group, sp_group (ProcessGroups),
     tp, sp, tp_rank, sp_rank, sequence_parallel (Megatron sequence parallelism inside tp)."""
