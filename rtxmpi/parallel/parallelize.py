@@ -632,7 +632,7 @@ class TensorParallelModel(Model):
 
     def unit_backward(self, u, dy, cache):
         """Unit u's backward: adds its gradients, returns dx. Collective on tp and sp."""
-        fetch = self._fetches[u]
+        fetch = self.modules[u].backward_needs_params
         params = self._take(u, None, get=True) if fetch else None
         dx = run_backward(self.modules[u], params, self._take(u, None, get=False), cache, dy)
         if fetch:
