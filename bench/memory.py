@@ -3,6 +3,7 @@
     python bench/memory.py                          # launches mpiexec at 1, 2 and 4 ranks
     python bench/memory.py --ranks 1,2,4 --model small --local-batch 16 --json memory.json
     python bench/memory.py --ranks 2,4 --tp 2                # ZeRO on each tp slice (zero_hybrid)
+    python bench/memory.py --recompute                       # activation recomputation, one process
 
 One mpiexec job per (world size, stage), so each job's peak RSS is that configuration's own. Each
 job builds the model, the engine (stage 0: DataParallel + AdamW with the decay mask, as train.py;
@@ -15,6 +16,16 @@ process's peak RSS; "transient" is the peak of buffers the engine allocates and 
 step when it tracks them (ZeRO-3: gathered units and unit gradients), not part of model state.
 Tables show the largest value over ranks (shards can be uneven). Stage 3 is
 measured when rtxmpi.parallel.zero.STAGES has it.
+
+--recompute: instead, for each model of --recompute-models (GPT small and base) in one process,
+with recompute "none" and "blocks" (rtxmpi.nn.Model.recompute) side by side: the activations one
+micro-batch's forward cache keeps (observe.memory.cache_bytes, parameters excluded), the largest
+single block cache (what backward rebuilds at a time under "blocks"), the peak of traced
+allocations over a forward and backward (tracemalloc, which numpy reports to; the logits, the
+recomputed block and backward's temporaries included), and the time of a step (forward, backward,
+AdamW): the process's CPU time, which other processes on a loaded machine barely change (one
+thread: OMP_NUM_THREADS=1), and wall time, and the minor page faults of a step (fresh memory the
+kernel maps in, CPU time too); medians of --repeats, the two policies alternating.
 
 Target (issue): at 4 ranks, ZeRO-3 per-rank model-state bytes <= (DP's / 4 + one layer's gathered
 parameters) x 1.05, where "one layer" is the largest of: one transformer block's parameters, the
@@ -124,6 +135,82 @@ def mesh_worker(args, world, corpus, cfg):
             "per_rank": [r.as_dict() for r in reports]}), flush=True)
 
 
+def compare_recompute(args):
+    """The --recompute table: rows (model, policy) of activation bytes and step time."""
+    import resource
+    import time
+    import tracemalloc
+
+    import numpy as np
+
+    from rtxmpi.nn import GPT, AdamW, GPTConfig, decay_mask
+    from rtxmpi.observe.memory import cache_bytes
+
+    rows = []
+    for name in args.recompute_models.split(","):
+        cfg = GPTConfig.named(name, seq_len=args.seq_len)
+        idx = np.random.default_rng(0).integers(0, cfg.vocab_size, (args.local_batch, args.seq_len + 1))
+        x, y = idx[:, :-1], idx[:, 1:]
+        runs = {}
+        for policy in ("none", "blocks"):
+            model = GPT(cfg, seed=0, recompute=policy)
+            opt = AdamW(model.flat_data, lr=1e-4, decay_mask=decay_mask(model.params))
+            _, cache = model.forward(x, y)
+            keep = [model.flat_data, model.flat_grad]
+            if policy == "none":  # a block's cache: what "blocks" rebuilds, one at a time
+                block = max(cache_bytes(c, keep) for c in cache.units[1:-1])
+            activations = cache_bytes(cache, keep)
+            del cache
+            tracemalloc.start()
+            base = tracemalloc.get_traced_memory()[0]
+            loss, cache = model.forward(x, y)
+            model.backward(cache)
+            del cache
+            peak = tracemalloc.get_traced_memory()[1] - base
+            tracemalloc.stop()
+            runs[policy] = {"model": model, "opt": opt, "cpu": [], "wall": [], "faults": [], "loss": loss,
+                            "activations_bytes": activations, "peak_bytes": peak,
+                            "block_bytes": block}
+        for _ in range(args.repeats + 1):  # the first round warms up
+            for run in runs.values():
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                c0, t0 = time.process_time(), time.perf_counter()
+                run["model"].zero_grad()
+                _, cache = run["model"].forward(x, y)
+                run["model"].backward(cache)
+                run["opt"].step(run["model"].flat_grad)
+                run["cpu"].append(time.process_time() - c0)
+                run["wall"].append(time.perf_counter() - t0)
+                run["faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+                del cache
+        none = runs["none"]
+        for policy, run in runs.items():
+            rows.append({"model": name, "n_layer": cfg.n_layer, "recompute": policy,
+                         "same_loss": run["loss"] == none["loss"],
+                         "step_cpu_ms": float(np.median(run["cpu"][1:])) * 1e3,
+                         "step_time_ms": float(np.median(run["wall"][1:])) * 1e3,
+                         "page_faults": int(np.median(run["faults"][1:])),
+                         **{k: run[k] for k in ("activations_bytes", "block_bytes", "peak_bytes")}})
+        for row in rows[-2:]:
+            row["activations_ratio"] = none["activations_bytes"] / row["activations_bytes"]
+            row["step_cpu_ratio"] = row["step_cpu_ms"] / rows[-2]["step_cpu_ms"]
+    print(f"Activation recomputation, one process, float32, one micro-batch of {args.local_batch} x "
+          f"{args.seq_len} tokens; step = forward + backward + AdamW, median of {args.repeats}; "
+          f"load average {os.getloadavg()[0]:.1f} at the end\n")
+    print(markdown_table(
+        ["model", "recompute", "activations (MiB)", "none / this", "one block (MiB)",
+         "fwd+bwd peak (MiB)", "step CPU (ms)", "CPU / none", "step wall (ms)", "page faults",
+         "same loss"],
+        [[f"{r['model']} (L={r['n_layer']})", r["recompute"], mib(r["activations_bytes"]),
+          f"{r['activations_ratio']:.1f}", mib(r["block_bytes"]), mib(r["peak_bytes"]),
+          f"{r['step_cpu_ms']:.1f}", f"{r['step_cpu_ratio']:.3f}", f"{r['step_time_ms']:.1f}",
+          r["page_faults"], r["same_loss"]] for r in rows]))
+    print(f"\nmachine: {machine_line(machine_info())}")
+    print(f"command: python bench/memory.py {shlex.join(sys.argv[1:])}".rstrip())
+    if args.json:
+        write_json(args.json, {"args": vars(args), "machine": machine_info(), "recompute": rows})
+
+
 def available_stages():
     from rtxmpi.parallel.zero import STAGES
 
@@ -157,11 +244,17 @@ def main():
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: stage 0 is "
                    "HybridParallel, stage k ZeRO-k on each tp slice over the dp x sp ranks")
     p.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree (as --tp)")
+    p.add_argument("--recompute", action="store_true", help="compare recompute none and blocks "
+                   "(activation bytes, step time) in this process instead of the ZeRO table")
+    p.add_argument("--recompute-models", default="small,base", help="--recompute: the GPT sizes")
+    p.add_argument("--repeats", type=int, default=5, help="--recompute: timed steps per policy")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if args.recompute:
+        return compare_recompute(args)
     stages = ([int(s) for s in args.stages.split(",")] if args.stages else available_stages())
     ranks = [int(n) for n in args.ranks.split(",")]
     results = {(n, s): launch(args, n, s) for s in stages for n in ranks}

@@ -54,7 +54,7 @@ import rtxmpi
 from rtxmpi import elastic
 from rtxmpi.elastic.replan import describe, replan
 from rtxmpi.backend import array_module, to_host
-from rtxmpi.checkpoint import Shard, latest_step, load_checkpoint, save_checkpoint
+from rtxmpi.checkpoint import Shard, latest_step, latest_valid, load_checkpoint, save_checkpoint
 from rtxmpi.checkpoint.agree import raise_if_any_failed
 from rtxmpi.checkpoint.lock import lock_dir, release_all
 from rtxmpi.control import agree
@@ -65,6 +65,7 @@ from rtxmpi.observe.observer import Observer
 from rtxmpi.nn import (GPT, MODEL_SIZES, AdamW, GPTConfig, clip_grad_norm, cosine_lr, decay_mask,
                        grad_norm_sq)
 from rtxmpi.nn.gpt import param_layout
+from rtxmpi.nn.module import RECOMPUTE
 from rtxmpi.comm.failure import ulfm_enabled
 from rtxmpi.parallel.data import DataParallel, weighted_micro_batches
 from rtxmpi.parallel.hybrid import build_hybrid, check_layout
@@ -73,7 +74,8 @@ from rtxmpi.parallel.planner import (Layout, explicit_layout_flags, memory_break
                                      node_memory_per_rank, plan_for_job)
 from rtxmpi.parallel.replica import replica_pieces
 from rtxmpi.parallel.zero import ZeroDataParallel
-from rtxmpi.wal import ResumeParity, WriteAheadLog, params_digest, read_wal, wal_path
+from rtxmpi.wal import (ResumeParity, WriteAheadLog, check_checkpoint_record, params_digest, read_wal,
+                        wal_path)
 
 EXIT_CONFIG = 2
 MEMORY_SLACK = 1.5  # check_memory refuses estimates over 1.5 x the node's memory per rank
@@ -169,6 +171,11 @@ def parse_args(argv=None):
                         "files under --offload-dir, streamed in chunks (nvme); needs --zero-stage >= 1")
     p.add_argument("--offload-dir", default=None, metavar="DIR",
                    help="directory for --offload nvme files (DIR/rank_XXXXX/; use a local NVMe disk)")
+    p.add_argument("--recompute", default="none", choices=RECOMPUTE,
+                   help="blocks: forward keeps only each transformer block's input and backward "
+                        "reruns the block (activations of about one block instead of all, at "
+                        "about one extra forward; the same bits); data parallelism and ZeRO only "
+                        "(docs/model.md)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up (default steps/20)")
@@ -201,7 +208,11 @@ def parse_args(argv=None):
                    help="write each checkpoint on a background thread while training goes on; it "
                         "is committed at the next checkpoint or the end (docs/checkpoint.md)")
     p.add_argument("--resume", action="store_true",
-                   help="continue from the latest committed checkpoint in --ckpt-dir (none: start fresh)")
+                   help="continue from the newest committed checkpoint in --ckpt-dir that verifies "
+                        "(a corrupt newer one is skipped with a warning; none: start fresh)")
+    p.add_argument("--resume-strict", action="store_true",
+                   help="with --resume: refuse (exit 3) when the newest committed checkpoint does "
+                        "not verify, instead of falling back to an older one")
     p.add_argument("--stop-after-step", type=int, default=None, metavar="S",
                    help="end this run after step S with a committed checkpoint, as if pre-empted "
                         "(the schedule still follows --steps); needs --ckpt-dir")
@@ -262,6 +273,8 @@ def check_args(args, world_size):
         raise ConfigError(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
     if args.ckpt_dir is not None:
         check_ckpt_dir(args.ckpt_dir)
+    if args.resume_strict and not args.resume:
+        raise ConfigError("--resume-strict needs --resume")
     if args.ckpt_dir is None and (args.ckpt_every or args.resume or args.stop_after_step
                                   or args.async_save):
         flag = ("--ckpt-every" if args.ckpt_every else "--resume" if args.resume else
@@ -279,6 +292,10 @@ def check_args(args, world_size):
     if (args.offload == "nvme") != (args.offload_dir is not None):
         raise ConfigError("--offload nvme needs --offload-dir DIR, and --offload-dir only goes "
                           "with --offload nvme")
+    if args.recompute != "none" and args.tp * args.pp * args.sp > 1:
+        raise ConfigError(f"--recompute {args.recompute} runs with data parallelism and ZeRO only: "
+                          f"drop it or use --tp 1 --pp 1 --sp 1 (the tensor-, sequence- and "
+                          f"pipeline-parallel engines keep every activation)")
     dp = check_layout(world_size, dp=args.dp, tp=args.tp, pp=getattr(args, "pp", 1), sp=args.sp,
                       seq_len=args.seq_len, zero_stage=args.zero_stage,
                       sequence_parallel=args.sequence_parallel)  # docs/parallel.md
@@ -324,7 +341,7 @@ def check_memory(world, args, cfg):
     available = node_memory_per_rank(world.backend.comm)
     dp = world.world_size // (args.tp * args.pp * args.sp)
     layout = Layout(dp, args.tp, args.pp, args.sp, args.micro_batches or 1, args.zero_stage,
-                    args.schedule if args.pp > 1 else "none", args.offload)
+                    args.schedule if args.pp > 1 else "none", args.offload, args.recompute)
     peak = max(stage["total"] for stage in memory_breakdown(cfg, layout, args.global_batch))
     too_big = args.device == "cpu" and available is not None and peak > MEMORY_SLACK * available
     if agree(world, too_big=too_big).too_big:
@@ -433,9 +450,10 @@ def build_engine(args, model, world):
                             offload=None if args.offload == "none" else args.offload)
 
 
-def checkpoint_meta(args, cfg, model, engine, sampler):
-    """What a resume needs besides the flat tensors (JSON, stored in metadata.json)."""
-    return {"model": args.model, "model_config": asdict(cfg), "dtype": np.dtype(model.dtype).str,
+def checkpoint_meta(args, cfg, model, engine, sampler, loss=None):
+    """What a resume needs besides the flat tensors (JSON, stored in metadata.json). loss: the
+    step's loss, stored as its float64 bits (hex), which a resume compares with the log's."""
+    return {"loss_bits": None if loss is None else loss_bits(loss), "model": args.model, "model_config": asdict(cfg), "dtype": np.dtype(model.dtype).str,
             "param_layout": [[p.name, list(p.shape), p.offset]
                              for p in getattr(model, "full_specs", model.params)],
             "optimizer_step": engine.optimizer.step_count, "sampler": sampler.state_dict(),
@@ -444,7 +462,12 @@ def checkpoint_meta(args, cfg, model, engine, sampler):
             "zero_stage": args.zero_stage}
 
 
-def save(world, args, step, cfg, model, engine, sampler, rng, pending=None):
+def loss_bits(loss):
+    """A loss as the hex of its float64 bits: exact, and JSON even when the loss is not finite."""
+    return f"{int(np.float64(loss).view(np.uint64)):016x}"
+
+
+def save(world, args, step, cfg, model, engine, sampler, rng, pending=None, loss=None):
     """Commit a checkpoint of `step`: each rank writes its piece of params, m, v and the step,
     and its generator's state. With --async-save, first commits `pending` (the previous save),
     then snapshots and returns the new save in flight for `finish_save` (collective)."""
@@ -452,7 +475,7 @@ def save(world, args, step, cfg, model, engine, sampler, rng, pending=None):
     t0 = time.perf_counter()
     shards = {name: Shard(*piece) for name, piece in engine.shards().items()}
     path = save_checkpoint(world, args.ckpt_dir, step, shards,
-                           meta=checkpoint_meta(args, cfg, model, engine, sampler),
+                           meta=checkpoint_meta(args, cfg, model, engine, sampler, loss),
                            rank_state={"rank": world.rank, "world_size": world.world_size,
                                        "rng": rng.bit_generator.state},
                            overwrite=True, async_save=args.async_save, run_id=args.run_id)
@@ -483,26 +506,36 @@ def step_of(step_dir):
 
 
 def resume(world, args, cfg, engine, sampler, rng, dir_existed=True):
-    """Load the latest committed checkpoint in --ckpt-dir; returns its step (0: none, fresh).
-    Any world size and ZeRO stage loads any other's. Without --resume, refuses a --ckpt-dir that
-    already holds checkpoints (ConfigError). The per-rank generator continues from its saved state
-    at the same world size; at another, it restarts from (seed, rank, step) (docs/wal.md). The
-    run continues the lineage of the checkpoint: it takes its run id (docs/checkpoint.md).
-    dir_existed: whether --ckpt-dir existed before this run locked (and so made) it."""
-    found = np.array([-1 if world.rank else (latest_step(args.ckpt_dir) or 0)], np.int64)
-    world.broadcast(found, src=0)
+    """Load the newest committed checkpoint in --ckpt-dir that verifies (latest_valid; rank 0
+    warns naming each newer one skipped and why; --resume-strict: CheckpointError instead);
+    returns its step (0: none, fresh). Any world size and ZeRO stage loads any other's. Without
+    --resume, refuses a --ckpt-dir that already holds checkpoints (ConfigError). The per-rank
+    generator continues from its saved state at the same world size; at another, it restarts
+    from (seed, rank, step) (docs/wal.md). The run continues the lineage of the checkpoint: it
+    takes its run id (docs/checkpoint.md). dir_existed: whether --ckpt-dir existed before this
+    run locked (and so made) it."""
     if not args.resume:
+        found = np.array([-1 if world.rank else (latest_step(args.ckpt_dir) or 0)], np.int64)
+        world.broadcast(found, src=0)
         if found[0] > 0:
             raise ConfigError(f"--ckpt-dir {args.ckpt_dir} already holds checkpoints (latest step "
                               f"{found[0]}); pass --resume or use an empty directory")
         return 0
-    if found[0] == 0:
+    step, skipped = latest_valid(world, args.ckpt_dir, fallback=not args.resume_strict)
+    if world.rank == 0:
+        for path, why in skipped:
+            print(f"warning: checkpoint {path} does not verify, skipped: {why}", file=sys.stderr,
+                  flush=True)
+    if step is None and skipped:
+        raise CheckpointError(f"no checkpoint in {args.ckpt_dir} verifies ({len(skipped)} "
+                              f"committed, all corrupt; see the warnings above)")
+    if not step:
         if world.rank == 0 and not dir_existed:
             warn_missing_ckpt_dir(args.ckpt_dir)
         elif world.rank == 0:
             print(f"checkpoint: no committed checkpoint in {args.ckpt_dir}; starting fresh", flush=True)
         return 0
-    ckpt = load_checkpoint(world, args.ckpt_dir, step=int(found[0]))
+    ckpt = load_checkpoint(world, args.ckpt_dir, step=step)
     args.run_id = ckpt.metadata.get("run_id") or args.run_id
     return restore(world, args, cfg, engine, sampler, rng, ckpt)
 
@@ -598,24 +631,38 @@ def finish_recovered_step(world, args, replica, metrics, last_step, save_step):
 
 def restore(world, args, cfg, engine, sampler, rng, ckpt):
     """Load `ckpt` (a loaded checkpoint, or the surviving replica's state after an elastic
-    shrink) into engine, sampler and rng; returns its step (collective)."""
-    saved_cfg = GPTConfig(**ckpt.meta["model_config"])
+    shrink) into engine, sampler and rng; returns its step (collective). Raises CheckpointError
+    on every rank when the saved meta or rank state lacks a field or has one of the wrong type."""
+    try:  # the meta is the same on every rank: each reaches the same verdict
+        saved_cfg = GPTConfig(**ckpt.meta["model_config"])
+        sampler.load_state_dict(ckpt.meta["sampler"])
+        saved_model = str(ckpt.meta["model"])
+        bits = ckpt.meta.get("loss_bits")  # absent in a replica and in older checkpoints
+        args.ckpt_loss = None if bits is None else float(np.uint64(int(bits, 16)).view(np.float64))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {ckpt.path}: its meta cannot be resumed from: "
+                              f"{type(exc).__name__}: {exc}") from None
     if saved_cfg != cfg:
-        raise CheckpointError(f"checkpoint {ckpt.path} holds model {ckpt.meta['model']} "
+        raise CheckpointError(f"checkpoint {ckpt.path} holds model {saved_model} "
                               f"({saved_cfg}), this run builds model {args.model} ({cfg}); "
-                              f"resume with --model {ckpt.meta['model']} and --seq-len "
+                              f"resume with --model {saved_model} and --seq-len "
                               f"{saved_cfg.seq_len}, or use another --ckpt-dir")
     engine.load_shards(ckpt.read)  # reads only the slices this rank keeps
-    sampler.load_state_dict(ckpt.meta["sampler"])
-    saved = ckpt.rank_state(world.rank).get("rng")
-    if saved is not None and ckpt.world_size_saved == world.world_size:
-        rng.bit_generator.state = saved
-    else:
-        rng.bit_generator.state = np.random.default_rng(
-            [args.seed, world.rank, ckpt.step]).bit_generator.state
+    saved, error = ckpt.rank_state(world.rank).get("rng"), None
+    try:  # a rank's own state: agree on its verdict
+        if saved is not None and ckpt.world_size_saved == world.world_size:
+            rng.bit_generator.state = saved
+        else:
+            rng.bit_generator.state = np.random.default_rng(
+                [args.seed, world.rank, ckpt.step]).bit_generator.state
+    except (KeyError, TypeError, ValueError) as exc:
+        error = CheckpointError(f"checkpoint {ckpt.path}: saved generator state unusable: {exc}")
+    raise_if_any_failed(world, error, "restoring the generator state")
     if world.rank == 0:
         for path in ckpt.ignored:
             print(f"checkpoint: ignoring uncommitted {path}", flush=True)
+        for text in getattr(ckpt, "warnings", ()):
+            print(f"warning: {text}", file=sys.stderr, flush=True)
         print(f"checkpoint: resumed from {ckpt.path} (saved at world size {ckpt.world_size_saved}, "
               f"ZeRO stage {ckpt.meta.get('zero_stage', 0)}, {sampler.samples_consumed} samples "
               f"consumed); continuing at step {ckpt.step + 1}", flush=True)
@@ -649,8 +696,9 @@ class StepLog:
     against it (CheckpointError on every rank at the first difference), then it is kept up to L
     and continued at L+1."""
 
-    def __init__(self, world, args, engine, ckpt_step):
+    def __init__(self, world, args, engine, ckpt_step, samples_consumed=0, loss=None):
         self.world, self.args, self.engine = world, args, engine
+        self.samples_consumed, self.loss = samples_consumed, loss  # the checkpoint's, checked against the log
         self.path, self.wal, self.parity, self.records = wal_path(args.ckpt_dir), None, None, None
         error, verify_until = None, 0
         digest = self._digest() if ckpt_step else None
@@ -681,6 +729,10 @@ class StepLog:
             records = self.records = read_wal(self.path)
         except CheckpointError as exc:
             raise CheckpointError(f"{exc}; move it away to resume without the log") from None
+        message = check_checkpoint_record(self.path, records, ckpt_step, self.samples_consumed,
+                                          self.loss)
+        if ckpt_step and message:
+            raise CheckpointError(message)
         kept, logged = records[records["step"] <= ckpt_step], records[records["step"] > ckpt_step]
         last = int(records["step"][-1]) if len(records) else 0
         at_ckpt = kept[kept["step"] == ckpt_step]
@@ -763,7 +815,8 @@ def apply_plan(world, args):
     """--plan auto: calibrate (or read --plan-profile), plan, and set the layout flags in args."""
     cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
     layout, plan = plan_for_job(world, cfg, args.global_batch, args.plan_profile,
-                                offload_dir=args.offload_dir, device=args.device)
+                                offload_dir=args.offload_dir, device=args.device,
+                                recompute=args.recompute)
     args.dp, args.tp, args.pp, args.sp = layout.degrees
     args.micro_batches, args.zero_stage = layout.micro_batches, layout.zero_stage
     args.schedule = layout.schedule if layout.pp > 1 else args.schedule
@@ -852,7 +905,8 @@ def train(args):
     # on CPU the gradient lives in memory the node's peers can map: the data-parallel all_reduce
     # of its buckets folds straight from it (rtxmpi.shared_zeros, docs/comm.md)
     model = engine.model if hybrid else GPT(
-        cfg, seed=args.seed, xp=xp, grad_alloc=rtxmpi.shared_zeros if xp is np else None)
+        cfg, seed=args.seed, xp=xp, grad_alloc=rtxmpi.shared_zeros if xp is np else None,
+        recompute=args.recompute)
     engine = engine or build_engine(args, model, world)
     data_rank, data_size = (engine.mesh.dp_rank, engine.mesh.dp) if hybrid else (rank, world_size)
     rng = np.random.default_rng([args.seed, rank])  # per-rank randomness (dropout, ...), checkpointed
@@ -893,7 +947,8 @@ def train(args):
                   f"{'--steps' if last_step == args.steps else '--stop-after-step'} {last_step}",
                   flush=True)
         return None
-    log = StepLog(world, args, engine, start_step - 1) if args.ckpt_dir else None
+    log = (StepLog(world, args, engine, start_step - 1, sampler.samples_consumed,
+                   getattr(args, "ckpt_loss", None)) if args.ckpt_dir else None)
     bar = tqdm(total=args.steps, initial=start_step - 1, disable=rank != 0 or args.no_progress,
                unit="step", mininterval=1.0)
     tokens_per_step = args.global_batch * args.seq_len
@@ -957,7 +1012,8 @@ def train(args):
         if ckpt_now:
             loop.phase("save", step)
             with obs.span("checkpoint", "checkpoint"):
-                pending = save(world, args, step, cfg, model, engine, sampler, rng, pending)
+                pending = save(world, args, step, cfg, model, engine, sampler, rng, pending,
+                               record["loss"])
         if flags.stop:  # pre-empted or interrupted: every rank stops after this step
             record["preempted"], last_step = True, step
             record["interrupted"] = not flags.preempt  # only Ctrl-C (SIGINT/SIGUSR2) on every rank

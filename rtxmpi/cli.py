@@ -4,7 +4,7 @@
     mpiexec -n 4 rtxmpi info          ... and of every rank: hosts, local ranks, devices, topology
     mpiexec -n 4 rtxmpi info --calibrate   ... with measured bandwidth/latency between ranks
     rtxmpi ckpt ls DIR                checkpoints in DIR: step, committed, world size, size, latest
-    rtxmpi ckpt verify DIR [--step S] every file and dataset: sizes and checksums (exit 1 if bad)
+    rtxmpi ckpt verify DIR [--step S] metadata, every file and dataset, checksums (exit 1 if bad)
     rtxmpi ckpt inspect DIR [--step S] the tensor table (name, dtype, shape, pieces) and the meta
     rtxmpi run -n N [--min-ranks K] [--max-restarts R] -- python train.py ...
                                       supervise: forward signals, relaunch after a failure
@@ -170,18 +170,22 @@ def cmd_ckpt_ls(args):
 
 
 def cmd_ckpt_verify(args):
-    """Read every dataset of a committed checkpoint and check sizes and checksums."""
+    """Check a committed checkpoint as a resume would: metadata.json, every file and dataset
+    (structure, sizes, checksums). The same reader as `load_checkpoint` and `latest_valid`."""
     from .checkpoint import verify_checkpoint
     from .errors import CheckpointError
 
     if args.step is not None and args.step < 0:
         print(f"error: --step must be >= 0, got {args.step}", file=sys.stderr)
         return 2
+    warnings = []
     try:
-        checked = verify_checkpoint(args.dir, args.step)
+        checked = verify_checkpoint(args.dir, args.step, warnings)
     except CheckpointError as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
+    for text in warnings:
+        print(f"warning: {text}", file=sys.stderr)
     print(f"ok: {len(checked)} dataset{'' if len(checked) == 1 else 's'} verified (sizes and checksums)")
     return 0
 

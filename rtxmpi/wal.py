@@ -9,7 +9,8 @@
 File: HDF5 (h5py, no pickle), one resizable compound dataset `/records` of RECORD_DTYPE, written in
 HDF5's single-writer/multiple-reader (SWMR) mode, so the file on disk is always consistent: a crash
 loses at most the rows appended since the last `sync()`, never the file. Root attributes:
-`rtxmpi_wal_version` (1) and `digest` (how `params_digest` is computed).
+`rtxmpi_wal_version` (1) and `digest` (how `params_digest` is computed). The file format is
+HDF5 1.10's (LIBVER), which SWMR needs and h5dump/h5ls 1.10 and later read.
 
 `ResumeParity` compares a re-run against the log (deterministic mode: bitwise).
 """
@@ -38,6 +39,7 @@ RECORD_DTYPE = np.dtype([
     ("params_digest", "<i8"),     # params_digest() after the step, or NO_DIGEST
 ])
 CHUNK_ROWS = 256
+LIBVER = ("v110", "v110")  # not "latest": the installed HDF5 (2.0) writes what 1.10's tools cannot read
 
 
 def wal_path(ckpt_dir):
@@ -77,7 +79,7 @@ class WriteAheadLog:
         records = np.zeros(0, RECORD_DTYPE) if records is None else np.asarray(records, RECORD_DTYPE)
         tmp, self._file = self.path + ".tmp", None
         try:
-            self._file = h5py.File(tmp, "w", libver="latest")
+            self._file = h5py.File(tmp, "w", libver=LIBVER)
             self._file.attrs["rtxmpi_wal_version"] = WAL_VERSION
             self._file.attrs["digest"] = DIGEST_DOC
             self._ds = self._file.create_dataset(DATASET, data=records, maxshape=(None,),
@@ -183,6 +185,29 @@ def _valid_prefix(records):
     steps = records["step"]
     bad = np.flatnonzero((steps < 1) | (np.diff(steps, prepend=0) <= 0))
     return records[:bad[0]] if bad.size else records
+
+
+def check_checkpoint_record(path, records, step, samples_consumed, loss=None):
+    """Compare the log's record of checkpoint step `step` with what the checkpoint says.
+
+    records: from `read_wal(path)`; samples_consumed: the checkpoint's data position after `step`;
+    loss: the step's loss the checkpoint recorded (float, compared bit for bit), or None (not
+    recorded: checkpoints written before it was).
+    Returns None when they agree or the log holds no record of `step` (a log that starts later,
+    or was cut before it), else a one-line message naming the log, the step and both values.
+    """
+    at = records[records["step"] == step]
+    if not len(at):
+        return None
+    why = "(an edited metadata.json, or the log of another run)"
+    if int(at["samples_consumed"][0]) != int(samples_consumed):
+        return (f"{path} step {step}: the checkpoint says {int(samples_consumed)} samples consumed, "
+                f"the log recorded {int(at['samples_consumed'][0])}: checkpoint and log disagree "
+                + why)
+    if loss is not None and not _same_bits(loss, at["loss"][0]):
+        return (f"{path} step {step}: the checkpoint says loss {float(loss)!r}, the log recorded "
+                f"{float(at['loss'][0])!r}: checkpoint and log disagree " + why)
+    return None
 
 
 class ResumeParity:

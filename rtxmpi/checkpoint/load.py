@@ -1,13 +1,27 @@
-"""Loading: `load_checkpoint` (collective), and single-process `list_checkpoints`,
-`verify_checkpoint`, `latest_step`. Only directories with metadata.json are trusted."""
+"""Loading: `load_checkpoint` and `latest_valid` (collective), and single-process
+`list_checkpoints`, `verify_checkpoint`, `latest_step`. Only directories with metadata.json are
+trusted, and their files only as far as they pass the checks of metadata.py and format.RankFile:
+this is the one reader, used by resume and by `rtxmpi ckpt verify` alike."""
 import os
+import stat
 from dataclasses import dataclass
 
 import numpy as np
 
 from rtxmpi.checkpoint import format as fmt
 from rtxmpi.checkpoint.agree import raise_if_any_failed
+from rtxmpi.checkpoint.metadata import read_metadata
 from rtxmpi.errors import CheckpointError
+
+# What parsing an untrusted HDF5 file may raise besides CheckpointError (h5py maps HDF5's errors
+# to these); each is reported as a CheckpointError naming the file.
+READ_ERRORS = (CheckpointError, OSError, KeyError, TypeError, ValueError, RuntimeError)
+
+
+def _as_checkpoint_error(exc, where):
+    if isinstance(exc, CheckpointError):
+        return exc
+    return CheckpointError(f"{where}: {type(exc).__name__}: {exc}")
 
 
 class Checkpoint:
@@ -15,13 +29,15 @@ class Checkpoint:
 
     Attributes: path (step dir), step, world_size_saved, meta (the saved meta dict), tensors
     ({name: {"dtype", "global_size", "pieces": [{"file", "offset", "length", "checksum"}]}}),
-    metadata (the whole metadata.json), ignored (paths of uncommitted step dirs newer than this
-    one, which a load skipped). With a group every method is collective (errors are raised on
+    metadata (the whole metadata.json, checked), ignored (paths of uncommitted step dirs newer
+    than this one, which a load skipped), warnings (messages for rank 0 to print: an old format
+    without a metadata checksum). With a group every method is collective (errors are raised on
     every rank); with group None it is a single-process reader.
     """
 
-    def __init__(self, group, path, metadata, ignored=()):
+    def __init__(self, group, path, metadata, ignored=(), warnings=()):
         self.group, self.path, self.metadata = group, path, metadata
+        self.warnings = list(warnings)
         self.step = int(metadata["step"])
         self.world_size_saved = int(metadata["world_size"])
         self.meta = metadata.get("meta", {})
@@ -51,15 +67,24 @@ class Checkpoint:
         for piece in info["pieces"]:  # sorted by offset; only overlapping files are opened
             lo, hi = max(offset, piece["offset"]), min(stop, piece["offset"] + piece["length"])
             if lo < hi:
-                path = os.path.join(self.path, piece["file"])
-                h5file = None
-                if files is not None:
-                    if path not in files:
-                        files[path] = fmt.open_rank_file(path)
-                    h5file = files[path]
-                fmt.read_piece(path, name, {**piece, "dtype": info["dtype"]}, lo - piece["offset"],
-                               hi - piece["offset"], out[lo - offset:hi - offset], h5file=h5file)
+                name_file = piece["file"]
+                if files is not None and name_file in files:
+                    rank_file = files[name_file]
+                else:
+                    rank_file = self._open_file(name_file)
+                    if files is not None:
+                        files[name_file] = rank_file
+                try:
+                    fmt.read_piece(rank_file, name, {**piece, "dtype": info["dtype"]},
+                                   lo - piece["offset"], hi - piece["offset"],
+                                   out[lo - offset:hi - offset])
+                finally:
+                    if files is None:
+                        rank_file.close()
         return out
+
+    def _open_file(self, name):
+        return _open_rank_file(self.path, self.metadata, name)
 
     def read(self, name, offset=0, length=None, out=None):
         """Elements [offset, offset + length) of tensor `name` as a 1-D numpy array.
@@ -73,8 +98,8 @@ class Checkpoint:
         error, result = None, None
         try:
             result = self._read_local(name, int(offset), length, out)
-        except (CheckpointError, OSError, TypeError, ValueError) as exc:  # must reach every rank
-            error = exc
+        except READ_ERRORS as exc:  # must reach every rank
+            error = _as_checkpoint_error(exc, self.path)
         raise_if_any_failed(self.group, error, f"reading {name!r} from {self.path}")
         return result
 
@@ -91,8 +116,8 @@ class Checkpoint:
         try:
             for name, (offset, length, out) in requests.items():
                 result[name] = self._read_local(name, int(offset), length, out, files)
-        except (CheckpointError, OSError, TypeError, ValueError) as exc:  # must reach every rank
-            error = exc
+        except READ_ERRORS as exc:  # must reach every rank
+            error = _as_checkpoint_error(exc, self.path)
         finally:
             for f in files.values():
                 f.close()
@@ -102,46 +127,103 @@ class Checkpoint:
     def rank_state(self, rank):
         """The rank_state saved by rank `rank % world_size_saved` (the rule at any world size:
         a new rank r gets saved rank r % N's state). Collective when the checkpoint has a group."""
-        path = os.path.join(self.path, fmt.rank_file_name(int(rank) % self.world_size_saved))
         error, state = None, None
         try:
-            state = fmt.read_rank_state(path)
-        except (CheckpointError, OSError, TypeError, ValueError) as exc:
-            error = exc
+            with self._open_file(fmt.rank_file_name(int(rank) % self.world_size_saved)) as rank_file:
+                state = fmt.read_rank_state(rank_file)
+        except READ_ERRORS as exc:
+            error = _as_checkpoint_error(exc, self.path)
         raise_if_any_failed(self.group, error, f"reading rank state from {self.path}")
         return state
 
 
 def _check_files(step_dir, metadata):
-    """Every rank file listed in metadata exists with exactly the recorded size."""
+    """Every rank file listed in metadata is a regular file (not a symlink, FIFO or device) of
+    exactly the recorded size; lstat only, nothing is opened."""
     for name, info in metadata["files"].items():
         path = os.path.join(step_dir, name)
         try:
-            size = os.path.getsize(path)
-        except OSError:
+            st = os.lstat(path)
+        except FileNotFoundError:
             raise CheckpointError(f"{path}: rank file is missing") from None
-        if size != info["bytes"]:
-            raise CheckpointError(f"{path}: {size} bytes on disk, metadata says {info['bytes']} "
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: not a regular file (a symlink, FIFO, device or "
+                                  f"directory); a checkpoint holds only regular files")
+        if st.st_size != info["bytes"]:
+            raise CheckpointError(f"{path}: {st.st_size} bytes on disk, metadata says {info['bytes']} "
                                   f"(truncated or replaced)")
 
 
+def _step_dir(ckpt_dir, step):
+    return os.path.join(os.path.abspath(ckpt_dir), fmt.step_dir_name(step))
+
+
 def _open_local(ckpt_dir, step):
-    ckpt_dir = os.path.abspath(ckpt_dir)
-    step_dir = os.path.join(ckpt_dir, fmt.step_dir_name(step))
-    metadata = fmt.read_metadata(step_dir)
+    step_dir = _step_dir(ckpt_dir, step)
+    metadata, warnings = read_metadata(step_dir)
     _check_files(step_dir, metadata)
     ignored = [p for s, p in fmt.step_dirs(ckpt_dir).items() if s > step and not fmt.is_committed(p)]
-    return step_dir, metadata, ignored
+    return step_dir, metadata, ignored, warnings
+
+
+def _open_rank_file(step_dir, metadata, name):
+    """RankFile `name` of a step dir, its /tensors checked against the (validated) metadata."""
+    rank_file = fmt.RankFile(step_dir, name, metadata["files"][name]["bytes"])
+    try:
+        rank_file.check_listed({t for t, info in metadata["tensors"].items()
+                                if any(p["file"] == name for p in info["pieces"])})
+    except BaseException:
+        rank_file.close()
+        raise
+    return rank_file
+
+
+def _verify_files(step_dir, metadata, names):
+    """Check rank files `names` of a step dir whose metadata was read: structure, every piece's
+    checksum, the rank state. Returns (the "file: dataset" entries checked, problems found)."""
+    checked, problems = [], []
+    for file in names:
+        try:
+            rank_file = _open_rank_file(step_dir, metadata, file)
+        except READ_ERRORS as exc:
+            problems.append(str(_as_checkpoint_error(exc, os.path.join(step_dir, file))))
+            continue
+        with rank_file:
+            for name, info in metadata["tensors"].items():
+                for piece in info["pieces"]:
+                    if piece["file"] != file:
+                        continue
+                    checked.append(f"{file}: /tensors/{name}")
+                    try:
+                        fmt.read_piece(rank_file, name, {**piece, "dtype": info["dtype"]}, 0, 0)
+                    except READ_ERRORS as exc:
+                        problems.append(str(_as_checkpoint_error(exc, rank_file.path)))
+            checked.append(f"{file}: rank_state")
+            try:
+                fmt.read_rank_state(rank_file)
+            except READ_ERRORS as exc:
+                problems.append(str(_as_checkpoint_error(exc, rank_file.path)))
+    return checked, problems
+
+
+def _broadcast_step(group, step):
+    if group is None:
+        return step
+    buf = np.array([step], np.int64)
+    group.broadcast(buf, src=0)
+    return int(buf[0])
 
 
 def load_checkpoint(group, ckpt_dir, step=None):
     """Open committed checkpoint `step` (None: the latest committed) of `ckpt_dir`.
 
     Rank 0 chooses the step and broadcasts it, so every rank opens the same one; every rank then
-    reads metadata.json and checks that every rank file exists with its recorded size. Data is
-    read later with `Checkpoint.read`. Uncommitted step dirs are ignored (listed in `.ignored`).
+    reads and checks metadata.json (size, checksum, schema) and checks that every rank file is a
+    regular file of its recorded size. Data is read later with `Checkpoint.read`, each dataset
+    checked before it is read. Uncommitted step dirs are ignored (listed in `.ignored`).
     group: a ProcessGroup (collective: every rank must call), or None for one process.
-    Raises CheckpointError on every rank: no committed checkpoint, missing/truncated files.
+    Raises CheckpointError on every rank: no committed checkpoint, bad metadata, missing,
+    truncated or irregular files.
     """
     error = None
     chosen = -1
@@ -153,18 +235,67 @@ def load_checkpoint(group, ckpt_dir, step=None):
         except (CheckpointError, OSError) as exc:
             error, chosen = exc, -1
     raise_if_any_failed(group, error, "opening a checkpoint")
-    if group is not None:
-        buf = np.array([chosen], np.int64)
-        group.broadcast(buf, src=0)
-        chosen = int(buf[0])
+    chosen = _broadcast_step(group, chosen)
     opened = None
     try:
         opened = _open_local(ckpt_dir, chosen)
-    except (CheckpointError, OSError, KeyError, ValueError) as exc:
-        error = exc if isinstance(exc, CheckpointError) else CheckpointError(
-            f"{ckpt_dir}: step {chosen}: bad metadata: {type(exc).__name__}: {exc}")
+    except (CheckpointError, OSError) as exc:
+        error = _as_checkpoint_error(exc, _step_dir(ckpt_dir, chosen))
     raise_if_any_failed(group, error, "opening a checkpoint")
     return Checkpoint(group, *opened)
+
+
+def _committed_below(ckpt_dir, below):
+    """The newest committed step (latest_step) when `below` is None, else the highest committed
+    step < below; -1 when there is none."""
+    if below is None:
+        step = fmt.latest_step(ckpt_dir)
+        return -1 if step is None else step
+    older = [s for s, path in fmt.step_dirs(ckpt_dir).items() if s < below and fmt.is_committed(path)]
+    return max(older, default=-1)
+
+
+def latest_valid(group, ckpt_dir, *, fallback=True):
+    """The newest committed checkpoint of `ckpt_dir` that verifies, as (step or None, skipped).
+
+    Verifies as `verify_checkpoint` does (metadata, every file's structure, every checksum), the
+    rank files shared round-robin among the ranks of `group` (one read of the checkpoint in all).
+    fallback: when a checkpoint fails, try the next older committed one; skipped lists the
+    (step dir, reason) of each that failed, newest first. fallback False: raise at the first.
+    Rank 0 picks each candidate and broadcasts it, so every rank returns the same step.
+    Collective (group None: one process). Raises CheckpointError on every rank (fallback False
+    and a bad checkpoint, or the directory unreadable).
+    """
+    rank, size = (0, 1) if group is None else (group.rank, group.world_size)
+    skipped, below = [], None
+    while True:
+        error, chosen = None, -1
+        if rank == 0:
+            try:
+                chosen = _committed_below(ckpt_dir, below)
+            except OSError as exc:
+                error = exc
+        raise_if_any_failed(group, error, f"listing the checkpoints in {ckpt_dir}")
+        chosen = _broadcast_step(group, chosen)
+        if chosen < 0:
+            return None, skipped
+        step_dir, error = _step_dir(ckpt_dir, chosen), None
+        try:
+            metadata, _ = read_metadata(step_dir)
+            _check_files(step_dir, metadata)
+            _, problems = _verify_files(step_dir, metadata, sorted(metadata["files"])[rank::size])
+            if problems:
+                error = CheckpointError("; ".join(problems))
+        except (CheckpointError, OSError) as exc:
+            error = _as_checkpoint_error(exc, step_dir)
+        try:
+            raise_if_any_failed(group, error, f"verifying {step_dir}")
+            return chosen, skipped
+        except CheckpointError as exc:
+            if not fallback:
+                raise
+            skipped.append((step_dir, str(exc)))
+        below = chosen
 
 
 @dataclass
@@ -180,7 +311,8 @@ class CheckpointInfo:
 
 
 def list_checkpoints(ckpt_dir):
-    """Every step dir in `ckpt_dir`, committed or not, oldest first (single process)."""
+    """Every step dir in `ckpt_dir`, committed or not, oldest first (single process).
+    committed: metadata.json is there and passes its checks (files are not read)."""
     latest = fmt.latest_step(ckpt_dir)
     found = []
     for step, path in fmt.step_dirs(ckpt_dir).items():
@@ -191,46 +323,31 @@ def list_checkpoints(ckpt_dir):
         world_size = sum(1 for n in names if n.startswith("rank_") and n.endswith(".h5"))
         if committed:
             try:
-                world_size = int(fmt.read_metadata(path)["world_size"])
-            except (CheckpointError, KeyError, ValueError):
+                world_size = read_metadata(path)[0]["world_size"]
+            except CheckpointError:
                 committed = False
         found.append(CheckpointInfo(step, path, committed, world_size, total, step == latest))
     return found
 
 
-def verify_checkpoint(ckpt_dir, step=None):
-    """Check every file and dataset of a committed checkpoint: sizes, attributes, checksums.
+def verify_checkpoint(ckpt_dir, step=None, warnings=None):
+    """Check every file and dataset of a committed checkpoint: metadata.json (checksum, schema),
+    each rank file (a regular file of its recorded size, its HDF5 structure), every dataset's
+    layout, dtype, shape and checksum, and the rank state.
 
-    step None: the latest committed. Single process. Returns a list of the "file: dataset"
-    entries checked. Raises CheckpointError listing every problem found (file and dataset named).
+    step None: the latest committed. Single process. warnings: optional list that gets the
+    messages a load would print (an old format without a metadata checksum). Returns a list of
+    the "file: dataset" entries checked. Raises CheckpointError listing every problem found
+    (file and dataset named).
     """
     chosen = fmt.latest_step(ckpt_dir) if step is None else int(step)
     if chosen is None:
         raise CheckpointError(f"{ckpt_dir}: no committed checkpoint")
-    step_dir = os.path.join(os.path.abspath(ckpt_dir), fmt.step_dir_name(chosen))
-    metadata = fmt.read_metadata(step_dir)
-    problems, checked = [], []
-    for name, info in metadata["files"].items():
-        path = os.path.join(step_dir, name)
-        size = os.path.getsize(path) if os.path.exists(path) else None
-        if size != info["bytes"]:
-            problems.append(f"{path}: {'missing' if size is None else f'{size} bytes'}, "
-                            f"metadata says {info['bytes']} bytes")
-    for name, info in metadata["tensors"].items():
-        for piece in info["pieces"]:
-            path = os.path.join(step_dir, piece["file"])
-            checked.append(f"{piece['file']}: /tensors/{name}")
-            try:
-                fmt.read_piece(path, name, {**piece, "dtype": info["dtype"]}, 0, 0)
-            except CheckpointError as exc:
-                problems.append(str(exc))
-    for name in metadata["files"]:
-        path = os.path.join(step_dir, name)
-        checked.append(f"{name}: rank_state")
-        try:
-            fmt.read_rank_state(path)
-        except CheckpointError as exc:
-            problems.append(str(exc))
+    step_dir = _step_dir(ckpt_dir, chosen)
+    metadata, found = read_metadata(step_dir)
+    if warnings is not None:
+        warnings.extend(found)
+    checked, problems = _verify_files(step_dir, metadata, sorted(metadata["files"]))
     if problems:
         raise CheckpointError(f"{step_dir}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
     return checked

@@ -21,6 +21,7 @@ import copy
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 import zlib
@@ -29,6 +30,7 @@ import numpy as np
 
 from rtxmpi.checkpoint import format as fmt
 from rtxmpi.checkpoint.agree import raise_if_any_failed
+from rtxmpi.checkpoint.metadata import read_metadata
 from rtxmpi.checkpoint.shard import Shard
 from rtxmpi.errors import CheckpointError
 
@@ -71,7 +73,12 @@ def _prepare_dir(ckpt_dir, step_dir, overwrite, run_id):
             if not overwrite:
                 raise CheckpointError(f"{step_dir} is already a committed checkpoint; pass "
                                       f"overwrite=True or save another step")
-            written_by = fmt.read_metadata(step_dir).get("run_id")
+            try:
+                written_by = read_metadata(step_dir)[0].get("run_id")
+            except CheckpointError as exc:  # not a usable checkpoint (the resume skipped it):
+                written_by = run_id  # replaced, under this job's lock of the directory
+                print(f"warning: replacing {step_dir}, which does not verify: {exc}",
+                      file=sys.stderr, flush=True)
             if written_by != run_id:
                 raise CheckpointError(f"{step_dir} is a committed checkpoint of run {written_by}, "
                                       f"this is run {run_id}: a save never replaces another run's "

@@ -10,6 +10,12 @@ wrote exit code 0 -> done; ranks started but none ended with 0 -> a failure (rel
 that writes no reports (not an rtxmpi program, or all its ranks on hosts that cannot see the
 folder) is judged by mpiexec's status alone, as before.
 
+Evicted ranks: after a shrink, the survivors' rank 0 writes `evicted.<pid>` for each rank process
+the shrink left out (elastic.loop). When every process that started has ended (an exit report)
+or was evicted, and one ended with 0, the job is done even if mpiexec still waits: a stopped
+process on a node without survivors is not ended by them (docs/elastic.md); `finished()` tells
+the supervisor so, and it ends mpiexec.
+
 Progress: the first training step a rank process completes writes `progress.<pid>` (`progress()`,
 called by elastic.Loop.applied), so the supervisor can tell a launch that fails before doing any
 work (a typo in the script, an environment problem: relaunching cannot help) from a failure in
@@ -20,13 +26,14 @@ import os
 ENV = "RTXMPI_EXIT_DIR"
 
 
-def mark(kind, code=None, environ=os.environ):
-    """Write this process's report `kind` ("start" or "exit", with its code); never raises."""
+def mark(kind, code=None, environ=os.environ, pid=None):
+    """Write report `kind` ("start" or "exit", with its code) of this process, or "evicted" of
+    process `pid`; never raises."""
     folder = environ.get(ENV)
     if not folder:
         return
     try:
-        with open(os.path.join(folder, f"{kind}.{os.getpid()}"), "w") as f:
+        with open(os.path.join(folder, f"{kind}.{pid or os.getpid()}"), "w") as f:
             f.write("" if code is None else str(code))
     except OSError:
         pass  # a host that cannot see the folder: the reports of the others decide
@@ -50,6 +57,28 @@ def progressed(folder):
         return any(name.startswith("progress.") for name in os.listdir(folder))
     except OSError:
         return False
+
+
+def finished(folder):
+    """True when the reports in `folder` say the job is done: some rank process exited 0 and
+    every process that started either wrote its exit report or was evicted."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    started = {n.split(".", 1)[1] for n in names if n.startswith("start.")}
+    ended = {n.split(".", 1)[1] for n in names if n.startswith(("exit.", "evicted."))}
+    if not started or not started <= ended:
+        return False
+    for name in names:
+        if name.startswith("exit."):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    if f.read().strip() == "0":
+                        return True
+            except OSError:
+                continue
+    return False
 
 
 def reconcile(status, folder):

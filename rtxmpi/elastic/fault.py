@@ -6,7 +6,8 @@ Spec: `ACTION:RANK:STEP[:PHASE[:SECONDS]]`, several separated by `,`. RANK is th
 (MPI_COMM_WORLD rank, stable across shrinks); PHASE one of `elastic.PHASES` (default forward).
 ACTION: `kill` (SIGKILL: a crash), `exit` (os._exit(1) without MPI_Finalize), `term` / `usr1`
 / `int` (deliver SIGTERM / SIGUSR1 to this process, as a scheduler would, or SIGINT, as a Ctrl-C
-reaching one rank), each SECONDS after the phase
+reaching one rank), `stop` (SIGSTOP: every thread of the process frozen, as by a debugger or a
+frozen container), each SECONDS after the phase
 starts (default 0; from a timer thread, so it lands inside the phase); `stall` (sleep SECONDS,
 default 3600, in the phase: alive but making no progress). A fault fires at most once per
 process, and only in the first launch (not when $RTXMPI_RESTART > 0, set by `rtxmpi run`).
@@ -18,7 +19,7 @@ import time
 
 from ..errors import ConfigError
 
-ACTIONS = ("kill", "exit", "term", "usr1", "int", "stall")
+ACTIONS = ("kill", "exit", "term", "usr1", "int", "stop", "stall")
 SIGNALS = {"term": signal.SIGTERM, "usr1": signal.SIGUSR1, "int": signal.SIGINT}
 
 
@@ -54,9 +55,11 @@ def parse_faults(spec, phases):
 
 
 def _act(action, where=""):
-    os.write(2, f"[rtxmpi fault] {action} {where} t={time.time():.6f}\n".encode())
+    os.write(2, f"[rtxmpi fault] {action} {where} pid={os.getpid()} t={time.time():.6f}\n".encode())
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
     elif action == "exit":
         os._exit(1)
     elif action in SIGNALS:

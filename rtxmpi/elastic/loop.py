@@ -28,10 +28,11 @@ import time
 from mpi4py import MPI
 
 from ..comm import progress, start_heartbeats
-from ..comm.failure import failed_ranks, is_process_failure, rank_failure
+from ..comm.failure import failed_ranks, is_process_failure, rank_failure, ulfm_enabled
 from ..control import agree
 from ..errors import ConfigError, RankFailure
 from . import exitreport
+from .evict import Processes, guard_resume
 from .fault import FaultPlan
 from .preempt import StopRequest
 from .shrink import exchange_pieces, exchange_replica, shrink_world
@@ -50,6 +51,7 @@ class _Config:
     attempts = []  # Loop objects of failed attempts, kept alive
     shrinks = []  # (old world size, new world size) of each shrink
     current = None  # the Loop of the attempt in progress
+    processes = None  # evict.Processes of the attempt's world (policy "shrink")
 
 
 _config = _Config()
@@ -107,6 +109,10 @@ class Loop:
         self.faults = FaultPlan(self.launch_rank, PHASES)
         if _config.stuck_timeout_s is not None and world.world_size > 1:
             start_heartbeats(_config.stuck_timeout_s)  # collective: every rank builds a Loop
+        if _config.policy == "shrink" and world.world_size > 1:  # to end a rank given up on
+            _config.processes = Processes.exchange(world.backend.comm)
+            if ulfm_enabled():
+                guard_resume(world.backend.comm)
         self.step, self.phase_name, self.applied_step = 0, None, None
         self._tensors = self._meta = self._pieces = None
         self._close = []
@@ -221,16 +227,43 @@ def run(fn, args):
                 args.resume = True
 
 
-def _evict(group, beat, failure):
-    """Ask the live ranks named by `failure` to kill themselves (their heartbeat thread does, at
-    its next beat) and wait up to a beat period + 0.5 s until ULFM reports them failed, so that a
-    slow rank that was not stuck after all does not rejoin the shrink. (A rank still alive after
-    that is removed by the shrink once it dies: a shrink waits for every live rank.)"""
-    wait_s = beat.period_s + 0.5
+def _end_processes(group, processes, ranks, survivors):
+    """SIGKILL the processes of `ranks` that share this rank's node (every survivor there does;
+    the lowest of them says so): a stopped or stuck process cannot act on an eviction, and one
+    left running keeps mpiexec waiting. survivors: the ranks that go on. Returns the ranks whose
+    process is ended (killed here, or gone)."""
+    ended = []
+    if processes is None:
+        return ended
+    for r in ranks:
+        outcome = processes.kill(r)
+        if outcome == "elsewhere":
+            continue
+        ended.append(r)
+        node = processes.table[r, 3]
+        if group.rank == min(s for s in survivors if processes.table[s, 3] == node):
+            print(f"elastic: rank {r}'s process (pid {processes.table[r, 0]}) ended by SIGKILL from "
+                  f"its node's surviving ranks", file=sys.stderr, flush=True)
+    return ended
+
+
+def _evict(group, beat, processes, failure):
+    """Make the ranks that ULFM reports failed on the world, and those named by `failure` that
+    the heartbeats find stuck, dead processes: ask each to kill itself (its heartbeat thread
+    does, at its next beat) and SIGKILL those on this node. For the others, wait up to a beat
+    period + 0.5 s until ULFM reports them failed, so that a slow rank that was not stuck after
+    all does not rejoin the shrink. (A rank still alive after that is removed by the shrink once
+    it dies: a shrink waits for every live rank.) Returns the ranks evicted."""
     comm = group.backend.comm
-    alive = [r for r in failure.ranks if r != group.rank and r not in failed_ranks(comm)]
-    for r in alive:
-        beat.evict(r, f"no progress; handled as a failed rank ({failure})")
+    stuck = {r for r in failure.ranks if beat is not None and beat.is_stuck(r)}
+    named = sorted((stuck | set(failed_ranks(comm))) - {group.rank})
+    survivors = [r for r in range(group.world_size) if r not in named]
+    if beat is not None:
+        for r in named:
+            beat.evict(r, f"no progress; handled as a failed rank ({failure})")
+    ended = _end_processes(group, processes, named, survivors)
+    wait_s = (beat.period_s if beat is not None else 0.0) + 0.5
+    alive = [r for r in named if r not in ended and r not in failed_ranks(comm)]
     deadline = time.monotonic() + wait_s
     while alive and time.monotonic() < deadline:
         time.sleep(0.002)
@@ -243,16 +276,38 @@ def _evict(group, beat, failure):
     if alive:
         print(f"elastic: evicted ranks {alive} not yet reported failed after {wait_s:g} s",
               file=sys.stderr, flush=True)
+    return named
+
+
+def _lost_ranks(old, new):
+    """Ranks of communicator `old` that are not in `new` (the ones a shrink left out)."""
+    old_group, new_group = old.Get_group(), new.Get_group()
+    try:
+        kept = MPI.Group.Translate_ranks(new_group, list(range(new_group.Get_size())), old_group)
+    finally:
+        old_group.Free()
+        new_group.Free()
+    return sorted(set(range(old.Get_size())) - set(kept))
 
 
 def recover(group, failure, loop):
     """Shrink after `failure` and prepare the next attempt's state (collective over survivors)."""
     _config.failure_time = seen = time.time()
     _config.attempts.append(loop)
-    beat = group.backend.monitor.heartbeat
-    if beat is not None:  # a stuck rank is alive: make it a failed one, which shrink removes
-        _evict(group, beat, failure)
+    guard_resume(None)  # this process takes part in the shrink: a SIGCONT now must not end it
+    beat, processes = group.backend.monitor.heartbeat, _config.processes
+    # a stuck or stopped rank is alive: make it a failed one, which the shrink removes
+    named = _evict(group, beat, processes, failure)
+    old_comm = group.backend.comm
     new, old_size = shrink_world(group, _config.min_ranks)
+    lost = _lost_ranks(old_comm, new.backend.comm)
+    survivors = [r for r in range(old_size) if r not in lost]
+    # ULFM's detector may have declared a stopped process dead that still exists: end it too
+    _end_processes(group, processes, [r for r in lost if r not in named], survivors)
+    if new.rank == 0 and processes is not None:  # for `rtxmpi run`: these will not report an exit
+        for r in lost:
+            exitreport.mark("evicted", pid=int(processes.table[r, 0]))
+    _config.processes = None
     _config.shrinks.append((old_size, new.world_size))
     shrunk = time.time()
     state = None
@@ -278,6 +333,7 @@ def recover(group, failure, loop):
                  if loop is not None and loop._pieces is not None else
                  "the last committed checkpoint" if loop is None or loop._tensors is None
                  else "the last committed checkpoint, or the start")
-        print(f"elastic: {failure}; shrank the world {old_size} -> {new.world_size} ranks in "
+        states = "".join(f"; rank {r}: {beat.describe(r)}" for r in lost) if beat else ""
+        print(f"elastic: {failure}{states}; shrank the world {old_size} -> {new.world_size} ranks in "
               f"{(shrunk - seen) * 1e3:.0f} ms; continuing from {where}", file=sys.stderr, flush=True)
     return new

@@ -38,6 +38,12 @@ cannot find the program, python cannot open the script) is not relaunched at all
 gives up at once with the same summary. The job's stderr is copied through as it comes
 (and its tail kept for that summary); stdout is inherited unchanged.
 
+A finished job whose launcher still waits: when the reports say every rank process exited or
+was evicted by a shrink, and one exited 0 (exitreport.finished), and mpiexec has not ended
+FINISHED_GRACE_S seconds later, it waits for an evicted rank's process that no survivor could
+end (stopped, on a node without survivors): mpiexec gets SIGTERM (prterun then kills the ranks
+left, stopped ones too), 5 s later the session SIGKILL, and the attempt counts as done.
+
 Signals: SIGTERM or SIGUSR1 to the supervisor reach the ranks as SIGUSR1 through mpiexec, SIGINT
 (Ctrl-C) as SIGUSR2 (prterun forwards USR1/USR2 but turns TERM and INT into SIGTERM then SIGKILL
 of the ranks within 0.5 s, so no checkpoint could be written); the ranks stop at the next step
@@ -67,6 +73,7 @@ from .preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED
 EXIT_CONFIG = 2
 EXIT_DIVERGED = 4
 KILL_AFTER_S = 5.0
+FINISHED_GRACE_S = 10.0  # a finished job's mpiexec normally ends well within this
 BACKOFF_MAX_S = 60.0
 TAIL_BYTES = 8192  # of the job's stderr, kept for the summary
 TAIL_LINES = 6
@@ -228,6 +235,8 @@ class Supervisor:
         self._stop_now = False  # a second SIGINT: SIGTERM to mpiexec without the grace period
         self.job_id = (os.environ.get("RTXMPI_JOB_ID") or os.environ.get("SLURM_JOB_ID")
                        or f"run-{socket.gethostname()}-{os.getpid()}-{int(time.time())}")
+        self.reports = None  # the attempt's exit-report folder
+        self.ended_finished = False  # the attempt's mpiexec was ended after the job finished
 
     def say(self, text):
         print(f"rtxmpi run: {text}", file=self.out, flush=True)
@@ -258,24 +267,39 @@ class Supervisor:
             pass
 
     def _wait(self):
-        """Wait for the attempt; enforce the grace period after a forwarded stop."""
-        escalated = killed = None
+        """Wait for the attempt; enforce the grace period after a forwarded stop, and end a
+        finished job's mpiexec that still waits for an evicted process."""
+        escalated = killed = finished_at = None
+        polls = 0
         self._stop_now = False
         while True:
             try:
                 return self.process.wait(timeout=0.1)
             except subprocess.TimeoutExpired:
                 pass
+            now = time.monotonic()
+            if killed is not None:
+                if now >= killed:
+                    self._send(signal.SIGKILL, group=True)
+                continue
+            polls += 1
+            if self.stop_signal is None and self.reports and polls % 5 == 0:
+                if finished_at is None and exitreport.finished(self.reports):
+                    finished_at = now
+                if finished_at is not None and now >= finished_at + FINISHED_GRACE_S:
+                    self.say(f"every rank finished or was evicted, yet mpiexec still runs "
+                             f"{FINISHED_GRACE_S:g} s later (waiting for an evicted rank's process "
+                             f"that no survivor could end): SIGTERM to mpiexec")
+                    self._send(signal.SIGTERM)
+                    self.ended_finished, killed = True, now + KILL_AFTER_S
+                continue
             if self.stop_signal is None:
                 continue
-            now = time.monotonic()
             escalated = now if self._stop_now and killed is None else escalated or now + self.grace_s
             if killed is None and now >= escalated:
                 self.say(f"grace period of {self.grace_s:g} s over: SIGTERM to mpiexec")
                 self._send(signal.SIGTERM)
                 killed = now + KILL_AFTER_S
-            elif killed is not None and now >= killed:
-                self._send(signal.SIGKILL, group=True)
 
     # -- attempts ----------------------------------------------------------------------------
     def argv(self, ranks, restart):
@@ -325,7 +349,10 @@ class Supervisor:
                 self.say(f"{self.tail[0]}; check --mpiexec: giving up")
                 break
             tail = StderrTail(self.process.stderr, sys.stderr)
+            self.reports, self.ended_finished = reports, False
             status = self._wait()
+            if self.ended_finished:
+                status = 0  # done by the reports; mpiexec's status is that of our SIGTERM
             seconds = time.monotonic() - start
             self.process = None
             self.tail = tail.lines()

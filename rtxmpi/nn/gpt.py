@@ -127,8 +127,9 @@ class GPT(Model):
     dtype of parameters, gradients and activations; grad_alloc: callable(n, dtype) returning a
     zeroed 1-D C-contiguous array of n elements of `dtype` for flat_grad (default xp.zeros; e.g.
     rtxmpi.shared_zeros, whose memory the node's peers can map, so that the data-parallel
-    all_reduce of the gradient buckets folds straight from it). Raises ConfigError for a bad cfg,
-    dtype or grad_alloc result.
+    all_reduce of the gradient buckets folds straight from it); recompute: "none", "blocks" (the
+    L blocks rerun their forward in backward) or unit indices (Model.recompute). Raises
+    ConfigError for a bad cfg, dtype, grad_alloc result or recompute.
 
     Attributes: cfg, xp, dtype, params (list[Param] in index order), flat_data, flat_grad (1-D
     contiguous, length num_params), num_params, units (list of (first, stop) parameter-index
@@ -136,11 +137,12 @@ class GPT(Model):
     unless use_provider()); use_provider, param, zero_grad, load_flat as for every Model.
     """
 
-    def __init__(self, cfg, seed=0, xp=np, dtype=np.float32, grad_alloc=None):
+    def __init__(self, cfg, seed=0, xp=np, dtype=np.float32, grad_alloc=None, recompute="none"):
         if not isinstance(cfg, GPTConfig):
             raise ConfigError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
         self.cfg = cfg
-        super().__init__(gpt_units(cfg), seed=seed, xp=xp, dtype=dtype, grad_alloc=grad_alloc)
+        super().__init__(gpt_units(cfg), seed=seed, xp=xp, dtype=dtype, grad_alloc=grad_alloc,
+                         recompute=recompute)
 
     # ------------------------------------------------------------------ validation
     def check_tokens(self, idx, targets):

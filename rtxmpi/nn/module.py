@@ -17,6 +17,8 @@ Units are what the engines schedule and what a parameter provider hands out (rtx
 docstring gives the provider calls and their order). A parameter declared with `tied_to` (the full
 name of a parameter of an earlier unit) has no storage of its own: the unit is handed the owner's
 array and gradient, and the owner's gradient is final once the owner's unit has run backward.
+A Model may recompute units (`Model.recompute`): forward keeps such a unit's input instead of its
+cache, and backward reruns its forward just before its backward (docs/model.md).
 """
 import math
 from dataclasses import dataclass
@@ -211,13 +213,18 @@ class FlatParams:
         pass
 
 
+RECOMPUTE = ("none", "blocks")
+
+
 class ModelCache:
-    """What `Model.forward` keeps for `Model.backward`: one cache per unit, and the loss's."""
+    """What `Model.forward` keeps for `Model.backward`: per unit its cache, or None where the
+    unit is recomputed (then `inputs[u]` holds the input its forward reruns on); the loss's;
+    and the forward's recompute plan (which units rerun, which backward fetches, their hints)."""
 
-    __slots__ = ("units", "loss")
+    __slots__ = ("units", "inputs", "loss", "plan")
 
-    def __init__(self, units, loss):
-        self.units, self.loss = units, loss
+    def __init__(self, units, inputs, loss, plan):
+        self.units, self.inputs, self.loss, self.plan = units, inputs, loss, plan
 
 
 class Model:
@@ -228,16 +235,21 @@ class Model:
     declarations and seed only (init_flat; any dtype is a cast of the float64 draw); xp: numpy or
     cupy; dtype: float dtype of parameters, gradients and activations; grad_alloc:
     callable(n, dtype) returning a zeroed 1-D C-contiguous array of n elements for flat_grad
-    (default xp.zeros; e.g. rtxmpi.shared_zeros). Raises ConfigError for a bad dtype, grad_alloc
-    result, duplicate name, unknown or later tie target, or a last unit without a head.
+    (default xp.zeros; e.g. rtxmpi.shared_zeros); recompute: the activation recomputation policy
+    (the `recompute` attribute). Raises ConfigError for a bad dtype, grad_alloc result, duplicate
+    name, unknown or later tie target, a last unit without a head, or a bad recompute.
 
     Attributes: xp, dtype, modules (the unit modules), params (list[Param] in index order = unit
     order), flat_data, flat_grad (1-D contiguous, length num_params), num_params, units (list of
     (first, stop) parameter-index ranges, one per unit), provider (FlatParams(self) unless
-    use_provider()).
+    use_provider()), recompute (settable between steps): "none"; "blocks", every unit between
+    the first and the last (a transformer's blocks); or a list of unit indices (not the last,
+    the head). Forward keeps only a recomputed unit's input and backward reruns its forward,
+    with the same parameters, just before its backward: the same bits, one extra forward of
+    those units, activations of one unit at a time instead of all of them.
     """
 
-    def __init__(self, units, seed=0, xp=np, dtype=np.float32, grad_alloc=None):
+    def __init__(self, units, seed=0, xp=np, dtype=np.float32, grad_alloc=None, recompute="none"):
         dtype = np.dtype(dtype)
         if dtype.kind != "f":
             raise ConfigError(f"{type(self).__name__} dtype must be a floating type, got {dtype.name}")
@@ -261,11 +273,12 @@ class Model:
         self._by_name = {p.name: p for p in self.params}
         self._plan(declarations(units))
         self.provider = FlatParams(self)
+        self.recompute = recompute
 
     def _plan(self, unit_decls):
         """units, and per unit: where each declared array comes from ((unit, position among that
         unit's own arrays) pairs), its parameter index (None where tied), the units it borrows
-        tied arrays from (in first-use order); whether each unit's backward fetches."""
+        tied arrays from (in first-use order)."""
         self.units, self._sources, self._index, self._owners = [], [], [], []
         where, first = {}, 0  # where: full name -> (unit, position)
         for u, decls in enumerate(unit_decls):
@@ -294,10 +307,38 @@ class Model:
             self._index.append(index)
             self._owners.append(owners)
             first += k
-        self._fetches = [m.backward_needs_params for m in self.modules]
-        # backward's prefetch hint: the previous unit whose backward fetches
-        self._back_hint = [next((v for v in range(u - 1, -1, -1) if self._fetches[v]), None)
-                           for u in range(len(self.modules))]
+
+    @property
+    def recompute(self):
+        """"none", "blocks" or the sorted list of recomputed unit indices (see the class)."""
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, policy):
+        n = len(self.modules)
+        if isinstance(policy, str):
+            if policy not in RECOMPUTE:
+                raise ConfigError(f"recompute {policy!r} must be one of {RECOMPUTE} or a list of "
+                                  f"unit indices")
+            chosen = set(range(1, n - 1)) if policy == "blocks" else set()
+        else:
+            try:
+                chosen = set(policy)
+            except TypeError:
+                raise ConfigError(f"recompute {policy!r} must be one of {RECOMPUTE} or a list of "
+                                  f"unit indices") from None
+            if not all(isinstance(u, (int, np.integer)) and not isinstance(u, bool)
+                       and 0 <= u < n - 1 for u in chosen):
+                raise ConfigError(f"recompute {sorted(chosen, key=str)}: unit indices must be ints "
+                                  f"in [0, {n - 1}) (the last unit, the head, is never recomputed)")
+            policy = sorted(int(u) for u in chosen)
+        self._recompute = policy
+        again = [u in chosen for u in range(n)]
+        # backward fetches a unit whose backward reads parameters or whose forward reruns; its
+        # prefetch hint is the previous unit that fetches
+        fetches = [m.backward_needs_params or a for m, a in zip(self.modules, again)]
+        hints = [next((v for v in range(u - 1, -1, -1) if fetches[v]), None) for u in range(n)]
+        self._recompute_plan = (again, fetches, hints)
 
     def use_provider(self, provider, drop_flat=False):
         """Take parameters and gradients from `provider` (rtxmpi.nn.gpt's module docstring) from
@@ -356,28 +397,31 @@ class Model:
         self.provider.release(u)
 
     # ------------------------------------------------------------------ passes
-    def _run(self, x):
-        """All units forward: (y, list of unit caches)."""
-        caches, n = [], len(self.modules)
+    def _run(self, x, keep=True):
+        """All units forward: (y, unit caches, unit inputs). keep=False: no cache or input kept;
+        otherwise a recomputed unit keeps its input instead of its cache."""
+        caches, inputs, n = [], [], len(self.modules)
         for u, m in enumerate(self.modules):
             params = self._take(u, u + 1 if u + 1 < n else None, get=True)
+            again = keep and self._recompute_plan[0][u]
+            inputs.append(x if again else None)
             with span(f"unit {u} forward", "compute", unit=u):
                 x, cache = m.forward(params, x)
-            caches.append(cache)
+            caches.append(cache if keep and not again else None)
             self._release(u)
-        return x, caches
+        return x, caches, inputs
 
     def forward(self, x, targets):
         """Loss and cache for one (micro-)batch: x and targets as the first unit and the head
         take them (not validated here). Returns (loss, cache): loss a Python float; cache for
         `backward`."""
-        y, caches = self._run(x)
+        y, caches, inputs = self._run(x)
         loss, loss_cache = self.modules[-1].loss_forward(y, targets)
-        return float(loss), ModelCache(caches, loss_cache)
+        return float(loss), ModelCache(caches, inputs, loss_cache, self._recompute_plan)
 
     def predict(self, x):
         """The last unit's output (e.g. logits) without the loss; no cache kept."""
-        return self._run(x)[0]
+        return self._run(x, keep=False)[0]
 
     def backward(self, cache, scale=1.0, grad_ready=None):
         """Add the gradient of `scale * loss` into the gradients (flat_grad, or wherever
@@ -386,16 +430,21 @@ class Model:
         cache: from `forward` (not consumed). grad_ready: optional callable(i), called once per
         parameter index i as soon as its gradient is final: units last to first, inside a unit
         as its modules report (last declared first by default); a tied parameter with its owner.
+        A recomputed unit (`recompute`) reruns its forward on the kept input first, with the
+        parameters it fetches for its backward; `cache` is not modified.
         """
-        P = self.provider
+        P, (again, fetches, hints) = self.provider, cache.plan
         dy = self.modules[-1].loss_backward(scale, cache.loss)
         for u in range(len(self.modules) - 1, -1, -1):
-            fetch = self._fetches[u]
-            params = self._take(u, self._back_hint[u], get=True) if fetch else None
+            m, fetch, unit_cache = self.modules[u], fetches[u], cache.units[u]
+            params = self._take(u, hints[u], get=True) if fetch else None
+            if again[u]:  # the forward kept the unit's input instead of its cache
+                with span(f"unit {u} recompute", "compute", unit=u):
+                    unit_cache = m.forward(params, cache.inputs[u])[1]
             ready = None if grad_ready is None else self._reporter(u, grad_ready)
             with span(f"unit {u} backward", "compute", unit=u):
-                dy = run_backward(self.modules[u], params, self._take(u, None, get=False),
-                                  cache.units[u], dy, ready)
+                dy = run_backward(m, params if m.backward_needs_params else None,
+                                  self._take(u, None, get=False), unit_cache, dy, ready)
             if fetch:
                 self._release(u)
             P.grads_ready(u)

@@ -9,6 +9,7 @@ for matrices and embeddings unless given; biases 0, LayerNorm gains 1.
 """
 from numbers import Integral
 
+from rtxmpi.backend import xp_of
 from rtxmpi.errors import ConfigError
 from rtxmpi.nn import layers
 from rtxmpi.nn.module import Module, ParamDecl
@@ -285,6 +286,64 @@ class ClassificationHead(Module):
         pool_cache, pooled = cache
         dpooled = layers.linear_backward(dy, (pooled, params[0], True), *grads)[0]
         return layers.mean_pool_backward(dpooled, pool_cache)
+
+    def loss_forward(self, y, targets):
+        return layers.crossentropy_forward(y, targets)
+
+    def loss_backward(self, scale, cache):
+        return layers.crossentropy_backward(scale, cache)
+
+
+class ClassToken(Module):
+    """A learned class token put before the sequence (ViT, Dosovitskiy et al. 2021):
+    y[:, 0] = token, y[:, 1:] = x. x: (B, T, C); y: (B, T + 1, C). Parameter `name` (C,),
+    replicated, not decayed. Backward needs no parameter."""
+
+    backward_needs_params = False
+
+    def __init__(self, n_embd, name="cls", std=STD):
+        _positive("ClassToken", n_embd=n_embd)
+        self.decl = ParamDecl(name, (n_embd,), False, "replicated", std)
+
+    def param_specs(self):
+        return [self.decl]
+
+    def forward(self, params, x):
+        xp = xp_of(x)
+        B, T, C = x.shape
+        y = xp.empty((B, T + 1, C), x.dtype)
+        y[:, 0] = params[0]
+        y[:, 1:] = x
+        return y, None
+
+    def backward(self, params, grads, cache, dy):
+        grads[0] += dy[:, 0].sum(axis=0)
+        return dy[:, 1:]
+
+
+class ClassTokenHead(Module):
+    """Classifier on the class token with cross-entropy (ViT): logits = x[:, 0] @ w + b; the
+    other positions get no gradient. x: (B, T, C); y: the logits (B, K). Parameters w (C, K),
+    b (K,), replicated. loss_forward(logits, targets (B,) ids in [0, K)) -> (mean cross-entropy,
+    cache); loss_backward(scale, cache) -> dlogits. (ClassificationHead pools by the mean.)"""
+
+    def __init__(self, n_embd, n_classes, std=STD):
+        _positive("ClassTokenHead", n_embd=n_embd, n_classes=n_classes)
+        self.decls = [ParamDecl("w", (n_embd, n_classes), True, "replicated", std),
+                      ParamDecl("b", (n_classes,), False)]
+
+    def param_specs(self):
+        return list(self.decls)
+
+    def forward(self, params, x):
+        y, (token, _, _) = layers.linear_forward(x[:, 0], *params)
+        return y, (token, x.shape)
+
+    def backward(self, params, grads, cache, dy):
+        token, shape = cache
+        dx = xp_of(dy).zeros(shape, dy.dtype)
+        dx[:, 0] = layers.linear_backward(dy, (token, params[0], True), *grads)[0]
+        return dx
 
     def loss_forward(self, y, targets):
         return layers.crossentropy_forward(y, targets)

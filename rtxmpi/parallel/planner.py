@@ -57,18 +57,22 @@ a rank, h = n_head / (tp * sp) heads, S = b * h * T * T attention scores, P = pa
   decay mask, scratch); ZeRO and offload as zero.py's memory_bytes counts them, plus transients;
   activations per block and micro-batch 4 (4 n C + 17 n C / tp + S) bytes (the caches of
   rtxmpi.nn.layers), head 8 n V / tp; in flight: GPipe m micro-batches, 1F1B min(m, pp - stage).
+  recompute "blocks" (Chen et al. 2016; the job's --recompute, dp and ZeRO only): each block
+  keeps its input, 4 n C bytes, and one block's activations are rebuilt at a time in backward;
+  each block's backward pays its forward again (compute and its tp/sp collectives).
 Sources: Narayanan et al. 2021 (Megatron-LM, the bubble and 1F1B memory), Rajbhandari et al. 2020
 (ZeRO), Korthikanti et al. 2022 (activation memory per layer).
 Pure: nothing here communicates.
 """
 import copy
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ..data import batch_split, micro_batch_split
 from ..errors import ConfigError
 from ..exchange import broadcast_json
 from ..nn.gpt import GPTConfig, param_layout
+from ..nn.module import RECOMPUTE
 from .calibrate import HardwareProfile
 from .schedule import build_schedule, partition
 
@@ -83,7 +87,8 @@ STEP_OVERHEAD_ALL_REDUCES = 3  # loss average, overflow agree, grad-norm reducti
 @dataclass(frozen=True)
 class Layout:
     """One candidate: parallel degrees, micro-batches per step, ZeRO stage, pipeline schedule
-    ("none" when pp == 1)."""
+    ("none" when pp == 1), offload, activation recomputation ("none" or "blocks": examples/
+    train.py --recompute; the planner never picks it, make_plan applies the job's)."""
 
     dp: int
     tp: int
@@ -93,6 +98,7 @@ class Layout:
     zero_stage: int = 0
     schedule: str = "none"
     offload: str = "none"
+    recompute: str = "none"
 
     @property
     def degrees(self):
@@ -104,12 +110,14 @@ class Layout:
         out = (f"--dp {self.dp} --tp {self.tp} --pp {self.pp} --sp {self.sp} "
                f"--micro-batches {self.micro_batches} --zero-stage {self.zero_stage}")
         out += f" --schedule {self.schedule}" if self.pp > 1 else ""
-        return out + (f" --offload {self.offload}" if self.offload != "none" else "")
+        out += f" --offload {self.offload}" if self.offload != "none" else ""
+        return out + (f" --recompute {self.recompute}" if self.recompute != "none" else "")
 
     def __str__(self):
         s = f"dp{self.dp} tp{self.tp} pp{self.pp} sp{self.sp} m{self.micro_batches} z{self.zero_stage}"
         s += f" {self.schedule}" if self.pp > 1 else ""
-        return s + (f" offload-{self.offload}" if self.offload != "none" else "")
+        s += f" offload-{self.offload}" if self.offload != "none" else ""
+        return s + (f" recompute-{self.recompute}" if self.recompute != "none" else "")
 
 
 @dataclass
@@ -273,6 +281,8 @@ def default_supported(layout):
     runtime's own checks (rtxmpi.parallel.hybrid.check_layout, rtxmpi.parallel.pipeline.
     check_pipeline) so the planner only proposes layouts the runtime can execute."""
     L = layout
+    if L.recompute != "none" and L.tp * L.pp * L.sp > 1:
+        return "--recompute blocks runs with data parallelism and ZeRO only (tp = pp = sp = 1)"
     try:
         from .hybrid import check_layout as hybrid_check
         from .pipeline import check_pipeline
@@ -327,6 +337,8 @@ def check_layout(cfg, layout, global_batch, world_size, supported=default_suppor
         return f"offload: unknown offload {L.offload!r} (one of {', '.join(OFFLOADS)})"
     if L.offload != "none" and not L.zero_stage:
         return f"offload: --offload {L.offload} needs ZeRO stage 1-3"
+    if L.recompute not in RECOMPUTE:
+        return f"recompute: unknown policy {L.recompute!r} (one of {', '.join(RECOMPUTE)})"
     if supported is not None:
         why = supported(L)
         if why:
@@ -405,6 +417,7 @@ class _Costs:
         self.p2p = (p.comm_time_s("send_recv", act, 2, L.dp * tp * sp * L.pp > R)
                     + hop_s) if L.pp > 1 else 0.0
         self.n, self.S, self.b = n, S, b
+        self.recompute = L.recompute != "none"
 
 
 def _kernel_seconds(cfg, b, profile):
@@ -452,9 +465,9 @@ def _stage_tasks(costs, blocks, stage, stages):
     """(forward work, forward comm, backward work, backward comm) of one micro-batch on a stage."""
     c = costs
     fw = blocks * c.block_f
-    bw = blocks * c.block_b
+    bw = blocks * (c.block_b + c.block_f * c.recompute)  # a recomputed block's forward reruns
     fc = blocks * (c.tp_block + c.sp_block)
-    bc = blocks * (c.tp_block + c.sp_block)
+    bc = blocks * (c.tp_block + c.sp_block) * (1 + c.recompute)
     if stage == 0:
         fw, bw = fw + c.emb_f, bw + c.emb_b
         fc += c.tp_edge
@@ -534,13 +547,20 @@ def simulate_pipeline(tasks, schedule, micro_batches, p2p_s, speed):
 
 def activation_bytes(cfg, layout, global_batch):
     """Bytes of activations one micro-batch keeps per block and for the head (see the module
-    docstring): (per block, head) on one rank."""
+    docstring): (per block, head) on one rank. Under recompute a block keeps only its input
+    (4 n C) and rebuilds the rest in backward; that is not this function's (memory_breakdown)."""
     L = layout
     b = _micro_batch(global_batch, L)
     n = b * cfg.seq_len / L.sp
     S = b * cfg.n_head / (L.tp * L.sp) * cfg.seq_len * cfg.seq_len
     C = cfg.n_embd
     return 4 * (4 * n * C + 17 * n * C / L.tp + S), 8 * n * cfg.vocab_size / L.tp
+
+
+def _block_input_bytes(cfg, layout, global_batch):
+    """Bytes of one block's (b, T / sp, C) float32 input for one micro-batch: what a recomputed
+    block keeps."""
+    return 4 * _micro_batch(global_batch, layout) * cfg.seq_len / layout.sp * cfg.n_embd
 
 
 def _sharing(profile, R, ranks_per_stage):
@@ -599,7 +619,9 @@ def memory_breakdown(cfg, layout, global_batch, device="cpu"):
                  the chunk-sized AdamW scratch and mask (rtxmpi.parallel.offload defaults), all
                  host memory (none of it on a "cuda" device)
     activations: per block and micro-batch (activation_bytes), times the micro-batches in flight
-    (1 without a pipeline: accumulation frees each cache; GPipe m; 1F1B min(m, pp - stage)).
+    (1 without a pipeline: accumulation frees each cache; GPipe m; 1F1B min(m, pp - stage));
+    with recompute "blocks", each block's input instead, plus one block's activations (the one
+    backward rebuilds at a time).
     total = params + grads + optimizer + max(activations + transient during backward, the
     step's transient)."""
     from .offload import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_CHUNKS
@@ -638,7 +660,9 @@ def memory_breakdown(cfg, layout, global_batch, device="cpu"):
                      else min(L.micro_batches, L.pp - s))
         if L.pp == 1:
             in_flight = 1
-        act = in_flight * (stage_blocks[s] * per_block + (head_act if s == L.pp - 1 else 0))
+        kept = _block_input_bytes(cfg, L, global_batch) if L.recompute != "none" else per_block
+        act = in_flight * (stage_blocks[s] * kept + (head_act if s == L.pp - 1 else 0))
+        act += per_block if L.recompute != "none" else 0
         total = params + grads + optimizer + max(act + transient_fb, transient_step)
         out.append({"params": int(params), "grads": int(grads), "optimizer": int(optimizer),
                     "activations": int(act), "transient": int(max(transient_fb, transient_step)),
@@ -744,7 +768,8 @@ def estimate(cfg, layout, global_batch, profile, ranks_per_node=None, device="cp
 
 def make_plan(cfg, global_batch, world_size, profile, ranks_per_node=None, mem_per_device=None,
               max_micro_batches=32, zero_stages=ZERO_STAGES, schedules=SCHEDULES,
-              supported=default_supported, layouts=None, offloads=("none",), device="cpu"):
+              supported=default_supported, layouts=None, offloads=("none",), device="cpu",
+              recompute="none"):
     """Enumerate, check, estimate and rank. Local (pure); every rank gets the same Plan.
 
     cfg: GPTConfig (seq_len is the sequence length); global_batch: sequences per step;
@@ -752,7 +777,8 @@ def make_plan(cfg, global_batch, world_size, profile, ranks_per_node=None, mem_p
     profile.ranks_per_node); mem_per_device: bytes per rank (None: unlimited); offloads: the
     ZeRO offload modes to consider (subset of OFFLOADS; "nvme" only when the job has an
     --offload-dir); device: "cpu" or "cuda" (memory_breakdown); layouts: an explicit candidate
-    list instead of enumerate_layouts (e.g. the benchmark's).
+    list instead of enumerate_layouts (e.g. the benchmark's); recompute: the job's activation
+    recomputation, set on every enumerated candidate ("blocks" leaves data parallelism only).
     Returns Plan (ranked by predicted total time, ties broken by lower memory, then fewer
     micro-batches, then lower ZeRO stage). Raises ConfigError on bad inputs.
     """
@@ -769,9 +795,12 @@ def make_plan(cfg, global_batch, world_size, profile, ranks_per_node=None, mem_p
         raise ConfigError(f"offloads must be a non-empty subset of {OFFLOADS}, got {offloads!r}")
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if recompute not in RECOMPUTE:
+        raise ConfigError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
     R = min(world_size, ranks_per_node or profile.ranks_per_node)
-    candidates = layouts if layouts is not None else enumerate_layouts(
-        world_size, global_batch, max_micro_batches, zero_stages, schedules, offloads)
+    candidates = layouts if layouts is not None else [
+        replace(L, recompute=recompute) for L in enumerate_layouts(
+            world_size, global_batch, max_micro_batches, zero_stages, schedules, offloads)]
     ranked, rejected = [], []
     for L in candidates:
         why = check_layout(cfg, L, global_batch, world_size, supported)
@@ -957,7 +986,7 @@ def explicit_layout_flags(argv):
 
 
 def plan_for_job(group, cfg, global_batch, profile_path=None, mem_per_device=None,
-                 offload_dir=None, device="cpu"):
+                 offload_dir=None, device="cpu", recompute="none"):
     """`--plan auto`: the fastest layout for this job. Collective: every rank of `group` calls it.
 
     The profile is read from `profile_path` when that file exists, else measured now (calibrate,
@@ -965,7 +994,8 @@ def plan_for_job(group, cfg, global_batch, profile_path=None, mem_per_device=Non
     broadcasts the choice, so every rank runs the same layout. mem_per_device: bytes per rank
     (None: the host's physical memory / ranks on it). ZeRO stages 0-3 are considered where the
     runtime supports them; offload "nvme" only with an `offload_dir`, "cpu" only on device
-    "cuda" (on numpy it adds host copies to the same memory). Returns (Layout, Plan).
+    "cuda" (on numpy it adds host copies to the same memory); recompute: the job's
+    (make_plan). Returns (Layout, Plan).
     Raises ConfigError on every rank when the profile is unreadable or no layout fits.
     """
     import os
@@ -1002,7 +1032,7 @@ def plan_for_job(group, cfg, global_batch, profile_path=None, mem_per_device=Non
             (("nvme",) if offload_dir else ())
         plan = make_plan(cfg, global_batch, group.world_size, profile,
                          mem_per_device=mem_per_device, supported=supported, offloads=offloads,
-                         device=device)
+                         device=device, recompute=recompute)
         if plan.best is None:
             error = plan.reason()
         else:

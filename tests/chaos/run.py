@@ -20,8 +20,11 @@ RTXMPI_FAULT (rtxmpi/elastic/fault.py) at a random step, phase, delay and victim
   shrink2  two ranks die at different steps (--min-ranks 2): 4 -> 3 -> 2 ranks, as for shrink;
   hybrid   as shrink, with --tp 2 --dp 2, --pp 2 --dp 2 or --pp 2 --tp 2 (a random one): the
            survivors re-plan the layout for 3 ranks and rebuild the model from the surviving
-           shards or the last checkpoint (docs/elastic.md, "Hybrid layouts"). Not in the CI set
-           (the first 5 kinds): --kinds hybrid.
+           shards or the last checkpoint (docs/elastic.md, "Hybrid layouts");
+  stopped  a rank is SIGSTOPped (forward, backward or save) under shrink with --stuck-timeout-s:
+           it is reported with its phase and step and stopped heartbeats, SIGKILLed by its node's
+           survivors, and the job finishes on 3 ranks (mpiexec exits: no rank left stopped).
+           hybrid and stopped are not in the CI set (the first 5 kinds): --kinds hybrid,stopped.
 
 Prints one line per scenario and `chaos: N scenarios tried, M passed`; exits 1 if any failed.
 """
@@ -47,7 +50,7 @@ STEPS, CKPT_EVERY = 12, 4
 ARGS = ["--model", "tiny", "--global-batch", "12", "--seq-len", "32", "--eval-every", "0",
         "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--steps", str(STEPS),
         "--ckpt-every", str(CKPT_EVERY)]
-KINDS = ("shrink", "sigterm", "stuck", "restart", "crash", "shrink2", "hybrid")
+KINDS = ("shrink", "sigterm", "stuck", "restart", "crash", "shrink2", "hybrid", "stopped")
 HYBRID = (["--tp", "2", "--dp", "2"], ["--pp", "2", "--dp", "2", "--micro-batches", "2"],
           ["--pp", "2", "--tp", "2", "--micro-batches", "2"])
 OUTER_TIMEOUT_S = 120
@@ -118,7 +121,7 @@ def train_argv(folder, n, *extra, ulfm=False):
 
 def scenario(kind, rng, folder):
     """Run one scenario; returns (description, None when it passed else what went wrong)."""
-    victim = rng.randrange(4 if kind in ("shrink", "stuck", "hybrid") else 2)
+    victim = rng.randrange(4 if kind in ("shrink", "stuck", "hybrid", "stopped") else 2)
     step = rng.randrange(2, STEPS - 1)
     phase = rng.choice(["forward", "backward", "save"]) if kind != "stuck" else rng.choice(
         ["forward", "backward"])
@@ -153,6 +156,18 @@ def scenario(kind, rng, folder):
             return fault, f"exit {done.returncode}: {done.stderr[-600:]}"
         if f"last in phase '{phase}' of step {step}" not in done.stderr:
             return fault, "the stuck rank was not reported with its phase and step"
+        return fault, check_final(folder, 3)
+    if kind == "stopped":
+        fault = f"stop:{victim}:{step}:{phase}"  # at the phase's start: its marker is known
+        done, t = run(train_argv(folder, 4, "--elastic", "shrink", "--stuck-timeout-s", "5",
+                                 ulfm=True), RTXMPI_FAULT=fault)
+        if done.returncode != 0:
+            return fault, f"exit {done.returncode}: {done.stderr[-600:]}"
+        report = f"rank {victim}: last in phase '{phase}' of step {step}; its heartbeats stopped"
+        if report not in done.stderr:
+            return fault, "the stopped rank was not reported with its phase, step and stopped heartbeats"
+        if f"elastic: rank {victim}'s process" not in done.stderr:
+            return fault, "the stopped process was not ended by its node's survivors"
         return fault, check_final(folder, 3)
     if kind == "restart":
         fault = f"kill:{victim}:{step}:{phase}:{delay}"

@@ -5,7 +5,9 @@ interrupted run (a rank killed while saving step 12) resumed with --resume must 
 to it; its step-6 checkpoint resumed at 1 and 4 ranks must continue to (nearly) the same loss.
 """
 import json
+import os
 import shutil
+import subprocess
 import sys
 
 import h5py
@@ -14,6 +16,7 @@ import pytest
 from conftest import REPO, launch_env, mpiexec_argv, run_command
 from train_errors import assert_one_line_error, refused
 
+from rtxmpi.checkpoint import format as fmt
 from rtxmpi.checkpoint import list_checkpoints, load_checkpoint
 from rtxmpi.cli import main as cli_main
 
@@ -233,3 +236,85 @@ def test_four_rank_checkpoint_continues_the_loss_curve_at_1_2_3_and_8_ranks(refe
     for step in range(7, 13):
         assert abs(got[step]["loss"] - want[step]["loss"]) <= 1e-6 * abs(want[step]["loss"]), (
             step, got[step]["loss"], want[step]["loss"])
+
+
+def copy_ckpt(reference, tmp_path, name, drop=()):
+    """A copy of the reference checkpoint dir (with its log), without the step dirs in `drop`."""
+    ckpt = tmp_path / name
+    shutil.copytree(reference / "ckpt", ckpt)
+    for step_dir in drop:
+        shutil.rmtree(ckpt / step_dir)
+    return ckpt
+
+
+def edit_metadata(step_dir, edit, resign=True):
+    path = step_dir / "metadata.json"
+    metadata = json.loads(path.read_text())
+    edit(metadata)
+    if resign:  # an edit that the metadata checksum cannot see: the log must
+        metadata[fmt.METADATA_CHECKSUM] = fmt.metadata_checksum(metadata)
+    path.write_text(json.dumps(metadata))
+
+
+def test_fifo_as_rank_file_exits_3_within_the_deadline_and_leaves_no_process(reference, tmp_path):
+    ckpt = copy_ckpt(reference, tmp_path, "ckpt")
+    fifo = ckpt / "step_00000012" / "rank_00001.h5"
+    fifo.unlink()
+    os.mkfifo(fifo)  # its size, 0, recorded too (re-signed): opening it blocked every rank
+    edit_metadata(fifo.parent, lambda m: m["files"]["rank_00001.h5"].update(bytes=0))
+    proc = train(2, tmp_path, ckpt, "--resume", "--resume-strict", "--timeout-s", "30")
+    assert proc.returncode == 3 and not proc.outer_timeout and proc.elapsed_s < 60, str(proc)
+    assert "error: verifying" in proc.stderr and "rank_00001.h5" in proc.stderr, str(proc)
+    left = subprocess.run(["pgrep", "-f", str(ckpt)], capture_output=True, text=True).stdout
+    assert not left.strip(), f"processes left behind: {left}"
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_older_one_with_a_warning(reference, tmp_path):
+    ckpt = copy_ckpt(reference, tmp_path, "ckpt")
+    path = ckpt / "step_00000012" / "rank_00001.h5"
+    with h5py.File(path, "r") as f:
+        offset = f["tensors/adam.m"].id.get_offset()
+    with open(path, "r+b") as f:
+        f.seek(offset + 10)
+        byte = f.read(1)
+        f.seek(offset + 10)
+        f.write(bytes([byte[0] ^ 0x40]))
+    metrics = tmp_path / "m.jsonl"
+    proc = train(2, tmp_path, ckpt, "--resume", metrics=metrics)
+    assert proc.returncode == 0, str(proc)
+    warning = [line for line in proc.stderr.splitlines() if line.startswith("warning: checkpoint")]
+    assert len(warning) == 1 and f"{ckpt / 'step_00000012'} does not verify" in warning[0], str(proc)
+    assert f"{path}: dataset /tensors/adam.m: checksum mismatch" in warning[0], str(proc)
+    assert "continuing at step 7" in proc.stdout, str(proc)
+    got, want = records(metrics), records(reference / "m.jsonl")
+    assert sorted(got) == list(range(7, 13)) and got[12]["loss"] == want[12]["loss"]
+
+
+def test_edited_or_unusable_metadata_is_refused_with_exit_3(reference, tmp_path):
+    """One launch, four checkpoint dirs: samples_consumed edited 48 -> 56 with the checksum
+    recomputed (the log recorded 48), the same edit left unsigned with --resume-strict, a
+    re-signed meta without model_config, and a re-signed loss of the step (the log's differs)."""
+    signed = copy_ckpt(reference, tmp_path, "signed", drop=["step_00000012"])
+    loss = copy_ckpt(reference, tmp_path, "loss", drop=["step_00000012"])
+    unsigned = copy_ckpt(reference, tmp_path, "unsigned", drop=["step_00000012"])
+    no_config = copy_ckpt(reference, tmp_path, "no_config", drop=["step_00000012"])
+
+    def consumed_56(m):
+        m["meta"]["samples_consumed"] = m["meta"]["sampler"]["samples_consumed"] = 56
+    edit_metadata(signed / "step_00000006", consumed_56)
+    edit_metadata(unsigned / "step_00000006", consumed_56, resign=False)
+    edit_metadata(no_config / "step_00000006", lambda m: m["meta"].pop("model_config"))
+
+    def other_loss(m):
+        m["meta"]["loss_bits"] = f"{int(np.float64(2.5).view(np.uint64)):016x}"
+    edit_metadata(loss / "step_00000006", other_loss)
+    common = [*ARGS, "--resume"]
+    cases = refused(2, [[*common, "--ckpt-dir", signed],
+                        [*common, "--resume-strict", "--ckpt-dir", unsigned],
+                        [*common, "--ckpt-dir", no_config],
+                        [*common, "--ckpt-dir", loss]], tmp_path)
+    assert_one_line_error(cases[0], "the checkpoint says 56 samples consumed, the log recorded 48",
+                          code=3)
+    assert_one_line_error(cases[1], "metadata_checksum", code=3)
+    assert_one_line_error(cases[2], "its meta cannot be resumed from: KeyError: 'model_config'", code=3)
+    assert_one_line_error(cases[3], "the checkpoint says loss 2.5, the log recorded", code=3)

@@ -289,6 +289,44 @@ def test_stuck_rank_is_reported_with_its_phase_and_step_and_ends_the_job(tmp_pat
     assert "CollectiveTimeout" not in proc.stderr
 
 
+def _state(pid, script):
+    """The /proc state letter of `pid` while it runs `script` (R, S, T, Z...), else None."""
+    try:
+        if str(script).encode() not in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0"):
+            return None
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+@pytest.mark.parametrize("detect", [["--stuck-timeout-s", "5"], []], ids=["heartbeats", "ulfm"])
+def test_stopped_rank_is_ended_and_the_survivors_job_exits(tmp_path, detect):
+    """SIGSTOP freezes every thread of rank 3 at the start of step 8's backward: its heartbeats
+    stop (or, without them, ULFM's detector declares it dead after 10 s), the survivors shrink
+    and finish, and the frozen process is SIGKILLed by its node's survivors, so mpiexec exits
+    instead of waiting for it; the report names it with its phase and step of that moment."""
+    proc = train(tmp_path, tmp_path / "ckpt", "--elastic", "shrink", "--ckpt-every", "4", *detect,
+                 n=4, ulfm=True, steps=SHRINK_STEPS, RTXMPI_FAULT="stop:3:8:backward",
+                 outer_timeout_s=150)
+    assert not proc.outer_timeout and proc.returncode == 0, str(proc)
+    pid = int(re.search(r"\[rtxmpi fault\] stop launch rank 3 step 8 phase backward pid=(\d+)",
+                        proc.stderr).group(1))
+    assert f"elastic: rank 3's process (pid {pid}) ended by SIGKILL from its node's surviving ranks" \
+        in proc.stderr, str(proc)
+    assert _state(pid, TRAIN) is None  # neither stopped (T) nor a zombie: it ended with the job
+    if detect:
+        assert ("; rank 3: last in phase 'backward' of step 8; its heartbeats stopped "
+                in proc.stderr), str(proc)
+        assert "alive (heartbeats arrive)" not in proc.stderr, str(proc)
+    else:
+        assert "failed ranks [3]" in proc.stderr, str(proc)
+    assert "shrank the world 4 -> 3 ranks" in proc.stderr, str(proc)
+    got = records(tmp_path)
+    assert [r["step"] for r in got] == list(range(1, SHRINK_STEPS + 1))  # the survivors' result
+    assert {r["world_size"] for r in got if r["step"] >= 8} == {3}
+    assert load_checkpoint(None, tmp_path / "ckpt", SHRINK_STEPS).world_size_saved == 3
+
+
 ULFM_JOB = """
 import os, signal, time
 import numpy as np
@@ -330,6 +368,67 @@ def test_ulfm_failure_is_rank_failure_on_every_survivor_and_shrink_works(tmp_pat
     shrunk = sorted(proc.lines("SHRUNK"))
     assert len(shrunk) == 3 and all("size=3 sum=6" in line for line in shrunk), str(proc)
     assert {line.split()[2] for line in shrunk} == {"rank=0", "rank=1", "rank=2"}
+
+
+RESUMED_JOB = """
+import os, signal, sys, time
+import numpy as np
+import rtxmpi
+from rtxmpi.elastic.evict import guard_resume
+from rtxmpi.elastic.shrink import shrink_world
+
+world = rtxmpi.init(timeout_s=60)
+pids = np.empty(world.world_size, np.int64)
+world.backend.comm.Allgather(np.array([os.getpid()], np.int64), pids)
+guard_resume(world.backend.comm)
+world.barrier()
+if world.rank == 3:
+    os.kill(os.getpid(), signal.SIGSTOP)   # frozen until rank 0's SIGCONT below
+    print("RAN ON after the resume", flush=True)
+    open(sys.argv[1], "w").write("a file the survivors own")
+    os._exit(0)
+try:
+    for _ in range(100000):
+        world.all_reduce(np.ones(4, np.float32))
+except rtxmpi.RankFailure as exc:
+    print(f"FAILURE rank={world.rank} ranks={exc.ranks}", flush=True)
+new, _ = shrink_world(world)
+new.barrier()
+if new.rank == 0:
+    os.kill(int(pids[3]), signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    state = "?"
+    while time.monotonic() < deadline:
+        try:
+            state = open(f"/proc/{pids[3]}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            state = "gone"
+        if state in ("gone", "Z", "X"):
+            break
+        time.sleep(0.05)
+    print(f"RESUMED rank 3 state={state}", flush=True)
+new.barrier()
+os._exit(0)
+"""
+
+
+def test_rank_resumed_after_the_survivors_left_ends_itself_before_running_on(tmp_path):
+    """Where no survivor shares its node (simulated: nobody kills it here), a stopped rank
+    outlives the shrink; resumed by SIGCONT, its guard sees the revoked world and SIGKILLs the
+    process before its program goes on to write anything. (Open MPI itself sometimes aborts the
+    process first, when the guard's probe learns that the detector declared it dead.)"""
+    script, owned = tmp_path / "job.py", tmp_path / "owned.txt"
+    script.write_text(RESUMED_JOB)
+    mpiexec = mpiexec_argv(4)
+    proc = run_command(mpiexec[:1] + ULFM + mpiexec[1:] + [sys.executable, script, owned],
+                       outer_timeout_s=90, env=launch_env())
+    assert not proc.outer_timeout, str(proc)
+    assert len(proc.lines("FAILURE")) == 3, str(proc)  # ULFM's detector: rank 3 declared dead
+    assert proc.lines("RESUMED") == ["RESUMED rank 3 state=Z"] or proc.lines("RESUMED") == [
+        "RESUMED rank 3 state=gone"], str(proc)
+    assert ("resumed (SIGCONT) after its peers revoked the world" in proc.stderr
+            or "I have been reported dead by someone else" in proc.stderr), str(proc)
+    assert not proc.lines("RAN ON") and not owned.exists(), str(proc)
 
 
 def test_rtxmpi_run_turns_sigterm_into_a_checkpoint_and_exit_75(tmp_path):

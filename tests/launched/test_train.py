@@ -56,6 +56,9 @@ BAD_FLAGS = [  # each refused on every one of 4 ranks, in one launch (tests/laun
                                               f"{REPO / 'README.md'} is not a directory"),
     (["--ckpt-dir", "/proc/x/ckpt"], "--ckpt-dir /proc/x/ckpt: the directory cannot be created "
                                      "(in /proc): No such file or directory"),
+    (["--recompute", "all"], "invalid choice: 'all'"),
+    (["--recompute", "blocks", "--pp", "2"], "--recompute blocks runs with data parallelism and "
+                                             "ZeRO only: drop it or use --tp 1 --pp 1 --sp 1"),
 ]
 
 
@@ -134,3 +137,24 @@ def test_nvme_offload_trains_like_no_offload_and_cleans_up(tmp_path, zero_stage)
     losses = [[json.loads(line)["loss"] for line in f.read_text().splitlines()] for f in (plain, offloaded)]
     assert losses[0] == losses[1]  # the chunked update is elementwise: bitwise the same
     assert not list((tmp_path / "nvme").rglob("*.bin"))  # files removed at the end
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_recompute_blocks_trains_bitwise_like_none_and_reruns_the_blocks(tmp_path, zero_stage):
+    common = ["--model", "tiny", "--steps", "4", "--global-batch", "8", "--seq-len", "32",
+              "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress",
+              "--zero-stage", str(zero_stage)]
+    losses, spans = {}, {}
+    for policy in ("none", "blocks"):
+        metrics, timeline = tmp_path / f"{policy}.jsonl", tmp_path / f"{policy}.trace.json"
+        proc = mpiexec(2, "train.py", [*common, "--recompute", policy, "--metrics-jsonl",
+                                       str(metrics), "--timeline", str(timeline)], 120, tmp_path)
+        assert proc.returncode == 0, str(proc)
+        losses[policy] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+        spans[policy] = [e["name"] for e in json.loads(timeline.read_text())["traceEvents"]
+                         if e.get("name", "").endswith("recompute")]
+    assert len(losses["none"]) == 4 and losses["blocks"] == losses["none"]
+    assert not spans["none"]
+    # the tiny model's 2 blocks are units 1 and 2: rerun once per step on each of the 2 ranks
+    assert sorted(set(spans["blocks"])) == ["unit 1 recompute", "unit 2 recompute"]
+    assert spans["blocks"].count("unit 1 recompute") == 4 * 2

@@ -8,7 +8,7 @@ import h5py
 import numpy as np
 import pytest
 
-from rtxmpi.checkpoint import Shard, latest_step, load_checkpoint, save_checkpoint
+from rtxmpi.checkpoint import Shard, latest_step, latest_valid, load_checkpoint, save_checkpoint
 from rtxmpi.checkpoint import format as fmt
 from rtxmpi.errors import CheckpointError
 
@@ -248,3 +248,26 @@ def test_read_many_returns_every_range_and_fails_on_every_rank(world, ckpt_dir,
     bad = {"tiny": (0, 2, None)} if world.rank else {"tiny": (0, 4, None)}  # rank 0 asks past the end
     assert_raised_on_every_rank(world, lambda: ckpt.read_many(bad), CheckpointError,
                                 match=["outside its 3 elements"])
+
+
+def test_latest_valid_falls_back_alike_on_every_rank_when_one_ranks_file_is_corrupt(
+        world, ckpt_dir, assert_raised_on_every_rank):
+    save_even(world, ckpt_dir, 1, full_tensors())
+    save_even(world, ckpt_dir, 2, full_tensors())
+    last = fmt.rank_file_name(world.world_size - 1)  # verified by the last rank alone
+    world.barrier()
+    if world.rank == 0:
+        path = os.path.join(ckpt_dir, "step_00000002", last)
+        with h5py.File(path, "r") as f:
+            offset = f["tensors/adam.v"].id.get_offset()
+        with open(path, "r+b") as f:
+            f.seek(offset + 5)
+            byte = f.read(1)
+            f.seek(offset + 5)
+            f.write(bytes([byte[0] ^ 4]))
+    world.barrier()
+    step, skipped = latest_valid(world, ckpt_dir)
+    assert step == 1 and [p for p, _ in skipped] == [os.path.join(ckpt_dir, "step_00000002")]
+    assert f"{last}: dataset /tensors/adam.v: checksum mismatch" in skipped[0][1]
+    assert_raised_on_every_rank(world, lambda: latest_valid(world, ckpt_dir, fallback=False),
+                                CheckpointError, match=["step_00000002", "checksum mismatch"])

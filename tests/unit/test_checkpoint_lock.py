@@ -219,3 +219,16 @@ def test_save_records_the_run_id_and_overwrite_keeps_to_its_own_run(tmp_path):
     assert np.array_equal(load_checkpoint(None, tmp_path).read("params"), shards(0)["params"].data)
     save_checkpoint(None, tmp_path, 5, shards(2), run_id="run-a", overwrite=True)  # its own lineage
     assert np.array_equal(load_checkpoint(None, tmp_path).read("params"), shards(2)["params"].data)
+
+
+def test_overwrite_replaces_a_committed_step_that_does_not_verify(tmp_path, capfd):
+    """A resume that fell back past a corrupt step later saves that step again: it is replaced
+    (with a warning), as no run can be read from it."""
+    save_checkpoint(None, tmp_path, 5, shards(0), run_id="run-a")
+    meta = tmp_path / "step_00000005" / "metadata.json"
+    meta.write_text(meta.read_text().replace('"step": 5', '"step": 6'))  # checksum now wrong
+    save_checkpoint(None, tmp_path, 5, shards(2), run_id="run-b", overwrite=True)
+    assert "does not verify" in capfd.readouterr().err
+    ckpt = load_checkpoint(None, tmp_path)
+    assert ckpt.metadata["run_id"] == "run-b"
+    assert np.array_equal(ckpt.read("params"), shards(2)["params"].data)

@@ -151,6 +151,27 @@ def test_supervisor_relaunches_failures_with_resume_then_gives_up(tmp_path):
     assert "giving up: the job failed 3 times" in text and text.count(", exit 9, ") == 3
 
 
+def test_supervisor_ends_a_finished_jobs_launcher_that_waits_for_an_evicted_process(tmp_path,
+                                                                                   monkeypatch):
+    """The ranks report: one exited 0, the other was evicted by a shrink; the fake mpiexec keeps
+    waiting (for that process, on a node without survivors): SIGTERM, and the attempt is done."""
+    from rtxmpi.elastic import supervisor
+    monkeypatch.setattr(supervisor, "FINISHED_GRACE_S", 0.5)
+    fake = launcher(tmp_path, "folder = os.environ['RTXMPI_EXIT_DIR']\n"
+                              "for name, text in (('start.11', ''), ('start.12', ''), "
+                              "('exit.11', '0'), ('evicted.12', '')):\n"
+                              "    open(os.path.join(folder, name), 'w').write(text)\n"
+                              "time.sleep(60)\n")
+    out = open(tmp_path / "out", "w")
+    start = time.monotonic()
+    status = Supervisor(["job"], n=2, mpiexec=fake, out=out).run()
+    out.close()
+    text = (tmp_path / "out").read_text()
+    assert status == 0 and time.monotonic() - start < 30, text
+    assert "every rank finished or was evicted, yet mpiexec still runs" in text
+    assert "attempt 2" not in text and ", exit 0, " in text and "done" in text
+
+
 @pytest.mark.parametrize("status", [0, EXIT_PREEMPTED, EXIT_INTERRUPTED, 2, 4])
 def test_supervisor_does_not_relaunch_done_preempted_interrupted_bad_flags_or_diverged(tmp_path, status):
     fake = launcher(tmp_path, f"sys.exit({status})\n")

@@ -50,3 +50,15 @@ def test_non_zero_statuses_are_unchanged(tmp_path):
     report(tmp_path, 11, 0)
     assert exitreport.reconcile(75, tmp_path) == (75, None)
     assert exitreport.reconcile(137, tmp_path) == (137, None)
+
+
+def test_finished_when_every_started_process_exited_or_was_evicted_and_one_exited_0(tmp_path):
+    env = {exitreport.ENV: str(tmp_path)}
+    report(tmp_path, 11, 0)
+    report(tmp_path, 12)
+    assert not exitreport.finished(tmp_path)  # 12 may still be running
+    exitreport.mark("evicted", environ=env, pid=12)
+    assert (tmp_path / "evicted.12").exists() and exitreport.finished(tmp_path)
+    (tmp_path / "exit.11").write_text("1")
+    assert not exitreport.finished(tmp_path)  # nobody finished the work
+    assert not exitreport.finished(tmp_path / "missing")

@@ -633,3 +633,33 @@ def test_tp_sync_inside_a_pipeline_is_charged_for_the_oversubscription_left():
     roomy = copy.copy(profile)
     roomy.effective_cores = 4.0
     assert estimate(cfg, piped, 32, roomy, 4).detail["sync_share"] == 1.0
+
+
+def test_recompute_keeps_block_inputs_plus_one_block_and_pays_one_more_forward():
+    cfg = GPTConfig.named("base", seq_len=128)
+    none, blocks = Layout(2, 1, 1, 1, 2), Layout(2, 1, 1, 1, 2, recompute="blocks")
+    full, kept = memory_breakdown(cfg, none, 32)[0], memory_breakdown(cfg, blocks, 32)[0]
+    b = 32 // 2 // 2  # sequences of one micro-batch on a rank
+    n = b * 128
+    per_block = 4 * (21 * n * cfg.n_embd + b * cfg.n_head * 128 * 128)
+    head = 8 * n * cfg.vocab_size
+    assert full["activations"] == cfg.n_layer * per_block + head
+    assert kept["activations"] == cfg.n_layer * 4 * n * cfg.n_embd + per_block + head
+    assert kept["total"] - kept["activations"] == full["total"] - full["activations"]
+    p = synthetic()
+    e0, e1 = estimate(cfg, none, 32, p, 2), estimate(cfg, blocks, 32, p, 2)
+    from rtxmpi.parallel.planner import _Costs
+    block_f = _Costs(cfg, none, 32, p, 2).block_f
+    assert e1.compute_ms - e0.compute_ms == pytest.approx(2 * cfg.n_layer * block_f * 1e3)
+    assert blocks.flags().endswith("--recompute blocks") and "recompute" not in none.flags()
+
+
+def test_plan_with_recompute_keeps_data_parallel_layouts_only():
+    cfg = GPTConfig.named("small", seq_len=64)
+    plan = make_plan(cfg, 16, 4, synthetic(), recompute="blocks")
+    assert plan.ranked and all(e.layout.recompute == "blocks" and e.layout.degrees[1:] == (1, 1, 1)
+                               for e in plan.ranked)
+    assert any("--recompute blocks runs with data parallelism" in why for _, why in plan.rejected)
+    assert check_layout(cfg, Layout(4, 1, 1, 1, recompute="all"), 16, 4).startswith("recompute:")
+    with pytest.raises(ConfigError, match="recompute"):
+        make_plan(cfg, 16, 4, synthetic(), recompute="all")

@@ -1,5 +1,6 @@
 """rtxmpi.wal: append, read back, durability every k rows, a crashed writer, a cut file, bad files."""
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -9,8 +10,8 @@ import numpy as np
 import pytest
 
 from rtxmpi.errors import CheckpointError, ConfigError
-from rtxmpi.wal import (NO_DIGEST, RECORD_DTYPE, ResumeParity, WriteAheadLog, params_digest,
-                        read_wal)
+from rtxmpi.wal import (NO_DIGEST, RECORD_DTYPE, ResumeParity, WriteAheadLog, check_checkpoint_record,
+                        params_digest, read_wal)
 
 
 def append(wal, step, **extra):
@@ -127,3 +128,44 @@ def test_resume_parity_is_bitwise_and_names_the_step(tmp_path):
     assert "learning rate" in parity.check(11, 2.5, 2e-3)
     assert "gradient norm" in parity.check(11, 2.5, 1e-3, 1.0)  # logged 0.0
     assert parity.check(14, 0.0, 0.0) is None  # not logged: nothing to compare
+
+
+@pytest.mark.parametrize("tool", [["h5dump", "-d", "/records"], ["h5ls", "-r", "-d"]])
+def test_wal_reads_with_the_hdf5_command_line_tools(tmp_path, tool):
+    """h5dump/h5ls of HDF5 1.10 (Debian's hdf5-tools) read the log: its records, not an error."""
+    if shutil.which(tool[0]) is None:
+        pytest.skip(f"{tool[0]} not installed (apt-get install hdf5-tools)")
+    path = tmp_path / "wal.h5"
+    with WriteAheadLog(path, every=2) as wal:
+        for step in range(1, 6):
+            wal.append(step=step, samples_consumed=8 * step, loss=3.25, lr=0.5, grad_norm=1.0)
+    proc = subprocess.run([*tool, str(path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "error" not in (proc.stdout + proc.stderr).lower(), proc
+    assert "3.25" in proc.stdout and "40" in proc.stdout, proc.stdout
+
+
+def test_a_log_written_in_the_latest_hdf5_format_still_reads(tmp_path):
+    path = tmp_path / "wal.h5"
+    rows = np.array([(s, 8 * s, 1.5, 0.1, 1.0, 0.0, 2, NO_DIGEST) for s in (1, 2, 3)], RECORD_DTYPE)
+    with h5py.File(path, "w", libver="latest") as f:  # what rtxmpi wrote before the 1.10 format
+        f.attrs["rtxmpi_wal_version"] = 1
+        f.create_dataset("records", data=rows, maxshape=(None,), chunks=(256,))
+    assert np.array_equal(read_wal(path), rows)
+
+
+def test_checkpoint_record_must_agree_with_the_checkpoints_samples_consumed(tmp_path):
+    records = np.array([(s, 8 * s, 1.5, 0.1, 1.0, 0.0, 2, NO_DIGEST) for s in (5, 6, 7)], RECORD_DTYPE)
+    assert check_checkpoint_record("wal.h5", records, 6, 48) is None
+    assert check_checkpoint_record("wal.h5", records, 9, 123) is None  # not logged: nothing to compare
+    message = check_checkpoint_record("wal.h5", records, 6, 56)
+    assert message == ("wal.h5 step 6: the checkpoint says 56 samples consumed, the log recorded 48: "
+                       "checkpoint and log disagree (an edited metadata.json, or the log of another run)")
+
+
+def test_checkpoint_record_must_agree_with_the_checkpoints_loss_bit_for_bit():
+    records = np.array([(s, 8 * s, 1.5, 0.1, 1.0, 0.0, 2, NO_DIGEST) for s in (5, 6)], RECORD_DTYPE)
+    assert check_checkpoint_record("wal.h5", records, 6, 48, loss=1.5) is None
+    assert check_checkpoint_record("wal.h5", records, 6, 48, loss=None) is None  # not recorded
+    message = check_checkpoint_record("wal.h5", records, 6, 48, loss=np.nextafter(1.5, 2))
+    assert message.startswith("wal.h5 step 6: the checkpoint says loss 1.5000000000000002, the log "
+                              "recorded 1.5: checkpoint and log disagree")
