@@ -620,7 +620,10 @@ class TensorParallelModel(Model):
         if self.tp_group.check and self.tp > 1:
             error = self._check_same_inputs(x, targets, error)
         raise_if_any_failed(self.mesh.world, error, "tensor-parallel batch check")
-        return super().forward(self.xp.asarray(x), self.xp.asarray(targets))
+        x = self.xp.asarray(x)
+        if x.dtype.kind == "f":  # e.g. images: computed in the model's dtype
+            x = x.astype(self.dtype, copy=False)
+        return super().forward(x, self.xp.asarray(targets))
 
     def unit_forward(self, u, x):
         """Unit u's forward on x (a pipeline stage runs its units one by one). Returns y,

@@ -12,6 +12,7 @@ from rtxmpi.errors import ConfigError
 from rtxmpi.mesh import DeviceMesh
 from rtxmpi.nn import AdamW, decay_mask
 from rtxmpi.nn.module import Model, Module, ParamDecl, Sequential
+from rtxmpi.nn.vit import ViT, ViTConfig
 from rtxmpi.nn.modules import (MLP, ClassificationHead, Embedding, LayerNorm, Linear, LMHead,
                                MultiHeadAttention, PatchEmbedding, PositionalEmbedding,
                                TransformerBlock)
@@ -127,6 +128,20 @@ def test_a_model_is_split_with_its_current_values(world, dp, tp, sp):
     split = TensorParallelModel(model, mesh, seed=5, dtype=np.float64)
     assert [p.name for p in split.params] == [p.name for p in model.params]
     np.testing.assert_array_equal(split.gather_full(split.flat_data), model.flat_data)
+
+
+@pytest.mark.parametrize("dp,tp", [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4)])
+def test_the_nn_vit_with_a_class_token_matches_single_process(world, dp, tp):
+    mesh = mesh_or_skip(world, dp, tp, 1)
+    reference = ViT(ViTConfig(n_layer=2, n_head=4, n_embd=32), seed=0, dtype=np.float64)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((GLOBAL_BATCH, 8, 8, 1)), rng.integers(0, 10, GLOBAL_BATCH)
+    engine = HybridParallel(TensorParallelModel(reference, mesh, dtype=np.float64))
+    ref_loss, cache = reference.forward(x, y)
+    reference.backward(cache)
+    loss, grad = gradients(engine, x, y)
+    assert loss == pytest.approx(ref_loss, rel=1e-12)
+    np.testing.assert_allclose(grad, reference.flat_grad, rtol=1e-10, atol=1e-14)
 
 
 def classifier_of_tokens():
