@@ -130,6 +130,23 @@ def test_a_model_is_split_with_its_current_values(world, dp, tp, sp):
     np.testing.assert_array_equal(split.gather_full(split.flat_data), model.flat_data)
 
 
+@pytest.mark.parametrize("dp,tp,sp,sequence_parallel", [(1, 2, 1, True), (1, 1, 2, False),
+                                                        (1, 4, 1, False), (1, 2, 2, True)])
+def test_recomputed_blocks_give_bitwise_the_same_gradients(world, dp, tp, sp, sequence_parallel):
+    mesh = mesh_or_skip(world, dp, tp, sp)
+    x, y = global_batch(0)
+    grads = []
+    for recompute in ("none", "blocks"):
+        model = TensorParallelModel(encoder(), mesh, dtype=np.float64,
+                                    sequence_parallel=sequence_parallel)
+        model.recompute = recompute
+        loss, cache = model.forward(x, y, full_sequence=True)
+        assert (cache.units[1] is None) == (recompute == "blocks")  # only the input kept
+        model.backward(cache)
+        grads.append(model.gather_full(model.flat_grad))
+    np.testing.assert_array_equal(grads[1], grads[0])
+
+
 @pytest.mark.parametrize("dp,tp", [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4)])
 def test_the_nn_vit_with_a_class_token_matches_single_process(world, dp, tp):
     mesh = mesh_or_skip(world, dp, tp, 1)
