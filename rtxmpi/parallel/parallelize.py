@@ -13,7 +13,8 @@ into their parallel versions, driven by the splits the modules declare (rtxmpi.n
     LMHead ("vocab")              -> VocabParallelLMHead: logits split by vocabulary, and the
                                      vocabulary-parallel cross-entropy
     Sequential                    -> a Sequential of the parallel children, same names
-    anything else                 -> itself, replicated: every tp rank computes it whole
+    anything else                 -> itself, replicated: every tp rank computes it whole (or a
+                                     ConfigError where it cannot run: `parallel_module`)
 
 Each parallel module holds only its shard of each parameter (local shapes in param_specs, same
 names) and wraps the collectives around the math of rtxmpi.nn.layers / rtxmpi.parallel.tensor /
