@@ -343,8 +343,8 @@ class TensorParallelStage(PipelineStage):
 
     model: ParallelGPT on a mesh (any tp, sp); its parameters of this stage are copied into the
     stage's own flat buffers and the model's Param views are re-pointed at them (the model's own
-    flat buffers, and every other stage's parameters, are dropped), so the model's tensor-parallel
-    layer code runs on the stage's buffers. flat_start / flat_stop are the range in this tp rank's
+    flat buffers, and every other stage's parameters, are dropped), so the model's parallel
+    units run on the stage's buffers. flat_start / flat_stop are the range in this tp rank's
     local layout; full_start / full_stop in the one-process GPT layout. forward/backward as
     PipelineStage, collective on the tp group (every tp rank of the stage calls them in the same
     order); activations between stages are (B, T/tp, C) under sequence_parallel, else (B, T, C).
@@ -391,7 +391,8 @@ class TensorParallelStage(PipelineStage):
         Ts = a.shape[1] // sp
         return a[:, self.model.sp_rank * Ts:(self.model.sp_rank + 1) * Ts]
 
-    # the model's passes in pieces (ParallelGPT.embed_forward, block_forward, head_forward, ...)
+    # the model's units one by one (TensorParallelModel.unit_forward / unit_backward): unit 0 the
+    # embeddings, unit l + 1 block l, the last the head
     def forward(self, inp, targets=None, chunk=0):
         """As PipelineStage.forward, on this tp/sp rank's part: inp is this rank's (B, Ts) ids
         on the first stage (Ts = T / sp, local_tokens), else the activation_shape(B, T) array
@@ -401,17 +402,19 @@ class TensorParallelStage(PipelineStage):
         m = self.model
         caches = {}
         if self.is_first:
-            x, caches["emb"] = m.embed_forward(inp)
+            x, caches["emb"] = m.unit_forward(0, inp)
         else:
             x = inp
         caches["blocks"] = []
         for l in range(*self.blocks):
-            x, c = m.block_forward(l, x)
+            x, c = m.unit_forward(l + 1, x)
             caches["blocks"].append(c)
         if not self.is_last:
             return x, caches
-        loss, caches["head"] = m.head_forward(x, targets)
-        return loss, caches
+        y, c = m.unit_forward(len(m.units) - 1, x)
+        loss, loss_cache = m.modules[-1].loss_forward(y, targets)
+        caches["head"] = (c, loss_cache)
+        return float(loss), caches
 
     def backward(self, cache, dout=None, scale=1.0, unit_ready=None, chunk=0):
         """As PipelineStage.backward, on this tp rank's shards: dout and the returned gradient
@@ -420,17 +423,19 @@ class TensorParallelStage(PipelineStage):
         the stage calls it in the same order."""
         m, ready = self.model, _Countdown(len(self.units), unit_ready)
         if self.is_last:
-            dx = m.head_backward(cache["head"], scale)
+            c, loss_cache = cache["head"]
+            dy = m.modules[-1].loss_backward(scale, loss_cache)
+            dx = m.unit_backward(len(m.units) - 1, dy, c)
             ready.head(self)
         else:
             dx = dout
         first, stop = self.blocks
         for l, c in zip(range(stop - 1, first - 1, -1), reversed(cache["blocks"])):
-            dx = m.block_backward(l, dx, c)
+            dx = m.unit_backward(l + 1, dx, c)
             ready()
         if not self.is_first:
             return dx
-        m.embed_backward(dx, cache["emb"])
+        m.unit_backward(0, dx, cache["emb"])
         ready()
         return None
 

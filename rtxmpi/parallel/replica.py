@@ -11,19 +11,18 @@ model's flat vectors (the checkpoint layout, rtxmpi.checkpoint), which load at a
 once, and, built on the first read of `.tensors` (only the survivors that broadcast read it,
 rtxmpi.elastic.shrink.exchange_pieces), for "params",
 "adam.m", "adam.v" the global position of every local element in the one-process flat layout
-(rtxmpi.nn.gpt.param_layout) — a contiguous run (an int offset) where the layouts coincide, else
+(model.full_specs) — a contiguous run (an int offset) where the layouts coincide, else
 an int64 index array (a tp shard of a matrix is strided in the full layout) — and "adam.step".
-Positions come from `tensor.shard_param` applied to the element numbers, so they follow exactly
-the slicing the tensor-parallel model uses. A pipeline's tied wte copy (last stage) is left out:
+Positions come from the model's `shard` (tensor.shard) applied to the element numbers, so they
+follow exactly the slicing the tensor-parallel model uses. A pipeline's tied wte copy (last stage) is left out:
 stage 0 holds the same values. Parameters replicated over tp (LayerNorm, biases of row-parallel
 layers) appear in every tp rank's pieces; assemble the keys in descending order so that tp rank 0
-writes last, as `ParallelGPT.gather_full` and hence the checkpoint do.
+writes last, as `TensorParallelModel.gather_full` and hence the checkpoint do.
 """
 import numpy as np
 
 from ..backend import to_host
 from ..errors import ConfigError
-from . import tensor as tpl
 from .hybrid import HybridParallel
 from .pipeline import ChunkedStage, PipelineParallel, TensorParallelStage
 
@@ -57,13 +56,12 @@ class ReplicaPieces:
 
 
 def full_index(model):
-    """int64 array (model.num_params,): for each element of a ParallelGPT's local flat vector, its
-    position in the one-process GPT's flat layout. Local (pure)."""
+    """int64 array (model.num_params,): for each element of a TensorParallelModel's local flat
+    vector, its position in the one-process model's flat layout. Local (pure)."""
     out = np.empty(model.num_params, np.int64)
-    for p, full in zip(model.params, model.full_specs):
+    for i, (p, full) in enumerate(zip(model.params, model.full_specs)):
         ids = np.arange(full.offset, full.stop, dtype=np.int64).reshape(full.shape)
-        out[p.offset:p.offset + p.size] = tpl.shard_param(p.name, ids, model.tp_rank,
-                                                          model.tp).reshape(-1)
+        out[p.offset:p.offset + p.size] = model.shard(i, ids).reshape(-1)
     return out
 
 

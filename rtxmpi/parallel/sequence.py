@@ -5,7 +5,7 @@ Long Sequence Transformer Models" (2023).
 
 Each sp rank holds T/sp consecutive positions of every sample; everything except the attention
 core works position by position and needs no communication. For attention, one all-to-all turns
-the sequence-sharded q, k, v of all (local) heads into the full sequence of H/sp heads; causal
+the sequence-sharded q, k, v of all (local) heads into the full sequence of H/sp heads;
 attention runs on those heads; a second all-to-all turns the output back into the sequence shard
 of all heads. Backward is the same two all-to-alls in reverse. Per layer and rank, each all-to-all
 moves a (sp-1)/sp share of the activation, independent of sp, so the sequence length scales with
@@ -30,24 +30,26 @@ def check_heads(n_head, sp):
                           f"whole heads, so use n_head divisible by tp * sp")
 
 
-# ------------------------------------------------------------------------ causal attention core
-def causal_attention_forward(q, k, v):
-    """softmax(q k^T / sqrt(hs) + causal mask) v (Vaswani et al. 2017) on already split heads.
+# ------------------------------------------------------------------------------ attention core
+def attention_core_forward(q, k, v, causal=True):
+    """softmax(q k^T / sqrt(hs) [+ causal mask]) v (Vaswani et al. 2017) on already split heads.
 
-    q, k, v: (B, H, T, hs). Returns y: (B, H, T, hs), cache (holds the (B, H, T, T) probabilities).
-    The same arithmetic as `rtxmpi.nn.layers.attention_forward` between its two projections.
+    q, k, v: (B, H, T, hs); causal: False lets every position see every other (an encoder).
+    Returns y: (B, H, T, hs), cache (holds the (B, H, T, T) probabilities). The same arithmetic
+    as `rtxmpi.nn.layers.attention_forward` between its two projections.
     """
     xp = xp_of(q)
     T, hs = q.shape[-2], q.shape[-1]
     q = q * (1.0 / math.sqrt(hs))
     att = q @ k.swapaxes(-1, -2)
-    att += layers._causal_bias(xp, T, att.dtype)
+    if causal:
+        att += layers._causal_bias(xp, T, att.dtype)
     layers._softmax_inplace(att)
     return att @ v, (q, k, v, att)
 
 
-def causal_attention_backward(dy, cache):
-    """Gradients of `causal_attention_forward`: dy (B, H, T, hs) -> dq, dk, dv (B, H, T, hs)."""
+def attention_core_backward(dy, cache):
+    """Gradients of `attention_core_forward`: dy (B, H, T, hs) -> dq, dk, dv (B, H, T, hs)."""
     q, k, v, att = cache
     hs = q.shape[-1]
     dv = att.swapaxes(-1, -2) @ dy
@@ -70,8 +72,9 @@ def _all_to_all(x, group):
     return group.all_to_all(flat).reshape(x.shape)
 
 
-def ulysses_attention_forward(qkv, n_head, group):
-    """Causal attention of the full sequence from sequence-sharded q, k, v.
+def ulysses_attention_forward(qkv, n_head, group, causal=True):
+    """Attention (causal, or bidirectional with causal=False) of the full sequence from
+    sequence-sharded q, k, v.
 
     qkv: (B, Ts, 3 * H * hs), columns [q | k | v] with heads contiguous inside each (the output
     of the qkv projection on this rank's positions); n_head: H; group: the sp ProcessGroup (size
@@ -83,7 +86,7 @@ def ulysses_attention_forward(qkv, n_head, group):
     Hs = n_head // sp
     if sp == 1:
         q, k, v = qkv.reshape(B, Ts, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
-        y, core = causal_attention_forward(q, k, v)
+        y, core = attention_core_forward(q, k, v, causal)
         return y.transpose(0, 2, 1, 3).reshape(B, Ts, n_head * hs), (core, n_head, 1)
     # chunk j = heads [j*Hs, (j+1)*Hs) of my positions -> sp rank j
     send = qkv.reshape(B, Ts, 3, sp, Hs, hs).transpose(3, 0, 1, 2, 4, 5)
@@ -91,7 +94,7 @@ def ulysses_attention_forward(qkv, n_head, group):
     T = sp * Ts
     full = recv.transpose(1, 0, 2, 3, 4, 5).reshape(B, T, 3, Hs, hs)
     q, k, v = full.transpose(2, 0, 3, 1, 4)  # (B, Hs, T, hs)
-    y, core = causal_attention_forward(q, k, v)
+    y, core = attention_core_forward(q, k, v, causal)
     # chunk i = my heads at rank i's positions -> sp rank i
     back = _all_to_all(y.reshape(B, Hs, sp, Ts, hs).transpose(2, 0, 3, 1, 4), group)
     # chunk j = heads of rank j at my positions: (sp, B, Ts, Hs, hs) -> (B, Ts, H * hs)
@@ -106,7 +109,7 @@ def ulysses_attention_backward(dy, cache, group):
     B, Ts, C = dy.shape
     hs, Hs = C // n_head, n_head // sp
     if sp == 1:
-        dq, dk, dv = causal_attention_backward(dy.reshape(B, Ts, n_head, hs).transpose(0, 2, 1, 3),
+        dq, dk, dv = attention_core_backward(dy.reshape(B, Ts, n_head, hs).transpose(0, 2, 1, 3),
                                                core)
         dqkv = xp.stack([dq, dk, dv], axis=2)  # (B, H, 3, T, hs)
         return xp.ascontiguousarray(dqkv.transpose(0, 3, 2, 1, 4)).reshape(B, Ts, 3 * C)
@@ -115,7 +118,7 @@ def ulysses_attention_backward(dy, cache, group):
     recv = _all_to_all(send, group)  # chunk i = my heads at rank i's positions
     T = sp * Ts
     dyh = recv.transpose(1, 3, 0, 2, 4).reshape(B, Hs, T, hs)
-    dq, dk, dv = causal_attention_backward(dyh, core)
+    dq, dk, dv = attention_core_backward(dyh, core)
     dfull = xp.stack([dq, dk, dv], axis=0)  # (3, B, Hs, T, hs)
     # chunk i = rank i's positions of my heads -> rank i
     send = dfull.reshape(3, B, Hs, sp, Ts, hs).transpose(3, 1, 4, 0, 2, 5)  # (sp, B, Ts, 3, Hs, hs)

@@ -221,7 +221,8 @@ def split_kind(name):
     return _SPLIT.get(name.split(".", 1)[1] if name.startswith("h") else name)
 
 
-def _local_shape(kind, shape, tp):
+def local_shape(kind, shape, tp):
+    """The shape of one tp rank's piece of a parameter of `shape` split as `kind`."""
     if kind is None:
         return tuple(shape)
     if kind in ("vocab", "rows"):
@@ -229,11 +230,11 @@ def _local_shape(kind, shape, tp):
     return tuple(shape[:-1]) + (shape[-1] // tp,)  # "cols", "qkv"
 
 
-def shard_param(name, full, rank, tp):
-    """This tp rank's part of the full parameter `full` (an array of the GPT shape). Local.
-    For "qkv" the local columns are [q_local | k_local | v_local], heads contiguous inside each:
-    exactly the layout `layers.attention_forward` uses for n_head / tp heads."""
-    kind = split_kind(name)
+def shard(kind, full, rank, tp):
+    """This tp rank's part of the full parameter `full` split as `kind` ("vocab", "qkv", "cols",
+    "rows" or None). Local. For "qkv" the local columns are [q_local | k_local | v_local], heads
+    contiguous inside each: exactly the layout `layers.attention_forward` uses for n_head / tp
+    heads."""
     if kind is None:
         return full
     if kind in ("vocab", "rows"):
@@ -248,11 +249,10 @@ def shard_param(name, full, rank, tp):
     return blocks.reshape(full.shape[:-1] + (3 * n,))
 
 
-def unshard_param(name, pieces):
-    """Inverse of `shard_param`: the full parameter from the tp ranks' pieces (in tp-rank order;
-    for a replicated parameter the first piece). Local."""
+def unshard(kind, pieces):
+    """Inverse of `shard`: the full parameter from the tp ranks' pieces (in tp-rank order; for a
+    replicated parameter the first piece). Local."""
     xp = xp_of(pieces[0])
-    kind = split_kind(name)
     if kind is None:
         return pieces[0]
     if kind in ("vocab", "rows"):
@@ -264,18 +264,28 @@ def unshard_param(name, pieces):
     return xp.concatenate(blocks, axis=-1).reshape(lead + (3 * n * len(pieces),))
 
 
+def shard_param(name, full, rank, tp):
+    """`shard` of the GPT parameter `name` (its split_kind). Local."""
+    return shard(split_kind(name), full, rank, tp)
+
+
+def unshard_param(name, pieces):
+    """`unshard` of the GPT parameter `name` (its split_kind). Local."""
+    return unshard(split_kind(name), pieces)
+
+
 def local_layout(specs, tp):
-    """(name, local shape, decay) for each full ParamSpec, in the same order: the layout of one tp
-    rank's flat buffers. Local."""
-    return [(s.name, _local_shape(split_kind(s.name), s.shape, tp), s.decay) for s in specs]
+    """(name, local shape, decay) for each full ParamSpec of a GPT, in the same order: the layout
+    of one tp rank's flat buffers. Local."""
+    return [(s.name, local_shape(split_kind(s.name), s.shape, tp), s.decay) for s in specs]
 
 
 def is_replicated(name):
-    """True for a parameter every tp rank holds whole."""
+    """True for a GPT parameter every tp rank holds whole."""
     return split_kind(name) is None
 
 
-def norm_ranges(params, tp_rank, start=0, stop=None):
+def norm_ranges(params, tp_rank, start=0, stop=None, replicated=None):
     """The parts of [start, stop) of a tp rank's local flat vector that this rank counts in the
     whole model's gradient norm (and non-finite check): every tensor-split parameter, and the
     replicated ones (`is_replicated`: LayerNorms, wpe, row-parallel biases) on tp rank 0 only,
@@ -283,15 +293,18 @@ def norm_ranges(params, tp_rank, start=0, stop=None):
     then counted once (Megatron-LM's clip_grad_norm counts tp-duplicated parameters on tp rank 0).
 
     params: Param-likes (.name, .offset, .size: elements in the flat vector). stop: None for the
-    end of the last parameter. Returns [(lo, hi)] relative to `start`, one per parameter that
-    overlaps [start, stop), in parameter order (not merged, so a sum over them adds each
-    parameter's part separately). Local."""
+    end of the last parameter. replicated: one bool per parameter (a TensorParallelModel's
+    `replicated`), or None to judge GPT names (`is_replicated`). Returns [(lo, hi)] relative to
+    `start`, one per parameter that overlaps [start, stop), in parameter order (not merged, so a
+    sum over them adds each parameter's part separately). Local."""
     if stop is None:
         stop = max((p.offset + p.size for p in params), default=start)
+    if replicated is None:
+        replicated = [is_replicated(p.name) for p in params]
     out = []
-    for p in params:
+    for p, whole in zip(params, replicated):
         lo, hi = max(p.offset, start), min(p.offset + p.size, stop)
-        if hi > lo and (tp_rank == 0 or not is_replicated(p.name)):
+        if hi > lo and (tp_rank == 0 or not whole):
             out.append((lo - start, hi - start))
     return out
 
@@ -299,5 +312,6 @@ def norm_ranges(params, tp_rank, start=0, stop=None):
 __all__ = ["column_linear_forward", "column_linear_backward", "row_linear_forward",
            "row_linear_backward", "vocab_embedding_forward", "vocab_embedding_backward",
            "vocab_crossentropy_forward", "vocab_crossentropy_backward", "gather_sequence",
-           "reduce_scatter_sequence", "vocab_range", "split_kind", "shard_param",
+           "reduce_scatter_sequence", "vocab_range", "split_kind", "local_shape", "shard", "unshard",
+           "shard_param",
            "unshard_param", "local_layout", "is_replicated", "norm_ranges", "split_size"]

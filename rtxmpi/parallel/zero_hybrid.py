@@ -1,25 +1,25 @@
-"""ZeRO on a device mesh: stages 1-3 for a `ParallelGPT` under tensor (tp) and sequence (sp)
-parallelism (pp = 1), as `HybridParallel` trains it without ZeRO.
+"""ZeRO on a device mesh: stages 1-3 for a `TensorParallelModel` (e.g. `ParallelGPT`) under tensor
+(tp) and sequence (sp) parallelism (pp = 1), as `HybridParallel` trains it without ZeRO.
 
 Source: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models", SC 2020, composed with Megatron-LM tensor parallelism the way Megatron's distributed
 optimizer and DeepSpeed do: ZeRO shards over the data-parallel replicas of each tensor-parallel
 slice, never across tp.
 
-Which ranks hold identical parameters: a ParallelGPT's local flat vector (this tp rank's slices of
-the GPT, `num_params` elements) is the same on every rank of `mesh.loss_group` = group("dp", "sp")
+Which ranks hold identical parameters: a TensorParallelModel's local flat vector (this tp rank's
+slices of the model, `num_params` elements) is the same on every rank of `mesh.loss_group` = group("dp", "sp")
 — the ranks that see different tokens and average their gradients. So the ZeRO group is
 loss_group (dp x sp ranks), and each tp rank shards ITS OWN tp slice over it with
 `rtxmpi.parallel.zero.ZeroDataParallel` (same shard layout, buckets, offload, stage-3 unit
-gathers: ParallelGPT has GPT's unit hooks). Ranks of one tp group hold the same [start, stop)
+gathers: it is a Model, with the unit hooks). Ranks of one tp group hold the same [start, stop)
 range of their own local vectors. Per rank, model state is 1/(dp * sp) of the tp slice: 1/world
 of the whole model at stage 3.
 
 What differs from plain ZeRO:
 - the gradient norm is the one-process model's: each rank's shard squared, the replicated
-  parameters (LayerNorms, wpe, row-parallel biases: tensor.is_replicated) counted on tp rank 0
+  parameters (LayerNorms, wpe, row-parallel biases: model.replicated) counted on tp rank 0
   only, summed over the mesh's world in one all_reduce (float64);
-- checkpoints hold the one-process GPT's flat vectors (HybridParallel's format), so a run saved
+- checkpoints hold the one-process model's flat vectors (HybridParallel's format), so a run saved
   at (dp=2, tp=2, ZeRO-3) resumes at plain dp=4, at tp=4, at another stage, and back.
   `shards()` streams each tensor (params, adam.m, adam.v) unit by unit — the unit's tp slice
   from its owners over loss_group, then the tp slices all_gathered — and each world rank keeps
@@ -46,10 +46,10 @@ STATE_TENSORS = ("params", "adam.m", "adam.v")
 
 
 class ZeroHybridParallel:
-    """Train a ParallelGPT (mesh pp = 1) with ZeRO stage 1, 2 or 3 over mesh.loss_group, tensor
+    """Train a TensorParallelModel (mesh pp = 1) with ZeRO stage 1, 2 or 3 over mesh.loss_group, tensor
     parallelism over tp and Ulysses over sp.
 
-    model: rtxmpi.parallel.hybrid.ParallelGPT. stage, bucket_bytes, optimizer (callable
+    model: rtxmpi.parallel.parallelize.TensorParallelModel. stage, bucket_bytes, optimizer (callable
     (params_shard, decay_mask_shard) -> optimizer, default AdamW), offload (None, "cpu", "nvme"),
     offload_dir, offload_chunk_bytes, offload_max_chunks, prefetch: as for
     rtxmpi.parallel.zero.ZeroDataParallel, which runs on this rank's tp slice over loss_group
@@ -101,7 +101,8 @@ class ZeroHybridParallel:
         self.no_sync, self.zero_grad = z.no_sync, z.zero_grad
         # the gradient-norm ranges of this shard: the tp-split parameters, and the replicated ones
         # on tp rank 0 only (the other tp ranks hold copies)
-        self._norm_ranges = tpl.norm_ranges(model.params, mesh.tp_rank, self.start, self.stop)
+        self._norm_ranges = tpl.norm_ranges(model.params, mesh.tp_rank, self.start, self.stop,
+                                            model.replicated)
         self._offsets = [p.offset for p in model.params]
 
     @property
@@ -123,7 +124,7 @@ class ZeroHybridParallel:
         """(loss, cache) for this rank's samples: idx, targets (B, T) = this dp rank's rows with
         the FULL sequence (mesh.batch_slice); this sp rank's positions are taken here. loss: mean
         over this rank's tokens (average it over mesh.loss_group). Collective on the mesh: the
-        model's forward (ParallelGPT.forward, the provider's gathers at stage 3) raises ConfigError
+        model's forward (TensorParallelModel.forward, the provider's gathers at stage 3) raises ConfigError
         on every rank when any rank's batch is bad."""
         return self.model.forward(idx, targets, full_sequence=True)
 
@@ -223,10 +224,10 @@ class ZeroHybridParallel:
         specs = model.full_specs[first:stop]
         f0 = specs[0].offset
         whole = xp.empty(specs[-1].stop - f0, shard.dtype)
-        for p, spec in zip(model.params[first:stop], specs):
+        for i, (p, spec) in enumerate(zip(model.params[first:stop], specs), first):
             parts = [pieces[t, p.offset - a:p.offset - a + p.size].reshape(p.shape)
                      for t in range(tp)]
-            whole[spec.offset - f0:spec.stop - f0] = tpl.unshard_param(p.name, parts).reshape(-1)
+            whole[spec.offset - f0:spec.stop - f0] = model.unshard(i, parts).reshape(-1)
         return f0, whole
 
     def load_shards(self, read):
@@ -256,8 +257,7 @@ class ZeroHybridParallel:
         out = np.empty(length, values.dtype)
         for i in touched:
             p, spec = self.model.params[i], full_specs[i]
-            piece = tpl.shard_param(p.name, values[spec.offset - f0:spec.stop - f0]
-                                    .reshape(spec.shape), self.mesh.tp_rank, self.mesh.tp)
+            piece = self.model.shard(i, values[spec.offset - f0:spec.stop - f0].reshape(spec.shape))
             a, b = max(lo, p.offset), min(hi, p.offset + p.size)
             out[a - lo:b - lo] = np.ascontiguousarray(piece).reshape(-1)[a - p.offset:b - p.offset]
         return out

@@ -85,7 +85,7 @@ def test_megatron_sequence_parallel_shards_layernorm_regions_along_the_sequence(
     n = degree_or_skip(world)
     mesh = DeviceMesh(dp=1, tp=n, group=world)
     _, _, engine, cache = parallel_grads(mesh, config(n_head=4 * n), np.float32, True)
-    xhat = cache.blocks[0][0][0]  # LayerNorm 1's normalized input: this rank's positions only
+    xhat = cache.units[1][0][0]  # block 0's LayerNorm 1 input, normalized: this rank's positions
     assert xhat.shape == (GLOBAL_BATCH, T // n, 32)
     x, y = global_batch(0)
     assert engine.model.params[0].data.shape == (256 // n, 32)  # vocabulary split
@@ -96,8 +96,9 @@ def test_ulysses_attention_sees_the_full_sequence_from_a_shard(world):
     n = degree_or_skip(world)
     mesh = DeviceMesh(dp=1, sp=n, group=world)
     _, _, _, cache = parallel_grads(mesh, config(n_head=2 * n), np.float32)
-    assert cache.emb[1] == T // n  # positions per rank
-    att = cache.blocks[0][2][0][3]  # attention probabilities of this rank's heads
+    assert cache.units[0][1] == world.rank * (T // n)  # first position of this rank's positions
+    assert cache.units[1][0][0].shape == (GLOBAL_BATCH, T // n, 32)
+    att = cache.units[1][1][1][0][3]  # block 0's attention probabilities of this rank's heads
     assert att.shape == (GLOBAL_BATCH, 2, T, T)
 
 
