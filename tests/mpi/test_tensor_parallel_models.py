@@ -90,7 +90,7 @@ def test_encoder_gradients_match_single_process(world, dp, tp, sp, sequence_para
 
 @pytest.mark.parametrize("dp,tp", [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4)])
 def test_vit_gradients_and_three_adamw_steps_match_single_process(world, dp, tp):
-    mesh = mesh_or_skip(world, dp, tp, 1)
+    mesh_or_skip(world, dp, tp, 1)
     reference = Model(vit(), seed=0, dtype=np.float64)
     ref_opt = AdamW(reference.flat_data, lr=1e-2, decay_mask=decay_mask(reference.params))
     engine = build_hybrid(vit(), world, dp=dp, tp=tp, dtype=np.float64,
