@@ -163,9 +163,15 @@ def cmd_ckpt_ls(args):
         return 0
     print(f"{'step':>10} {'state':<12} {'world_size':>10} {'size':>10}  path")
     for c in found:
-        state = "committed" if c.committed else "UNCOMMITTED"
+        state = "CORRUPT" if c.problem else "committed" if c.committed else "UNCOMMITTED"
         print(f"{c.step:>10} {state:<12} {c.world_size:>10} {_human_bytes(c.bytes):>10}  {c.path}"
               f"{'  <- latest' if c.latest else ''}")
+    for c in found:
+        if c.problem:
+            print(f"step {c.step}: {c.problem}")
+    if any(c.problem for c in found):
+        print("--resume skips a checkpoint that does not verify (rtxmpi ckpt verify DIR --step S "
+              "also reads its files)")
     return 0
 
 
@@ -315,7 +321,8 @@ def build_parser():
             cmd.add_argument("--step", type=int, default=None, help="step (default: the latest committed)")
         cmd.set_defaults(func=func)
     run = sub.add_parser("run", help="supervise an MPI job: forward signals, relaunch after a failure",
-                         description="Exit status: 0 done, 75 pre-empted, 2 bad flags, else the "
+                         description="Exit status: 0 done, 75 pre-empted, 130 interrupted by Ctrl-C, "
+                                     "2 bad flags, 4 diverged, else the "
                                      "last attempt's status after --max-restarts relaunches or "
                                      "--max-early-failures launches in a row that failed before "
                                      "any training step (docs/elastic.md).")

@@ -308,11 +308,13 @@ class CheckpointInfo:
     world_size: int  # saved world size (committed) or rank files found (uncommitted)
     bytes: int  # size on disk of every file in the dir
     latest: bool  # the step latest_step() returns
+    problem: str = None  # committed, but metadata.json does not pass its checks: why
 
 
 def list_checkpoints(ckpt_dir):
     """Every step dir in `ckpt_dir`, committed or not, oldest first (single process).
-    committed: metadata.json is there and passes its checks (files are not read)."""
+    committed: metadata.json is there; problem: why it does not pass its checks, or None (the
+    rank files are not read: verify_checkpoint does that)."""
     latest = fmt.latest_step(ckpt_dir)
     found = []
     for step, path in fmt.step_dirs(ckpt_dir).items():
@@ -321,12 +323,14 @@ def list_checkpoints(ckpt_dir):
                     if os.path.isfile(os.path.join(path, n)))
         committed = fmt.is_committed(path)
         world_size = sum(1 for n in names if n.startswith("rank_") and n.endswith(".h5"))
+        problem = None
         if committed:
             try:
                 world_size = read_metadata(path)[0]["world_size"]
-            except CheckpointError:
-                committed = False
-        found.append(CheckpointInfo(step, path, committed, world_size, total, step == latest))
+            except CheckpointError as exc:
+                problem = str(exc)
+        found.append(CheckpointInfo(step, path, committed, world_size, total, step == latest,
+                                    problem))
     return found
 
 

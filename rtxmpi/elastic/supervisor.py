@@ -297,7 +297,8 @@ class Supervisor:
                 continue
             escalated = now if self._stop_now and killed is None else escalated or now + self.grace_s
             if killed is None and now >= escalated:
-                self.say(f"grace period of {self.grace_s:g} s over: SIGTERM to mpiexec")
+                if not self._stop_now:  # a second SIGINT said so already
+                    self.say(f"grace period of {self.grace_s:g} s over: SIGTERM to mpiexec")
                 self._send(signal.SIGTERM)
                 killed = now + KILL_AFTER_S
 

@@ -135,6 +135,20 @@ def test_directory_without_metadata_is_uncommitted_and_ignored(tmp_path):
         load_checkpoint(None, tmp_path, step=2)
 
 
+def test_ckpt_ls_marks_a_committed_step_whose_metadata_fails_its_checks(tmp_path, capsys):
+    from rtxmpi.cli import main
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    meta = tmp_path / "step_00000002" / "metadata.json"
+    meta.write_text(meta.read_text().replace('"world_size": 1', '"world_size": 2'))  # edited
+    info = {c.step: c for c in list_checkpoints(tmp_path)}
+    assert info[2].committed and "metadata_checksum" in info[2].problem and info[1].problem is None
+    assert main(["ckpt", "ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "CORRUPT" in out and "UNCOMMITTED" not in out and "step 2: " in out
+    assert "--resume skips a checkpoint that does not verify" in out
+
+
 def test_next_save_of_an_uncommitted_step_replaces_it(tmp_path):
     step_dir = tmp_path / "step_00000003"
     step_dir.mkdir(parents=True)
