@@ -76,35 +76,37 @@ def test_all_reduce_with_a_missing_rank_times_out_on_every_other_rank(run_mpi, c
     assert_every_waiting_rank_timed_out(launch, waiting=[0], op="all_reduce", seq=2, missing=[1])
 
 
-def test_ranks_in_different_collectives_at_the_same_position_are_named(run_mpi):
+def assert_every_rank_got_a_mismatch(launch, *rows):
+    """Both ranks raised CollectiveMismatch (uncaught: the job ends non-zero) long before the
+    deadline, naming each rank's call (rows: the text of each rank's call)."""
+    assert not launch.outer_timeout and launch.returncode != 0, launch
+    assert not timeout_reports(launch) and launch.elapsed_s < SLEEP_S / 2, launch
+    for rank in (0, 1):
+        assert f"[rtxmpi rank {rank}] uncaught CollectiveMismatch" in launch.stderr, launch
+    for row in rows:
+        assert row in launch.stderr, launch
+
+
+def test_ranks_in_different_collectives_at_the_same_position_get_a_mismatch(run_mpi):
     """Checking off, rank 0 calls all_reduce #3 (the shared-memory mailbox, built by #2) while
-    rank 1 calls barrier #3: both answer the probe with the same group and sequence number, so
-    before, each rank raised with "ranks that did not arrive: []" and no word of the other op.
-    Now the other rank is named, with the collective it is in."""
+    rank 1 calls barrier #3. Before, both waited until the deadline (and the diagnosis named the
+    other op); now the barrier's arrival check is a mailbox call carrying its fingerprint, so
+    both raise CollectiveMismatch at once, naming each rank's call (docs/comm.md)."""
     call = ("world.all_reduce(np.ones(4)); "
             "world.all_reduce(np.ones(4)) if world.rank == 0 else world.barrier()")
     launch = run_mpi(missing_rank_job(call=call, missing=[], check=False), n=2)
-    assert not launch.outer_timeout and launch.returncode != 0, launch
-    reports = timeout_reports(launch)
-    assert sorted(reports) == [0, 1], launch
-    for rank, (elapsed_s, op, seq, missing, group, text) in reports.items():
-        assert seq == 3 and missing and "a different collective at the same position" in text, text
-        assert elapsed_s < 3 * TIMEOUT_S, text
+    assert_every_rank_got_a_mismatch(launch, "rank 0: all_reduce(count=4, dtype=float64, op=sum)",
+                                     "rank 1: barrier(")
 
 
-def test_ranks_in_one_call_with_different_algorithms_are_told_so(run_mpi):
+def test_ranks_in_one_call_with_different_algorithms_get_a_mismatch(run_mpi):
     """Checking off, rank 0 passes 32 KiB (the mailbox) and rank 1 32 KiB + 4 bytes (the
-    cross-memory path): both wait in the same all_reduce #2, in different algorithms, until the
-    deadline. Before, the message said only "ranks that did not arrive: []"; now it says every
-    rank is in the call and what to check."""
+    cross-memory path). Before, both waited in all_reduce #2, in different algorithms, until the
+    deadline; now the rank that sees its peer on the other path posts a call there that fails
+    the peer's comparison, so both raise CollectiveMismatch with the two counts."""
     call = "world.all_reduce(np.ones(8192 + world.rank, np.float32))"
     launch = run_mpi(missing_rank_job(call=call, missing=[], check=False), n=2)
-    assert not launch.outer_timeout and launch.returncode != 0, launch
-    reports = timeout_reports(launch)
-    assert reports, launch
-    for rank, (elapsed_s, op, seq, missing, group, text) in reports.items():
-        assert (op, seq, missing) == ("all_reduce", 2, []), text
-        assert "every rank is in this call" in text and "RTXMPI_CHECK=1" in text, text
+    assert_every_rank_got_a_mismatch(launch, "count=8192, dtype=float32", "count=8193, dtype=float32")
 
 
 def test_barrier_with_two_missing_ranks_times_out_on_the_others(run_mpi):
