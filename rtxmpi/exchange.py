@@ -10,7 +10,16 @@ import numpy as np
 
 
 def _encode(value):
-    return np.frombuffer(json.dumps(value).encode(), np.uint8)
+    """(uint8 buffer, None), or (None, the error) for a value JSON cannot encode."""
+    try:
+        return np.frombuffer(json.dumps(value).encode(), np.uint8), None
+    except (TypeError, ValueError) as exc:
+        return None, exc
+
+
+def _refused(rank, error):
+    return TypeError(f"rank {rank}'s value cannot be sent as JSON"
+                     + (f": {error}" if error is not None else ""))
 
 
 def _decode(buf):
@@ -21,12 +30,14 @@ def broadcast_json(group, value, src=0):
     """`value` from group rank `src` on every rank (a new object decoded from JSON; `value` is
     read on src only). Two broadcasts: the length (int64), then the bytes (uint8).
     Collective: every rank of `group` must call, in the same order, with the same src.
-    Raises TypeError on src for a value JSON cannot encode (before any transfer: the others
-    then time out), CollectiveTimeout, CollectiveMismatch (checking mode).
+    Raises TypeError on every rank when src's value cannot be encoded as JSON (its length is
+    sent as -1), CollectiveTimeout, CollectiveMismatch (ranks disagree on the call).
     """
-    raw = _encode(value) if group.rank == src else None
-    length = np.array([0 if raw is None else len(raw)], np.int64)
+    raw, error = _encode(value) if group.rank == src else (None, None)
+    length = np.array([-1 if error else 0 if raw is None else len(raw)], np.int64)
     group.broadcast(length, src=src)
+    if length[0] < 0:
+        raise _refused(src, error)
     buf = raw.copy() if raw is not None else np.zeros(int(length[0]), np.uint8)
     group.broadcast(buf, src=src)
     return _decode(buf)
@@ -36,11 +47,14 @@ def all_gather_json(group, value):
     """[value of group rank 0, value of rank 1, ...] on every rank, each decoded from JSON.
     Two all_gathers: the lengths (int64), then the bytes padded to the longest (uint8).
     Collective: every rank of `group` must call, in the same order.
-    Raises TypeError for a value JSON cannot encode (on that rank, before any transfer),
-    CollectiveTimeout, CollectiveMismatch (checking mode).
+    Raises TypeError on every rank when a rank's value cannot be encoded as JSON (its length is
+    gathered as -1), CollectiveTimeout, CollectiveMismatch (ranks disagree on the call).
     """
-    raw = _encode(value)
-    lengths = group.all_gather(np.array([len(raw)], np.int64))
+    raw, error = _encode(value)
+    lengths = group.all_gather(np.array([-1 if error else len(raw)], np.int64))
+    if (lengths < 0).any():
+        bad = int(np.flatnonzero(lengths < 0)[0])
+        raise _refused(bad, error if bad == group.rank else None)
     padded = np.zeros(int(lengths.max()), np.uint8)
     padded[:len(raw)] = raw
     rows = group.all_gather(padded).reshape(group.world_size, -1)
