@@ -292,10 +292,9 @@ def check_args(args, world_size):
     if (args.offload == "nvme") != (args.offload_dir is not None):
         raise ConfigError("--offload nvme needs --offload-dir DIR, and --offload-dir only goes "
                           "with --offload nvme")
-    if args.recompute != "none" and args.tp * args.pp * args.sp > 1:
-        raise ConfigError(f"--recompute {args.recompute} runs with data parallelism and ZeRO only: "
-                          f"drop it or use --tp 1 --pp 1 --sp 1 (the tensor-, sequence- and "
-                          f"pipeline-parallel engines keep every activation)")
+    if args.recompute != "none" and args.pp > 1:
+        raise ConfigError(f"--recompute {args.recompute} runs without pipeline parallelism: drop "
+                          f"it or use --pp 1 (pipeline stages keep every activation)")
     dp = check_layout(world_size, dp=args.dp, tp=args.tp, pp=getattr(args, "pp", 1), sp=args.sp,
                       seq_len=args.seq_len, zero_stage=args.zero_stage,
                       sequence_parallel=args.sequence_parallel)  # docs/parallel.md
@@ -891,6 +890,8 @@ def train(args):
                               decay_mask=mask),
                           zero_stage=args.zero_stage, offload_dir=args.offload_dir,  # ZeRO over dp x sp
                           offload=None if args.offload == "none" else args.offload) if hybrid else None
+    if hybrid:
+        engine.model.recompute = args.recompute  # the tensor-parallel Model's units (docs/model.md)
     if pipeline:  # with --tp > 1: tensor-parallel stages
         engine = build_pipeline(cfg, world, dp=args.dp, pp=args.pp, tp=args.tp, sp=args.sp,
                                 seed=args.seed, xp=xp, sequence_parallel=args.sequence_parallel,

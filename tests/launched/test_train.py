@@ -57,8 +57,8 @@ BAD_FLAGS = [  # each refused on every one of 4 ranks, in one launch (tests/laun
     (["--ckpt-dir", "/proc/x/ckpt"], "--ckpt-dir /proc/x/ckpt: the directory cannot be created "
                                      "(in /proc): No such file or directory"),
     (["--recompute", "all"], "invalid choice: 'all'"),
-    (["--recompute", "blocks", "--pp", "2"], "--recompute blocks runs with data parallelism and "
-                                             "ZeRO only: drop it or use --tp 1 --pp 1 --sp 1"),
+    (["--recompute", "blocks", "--pp", "2"], "--recompute blocks runs without pipeline "
+                                             "parallelism: drop it or use --pp 1"),
 ]
 
 
@@ -139,11 +139,12 @@ def test_nvme_offload_trains_like_no_offload_and_cleans_up(tmp_path, zero_stage)
     assert not list((tmp_path / "nvme").rglob("*.bin"))  # files removed at the end
 
 
-@pytest.mark.parametrize("zero_stage", [0, 3])
-def test_recompute_blocks_trains_bitwise_like_none_and_reruns_the_blocks(tmp_path, zero_stage):
+@pytest.mark.parametrize("layout", [["--zero-stage", "0"], ["--zero-stage", "3"],
+                                    ["--tp", "2", "--sequence-parallel"], ["--sp", "2"]])
+def test_recompute_blocks_trains_bitwise_like_none_and_reruns_the_blocks(tmp_path, layout):
     common = ["--model", "tiny", "--steps", "4", "--global-batch", "8", "--seq-len", "32",
               "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress",
-              "--zero-stage", str(zero_stage)]
+              *layout]
     losses, spans = {}, {}
     for policy in ("none", "blocks"):
         metrics, timeline = tmp_path / f"{policy}.jsonl", tmp_path / f"{policy}.trace.json"
