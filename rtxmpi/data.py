@@ -526,7 +526,34 @@ def _check_tokens(tokens, seq_len, what):
                           f"--seq-len")
 
 
-class BatchSampler:
+class SamplerPosition:
+    """What every sampler whose global batch is a function of (seed, sample index) shares: its
+    position (`samples_consumed`, `seed`) as a JSON-able state that loads at any world size or
+    batch, and iteration by `next_batch()`."""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.next_batch()
+
+    def state_dict(self):
+        """{"samples_consumed": int, "seed": int}: JSON-able, identical on every rank."""
+        return {"samples_consumed": self.samples_consumed, "seed": self.seed}
+
+    def load_state_dict(self, state):
+        """Restore the position and seed written by `state_dict` (at any world size or batch).
+        Raises ConfigError for a state without them or with values that are not ints >= 0."""
+        try:
+            samples, seed = state["samples_consumed"], state["seed"]
+        except (KeyError, TypeError):
+            raise ConfigError(f"sampler state {state!r} lacks 'samples_consumed' and 'seed'; pass "
+                              f"the dict written by {type(self).__name__}.state_dict()") from None
+        self.samples_consumed = _check_int("samples_consumed", samples, 0)
+        self.seed = _check_int("seed", seed, 0)
+
+
+class BatchSampler(SamplerPosition):
     """This rank's slice of each global batch, drawn from (seed, global sample index) alone.
 
     tokens: 1-D integer array (e.g. `Corpus.train`). seq_len: T, tokens per sample.
@@ -594,25 +621,6 @@ class BatchSampler:
         self.samples_consumed = end
         return _gather(self.tokens, starts, self.seq_len)
 
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return self.next_batch()
-
-    def state_dict(self):
-        """{"samples_consumed": int, "seed": int}: JSON-able, identical on every rank."""
-        return {"samples_consumed": self.samples_consumed, "seed": self.seed}
-
-    def load_state_dict(self, state):
-        """Restore the position and seed written by `state_dict` (at any world size or batch)."""
-        try:
-            samples, seed = state["samples_consumed"], state["seed"]
-        except (KeyError, TypeError):
-            raise ConfigError(f"sampler state {state!r} lacks 'samples_consumed' and 'seed'; pass "
-                              f"the dict written by BatchSampler.state_dict()") from None
-        self.samples_consumed = _check_int("samples_consumed", samples, 0)
-        self.seed = _check_int("seed", seed, 0)
 
 
 def eval_batches(tokens, seq_len, batch, n_batches, *, dp_rank=0, dp_size=1):

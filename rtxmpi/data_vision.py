@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rtxmpi.data import _check_int, _check_rank, _epoch_keys, _permute, batch_split
+from rtxmpi.data import SamplerPosition, _check_int, _check_rank, _epoch_keys, _permute, batch_split
 from rtxmpi.errors import ConfigError
 
 
@@ -53,7 +53,7 @@ def load_digits(val_fraction=0.2, seed=0):
                         np.ascontiguousarray(images[val]), labels[val], 10)
 
 
-class ImageBatchSampler:
+class ImageBatchSampler(SamplerPosition):
     """This rank's slice of each global batch of images, drawn from (seed, global sample index).
 
     images: (N, ...) array; labels: (N,) array. global_batch: samples per step over all
@@ -110,25 +110,6 @@ class ImageBatchSampler:
         self.samples_consumed += self.global_batch
         return self.images[idx], self.labels[idx]
 
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return self.next_batch()
-
-    def state_dict(self):
-        """{"samples_consumed": int, "seed": int}: JSON-able, identical on every rank."""
-        return {"samples_consumed": self.samples_consumed, "seed": self.seed}
-
-    def load_state_dict(self, state):
-        """Restore the position and seed written by `state_dict` (at any world size or batch)."""
-        try:
-            samples, seed = state["samples_consumed"], state["seed"]
-        except (KeyError, TypeError):
-            raise ConfigError(f"sampler state {state!r} lacks 'samples_consumed' and 'seed'; pass "
-                              f"the dict written by ImageBatchSampler.state_dict()") from None
-        self.samples_consumed = _check_int("samples_consumed", samples, 0)
-        self.seed = _check_int("seed", seed, 0)
 
 
 def eval_slice(n, dp_rank=0, dp_size=1):
