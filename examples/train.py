@@ -452,7 +452,8 @@ def build_engine(args, model, world):
 def checkpoint_meta(args, cfg, model, engine, sampler, loss=None):
     """What a resume needs besides the flat tensors (JSON, stored in metadata.json). loss: the
     step's loss, stored as its float64 bits (hex), which a resume compares with the log's."""
-    return {"loss_bits": None if loss is None else loss_bits(loss), "model": args.model, "model_config": asdict(cfg), "dtype": np.dtype(model.dtype).str,
+    return {"loss_bits": None if loss is None else loss_bits(loss), "model": args.model,
+            "model_config": asdict(cfg), "dtype": np.dtype(model.dtype).str,
             "param_layout": [[p.name, list(p.shape), p.offset]
                              for p in getattr(model, "full_specs", model.params)],
             "optimizer_step": engine.optimizer.step_count, "sampler": sampler.state_dict(),

@@ -153,9 +153,9 @@ def env_flag(name, default=False, environ=None):
 # page-faults once per 4 KiB page when first written: one forward + backward of the "small" GPT at
 # 8 x 128 tokens took about 16,000 minor faults, and ran 30-40% faster without them (4 ranks on
 # 2 cores: 150 -> 100 ms alone, 300 -> 210 ms with every rank computing; bench/RESULTS.md,
-# "Planner", 2026-12-02 (8428030)). So blocks up to HOST_MMAP_THRESHOLD (glibc's own ceiling, the most that
-# glibc before 2.27 accepts) come from the heap, and up to HOST_TRIM_THRESHOLD of free heap top
-# stays with the process for the next step, as a caching allocator keeps it.
+# "Planner", 2026-12-02 (8428030)). So blocks up to HOST_MMAP_THRESHOLD (glibc's own ceiling,
+# the most that glibc before 2.27 accepts) come from the heap, and up to HOST_TRIM_THRESHOLD of
+# free heap top stays with the process for the next step, as a caching allocator keeps it.
 HOST_MMAP_THRESHOLD = 32 << 20
 HOST_TRIM_THRESHOLD = 256 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>

@@ -14,8 +14,8 @@ rtxmpi.elastic.shrink.exchange_pieces), for "params",
 (model.full_specs) — a contiguous run (an int offset) where the layouts coincide, else
 an int64 index array (a tp shard of a matrix is strided in the full layout) — and "adam.step".
 Positions come from the model's `shard` (tensor.shard) applied to the element numbers, so they
-follow exactly the slicing the tensor-parallel model uses. A pipeline's tied wte copy (last stage) is left out:
-stage 0 holds the same values. Parameters replicated over tp (LayerNorm, biases of row-parallel
+follow exactly the slicing the tensor-parallel model uses. A pipeline's tied wte copy (last
+stage) is left out: stage 0 holds the same values. Parameters replicated over tp (LayerNorm, biases of row-parallel
 layers) appear in every tp rank's pieces; assemble the keys in descending order so that tp rank 0
 writes last, as `TensorParallelModel.gather_full` and hence the checkpoint do.
 """
