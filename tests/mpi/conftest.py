@@ -6,12 +6,15 @@ from the world size and rank, never hard-coded. Tests that need several ranks ca
 call collectives freely; a test must make the same collective calls on every rank.
 """
 import os
+import shutil
+import tempfile
 import zlib
 
 import numpy as np
 import pytest
 
 import rtxmpi
+from rtxmpi.comm import shm
 from rtxmpi.data import BatchSampler
 
 
@@ -19,6 +22,34 @@ from rtxmpi.data import BatchSampler
 def world():
     """The world ProcessGroup, in checking mode, with the suite's deadline ($RTXMPI_TIMEOUT_S)."""
     return rtxmpi.init(check=True, timeout_s=float(os.environ.get("RTXMPI_TIMEOUT_S") or 120))
+
+
+@pytest.fixture
+def ckpt_dir(world):
+    """A fresh directory, the same path on every rank (made by rank 0, broadcast)."""
+    buf = np.zeros(256, np.uint8)
+    if world.rank == 0:
+        path = tempfile.mkdtemp(prefix="rtxmpi-ckpt-").encode()
+        buf[:len(path)] = np.frombuffer(path, np.uint8)
+    world.broadcast(buf, src=0)
+    path = bytes(buf).rstrip(b"\0").decode()
+    yield path
+    world.barrier()
+    if world.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def group_with(world, **config):
+    """A copy of `world` made with these shared-memory settings (ShmConfig; the defaults when
+    none), checking mode off."""
+    saved = shm.CONFIG
+    shm.CONFIG = shm.ShmConfig(**config)
+    try:
+        group = world.split(0)
+    finally:
+        shm.CONFIG = saved
+    group.check = False
+    return group
 
 
 @pytest.fixture(name="assert_same_on_every_rank")

@@ -1,7 +1,5 @@
 """Collective save/load of sharded checkpoints; holds at any world size (-n 1, 2, 4)."""
 import os
-import shutil
-import tempfile
 import time
 
 import h5py
@@ -11,21 +9,6 @@ import pytest
 from rtxmpi.checkpoint import Shard, latest_step, latest_valid, load_checkpoint, save_checkpoint
 from rtxmpi.checkpoint import format as fmt
 from rtxmpi.errors import CheckpointError
-
-
-@pytest.fixture
-def ckpt_dir(world):
-    """A fresh directory, the same path on every rank (made by rank 0, broadcast)."""
-    buf = np.zeros(256, np.uint8)
-    if world.rank == 0:
-        path = tempfile.mkdtemp(prefix="rtxmpi-ckpt-").encode()
-        buf[:len(path)] = np.frombuffer(path, np.uint8)
-    world.broadcast(buf, src=0)
-    path = bytes(buf).rstrip(b"\0").decode()
-    yield path
-    world.barrier()
-    if world.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def full_tensors():

@@ -6,9 +6,9 @@ groups here are made with checking off whatever RTXMPI_CHECK says (tests/run.sh 
 """
 import numpy as np
 import pytest
+from conftest import group_with
 
 from rtxmpi import CollectiveMismatch
-from rtxmpi.comm import shm
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -29,13 +29,8 @@ TIMEOUT_S = 60.0
 def path(request, world):
     """(name, group with checking off, element count) for each path."""
     config, count = PATHS[request.param]
-    saved = shm.CONFIG
-    shm.CONFIG = shm.ShmConfig(**config)
-    try:
-        group = world.split(0)
-    finally:
-        shm.CONFIG = saved
-    group.check, group.timeout_s = False, TIMEOUT_S
+    group = group_with(world, **config)
+    group.timeout_s = TIMEOUT_S
     group.all_reduce(np.zeros(count, np.float32))  # builds the shared-memory engine
     return request.param, group, count
 

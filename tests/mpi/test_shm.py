@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import group_with
 from mpi4py import MPI
 from test_collectives import REDUCE_CASES, assert_exact, rank_values, reduce_reference
 
@@ -42,19 +43,6 @@ def forced_group(world, check, compiled=True, **config):
     finally:
         shm.CONFIG, shm._mailbox = saved, saved_module
     group.check = check
-    return group
-
-
-def group_with(world, **config):
-    """A copy of `world` made with these shared-memory settings (ShmConfig; the defaults when
-    none), checking mode off."""
-    saved = shm.CONFIG
-    shm.CONFIG = shm.ShmConfig(**config)
-    try:
-        group = world.split(0)
-    finally:
-        shm.CONFIG = saved
-    group.check = False
     return group
 
 

@@ -1,7 +1,5 @@
 """The ViT under DataParallel and ZeRO stages 1, 2, 3 against one process on the same global batch
 of images, at any world size; its ZeRO checkpoint reloaded at another world size and stage."""
-import shutil
-import tempfile
 from contextlib import nullcontext
 
 import numpy as np
@@ -141,21 +139,6 @@ def test_zero3_vit_logits_match_the_unsharded_model(world):
 
 
 # -- checkpoints -------------------------------------------------------------------------------
-@pytest.fixture
-def ckpt_dir(world):
-    """A fresh directory, the same path on every rank (made by rank 0, broadcast)."""
-    buf = np.zeros(256, np.uint8)
-    if world.rank == 0:
-        path = tempfile.mkdtemp(prefix="rtxmpi-vit-ckpt-").encode()
-        buf[:len(path)] = np.frombuffer(path, np.uint8)
-    world.broadcast(buf, src=0)
-    path = bytes(buf).rstrip(b"\0").decode()
-    yield path
-    world.barrier()
-    if world.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 @pytest.mark.parametrize("stages", [(2, 3), (3, 1)], ids=["stage2-to-3", "stage3-to-1"])
 def test_zero_vit_checkpoint_resumes_at_another_world_size(world, ckpt_dir, stages):
     """Saved by every rank at ZeRO `stages[0]`, loaded by the halves of the world (ranks of one
