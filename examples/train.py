@@ -30,7 +30,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 
 def _default_blas_threads():
@@ -58,19 +58,19 @@ from rtxmpi.checkpoint import Shard, latest_step, latest_valid, load_checkpoint,
 from rtxmpi.checkpoint.agree import raise_if_any_failed
 from rtxmpi.checkpoint.lock import lock_dir, release_all
 from rtxmpi.control import agree
-from rtxmpi.data import (BatchSampler, batch_split, decode, encode, eval_batches, load_corpus,
-                         micro_batch_split)
+from rtxmpi.data import BatchSampler, batch_split, decode, encode, eval_batches, load_corpus
 from rtxmpi.errors import CheckpointError, ConfigError, DirectoryLocked
 from rtxmpi.observe.observer import Observer
 from rtxmpi.nn import (GPT, MODEL_SIZES, AdamW, GPTConfig, clip_grad_norm, cosine_lr, decay_mask,
                        grad_norm_sq)
 from rtxmpi.nn.gpt import param_layout
-from rtxmpi.nn.module import RECOMPUTE
 from rtxmpi.comm.failure import ulfm_enabled
 from rtxmpi.parallel.data import DataParallel, weighted_micro_batches
-from rtxmpi.parallel.hybrid import build_hybrid, check_layout
-from rtxmpi.parallel.pipeline import auto_micro_batches, build_pipeline, check_pipeline
-from rtxmpi.parallel.planner import (Layout, explicit_layout_flags, memory_breakdown,
+from rtxmpi.parallel.hybrid import build_hybrid
+from rtxmpi.parallel.layout import (OFFLOADS, RECOMPUTE, SCHEDULES, ZERO_STAGES, Layout,
+                                    auto_micro_batches)
+from rtxmpi.parallel.pipeline import build_pipeline
+from rtxmpi.parallel.planner import (explicit_layout_flags, memory_breakdown,
                                      node_memory_per_rank, plan_for_job)
 from rtxmpi.parallel.replica import replica_pieces
 from rtxmpi.parallel.zero import ZeroDataParallel
@@ -141,7 +141,7 @@ def parse_args(argv=None):
                         "(docs/pipeline.md)")
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline-parallel stages (layers split over --pp ranks; docs/parallel.md)")
-    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe", "interleaved"),
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
                    help="pipeline schedule with --pp > 1 (1f1b needs --micro-batches >= --pp; "
                         "interleaved: --virtual-stages chunks a rank, micro-batches a multiple "
                         "of --pp; docs/pipeline.md)")
@@ -163,10 +163,10 @@ def parse_args(argv=None):
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp > 1: Megatron sequence parallelism (LayerNorm regions split along "
                         "the sequence over tp)")
-    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
+    p.add_argument("--zero-stage", type=int, default=0, choices=ZERO_STAGES,
                    help="0: replicated optimizer; 1: sharded optimizer state; 2: + sharded "
                         "gradients; 3: + sharded parameters, gathered layer by layer")
-    p.add_argument("--offload", default="none", choices=("none", "cpu", "nvme"),
+    p.add_argument("--offload", default="none", choices=OFFLOADS,
                    help="ZeRO master parameters and optimizer state in host memory (cpu) or in "
                         "files under --offload-dir, streamed in chunks (nvme); needs --zero-stage >= 1")
     p.add_argument("--offload-dir", default=None, metavar="DIR",
@@ -286,27 +286,10 @@ def check_args(args, world_size):
         raise ConfigError(f"--min-ranks {args.min_ranks} must be in [1, world_size {world_size}]")
     if args.wal_every < 1:
         raise ConfigError(f"--wal-every must be >= 1, got {args.wal_every}")
-    if args.offload != "none" and args.zero_stage == 0:
-        raise ConfigError(f"--offload {args.offload} needs --zero-stage 1, 2 or 3 "
-                          "(stage 0 keeps a replicated optimizer)")
     if (args.offload == "nvme") != (args.offload_dir is not None):
         raise ConfigError("--offload nvme needs --offload-dir DIR, and --offload-dir only goes "
                           "with --offload nvme")
-    if args.recompute != "none" and args.pp > 1:
-        raise ConfigError(f"--recompute {args.recompute} runs without pipeline parallelism: drop "
-                          f"it or use --pp 1 (pipeline stages keep every activation)")
-    dp = check_layout(world_size, dp=args.dp, tp=args.tp, pp=getattr(args, "pp", 1), sp=args.sp,
-                      seq_len=args.seq_len, zero_stage=args.zero_stage,
-                      sequence_parallel=args.sequence_parallel)  # docs/parallel.md
-    if args.micro_batches is None:  # --micro-batches auto (docs/pipeline.md)
-        args.micro_batches = auto_micro_batches(
-            pp=args.pp, per_rank_batch=min(batch_split(args.global_batch, dp, "--global-batch")),
-            schedule=args.schedule, n_layer=MODEL_SIZES[args.model]["n_layer"],
-            zero_stage=args.zero_stage, offload=args.offload, virtual_stages=args.virtual_stages)
-    check_batch_split(args, dp)
-    check_pipeline(pp=args.pp, micro_batches=args.micro_batches, schedule=args.schedule,
-                   n_layer=MODEL_SIZES[args.model]["n_layer"], zero_stage=args.zero_stage,
-                   offload=args.offload, virtual_stages=args.virtual_stages)  # docs/parallel.md
+    dp = check_layout_flags(args, world_size)
     if args.data is not None and not os.path.exists(os.path.expanduser(args.data)):
         raise ConfigError(f"--data {args.data}: no such file or directory")
     return dp
@@ -352,16 +335,28 @@ def check_memory(world, args, cfg):
             "--seq-len or --global-batch, or use more micro-batches, ranks or a ZeRO stage")
 
 
-def check_batch_split(args, dp):
-    """The global batch over dp ranks (rtxmpi.data.batch_split): any dp up to the global batch,
-    split as evenly as possible (8 over 3: 3, 3, 2) and weighted by samples
-    (rtxmpi.parallel.data.weighted_micro_batches), so the step's math is the same at every world
-    size; the pipeline needs equal per-rank batches divisible by --micro-batches (the rule:
-    rtxmpi.data.micro_batch_split). Returns the per-rank sizes. Raises ConfigError naming the
-    numbers."""
-    micro_batch_split(args.global_batch, dp, args.micro_batches, "--global-batch",
-                      equal=args.pp > 1)
-    return batch_split(args.global_batch, dp, "--global-batch")
+def check_layout_flags(args, world_size):
+    """The layout flags as one rtxmpi.parallel.layout.Layout, checked against the world size,
+    the model, --seq-len and --global-batch (docs/parallel.md, docs/pipeline.md): the global
+    batch may split unevenly over dp (8 over 3: 3, 3, 2; weighted by samples,
+    rtxmpi.parallel.data.weighted_micro_batches), a pipeline needs equal per-rank batches
+    divisible by --micro-batches. Resolves --micro-batches auto into args. Returns dp. Raises
+    ConfigError naming every problem."""
+    cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
+    layout = Layout(args.dp, args.tp, args.pp, args.sp, args.micro_batches or 1, args.zero_stage,
+                    args.schedule, args.offload, args.recompute, args.virtual_stages,
+                    args.sequence_parallel).resolved(world_size)
+    if args.micro_batches is None and layout.pp > 1 and layout.dp is not None:  # auto
+        try:
+            per_rank = min(batch_split(args.global_batch, layout.dp, "--global-batch"))
+        except ConfigError:
+            per_rank = None  # the check below names the batch's problem with the others
+        if per_rank:
+            layout = replace(layout, micro_batches=auto_micro_batches(layout, world_size, cfg,
+                                                                      per_rank))
+    layout = layout.check(world_size, cfg, args.global_batch, batch_name="--global-batch")
+    args.micro_batches = layout.micro_batches
+    return layout.dp
 
 
 def load_data(world, args):
