@@ -250,7 +250,7 @@ class Layout:
         out = []
         dp, bad = _degree_problems(world_size, self.dp, self.tp, self.pp, self.sp)
         out += [("world size", text) for text in bad]
-        if bad and dp is None:
+        if not all(_is_degree(d) for d in (self.tp, self.pp, self.sp)):
             return out  # nothing else can be judged without the degrees
         pp, m, V = self.pp, self.micro_batches, self.virtual_stages
         for name, value in (("micro_batches", m), ("virtual_stages", V)):
@@ -261,7 +261,7 @@ class Layout:
             out += self._model_problems(facts)
         seq_len = seq_len if seq_len is not None else (facts.seq_len if facts else None)
         out += self._sequence_problems(facts, seq_len)
-        if global_batch is not None and _is_degree(m):
+        if global_batch is not None and dp is not None and _is_degree(m):
             out += _batch_problems(global_batch, dp, m, pp > 1, batch_name)
         out += self._schedule_problems(_is_degree(m) and _is_degree(V))
         return out + self._state_problems()

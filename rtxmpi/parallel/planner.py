@@ -17,7 +17,8 @@ gives (rtxmpi.parallel.layout.Layout.reasons, 'rule: explanation': the world siz
 heads, vocabulary and layers, the sequence, the batch split the runtime runs, the schedule, what
 composes with ZeRO, offload and recomputation; the rules the runtime itself checks), the
 planner's own preference (ZeRO with dp * sp == 1 shards nothing), and an optional `supported`
-filter (rtxmpi.topology.placement_filter: tp inside an NVLink island); then `estimate` rejects what does not fit in memory.
+filter (rtxmpi.topology.placement_filter: tp inside an NVLink island); then `estimate` rejects
+what does not fit in memory.
 
 Cost model (`estimate`), per step, seconds; n = b * T / sp tokens of a micro-batch of b samples on
 a rank, h = n_head / (tp * sp) heads, S = b * h * T * T attention scores, P = parameters per rank:
