@@ -22,6 +22,7 @@ from rtxmpi.data_vision import ImageBatchSampler, eval_slice, load_digits
 from rtxmpi.errors import ConfigError
 from rtxmpi.nn import VIT_SIZES, AdamW, ViT, ViTConfig, clip_grad_norm, cosine_lr, decay_mask
 from rtxmpi.parallel.data import DataParallel, grad_scale
+from rtxmpi.parallel.layout import ZERO_STAGES
 from rtxmpi.parallel.zero import ZeroDataParallel
 
 EXIT_CONFIG = 2
@@ -43,7 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm")
-    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
+    p.add_argument("--zero-stage", type=int, default=0, choices=ZERO_STAGES,
                    help="0: DataParallel; 1, 2, 3: ZeroDataParallel of that stage")
     p.add_argument("--val-fraction", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)

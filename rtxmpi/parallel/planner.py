@@ -77,7 +77,7 @@ from .calibrate import HardwareProfile
 from .layout import OFFLOADS, RECOMPUTE, ZERO_STAGES, Layout
 from .schedule import build_schedule, partition
 
-SCHEDULES = ("1f1b", "gpipe")  # the schedules the cost model simulates (of layout.SCHEDULES)
+PLANNED_SCHEDULES = ("1f1b", "gpipe")  # the layout.SCHEDULES the cost model simulates
 BUCKET_BYTES = 25 * 2**20
 TIE_BAND = 0.02  # predictions this close are one estimate: among them, the least peak memory first
 STEP_OVERHEAD_ALL_REDUCES = 3  # loss average, overflow agree, grad-norm reduction: small messages
@@ -217,7 +217,7 @@ def factorizations(world_size):
 
 
 def enumerate_layouts(world_size, global_batch, max_micro_batches=32, zero_stages=ZERO_STAGES,
-                      schedules=SCHEDULES, offloads=("none",)):
+                      schedules=PLANNED_SCHEDULES, offloads=("none",)):
     """Every candidate Layout: all factorizations, micro-batch counts dividing the per-rank batch
     (global_batch // dp, the smaller one when dp does not divide the batch: it is split unevenly
     and weighted by samples, rtxmpi.data.batch_split; up to max_micro_batches; 1 when no split
@@ -675,7 +675,7 @@ def estimate(cfg, layout, global_batch, profile, ranks_per_node=None, device="cp
 
 
 def make_plan(cfg, global_batch, world_size, profile, ranks_per_node=None, mem_per_device=None,
-              max_micro_batches=32, zero_stages=ZERO_STAGES, schedules=SCHEDULES,
+              max_micro_batches=32, zero_stages=ZERO_STAGES, schedules=PLANNED_SCHEDULES,
               supported=None, layouts=None, offloads=("none",), device="cpu",
               recompute="none"):
     """Enumerate, check, estimate and rank. Local (pure); every rank gets the same Plan.
