@@ -14,8 +14,9 @@ Megatron sequence parallelism, which is turned off when tp becomes 1); the runti
 (rtxmpi.parallel.layout.Layout's rules: 1F1B needs micro-batches >= pp, what composes with
 ZeRO); and the batch: a pipeline needs the global batch divisible by dp and the per-rank batch
 by the micro-batches, while without one the global batch may split unevenly over dp
-(docs/elastic.md) and the micro-batches are capped at the smallest per-rank batch. Tensor parallelism is kept longest because a tp group is the most tightly coupled
-(collectives in every layer) and usually the reason for the layout (the model's memory).
+(docs/elastic.md) and the micro-batches are capped at the smallest per-rank batch. Tensor
+parallelism is kept longest because a tp group is the most tightly coupled (collectives in every
+layer) and usually the reason for the layout (the model's memory).
 """
 from dataclasses import replace
 

@@ -43,8 +43,8 @@ PIPELINE_ZERO_STAGES = (0, 1, 2)          # under pp > 1 (rtxmpi.parallel.pipeli
 OFFLOADS = ("none", "cpu", "nvme")        # ZeRO offload (rtxmpi.parallel.offload)
 WHOLE_SEQUENCE = (PatchEmbedding, ClassificationHead)  # modules that need every position
 
-__all__ = ["Layout", "ModelFacts", "model_facts", "no_positions", "resolve_degrees", "auto_micro_batches",
-           "SCHEDULES", "ZERO_STAGES", "PIPELINE_ZERO_STAGES", "OFFLOADS", "RECOMPUTE"]
+__all__ = ["Layout", "ModelFacts", "model_facts", "no_positions", "resolve_degrees",
+           "auto_micro_batches", "SCHEDULES", "ZERO_STAGES", "PIPELINE_ZERO_STAGES", "OFFLOADS", "RECOMPUTE"]
 
 
 # ------------------------------------------------------------------------------- model facts
@@ -210,7 +210,8 @@ class Layout:
         return out + (f" --recompute {self.recompute}" if self.recompute != "none" else "")
 
     def __str__(self):
-        s = f"dp{self.dp} tp{self.tp} pp{self.pp} sp{self.sp} m{self.micro_batches} z{self.zero_stage}"
+        dp = "?" if self.dp is None else self.dp
+        s = f"dp{dp} tp{self.tp} pp{self.pp} sp{self.sp} m{self.micro_batches} z{self.zero_stage}"
         s += f" {self.schedule}" if self.pp > 1 else ""
         s += f" v{self.virtual_stages}" if self.virtual_stages != 1 else ""
         s += " seq-par" if self.sequence_parallel else ""
