@@ -394,7 +394,9 @@ class PipelineStage:
         for u in range(len(self.modules) - 1, -1, -1):
             m, params, unit_cache = self.modules[u], self._data[u], caches[u]
             if unit_cache is None:  # recomputed: the forward kept the unit's input
-                unit_cache = m.forward(params, inputs[u])[1]
+                unit = u + self.unit_range[0]
+                with trace.span(f"unit {unit} recompute", "compute", unit=unit):
+                    unit_cache = m.forward(params, inputs[u])[1]
             defer = self._deferred if self.defer_w and u >= self._defer_from else None
             dx = run_backward(m, params, self._grad[u], unit_cache, dx, defer=defer)
             if unit_ready is not None:
