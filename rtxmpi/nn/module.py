@@ -347,6 +347,11 @@ class Model:
         hints = [next((v for v in range(u - 1, -1, -1) if fetches[v]), None) for u in range(n)]
         self._recompute_plan = (again, fetches, hints)
 
+    @property
+    def recompute_units(self):
+        """The unit indices (sorted) whose forward reruns in backward under `recompute`."""
+        return [u for u, again in enumerate(self._recompute_plan[0]) if again]
+
     def use_provider(self, provider, drop_flat=False):
         """Take parameters and gradients from `provider` (rtxmpi.nn.gpt's module docstring) from
         now on. drop_flat: also let go of flat_data, flat_grad and the Param views (they become

@@ -1,38 +1,47 @@
-"""Pipeline parallelism: a GPT's layers split into contiguous stages, micro-batches run by a
-schedule (GPipe or 1F1B, rtxmpi.parallel.schedule), activations and their gradients exchanged with
-send/recv on the `pp` group.
+"""Pipeline parallelism: a Model's units (rtxmpi.nn.module: a GPT, a ViT, a Model of one's own
+units, or their TensorParallelModel) split into contiguous stages, micro-batches run by a schedule
+(GPipe, 1F1B or interleaved 1F1B, rtxmpi.parallel.schedule), activations and their gradients
+exchanged with send/recv on the `pp` group. The engine never computes a layer: a stage runs its
+units' own forward/backward (Module), the last stage its head's loss_forward/loss_backward.
 
 Source: GPipe (Huang et al., NeurIPS 2019), PipeDream-Flush / 1F1B (Narayanan et al., SC 2021,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"), Megatron-LM's
 embedding group for tied input/output embeddings.
 
-Layout. The GPT's units (embeddings, blocks 0..L-1, head; rtxmpi.nn.gpt) are split by blocks:
-`stage_layout` partitions the L blocks into pp contiguous non-empty groups (balanced by estimated
-compute, `stage_costs`: the embeddings counted with the first block and the head with the last; or a given
-`split` of blocks per stage); stage 0 also holds the embeddings, the last stage the head. A stage's
-parameters are therefore one contiguous range [flat_start, flat_stop) of the GPT's flat layout,
-which the stage keeps in its own flat buffers (1/pp of the memory). With tied embeddings and
-pp > 1 the last stage also keeps a copy of wte for the output head, appended after its range; after
-each backward the two wte gradients are summed over the two ranks that hold them (the "embedding
-group", first and last stage of each pipeline), so both copies receive the same update and stay
-identical (they start identical: copied from the same model and broadcast from stage 0).
+Layout. A Model's units are its first unit (a GPT's embeddings), its body units (a GPT's blocks)
+and its head. `unit_layout` partitions the body units into pp contiguous non-empty groups, balanced
+by `body_costs` (a GPT's: estimated compute, `stage_costs`; any other Model's: the parameter
+elements each unit uses), the first unit counted with the first body unit and the head with the
+last; or by a given `split` of body units per stage. Stage 0 also runs the first unit, the last
+stage the head (`stage_units`). A stage's parameters are therefore one contiguous range
+[flat_start, flat_stop) of the model's flat layout, which the stage keeps in its own flat buffers
+(1/pp of the memory). A parameter that a unit uses but an earlier stage owns (ParamDecl.tied_to:
+a GPT's wte in its tied head) is copied into the using stage, after its range; after each backward
+the gradients of the owner and its copies are summed over the ranks that hold them (one group per
+such parameter: Megatron's "embedding group" for the GPT, first and last stage), so every copy
+receives the same update and stays identical (they start identical: copied from the same model and
+broadcast from the owner's rank).
 
 Additions: dp gradient buckets reduced while the stage's last backward runs, ZeRO 1/2 per stage
-(pipeline_zero.py), Ulysses (sp) stages, the last stage's deferred weight gradients, and
-interleaved 1F1B over virtual stages (ChunkedStage); see docs/pipeline.md.
+(pipeline_zero.py), tensor-parallel and Ulysses (sp) stages, the last stage's deferred weight
+gradients, per-unit activation recomputation (the Model's `recompute`), and interleaved 1F1B
+over virtual stages (ChunkedStage); see docs/pipeline.md.
 
 Step. `train_step(x, y)` splits this rank's batch into micro_batches equal micro-batches and runs
 its stage's op list: F/B of a micro-batch, blocking receives, non-blocking sends (completed at the
 end of the step). The loss of each micro-batch is scaled by 1/micro_batches, so the gradient is
-that of the mean loss over this rank's batch; then gradients are summed over the embedding group
-and averaged over the dp group, i.e. over the whole global batch (the one-process gradient). The
-returned loss is the global mean, the same on every rank.
+that of the mean loss over this rank's batch; then tied gradients are summed and all gradients
+averaged over the dp group, i.e. over the whole global batch (the one-process gradient). The
+returned loss is the global mean, the same on every rank. The shapes of the activations between
+stages are found once per batch shape (`_probe_shapes`: each stage runs one micro-batch forward
+and sends its output's shape on), so a Model need not declare them.
 
 Checks before anything is sent: the constructor validates the layout and builds and simulates the
-whole schedule of every stage (`check_schedule`) on every rank; `train_step` checks the batch shape
-against micro_batches, seq_len and vocab_size on each rank and agrees on the verdict (one 1-byte
-all_reduce over every rank of the step), so a bad setting or a bad batch on any one rank raises
-ConfigError (a ValueError) on every rank, naming the offending ranks, and nothing is sent.
+whole schedule of every stage (`check_schedule`) on every rank; `train_step` checks the batch
+against micro_batches and the model's own input check (a GPT's seq_len and vocab_size, a ViT's
+images and labels) on each rank and agrees on the verdict (one 1-byte all_reduce over every rank
+of the step), so a bad setting or a bad batch on any one rank raises ConfigError (a ValueError) on
+every rank, naming the offending ranks, and nothing is sent.
 """
 import math
 import time
@@ -230,10 +239,8 @@ class PipelineStage:
             p = self.params[self._n_own + c]
             self.units.append((p.offset, p.offset + p.size))
         first_user = {k: min(u for u, ks in enumerate(uses) if k in ks) for k in self.copies}
-        self._first_user = first_user
         self._report = _ready_order(uses, own_slot, copy_slot, first_user)
-        policy = model.recompute
-        chosen = set(range(1, n - 1)) if policy == "blocks" else set(() if policy == "none" else policy)
+        chosen = set(model.recompute_units)
         self.recompute = [u - ua for u in range(ua, ub) if u in chosen]
         self._again = [u + ua in chosen for u in range(ub - ua)]
         self.defer_w, self.held_units, self._deferred, self._defer_from = False, (), [], len(uses)
@@ -406,20 +413,17 @@ class PipelineStage:
         return None if self.is_first else dx
 
 
-def _tied_ranks(model, unit_ranges, stages):
-    """[(k, ranks)]: each parameter index k that a unit uses on another (virtual) stage than its
-    owner's, with the sorted pipeline ranks that hold it (virtual stage c runs on rank
-    c % stages), in index order. The same list on every rank. Local (pure)."""
+def _tied_stages(model, unit_ranges):
+    """[(k, stages)]: each parameter index k that units of more than one (virtual) stage use,
+    with those stages in order (the first owns it: a tie points to an earlier unit), in index
+    order; unit_ranges: each stage's (first, stop) units. The same list on every rank. Local
+    (pure)."""
     where = {}
     for c, (a, b) in enumerate(unit_ranges):
         for u in range(a, b):
             for k in model.unit_params(u):
                 where.setdefault(k, set()).add(c)
-    out = []
-    for k in sorted(where):
-        if len(where[k]) > 1:
-            out.append((k, sorted({c % stages for c in where[k]})))
-    return out
+    return [(k, sorted(where[k])) for k in sorted(where) if len(where[k]) > 1]
 
 
 def _input_check(model):
@@ -657,43 +661,51 @@ class ChunkedStage:
 
 
 class PipelineParallel:
-    """Train a GPT split into pipeline stages over `pp_group`, replicated over `dp_group`.
+    """Train a Model split into pipeline stages over `pp_group`, replicated over `dp_group`.
 
-    model: GPT (rtxmpi.nn.GPT), the same config and seed on every rank; this rank copies its
-    stage's parameters (stage = pp_group.rank) and the caller may drop the model. Or a
-    ParallelGPT (rtxmpi.parallel.hybrid): tensor- and/or Ulysses-parallel stages
-    (TensorParallelStage; every collective then also involves the model's tp and sp groups).
-    pp_group: ProcessGroup of the pipeline (group rank = stage). dp_group: ProcessGroup of the
-    replicas of this stage that see different tokens (None: no data parallelism): the dp ranks,
-    and with sp > 1 the sp ranks too (mesh.loss_group); every replica runs the same schedule on
-    its own tokens, and gradients and loss are averaged over it.
-    bucket_bytes: dp gradient bucket size (whole units: blocks, embeddings, head); each bucket's
-    all_reduce starts during the stage's last backward (overlap_dp=True) or after the schedule.
+    model: an rtxmpi.nn Model (a GPT, a ViT, a Model of one's own units; at least one unit between
+    its first and its head per stage), the same units, seed and recompute policy on every rank;
+    this rank copies its stage's parameters (stage = pp_group.rank) and the caller may drop the
+    model. Or a TensorParallelModel (rtxmpi.parallel.parallelize, e.g. a ParallelGPT): tensor-
+    and/or Ulysses-parallel stages (TensorParallelStage; every collective then also involves the
+    model's tp and sp groups). pp_group: ProcessGroup of the pipeline (group rank = stage).
+    dp_group: ProcessGroup of the replicas of this stage that see different samples (None: no
+    data parallelism): the dp ranks, and with sp > 1 the sp ranks too (mesh.loss_group); every
+    replica runs the same schedule on its own samples, and gradients and loss are averaged over it.
+    bucket_bytes: dp gradient bucket size (whole units); each bucket's all_reduce starts during
+    the stage's last backward (overlap_dp=True) or after the schedule.
     micro_batches: m, micro-batches per step on each pipeline (>= 1; >= pp for 1F1B; a multiple
     of pp for interleaved). schedule: "1f1b" (default), "gpipe" or "interleaved" (with
-    virtual_stages = V >= 2 plain-GPT chunks a rank: ChunkedStage). split: blocks per (virtual)
-    stage (see stage_layout), None: balanced by estimated compute. optimizer: callable(params_flat,
-    decay_mask) -> AdamW-like (default AdamW(lr=3e-4)); it updates this stage's flat_data (own
-    range and the wte copy), or with zero_stage 1 or 2 only this rank's shard of it
-    (rtxmpi.parallel.pipeline_zero.StageZero over dp_group). defer_weight_grads: the last stage of
-    a plain-GPT pipeline (V = 1) computes its head's and last block's MLP weight gradients after
-    its last op (PipelineStage.defer_weight_grads; bitwise the same gradients).
-    Construction broadcasts the stage's parameters from dp rank 0 and the tied wte from stage 0
-    to the last stage, so every copy starts identical.
+    virtual_stages = V >= 2 chunks of a plain Model a rank: ChunkedStage). split: body units (a
+    GPT's blocks) per (virtual) stage (see unit_layout), None: balanced by body_costs.
+    optimizer: callable(params_flat, decay_mask) -> AdamW-like (default AdamW(lr=3e-4)); it
+    updates this stage's flat_data (own range and tied copies), or with zero_stage 1 or 2 only
+    this rank's shard of it (rtxmpi.parallel.pipeline_zero.StageZero over dp_group).
+    defer_weight_grads: the last stage of a plain-Model pipeline (V = 1) computes the weight
+    gradients its last two units can defer (a GPT's head and last block's MLP) after its last op
+    (PipelineStage.defer_weight_grads; bitwise the same gradients). Recomputation: the units the
+    model's `recompute` names keep only their input in forward and rerun it in backward (bitwise
+    the same gradients). Construction broadcasts the stage's parameters from dp rank 0 and each
+    tied parameter from its owner's rank to the ranks holding copies, so every copy starts
+    identical.
 
     Collective: every rank of pp_group and dp_group must construct it and call train_step / step /
     grad_norm / eval_loss the same number of times in the same order, with same-shaped batches.
-    Raises ConfigError on every rank (before any send) for an unknown schedule, pp > n_layer,
-    micro_batches < 1 or < pp with 1F1B, a split that does not fit, a schedule that fails
-    check_schedule, ZeRO stage 3, virtual stages with tp or sp.
+    Raises ConfigError on every rank (before any send) for an unknown schedule, more stages than
+    body units, micro_batches < 1 or < pp with 1F1B, a split that does not fit, a schedule that
+    fails check_schedule, ZeRO stage 3, virtual stages with tp or sp, a tied parameter that two
+    chunks of one rank would hold.
 
-    Attributes: stage (PipelineStage, TensorParallelStage or ChunkedStage), model (the same stage: dtype,
-    num_params, full_specs, as train.py reads a model), mesh (from_mesh), num_params (the whole
-    one-process model's), embed_group, optimizer, schedule (this stage's op list), schedules (every stage's),
-    layouts (blocks per stage), micro_batches, timeline (after train_step: list of (kind,
-    micro_batch, start_s, stop_s) per op of this rank, perf_counter seconds; recv spans are the
-    time blocked waiting; "dp_wait": the wait for the dp reduction after the schedule, "W": the
-    deferred weight gradients), buckets (dp gradient buckets), zero (StageZero or None).
+    Attributes: stage (PipelineStage, TensorParallelStage or ChunkedStage), model (the same stage:
+    dtype, num_params, full_specs, as train.py reads a model), mesh (from_mesh), num_params (the
+    whole one-process model's), tied (this rank's [(parameter index, group, Param)] of the tied
+    parameters it holds), tied_indices (every tied parameter index of the pipeline), embed_group
+    (the first tied group, or None: a GPT's embedding group), optimizer, schedule (this stage's
+    op list), schedules (every stage's), layouts (body units per stage), micro_batches, timeline
+    (after train_step: list of (kind, micro_batch, start_s, stop_s) per op of this rank,
+    perf_counter seconds; recv spans are the time blocked waiting; "dp_wait": the wait for the dp
+    reduction after the schedule, "W": the deferred weight gradients), buckets (dp gradient
+    buckets), zero (StageZero or None).
     """
 
     def __init__(self, model, pp_group, dp_group=None, *, micro_batches, schedule="1f1b",
@@ -720,7 +732,14 @@ class PipelineParallel:
         self.schedules = build_schedule(schedule, micro_batches, p, V)  # every stage's, checked
         self.schedule = self.schedules[pp_group.rank]
         s = pp_group.rank
-        tied = _tied_ranks(model, [stage_units(b, len(model.modules)) for b in self.layouts], p)
+        tied = _tied_stages(model, [stage_units(b, len(model.modules)) for b in self.layouts])
+        for k, where in tied:  # where[0] holds the parameter, the others copies
+            ranks = [c % p for c in where]
+            if len(set(ranks)) < len(ranks) or any(c // p < V - 1 for c in where[1:]):
+                raise ConfigError(f"parameter {model.params[k].name!r} is used on virtual stages "
+                                  f"{where} of {p * V}: a copy must be on another rank than the "
+                                  "parameter and in a rank's last chunk; use another split or "
+                                  "the 1f1b schedule")
         if V > 1:  # chunk v = virtual stage v * p + s
             self.stage = ChunkedStage(model, s, p, [self.layouts[v * p + s] for v in range(V)])
         else:
@@ -739,20 +758,20 @@ class PipelineParallel:
         # parameter over the pipeline ranks holding it (Megatron's embedding group), in which
         # the copies' gradients are summed after each backward; every copy starts as the owner's
         self.tied = []
-        for k, ranks in tied:  # the same list on every rank: new_group is collective on pp
+        owners = []  # the group rank of each tied parameter's owner
+        for k, where in tied:  # the same list on every rank: new_group is collective on pp
+            ranks = sorted(c % p for c in where)
             group = pp_group.new_group(ranks)
             if group is not None:
-                params = [q for ch in getattr(st, "chunks", [st]) for q in [ch.tied_param(k)] if q]
-                if len(params) != 1:
-                    raise ConfigError(f"parameter {model.params[k].name!r} is used by two chunks of "
-                                      "pipeline rank {s}; use another split or schedule")
-                self.tied.append((k, group, params[0]))
+                param = next(q for ch in getattr(st, "chunks", [st]) for q in [ch.tied_param(k)] if q)
+                self.tied.append((k, group, param))
+                owners.append(ranks.index(where[0] % p))
         self.tied_indices = [k for k, _ in tied]
         self.embed_group = self.tied[0][1] if self.tied else None
         if dp_group is not None and dp_group.world_size > 1:
             dp_group.broadcast(st.flat_data, src=0)
-        for _, group, param in self.tied:  # the owner is the group's first rank (an earlier stage)
-            group.broadcast(param.data, src=0)
+        for (_, group, param), owner in zip(self.tied, owners):
+            group.broadcast(param.data, src=owner)
         make = optimizer or (lambda params, mask: AdamW(params, lr=3e-4, decay_mask=mask))
         self.zero_stage = zero_stage
         if zero_stage:  # ZeRO 1/2 over the stage's replica group (rtxmpi.parallel.pipeline_zero)
