@@ -951,23 +951,27 @@ class PipelineParallel:
         st, pp, xp = self.stage, self.pp_group, self.stage.xp
         p, V = pp.world_size, self.virtual_stages
         tag = 2 * self.micro_batches * V  # above every schedule message's tag
-        shapes = {}
+        shapes, failed = {}, False
         for c in range(pp.rank, p * V, p):  # this rank's virtual stages, in pipeline order
             v, first, last = c // p, c == 0, c == p * V - 1
-            inp = None
+            inp = out = None
             if not first:
-                header = pp.recv(xp.zeros(_SHAPE_HEADER, np.int64), (c - 1) % p, tag)
-                inp = tuple(int(d) for d in to_host(header)[1:1 + int(to_host(header)[0])])
-            out = None
+                header = to_host(pp.recv(xp.zeros(_SHAPE_HEADER, np.int64), (c - 1) % p, tag))
+                inp = tuple(int(d) for d in header[1:1 + header[0]]) if header[0] >= 0 else None
             if not last:
-                act = st.run_forward(x[:b] if first else xp.zeros(inp, st.dtype), chunk=v)
-                out = tuple(act.shape)
-                if len(out) > _SHAPE_HEADER - 1:
-                    raise ConfigError(f"activations of {len(out)} dims: at most "
-                                      f"{_SHAPE_HEADER - 1} pass between pipeline stages")
-                pp.send(xp.asarray(np.array([len(out), *out] + [0] * (_SHAPE_HEADER - 1 - len(out)),
-                                            np.int64)), (c + 1) % p, tag)
+                if first or inp is not None:
+                    out = tuple(st.run_forward(x[:b] if first else xp.zeros(inp, st.dtype),
+                                               chunk=v).shape)
+                bad = out is None or len(out) >= _SHAPE_HEADER  # -1: no shape, every stage raises
+                header = [-1] if bad else [len(out), *out]
+                header += [0] * (_SHAPE_HEADER - len(header))
+                pp.send(xp.asarray(np.array(header, np.int64)), (c + 1) % p, tag)
+                failed = failed or bad
+            failed = failed or (not first and inp is None)
             shapes[v] = (inp, out)
+        if failed:  # after every message of this rank, so no stage waits for one
+            raise ConfigError(f"an activation between pipeline stages has more than "
+                              f"{_SHAPE_HEADER - 1} dims; at most {_SHAPE_HEADER - 1} can pass")
         self._shapes[key] = shapes
         return shapes
 

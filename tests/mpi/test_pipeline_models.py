@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import GLOBAL_BATCH
 
+from rtxmpi.errors import ConfigError
 from rtxmpi.mesh import DeviceMesh
 from rtxmpi.nn import AdamW, ViT, ViTConfig, clip_grad_norm, decay_mask
 from rtxmpi.nn.module import Model, Module, ParamDecl, Sequential
@@ -222,3 +223,31 @@ def test_checkpoint_pieces_cover_every_tensor_once_and_load_back(world, name):
     np.testing.assert_array_equal(engine.full_params(), reference.flat_data)
     for k in engine.stage.copies:  # a copy is loaded from its owner's range
         np.testing.assert_array_equal(engine.stage.tied_param(k).data, reference.params[k].data)
+
+
+class Reshape(Module):
+    """A view of x with the given shape after the batch dim (and back in backward)."""
+
+    def __init__(self, shape):
+        self.shape = shape
+
+    def forward(self, params, x):
+        return x.reshape(x.shape[:1] + self.shape), x.shape
+
+    def backward(self, params, grads, cache, dy):
+        return dy.reshape(cache)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_activation_of_too_many_dims_raises_on_every_rank(world, assert_raised_on_every_rank):
+    """The shape message between stages holds 7 dims: more raises ConfigError on every stage
+    instead of leaving the next one waiting."""
+    units = [Sequential(("inp", Linear(D, C, split="replicated"))),
+             Reshape((T, 1, 1, 1, 1, 1, C))] + [Reshape((T, C))] * (world.world_size - 1) + [
+        Sequential(("head", ClassificationHead(C, K)))]
+    mesh = DeviceMesh(dp=1, tp=1, pp=world.world_size, group=world)
+    engine = PipelineParallel.from_mesh(Model(units, dtype=np.float64), mesh, micro_batches=4,
+                                        split=[1] * world.world_size)
+    x, y = features(0)
+    assert_raised_on_every_rank(world, lambda: engine.train_step(x, y), ConfigError,
+                                match=["more than 7 dims"])
