@@ -167,7 +167,7 @@ class PipelineStage:
     range of body units (unit_layout; a GPT's blocks).
     A parameter of an earlier stage that a unit here uses (ParamDecl.tied_to, e.g. the GPT's wte in
     its tied head) is a copy, appended after the own range; the engine sums the copies' gradients
-    with the owner's (PipelineParallel.tied_groups).
+    with the owner's (PipelineParallel.tied).
 
     Attributes: cfg (the model's, or None), stage, stages, is_first, is_last, blocks, unit_range,
     param_start / param_stop (indices in the model's param list), flat_start / flat_stop (range in
@@ -362,7 +362,7 @@ class PipelineStage:
         """The stage's units forward on inp, nothing kept: the activation for the next stage (the
         engine's shape probe). Local (collective on tp/sp for a tensor-parallel stage)."""
         x = inp
-        for m, params in zip(self.modules if not self.is_last else self.modules[:-1], self._data):
+        for m, params in zip(self.modules, self._data):
             x = m.forward(params, x)[0]
         return x
 
@@ -553,9 +553,9 @@ class ChunkedStage:
     virtual stage v * p + stage of the p * V (unit_layout over p * V). Each chunk is a
     PipelineStage of the p * V virtual stages (chunk 0 of rank 0 holds the first unit, chunk
     V - 1 of rank p - 1 the head and, tied, its copies); their parameters live in one flat
-    buffer, chunk after chunk (each chunk's own range, then its copies), so the optimizer,
-    gradient buckets, ZeRO and the gradient norm see one vector as for a PipelineStage; the
-    copies of every chunk come after all the own ranges. Attributes as PipelineStage (params,
+    buffer, chunk after chunk (only the last chunk may hold copies: they end the vector, else
+    ConfigError), so the optimizer, gradient buckets, ZeRO and the gradient norm see one vector
+    as for a PipelineStage. Attributes as PipelineStage (params,
     flat_data, flat_grad, num_params, own_size, units, tied_copy, is_first / is_last: this rank
     holds the first / last virtual stage) plus chunks. Local: no communication.
     """
@@ -591,7 +591,6 @@ class ChunkedStage:
             self.replicated += ch.replicated
         self.own_size = self.num_params - (last.num_params - last.own_size)
         self.copies = last.copies
-        self.defer_w, self.held_units = False, ()
         self._unit_base = [sum(len(c.units) for c in self.chunks[:v]) for v in range(V)]
 
     def zero_grad(self):
@@ -848,15 +847,19 @@ class PipelineParallel:
 
     def train_step(self, x, y):
         """Forward and backward of this rank's batch through the pipeline; gradients accumulate
-        into stage.flat_grad (summed over the embedding group, averaged over dp). Returns the
-        global mean loss (Python float, the same on every rank).
+        into stage.flat_grad (tied parameters summed over their groups, averaged over dp).
+        Returns the global mean loss (Python float, the same on every rank).
 
-        x, y: (B, T) integer token ids and targets, this dp replica's slice of the global batch,
-        the same on every stage of the pipeline (stage 0 reads x, the last stage y, the others
-        only the shape); B divisible by micro_batches. Collective (pp, dp and embedding groups).
-        Raises ConfigError (before any send, on every rank of the pp x dp (x tp) step, naming
-        each offending rank) when any rank's batch has a bad shape, dtype, length or token id
-        (outside [0, vocab_size)); CollectiveTimeout when a peer does not send or receive in time.
+        x, y: this dp replica's slice of the global batch, the same on every stage of the
+        pipeline (stage 0 reads x, the last stage y, the others only the shapes): what the
+        model's first unit and its head's loss take, B = x.shape[0] = y.shape[0] rows divisible
+        by micro_batches (a GPT: (B, T) integer token ids and targets; a ViT: (B, S, S, Ci)
+        images and (B,) labels). The first step of a new batch shape first finds the activation
+        shapes (_probe_shapes). Collective (pp, dp and tied groups). Raises ConfigError (before
+        any send, on every rank of the pp x dp (x tp) step, naming each offending rank) when any
+        rank's batch fails the checks (_check_local_batch: a GPT's shape, dtype, length, token
+        ids outside [0, vocab_size)); CollectiveTimeout when a peer does not send or receive in
+        time.
         """
         b = self._check_batch(x, y)
         self._run(x, y, b, backward=True)
