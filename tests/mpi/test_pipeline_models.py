@@ -14,7 +14,7 @@ from rtxmpi.nn import AdamW, ViT, ViTConfig, clip_grad_norm, decay_mask
 from rtxmpi.nn.module import Model, Module, ParamDecl, Sequential
 from rtxmpi.nn.modules import ClassificationHead, Linear
 from rtxmpi.parallel.parallelize import TensorParallelModel
-from rtxmpi.parallel.pipeline import PipelineParallel
+from rtxmpi.parallel.pipeline import PipelineParallel, build_pipeline
 
 VIT = ViTConfig(n_layer=4, n_head=4, n_embd=32, n_classes=5)
 D, C, K, T = 6, 16, 4, 5  # MLP input features, width, classes, positions
@@ -251,3 +251,40 @@ def test_an_activation_of_too_many_dims_raises_on_every_rank(world, assert_raise
     x, y = features(0)
     assert_raised_on_every_rank(world, lambda: engine.train_step(x, y), ConfigError,
                                 match=["more than 7 dims"])
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("zero_stage", [1, 2])
+@pytest.mark.parametrize("name", MODELS)
+def test_pipeline_zero_follows_three_adamw_steps_of_one_process(world, name, zero_stage):
+    """(dp, pp) = (2, 2) with ZeRO over each stage's dp pair: losses and parameters."""
+    make, batch = MODELS[name]
+
+    def optimizer(params, mask):
+        return AdamW(params, lr=1e-2, decay_mask=mask)
+
+    reference = make()
+    ref_opt = optimizer(reference.flat_data, decay_mask(reference.params, dtype=np.float64))
+    mesh, engine = build(world, make, 2, 1, 2, optimizer=optimizer, zero_stage=zero_stage,
+                         bucket_bytes=1)
+    rows = mesh.batch_slice(GLOBAL_BATCH)
+    for step in range(3):
+        x, y = batch(step)
+        ref_loss, cache = reference.forward(x, y)
+        reference.backward(cache)
+        assert engine.train_step(x[rows], y[rows]) == pytest.approx(ref_loss, rel=1e-10)
+        clip_grad_norm(reference.flat_grad, 1.0)
+        ref_opt.step(reference.flat_grad)
+        reference.zero_grad()
+        engine.step(max_grad_norm=1.0)
+    np.testing.assert_allclose(engine.full_params(), reference.flat_data, rtol=1e-8, atol=1e-11)
+
+
+def test_build_pipeline_builds_a_given_model_with_its_recompute_policy(world):
+    x, y = images(3)
+    reference = vit_model()
+    ref_loss, _ = reference.forward(x, y)
+    engine = build_pipeline(None, world, pp=world.world_size, micro_batches=4, recompute="blocks",
+                            model=lambda mesh: vit_model())
+    assert engine.stage.recompute and engine.mesh.pp == world.world_size
+    assert engine.train_step(x, y) == pytest.approx(ref_loss, rel=1e-12)
