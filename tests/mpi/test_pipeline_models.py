@@ -59,7 +59,10 @@ def images(step):
 def layouts(world, tp=True):
     """(dp, tp, pp) layouts of this world size."""
     n = world.world_size
-    return [(1, 1, n)] + ([(2, 1, 2)] + ([(1, 2, 2)] if tp else []) if n == 4 else [])
+    out = [(1, 1, n)]
+    if n == 4:
+        out += [(2, 1, 2)] + ([(1, 2, 2)] if tp else [])
+    return out
 
 
 def build(world, make, dp, tp, pp, **kwargs):
