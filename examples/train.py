@@ -174,8 +174,8 @@ def parse_args(argv=None):
     p.add_argument("--recompute", default="none", choices=RECOMPUTE,
                    help="blocks: forward keeps only each transformer block's input and backward "
                         "reruns the block (activations of about one block instead of all, at "
-                        "about one extra forward; the same bits); data parallelism and ZeRO only "
-                        "(docs/model.md)")
+                        "about one extra forward; the same bits); with every layout, pipeline "
+                        "stages included (docs/model.md)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up (default steps/20)")
@@ -895,6 +895,7 @@ def train(args):
                                 zero_stage=args.zero_stage,  # 1, 2: each stage over its replicas
                                 virtual_stages=args.virtual_stages,  # --schedule interleaved
                                 micro_batches=args.micro_batches, schedule=args.schedule,
+                                recompute=args.recompute,  # each stage reruns its blocks
                                 optimizer=lambda params, mask: AdamW(
                                     params, lr=args.lr, weight_decay=args.weight_decay,
                                     decay_mask=mask))

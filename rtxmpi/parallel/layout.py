@@ -13,7 +13,7 @@ recomputation policy and Megatron sequence parallelism. `reasons` checks, all at
                 >= 2); virtual stages only with pp > 1 and the interleaved schedule
     zero        stage in ZERO_STAGES; with pp > 1 only PIPELINE_ZERO_STAGES
     offload     one of OFFLOADS; needs ZeRO stage >= 1; not with pp > 1
-    recompute   one of RECOMPUTE; not with pp > 1
+    recompute   one of RECOMPUTE
     sequence    sequence_parallel needs tp > 1; seq_len divisible by sp (tp * sp with
                 sequence_parallel); sp refused by a model that needs every position
     model       heads divisible by tp * sp, vocabulary and tensor-parallel widths by tp, at least
@@ -286,7 +286,7 @@ class Layout:
         return []
 
     def _state_problems(self):
-        """ZeRO stage, offload and recomputation, alone and with a pipeline."""
+        """ZeRO stage and offload, alone and with a pipeline; the recomputation policy."""
         out, pp, z, off = [], self.pp, self.zero_stage, self.offload
         if z not in ZERO_STAGES:
             out.append(("zero", f"ZeRO stage must be 0, 1, 2 or 3, got {z!r}"))
@@ -307,10 +307,6 @@ class Layout:
         if self.recompute not in RECOMPUTE:
             out.append(("recompute", f"unknown policy {self.recompute!r} (one of "
                                      f"{', '.join(RECOMPUTE)})"))
-        elif self.recompute != "none" and pp > 1:
-            out.append(("recompute", f"--recompute {self.recompute} runs without pipeline "
-                                     "parallelism: drop it or use --pp 1 (pipeline stages keep "
-                                     "every activation)"))
         return out
 
     def _sequence_problems(self, facts, seq_len):

@@ -57,8 +57,6 @@ def rules(layout, world, model=SMALL, batch=32, **kw):
     (Layout(2, zero_stage=1, offload="disk"), 2, SMALL, 32, "offload", "unknown offload 'disk'"),
     (Layout(1, 1, 2, 1, 2, 1, "1f1b", "cpu"), 2, SMALL, 32, "offload", "--offload cpu with --pp 2"),
     (Layout(2, recompute="all"), 2, SMALL, 32, "recompute", "unknown policy 'all'"),
-    (Layout(1, 1, 2, 1, 2, 0, "1f1b", recompute="blocks"), 2, SMALL, 32, "recompute",
-     "--recompute blocks runs without pipeline parallelism"),
 ])
 def test_each_rule_is_refused_with_its_name_and_a_message(layout, world, model, batch, rule, text):
     reasons = layout.reasons(world, model, batch)
@@ -70,22 +68,22 @@ def test_each_rule_is_refused_with_its_name_and_a_message(layout, world, model, 
 
 
 def test_every_problem_is_reported_at_once():
-    bad = Layout(2, 2, 2, 1, 1, 3, "1f1b", "cpu", "blocks")
+    bad = Layout(2, 2, 2, 1, 1, 3, "1f1b", "cpu", "all")
     assert rules(bad, 4, ODD, 3) == ["world size", "vocab", "batch", "1f1b", "zero", "offload",
                                      "recompute"]
     with pytest.raises(ConfigError) as info:
         bad.check(4, ODD, 3)
     message = str(info.value)
-    assert message.startswith("the layout dp2 tp2 pp2 sp1 m1 z3 1f1b offload-cpu recompute-blocks "
+    assert message.startswith("the layout dp2 tp2 pp2 sp1 m1 z3 1f1b offload-cpu recompute-all "
                               "has 7 problems: (1) dp(2) * tp(2) * pp(2) * sp(1) = 8")
     for part in ("(2) vocab_size 255", "(3) global batch 3 over dp 2", "(4) 1F1B needs",
                  "(5) --zero-stage 3 with --pp 2", "(6) --offload cpu with --pp 2",
-                 "(7) --recompute blocks runs without"):
+                 "(7) unknown policy 'all'"):
         assert part in message, message
 
 
 def test_a_world_no_dp_fits_still_reports_the_other_problems():
-    assert rules(Layout(None, 2, 2, recompute="blocks", schedule="gpipe", micro_batches=2), 6) == [
+    assert rules(Layout(None, 2, 2, recompute="all", schedule="gpipe", micro_batches=2), 6) == [
         "world size", "recompute"]
 
 
@@ -226,8 +224,7 @@ TRAIN_VERDICTS = [
     (8, "--global-batch 12 --pp 2 --sp 2", (2, 2)),
     (4, "--global-batch 8 --pp 2 --schedule interleaved --virtual-stages 2", (2, 2)),
     (6, "--global-batch 8", (6, 1)),
-    (6, "--global-batch 12 --tp 2 --pp 2 --recompute blocks",
-     "--recompute blocks runs without pipeline parallelism: drop it or use --pp 1"),
+    (4, "--global-batch 12 --tp 2 --pp 2 --recompute blocks", (1, 2)),
     (2, "--global-batch 8 --sp 2 --offload cpu", "--offload cpu needs --zero-stage 1, 2 or 3"),
     (4, "--global-batch 12 --tp 2 --pp 2 --dp 2 --micro-batches 2",
      "dp(2) * tp(2) * pp(2) * sp(1) = 8 != world_size(4); set dp=1 or use 8 ranks"),
