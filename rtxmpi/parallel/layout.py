@@ -13,7 +13,7 @@ recomputation policy and Megatron sequence parallelism. `reasons` checks, all at
                 >= 2); virtual stages only with pp > 1 and the interleaved schedule
     zero        stage in ZERO_STAGES; with pp > 1 only PIPELINE_ZERO_STAGES
     offload     one of OFFLOADS; needs ZeRO stage >= 1; not with pp > 1
-    recompute   one of RECOMPUTE
+    recompute   one of RECOMPUTE (or unit indices: the Model checks those)
     sequence    sequence_parallel needs tp > 1; seq_len divisible by sp (tp * sp with
                 sequence_parallel); sp refused by a model that needs every position
     model       heads divisible by tp * sp, vocabulary and tensor-parallel widths by tp, at least
@@ -171,7 +171,7 @@ class Layout:
     """One training job's layout. dp, tp, pp, sp: parallel degrees (dp None: the world's rest,
     see `resolved`); micro_batches per step; zero_stage (ZERO_STAGES); schedule: a SCHEDULES name
     with pp > 1 ("none", or any, ignored, with pp == 1); offload (OFFLOADS); recompute
-    (RECOMPUTE); virtual_stages: chunks per pipeline rank (interleaved); sequence_parallel:
+    (RECOMPUTE, or a list of unit indices, which the Model checks); virtual_stages: chunks per pipeline rank (interleaved); sequence_parallel:
     Megatron sequence parallelism inside tp. Constructing one checks nothing: `check`/`reasons`."""
 
     dp: int
@@ -304,7 +304,7 @@ class Layout:
             out.append(("offload", f"--offload {off} with --pp {pp} is not supported; use "
                                    "--offload none (ZeRO stages 1 and 2 shard each stage's "
                                    "optimizer state)"))
-        if self.recompute not in RECOMPUTE:
+        if not isinstance(self.recompute, (list, tuple)) and self.recompute not in RECOMPUTE:
             out.append(("recompute", f"unknown policy {self.recompute!r} (one of "
                                      f"{', '.join(RECOMPUTE)})"))
         return out

@@ -95,6 +95,11 @@ def test_check_returns_the_layout_with_dp_filled_in():
         resolve_degrees(4, dp=0, tp=True)
 
 
+def test_recompute_runs_under_pipelines_and_unit_indices_are_left_to_the_model():
+    assert Layout(1, 1, 2, 1, 2, 0, "1f1b", recompute="blocks").reasons(2, SMALL, 32) == []
+    assert Layout(2, recompute=[1, 2]).reasons(2, SMALL, 32) == []
+
+
 def test_without_a_pipeline_the_schedule_flag_is_ignored():
     assert Layout(2, schedule="1f1b").reasons(2, SMALL, 32) == []  # train.py's default
     assert Layout(1, 1, 2, 1, 2, schedule="none").reasons(2)[0].startswith("schedule: unknown")
