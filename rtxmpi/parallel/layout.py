@@ -32,6 +32,9 @@ from dataclasses import dataclass, replace
 
 from ..data import batch_split, micro_batch_split
 from ..errors import ConfigError
+from ..mesh import degree_problems as _degree_problems
+from ..mesh import is_degree as _is_degree
+from ..mesh import resolve_degrees
 from ..nn.module import RECOMPUTE, Model
 from ..nn.modules import ClassificationHead, PatchEmbedding
 from .schedule import SCHEDULES as _SCHEDULE_OPS
@@ -127,44 +130,6 @@ def no_positions(model):
 
 
 # -------------------------------------------------------------------------------- the degrees
-def _is_degree(value):
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _degree_problems(world_size, dp, tp, pp, sp):
-    """(dp or None, [problem texts]) for the degrees against the world size."""
-    bad = [f"{name} must be an integer >= 1, got {value!r}" for name, value in
-           (("dp", dp), ("tp", tp), ("pp", pp), ("sp", sp)) if not (value is None and name == "dp")
-           and not _is_degree(value)]
-    if bad:
-        return None, bad
-    n, model = world_size, tp * pp * sp
-    if dp is None:
-        if n % model:
-            return None, [f"world_size({n}) is not divisible by tp({tp}) * pp({pp}) * sp({sp}) = "
-                          f"{model}, so no dp fits; use a multiple of {model} ranks or smaller "
-                          f"degrees"]
-        dp = n // model
-    product = dp * model
-    if product != n:
-        hint = f"set dp={n // model} or use {product} ranks" if n % model == 0 else \
-            f"use {product} ranks"
-        return dp, [f"dp({dp}) * tp({tp}) * pp({pp}) * sp({sp}) = {product} != world_size({n}); "
-                    f"{hint}"]
-    return dp, []
-
-
-def resolve_degrees(world_size, dp=None, tp=1, pp=1, sp=1, what="DeviceMesh"):
-    """The degrees against a world size, nothing created (pure, local). dp=None means
-    world_size // (tp * pp * sp). Returns (dp, tp, pp, sp). Raises ConfigError when a degree is
-    not an integer >= 1 or dp * tp * pp * sp != world_size; the message names every factor, e.g.
-    "dp(2) * tp(2) * pp(1) * sp(1) = 4 != world_size(8); set dp=2 or use 4 ranks"."""
-    dp, problems = _degree_problems(world_size, dp, tp, pp, sp)
-    if problems:
-        raise ConfigError(f"{what}: " + "; ".join(problems))
-    return dp, tp, pp, sp
-
-
 # --------------------------------------------------------------------------------- the layout
 @dataclass(frozen=True)
 class Layout:
