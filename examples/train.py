@@ -474,7 +474,7 @@ class GPTTask(Task):
 
 def train_config(args):
     """The loop's settings (rtxmpi.train.TrainConfig) from the flags; messages name the flags."""
-    keys = {f.name for f in fields(TrainConfig)} - {"names", "run_info", "progress", "micro_batches"}
+    keys = {f.name for f in fields(TrainConfig)} & vars(args).keys() - {"micro_batches"}
     micro_batches = 1 if args.micro_batches is None else args.micro_batches  # None: auto, not yet chosen
     return TrainConfig(**{k: getattr(args, k) for k in keys}, micro_batches=micro_batches,
                        progress=not args.no_progress, run_info={"args": vars(args)},
@@ -511,7 +511,7 @@ def _size(n_bytes):
 
 def main(argv=None):
     args = parse_args(argv)
-    code = exit_status(lambda: train(args), args)
+    code = exit_status(lambda: train(args), args.requeue)
     if code:
         sys.exit(code)
 

@@ -38,7 +38,8 @@ class TrainConfig:
     timeout_s: deadline of every collective wait. elastic: "off", "shrink" or "restart";
     min_ranks: fewest ranks a shrink goes on with; stuck_timeout_s: heartbeat deadline.
     requeue: after a pre-emption, `scontrol requeue` the Slurm job (rank 0). progress: a
-    progress bar on rank 0.
+    progress bar on rank 0. log_every: rank 0 prints "step S loss L lr R T s" after every K-th
+    step and the last (0: never).
     names: how messages name a field (default: the field's own name), e.g. a command line maps
     "ckpt_dir" to "--ckpt-dir" so that its users read the flag they typed.
     """
@@ -73,6 +74,7 @@ class TrainConfig:
     stuck_timeout_s: float = None
     requeue: bool = False
     progress: bool = True
+    log_every: int = 0
     names: dict = field(default_factory=dict, repr=False)
 
     def name(self, field_name):
@@ -143,6 +145,8 @@ class TrainConfig:
                               f"{n('steps')} {self.steps}]")
         if not 1 <= self.min_ranks <= world_size:
             raise ConfigError(f"{n('min_ranks')} {self.min_ranks} must be in [1, world_size {world_size}]")
+        if self.log_every < 0:
+            raise ConfigError(f"{n('log_every')} must be >= 0, got {self.log_every}")
         if self.wal_every < 1:
             raise ConfigError(f"{n('wal_every')} must be >= 1, got {self.wal_every}")
         if self.timeout_s is not None and not self.timeout_s > 0:

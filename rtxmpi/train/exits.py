@@ -1,7 +1,7 @@
 """A training script's exit status from fit's outcome: one `error:` line and a documented code.
 
     def main():
-        sys.exit(exit_status(lambda: fit(task, config), config))  # inside elastic.exit_after
+        sys.exit(exit_status(lambda: fit(task, config), config.requeue))  # inside elastic.exit_after
 
 Codes: 0 done; 2 a setting (ConfigError, DirectoryLocked); 3 a checkpoint or write-ahead log
 error (CheckpointError); 4 diverged (every step skipped, or a non-finite final loss); 75
@@ -34,11 +34,11 @@ def error_line(message):
     print(f"error: {message}", file=sys.stderr, flush=True)
 
 
-def exit_status(run, config):
+def exit_status(run, requeue=False):
     """Call run() (every rank; returns fit's record or None) and return the process's exit status,
     having printed the one-line error for it: a ConfigError or CheckpointError on rank 0 (raised
     on every rank together), a DirectoryLocked on every rank (each node's log shows why its ranks
-    left), a diverged run on rank 0; after a pre-emption with config.requeue, rank 0 requeues the
+    left), a diverged run on rank 0; after a pre-emption with `requeue`, rank 0 requeues the
     Slurm job. Other exceptions propagate."""
     try:
         record = run()
@@ -60,7 +60,7 @@ def exit_status(run, config):
     if record and record.get("interrupted"):  # every rank: the stop was agreed
         return EXIT_INTERRUPTED
     if record and record.get("preempted"):
-        if config.requeue and rtxmpi.world().rank == 0:
+        if requeue and rtxmpi.world().rank == 0:
             print(elastic.requeue(), flush=True)
         return EXIT_PREEMPTED
     return 0

@@ -173,6 +173,9 @@ class Trainer:
                 if metrics:
                     metrics.write(metrics_line(record))
                     metrics.flush()
+                if config.log_every and (step % config.log_every == 0 or step == last_step):
+                    print(f"step {step} loss {record['loss']:.4f} lr {lr:.2e} "
+                          f"{time.perf_counter() - start:.1f}s", flush=True)
             ckpt_now = config.ckpt_dir and ((config.ckpt_every and step % config.ckpt_every == 0)
                                             or step == last_step or flags.stop)
             if log:
@@ -216,7 +219,7 @@ class Trainer:
         val = f", val_loss {record['val_loss']:.3f}" if "val_loss" in record else ""
         since = f" (steps {start_step}-{last_step}: this attempt)" if elastic.shrinks() else ""
         print(f"done: {count(steps_run, 'step')}{since} in {elapsed:.1f} s, "
-              f"{steps_run * parts.tokens_per_step / elapsed:.0f} tokens/s, "
+              f"{steps_run * parts.tokens_per_step / elapsed:.0f} {parts.unit}/s, "
               f"final loss {record['loss']:.3f}{val}{parts.loss_unit}", flush=True)
         if last_step < config.steps:
             n = config.name

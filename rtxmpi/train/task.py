@@ -29,7 +29,8 @@ class Parts:
     rtxmpi.data.SamplerPosition (next_batch() -> (x, y), state_dict, samples_consumed).
     data_rank, data_size: this rank's place among the ranks that read different data (None:
     the world's). tokens_per_step: what one step processes over every rank, for tokens_per_s
-    (tokens, or samples for a model without tokens). zero_stage: the engine's (stored in the
+    (tokens, or samples for a model without tokens); unit: what it counts, for the closing
+    line ("tokens", "images"). zero_stage: the engine's (stored in the
     checkpoint; 0 with a replicated engine lets an elastic shrink hand the replica over).
     replica: after a failure, what the survivors hand over: "tensors" (engine.pieces(): full
     replicated tensors), "pieces" (rtxmpi.parallel.replica.replica_pieces(engine)) or None (a
@@ -42,6 +43,7 @@ class Parts:
     engine: object
     sampler: object
     tokens_per_step: int
+    unit: str = "tokens"
     data_rank: int = None
     data_size: int = None
     zero_stage: int = 0
