@@ -78,7 +78,7 @@ from .schedule import build_schedule, partition
 
 SCHEDULES = ("1f1b", "gpipe")
 ZERO_STAGES = (0, 1, 2, 3)
-OFFLOADS = ("none", "cpu", "nvme")  # examples/train.py --offload
+OFFLOADS = ("none", "cpu", "nvme")  # ZeRO offload of master parameters and optimizer state
 BUCKET_BYTES = 25 * 2**20
 TIE_BAND = 0.02  # predictions this close are one estimate: among them, the least peak memory first
 STEP_OVERHEAD_ALL_REDUCES = 3  # loss average, overflow agree, grad-norm reduction: small messages
@@ -87,8 +87,8 @@ STEP_OVERHEAD_ALL_REDUCES = 3  # loss average, overflow agree, grad-norm reducti
 @dataclass(frozen=True)
 class Layout:
     """One candidate: parallel degrees, micro-batches per step, ZeRO stage, pipeline schedule
-    ("none" when pp == 1), offload, activation recomputation ("none" or "blocks": examples/
-    train.py --recompute; the planner never picks it, make_plan applies the job's)."""
+    ("none" when pp == 1), offload, activation recomputation ("none" or "blocks": the
+    job's choice; the planner never picks it, make_plan applies the job's)."""
 
     dp: int
     tp: int
@@ -105,8 +105,8 @@ class Layout:
         return (self.dp, self.tp, self.pp, self.sp)
 
     def flags(self):
-        """The examples/train.py flags that run this layout (--offload nvme also needs the
-        job's --offload-dir DIR)."""
+        """This layout as command-line flags of the same names as its fields (--offload nvme also
+        needs the job's offload directory)."""
         out = (f"--dp {self.dp} --tp {self.tp} --pp {self.pp} --sp {self.sp} "
                f"--micro-batches {self.micro_batches} --zero-stage {self.zero_stage}")
         out += f" --schedule {self.schedule}" if self.pp > 1 else ""
@@ -277,7 +277,7 @@ def enumerate_layouts(world_size, global_batch, max_micro_batches=32, zero_stage
 
 
 def default_supported(layout):
-    """What examples/train.py runs in this version (None: yes; else why not), asked of the
+    """What the runtime runs in this version (None: yes; else why not), asked of the
     runtime's own checks (rtxmpi.parallel.hybrid.check_layout, rtxmpi.parallel.pipeline.
     check_pipeline) so the planner only proposes layouts the runtime can execute."""
     L = layout
@@ -882,8 +882,8 @@ def add_arguments(parser):
                         help="largest micro-batch count considered")
     parser.add_argument("--offload", default="none", metavar="MODES",
                         help="ZeRO offload modes to consider, comma-separated from none, cpu, "
-                             "nvme (default none; train.py's --plan auto adds nvme with "
-                             "--offload-dir, cpu with --device cuda)")
+                             "nvme (default none; a job's automatic plan adds nvme when it "
+                             "has an offload directory, cpu on cuda)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="where the model computes: with cuda, offloaded state leaves the "
                              "device's memory")
@@ -975,7 +975,7 @@ def main(args):
     return 0 if plan.ranked else 1
 
 
-# ------------------------------------------------------------------- examples/train.py --plan auto
+# ------------------------------------------------------------------------- a job's automatic plan
 LAYOUT_FLAGS = ("--dp", "--tp", "--pp", "--sp", "--micro-batches", "--zero-stage", "--schedule",
                 "--offload")
 
