@@ -36,7 +36,7 @@ def _default_blas_threads():
     local = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or os.environ.get("MPI_LOCALNRANKS")
     if "OMP_NUM_THREADS" in os.environ or not (local or "").isdigit() or int(local) < 1:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpucount()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     os.environ["OMP_NUM_THREADS"] = str(max(1, (cores or 1) // int(local)))
 
 
