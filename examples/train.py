@@ -20,6 +20,8 @@ surviving ranks after a rank dies (ULFM; docs/elastic.md). --ckpt-dir is locked 
 second job on it exits 2 naming the holder (docs/checkpoint.md).
 A bad flag or data path gives a one-line error and exit code 2 on every rank; a run whose steps
 were all skipped (non-finite gradients) or whose final loss is not finite, exit code 4.
+This file is the command line and the GPT's task (GPTTask); the loop, checkpoints, log, signals
+and exit codes are rtxmpi.train's (docs/training.md).
 """
 import argparse
 import math
