@@ -89,7 +89,7 @@ class Trainer:
                        metrics_textfile=config.metrics_textfile,
                        metrics_jsonl=bool(config.metrics_path), job=task.name,
                        tokens_per_step=parts.tokens_per_step, bucket_mb=parts.bucket_mb,
-                       run_info=config.run_info)  # timeline, metrics, run dir (docs/observe.md)
+                       run_info=config.run_info, names=config.names)  # docs/observe.md
         obs.instrument(engine=engine, sampler=sampler)
         metrics_path = config.metrics_path
         metrics = open(metrics_path, "a") if rank == 0 and metrics_path else None
