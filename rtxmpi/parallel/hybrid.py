@@ -31,7 +31,7 @@ class HybridParallel:
 
     model: TensorParallelModel (e.g. ParallelGPT); optimizer: callable (flat_params, decay_mask)
     -> optimizer (default AdamW).
-    Offers the calls the training loop uses for every engine (examples/train.py): forward,
+    Offers the calls the training loop uses for every engine (rtxmpi.train): forward,
     backward, no_sync, grad_norm, step(lr, max_grad_norm, total_norm), zero_grad, full_params,
     shards, load_shards; a checkpoint holds the FULL model's flat vectors, so it loads at any
     layout. Collective: every rank of the mesh constructs it and calls the same methods in the same

@@ -24,7 +24,7 @@ Each reason is 'rule: explanation'; the rule names the group above ("world size"
 the schedule's name, "zero", "offload", "recompute", "sequence", "heads", "vocab", "width",
 "layers", "batch", "micro-batches"), so the planner can count rejections by it.
 
-The engines (hybrid, pipeline), the planner, the elastic re-plan and examples/train.py ask this
+The engines (hybrid, pipeline), the planner, the elastic re-plan and the command lines ask this
 module and restate none of it. Pure and local: the same verdict on every rank. It imports no engine.
 """
 import math
@@ -164,7 +164,7 @@ class Layout:
         return self if dp is None else replace(self, dp=dp)
 
     def flags(self):
-        """The examples/train.py flags that run this layout (--offload nvme also needs the
+        """The command-line flags (named as the fields) that run this layout (--offload nvme also needs the
         job's --offload-dir DIR)."""
         out = (f"--dp {self.dp} --tp {self.tp} --pp {self.pp} --sp {self.sp} "
                f"--micro-batches {self.micro_batches} --zero-stage {self.zero_stage}")

@@ -697,7 +697,7 @@ class PipelineParallel:
     chunks of one rank would hold.
 
     Attributes: stage (PipelineStage, TensorParallelStage or ChunkedStage), model (the same stage:
-    dtype, num_params, full_specs, as train.py reads a model), mesh (from_mesh), num_params (the
+    dtype, num_params, full_specs, as the training loop reads a model), mesh (from_mesh), num_params (the
     whole one-process model's), tied (this rank's [(parameter index, group, Param)] of the tied
     parameters it holds), tied_indices (every tied parameter index of the pipeline), embed_group
     (the first tied group, or None: a GPT's embedding group), optimizer, schedule (this stage's
@@ -749,7 +749,7 @@ class PipelineParallel:
         self._check_inputs = _input_check(model)
         self.num_params = self.stage.full_specs[-1].stop  # the one-process model's
         self.full_specs = self.stage.full_specs  # the one-process flat layout (checkpoint metadata)
-        self.model = self.stage  # what train.py reads as "the model": dtype, num_params, full_specs
+        self.model = self.stage  # what the training loop reads as "the model": dtype, num_params, full_specs
         self.mesh = None  # set by from_mesh
         self.timeline = []
         self._shapes = {}  # activation shapes per batch shape (_probe_shapes)

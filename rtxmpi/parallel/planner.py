@@ -790,8 +790,8 @@ def add_arguments(parser):
                         help="largest micro-batch count considered")
     parser.add_argument("--offload", default="none", metavar="MODES",
                         help="ZeRO offload modes to consider, comma-separated from none, cpu, "
-                             "nvme (default none; train.py's --plan auto adds nvme with "
-                             "--offload-dir, cpu with --device cuda)")
+                             "nvme (default none; a job's automatic plan adds nvme when it "
+                             "has an offload directory, cpu on cuda)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="where the model computes: with cuda, offloaded state leaves the "
                              "device's memory")
@@ -883,7 +883,7 @@ def main(args):
     return 0 if plan.ranked else 1
 
 
-# ------------------------------------------------------------------- examples/train.py --plan auto
+# ------------------------------------------------------------------------- a job's automatic plan
 LAYOUT_FLAGS = ("--dp", "--tp", "--pp", "--sp", "--micro-batches", "--zero-stage", "--schedule",
                 "--offload")
 
