@@ -98,7 +98,8 @@ def parse_args(argv=None):
     p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=None,
                    help="text file or directory (default: the Python standard library's source)")
-    p.add_argument("--cache-dir", default=None, help="token cache (default $RTXMPI_CACHE_DIR or ~/.cache/rtxmpi)")
+    p.add_argument("--cache-dir", default=None,
+                   help="token cache (default $RTXMPI_CACHE_DIR or ~/.cache/rtxmpi)")
     p.add_argument("--val-fraction", type=float, default=0.05,
                    help="share of files (by path hash) held out for validation")
     p.add_argument("--model", default="small", choices=sorted(MODEL_SIZES), help="model size")
@@ -342,9 +343,9 @@ def replan_layout(world, args):
     if not shrinks and (why == "" and given[0] in (None, layout.dp)):
         return  # a relaunch that fits the flags as given: nothing to say
     if world.rank == 0:
-        micro = (f", micro-batches {layout.micro_batches}" if layout.micro_batches != (
-            micro_batches or layout.micro_batches) else "") + (", --sequence-parallel off" if sequence_parallel and
-                             not args.sequence_parallel else "")
+        micro = (f", micro-batches {layout.micro_batches}"
+                 if layout.micro_batches != (micro_batches or layout.micro_batches) else "")
+        micro += ", --sequence-parallel off" if sequence_parallel and not args.sequence_parallel else ""
         print(f"elastic: layout for {count(size, 'rank')}: {old} -> {describe(*layout.degrees)}{micro} "
               f"({why or '--tp/--pp/--sp as given'})", flush=True)
 

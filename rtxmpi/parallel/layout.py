@@ -137,7 +137,8 @@ class Layout:
     see `resolved`); micro_batches per step; zero_stage (ZERO_STAGES); schedule: a SCHEDULES name
     with pp > 1 ("none", or any, ignored, with pp == 1); offload (OFFLOADS); recompute
     (RECOMPUTE, or a list of unit indices, which the Model checks); virtual_stages: chunks per
-    pipeline rank (interleaved); sequence_parallel: Megatron sequence parallelism inside tp. Constructing one checks nothing: `check`/`reasons`."""
+    pipeline rank (interleaved); sequence_parallel: Megatron sequence parallelism inside tp.
+    Constructing one checks nothing: `check`/`reasons`."""
 
     dp: int
     tp: int = 1
