@@ -72,9 +72,13 @@ from dataclasses import asdict, dataclass, field, replace
 from ..data import batch_split, micro_batch_split
 from ..errors import ConfigError
 from ..exchange import broadcast_json
-from ..nn.gpt import GPTConfig, param_layout
+from ..nn.gpt import GPTConfig, gpt_units
+from ..nn.module import Model
+from ..nn.modules import (ClassificationHead, ClassToken, ClassTokenHead, Embedding, LayerNorm, Linear,
+                          LMHead, PatchEmbedding, PositionalEmbedding, TransformerBlock)
+from ..nn.vit import ViTConfig, vit_units
 from .calibrate import HardwareProfile
-from .layout import OFFLOADS, RECOMPUTE, ZERO_STAGES, Layout
+from .layout import OFFLOADS, RECOMPUTE, ZERO_STAGES, Layout, ModelFacts, model_facts
 from .schedule import build_schedule, partition
 
 PLANNED_SCHEDULES = ("1f1b", "gpipe")  # the layout.SCHEDULES the cost model simulates
@@ -239,13 +243,14 @@ def enumerate_layouts(world_size, global_batch, max_micro_batches=32, zero_stage
     return out
 
 
-def check_layout(cfg, layout, global_batch, world_size, supported=None):
-    """None when `layout` can run `cfg` at this batch and world size, else every reason, joined
+def check_layout(model, layout, global_batch, world_size, supported=None):
+    """None when `layout` can run `model` (a GPTConfig, a ViTConfig, a ModelCosts, anything
+    rtxmpi.parallel.layout.model_facts takes) at this batch and world size, else every reason, joined
     by '; ', each 'rule: explanation' (Layout.reasons, the runtime's rules), then the planner's
     own: ZeRO with dp * sp == 1 shards nothing; then `supported(layout)` (None or a reason; e.g.
     rtxmpi.topology.placement_filter), as 'runtime: ...'. Local (pure)."""
     L = layout
-    why = L.reasons(world_size, cfg, global_batch)
+    why = L.reasons(world_size, model, global_batch)
     if L.zero_stage and L.dp * L.sp == 1 and L.zero_stage in ZERO_STAGES:
         why.append("zero: dp * sp = 1 leaves nothing to shard (same as stage 0)")
     if not why and supported is not None:
@@ -254,18 +259,155 @@ def check_layout(cfg, layout, global_batch, world_size, supported=None):
     return "; ".join(why) or None
 
 
+# ------------------------------------------------------------------------------ the model side
+@dataclass(frozen=True)
+class ModelCosts:
+    """What the cost model reads of a model: a first unit (embeddings), body units that are
+    transformer blocks (what a pipeline places in stages) and a head with the loss.
+
+    seq_len: positions per sample through the blocks (T); n_embd, n_head: the blocks' width and
+    heads; first_params, block_params (one per block), head_params: each unit's own parameter
+    elements, one-process shapes; head_tied: elements of parameters the head uses that the first
+    unit owns (ParamDecl.tied_to: copied into the last stage when pp > 1); head_width: the head's
+    output width (vocabulary, classes); head_per_position: the head maps every position (a
+    language model) or one row per sample (a classifier); first_vocab / head_vocab: the first
+    unit / the head holds a vocabulary-split table (tensor parallelism splits it over tp and
+    all_reduces its output / input gradient); first_flops: forward matmul FLOPs per sample of the
+    first unit (a patch embedding's; a table lookup has none); facts: the layout rules' ModelFacts.
+    Build one with `model_costs`."""
+
+    name: str
+    seq_len: int
+    n_embd: int
+    n_head: int
+    first_params: int
+    block_params: tuple
+    head_params: int
+    head_tied: int
+    head_width: int
+    head_per_position: bool
+    first_vocab: bool
+    head_vocab: bool
+    first_flops: float
+    facts: ModelFacts
+
+    @property
+    def n_layer(self):
+        return len(self.block_params)
+
+    @property
+    def num_params(self):
+        """Parameter elements of the one-process model (Model.num_params)."""
+        return self.first_params + sum(self.block_params) + self.head_params
+
+    def layout_facts(self):
+        return self.facts
+
+
+_FIRST_UNIT = (Embedding, PositionalEmbedding, PatchEmbedding, ClassToken, LayerNorm, Linear)
+_HEADS = (LMHead, ClassificationHead, ClassTokenHead)
+
+
+def _leaves(module):
+    children = getattr(module, "children", None)
+    if children is None:
+        return [module]
+    return [leaf for child in children for leaf in _leaves(child)]
+
+
+def _sizes(leaves):
+    """(own, tied) parameter elements of `leaves`."""
+    decls = [d for m in leaves for d in m.param_specs()]
+    return (sum(math.prod(d.shape) for d in decls if d.tied_to is None),
+            sum(math.prod(d.shape) for d in decls if d.tied_to is not None))
+
+
+def _costs_of_units(units, seq_len, name, facts):
+    modules = [u[1] if isinstance(u, tuple) else u for u in units]
+    if len(modules) < 3:
+        raise ConfigError(f"the planner needs a first unit, at least one block and a head; "
+                          f"{name} has {len(modules)} unit(s)")
+    first, body, head = _leaves(modules[0]), modules[1:-1], _leaves(modules[-1])
+    for k, m in enumerate(body, 1):
+        if not isinstance(m, TransformerBlock):
+            raise ConfigError(f"the planner's cost model knows TransformerBlock body units; unit {k} "
+                              f"of {name} is a {type(m).__name__}")
+    widths = {(m.param_specs()[0].shape[0], m.n_head) for m in body}
+    if len(widths) > 1:
+        raise ConfigError(f"the planner's cost model needs blocks of one width and head count; "
+                          f"{name} has (n_embd, n_head) {sorted(widths)}")
+    (C, H), = widths
+    odd = [type(m).__name__ for m in first if not isinstance(m, _FIRST_UNIT)]
+    odd += [type(m).__name__ for m in head[:-1] if not isinstance(m, LayerNorm)]
+    if not isinstance(head[-1], _HEADS):
+        odd.append(f"{type(head[-1]).__name__} (head)")
+    if odd:
+        raise ConfigError(f"the planner's cost model has no cost for {', '.join(odd)} in {name}: "
+                          f"first unit of {', '.join(t.__name__ for t in _FIRST_UNIT)}, head of "
+                          f"LayerNorm and one of {', '.join(t.__name__ for t in _HEADS)}")
+    loss = head[-1]
+    lm = isinstance(loss, LMHead)
+    width = loss.param_specs()[0].shape[0 if lm else 1]
+    positions = seq_len - sum(isinstance(m, ClassToken) for m in first)
+    flops = sum(2 * math.prod(m.param_specs()[0].shape) * positions for m in first
+                if isinstance(m, (PatchEmbedding, Linear)))
+    first_own, _ = _sizes(first)
+    head_own, head_tied = _sizes(head)
+    vocab = lambda leaves: any(d.split == "vocab" for m in leaves for d in m.param_specs())
+    return ModelCosts(name, seq_len, C, H, first_own, tuple(_sizes([m])[0] for m in body), head_own,
+                      head_tied, width, lm, vocab(first), vocab(head), float(flops), facts)
+
+
+def model_costs(model, seq_len=None):
+    """The ModelCosts of `model`: a ModelCosts; a GPTConfig or ViTConfig (or a model holding one
+    as `.cfg`); an rtxmpi.nn Model of the shipped modules, or its list of units. seq_len: the
+    positions per sample (default: the config's, else the first unit's PositionalEmbedding
+    max_len). Pure. Raises ConfigError for a model the cost model cannot read (a body unit that
+    is not a TransformerBlock, a module it has no cost for, no sequence length)."""
+    if isinstance(model, ModelCosts):
+        return model
+    cfg = getattr(model, "cfg", model)
+    if isinstance(cfg, GPTConfig):
+        return _costs_of_units(gpt_units(cfg), cfg.seq_len, "GPT", model_facts(cfg))
+    if isinstance(cfg, ViTConfig):
+        return _costs_of_units(vit_units(cfg), cfg.seq_len, "ViT", model_facts(cfg))
+    if isinstance(model, Model):
+        units = model.modules
+    elif isinstance(model, (list, tuple)):
+        units = list(model)
+    else:
+        raise ConfigError(f"cannot plan a {type(model).__name__}: pass a GPTConfig, a ViTConfig, an "
+                          "rtxmpi.nn Model of the shipped modules or its units")
+    if seq_len is None:
+        first = units[0][1] if units and isinstance(units[0], tuple) else (units[0] if units else None)
+        pos = [m for m in _leaves(first) if isinstance(m, PositionalEmbedding)] if first else []
+        if not pos:
+            raise ConfigError("the model has no PositionalEmbedding to read its sequence length "
+                              "from: pass seq_len")
+        seq_len = pos[0].decl.shape[0]
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ConfigError(f"seq_len must be an integer >= 1, got {seq_len!r}")
+    facts = replace(model_facts(units), seq_len=seq_len)
+    return _costs_of_units(units, seq_len, "the model", facts)
+
+
+def calibration_config(costs):
+    """The GPTConfig `calibrate` measures for a model: the GPT itself, else a GPT with the same
+    blocks (n_layer, n_head, n_embd, seq_len) and the head's width as its vocabulary, whose kernel
+    rates and reference run stand for the model's."""
+    c = model_costs(costs)
+    return GPTConfig(vocab_size=c.head_width, seq_len=c.seq_len, n_layer=c.n_layer,
+                     n_head=c.n_head, n_embd=c.n_embd)
+
+
 # ------------------------------------------------------------------------------ cost model
-def _stage_params(cfg, pp):
-    """Parameters held by each stage (embeddings on the first, head and a tied wte copy on the
-    last, as rtxmpi.parallel.pipeline.stage_layout does) and each stage's block count."""
-    specs = param_layout(cfg)
-    C, V, L = cfg.n_embd, cfg.vocab_size, cfg.n_layer
-    block = sum(s.size for s in specs[2:14])
-    emb = specs[0].size + specs[1].size
-    head = 2 * C + (V * C if (not cfg.tie_embeddings or pp > 1) else 0)
-    costs = [block] * L
-    costs[0] += emb
-    costs[-1] += head
+def _stage_params(c, pp):
+    """Parameters held by each stage (the first unit on the first, the head and its tied copy on
+    the last when pp > 1, as rtxmpi.parallel.pipeline.stage_units does) and each stage's block
+    count. c: ModelCosts."""
+    costs = list(c.block_params)
+    costs[0] += c.first_params
+    costs[-1] += c.head_params + (c.head_tied if pp > 1 else 0)
     bounds = partition(costs, pp)
     params = [sum(costs[a:b]) for a, b in bounds]
     return params, [b - a for a, b in bounds]
@@ -282,8 +424,9 @@ class _Costs:
     """Per-micro-batch costs of one layout: compute work (alone-seconds) and communication
     (wall seconds) per stage for forward and backward."""
 
-    def __init__(self, cfg, L, global_batch, profile, ranks_per_node, factor=1.0, hop_s=None):
-        p, C, H, V, T = profile, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.seq_len
+    def __init__(self, c, L, global_batch, profile, ranks_per_node, factor=1.0, hop_s=None):
+        c = model_costs(c)
+        p, C, H, V, T = profile, c.n_embd, c.n_head, c.head_width, c.seq_len
         b = _micro_batch(global_batch, L)
         n = b * T / L.sp
         h = H / (L.tp * L.sp)
@@ -299,12 +442,16 @@ class _Costs:
         call = p.block_call_us * 1e-6
         self.block_f = dense + attn + elem_f + 0.4 * call
         self.block_b = 2 * (dense + attn) + elem_b + 0.6 * call
-        head_mm = 2 * n * C * V / tp / p.dense_flops
-        ce = n * V / tp * 1e-9
+        rows, tp_head = _head_rows(c, b, L), (tp if c.head_vocab else 1)
+        head_mm = 2 * rows * C * V / tp_head / p.dense_flops
+        ce = rows * V / tp_head * 1e-9
         self.head_f = head_mm + ce * p.score_fwd_ns + n * C * p.ln_ns * 0.4e-9
         self.head_b = 2 * head_mm + ce * p.score_bwd_ns + n * C * p.ln_ns * 0.6e-9
         self.head_f, self.head_b = self.head_f + 0.2 * call, self.head_b + 0.3 * call
         self.emb_f = self.emb_b = n * C * p.ln_ns * 0.5e-9 / 2 + 0.1 * call
+        if c.first_flops:  # a patch embedding's matmul: backward 2x (input and weight gradient)
+            self.emb_f += c.first_flops * b / L.sp / p.dense_flops
+            self.emb_b += 2 * c.first_flops * b / L.sp / p.dense_flops
         for name in ("block_f", "block_b", "head_f", "head_b", "emb_f", "emb_b"):
             setattr(self, name, getattr(self, name) * factor)
         # communication per block and micro-batch
@@ -314,7 +461,9 @@ class _Costs:
         # each collective: alpha-beta + the wait for the last rank to arrive (sync_time_s)
         sync_tp, sync_sp = p.sync_time_s(tp), p.sync_time_s(sp)
         self.tp_block = 2 * (p.comm_time_s("all_reduce", act, tp, tp_inter) + sync_tp) if tp > 1 else 0.0
-        self.tp_edge = p.comm_time_s("all_reduce", act, tp, tp_inter) + sync_tp if tp > 1 else 0.0
+        edge = p.comm_time_s("all_reduce", act, tp, tp_inter) + sync_tp if tp > 1 else 0.0
+        self.tp_edge_first = edge if c.first_vocab else 0.0  # vocabulary-parallel embedding
+        self.tp_edge_head = edge if c.head_vocab else 0.0     # and head
         self.sp_block = (p.comm_time_s("all_to_all", 3 * act / tp, sp, sp_inter)
                          + p.comm_time_s("all_to_all", act / tp, sp, sp_inter)
                          + 2 * sync_sp) if sp > 1 else 0.0
@@ -328,9 +477,16 @@ class _Costs:
         self.recompute = L.recompute != "none"
 
 
+def _head_rows(c, b, L):
+    """Rows the head maps for a micro-batch of b samples on a rank: every position of the
+    rank's sequence shard (a language model), else one per sample."""
+    return b * c.seq_len / L.sp if c.head_per_position else b
+
+
 def _kernel_seconds(cfg, b, profile):
-    c = _Costs(cfg, Layout(1, 1, 1, 1), b, profile, 1)
-    return cfg.n_layer * (c.block_f + c.block_b) + c.head_f + c.head_b + c.emb_f + c.emb_b
+    c = model_costs(cfg)
+    k = _Costs(c, Layout(1, 1, 1, 1), b, profile, 1)
+    return c.n_layer * (k.block_f + k.block_b) + k.head_f + k.head_b + k.emb_f + k.emb_b
 
 
 def model_factor(profile, working_set=None, blocks=None):
@@ -359,8 +515,9 @@ def model_factor(profile, working_set=None, blocks=None):
     bs = int(small_info["micro_batch"])
     small = (profile.ref_ms * 1e-3 * float(small_info["ms_ratio"])
              / _kernel_seconds(cfg, bs, profile))
-    x_big = activation_bytes(cfg, Layout(1, 1, 1, 1, 1), b)[0]
-    x_small = activation_bytes(cfg, Layout(1, 1, 1, 1, 1), bs)[0]
+    ref_costs = model_costs(cfg)
+    x_big = activation_bytes(ref_costs, Layout(1, 1, 1, 1, 1), b)[0]
+    x_small = activation_bytes(ref_costs, Layout(1, 1, 1, 1, 1), bs)[0]
     if x_big <= x_small:
         return min(10.0, max(0.5, big))
     t = (math.log(max(working_set, 1.0)) - math.log(x_small)) / (math.log(x_big) - math.log(x_small))
@@ -378,10 +535,10 @@ def _stage_tasks(costs, blocks, stage, stages):
     bc = blocks * (c.tp_block + c.sp_block) * (1 + c.recompute)
     if stage == 0:
         fw, bw = fw + c.emb_f, bw + c.emb_b
-        fc += c.tp_edge
+        fc += c.tp_edge_first
     if stage == stages - 1:
         fw, bw = fw + c.head_f, bw + c.head_b
-        bc += c.tp_edge
+        bc += c.tp_edge_head
     return fw, fc, bw, bc
 
 
@@ -453,22 +610,24 @@ def simulate_pipeline(tasks, schedule, micro_batches, p2p_s, speed):
     raise ConfigError("pipeline simulation did not finish (schedule bug)")
 
 
-def activation_bytes(cfg, layout, global_batch):
+def activation_bytes(model, layout, global_batch):
     """Bytes of activations one micro-batch keeps per block and for the head (see the module
     docstring): (per block, head) on one rank. Under recompute a block keeps only its input
-    (4 n C) and rebuilds the rest in backward; that is not this function's (memory_breakdown)."""
-    L = layout
+    (4 n C) and rebuilds the rest in backward; that is not this function's (memory_breakdown).
+    model: anything model_costs takes."""
+    c, L = model_costs(model), layout
     b = _micro_batch(global_batch, L)
-    n = b * cfg.seq_len / L.sp
-    S = b * cfg.n_head / (L.tp * L.sp) * cfg.seq_len * cfg.seq_len
-    C = cfg.n_embd
-    return 4 * (4 * n * C + 17 * n * C / L.tp + S), 8 * n * cfg.vocab_size / L.tp
+    n = b * c.seq_len / L.sp
+    S = b * c.n_head / (L.tp * L.sp) * c.seq_len * c.seq_len
+    C = c.n_embd
+    head = 8 * _head_rows(c, b, L) * c.head_width / (L.tp if c.head_vocab else 1)
+    return 4 * (4 * n * C + 17 * n * C / L.tp + S), head
 
 
-def _block_input_bytes(cfg, layout, global_batch):
+def _block_input_bytes(c, layout, global_batch):
     """Bytes of one block's (b, T / sp, C) float32 input for one micro-batch: what a recomputed
     block keeps."""
-    return 4 * _micro_batch(global_batch, layout) * cfg.seq_len / layout.sp * cfg.n_embd
+    return 4 * _micro_batch(global_batch, layout) * c.seq_len / layout.sp * c.n_embd
 
 
 def _sharing(profile, R, ranks_per_stage):
@@ -490,22 +649,21 @@ def _sharing(profile, R, ranks_per_stage):
     return speed
 
 
-def _units(cfg, stage, stages, blocks):
-    """Parameter counts of the ZeRO-3 units one stage gathers (rtxmpi.nn.GPT unit hooks:
-    embeddings, each block, the head; a tied wte is gathered with the head)."""
-    specs = param_layout(cfg)
-    C, V = cfg.n_embd, cfg.vocab_size
-    block = sum(spec.size for spec in specs[2:14])
-    units = [block] * blocks
+def _units(c, stage, stages, blocks):
+    """Parameter counts of the ZeRO-3 units one stage gathers (the Model's unit hooks: the first
+    unit, each block, the head; a tied table is gathered with the head). The blocks are taken
+    as alike (the cost model's blocks have one width)."""
+    units = [c.block_params[0]] * blocks
     if stage == 0:
-        units.append(specs[0].size + specs[1].size)
+        units.append(c.first_params)
     if stage == stages - 1:
-        units.append(2 * C + V * C)  # ln_f and the head (the tied wte, or its own matrix)
+        units.append(c.head_params + c.head_tied)
     return units
 
 
-def memory_breakdown(cfg, layout, global_batch, device="cpu"):
-    """Peak bytes per rank of each pipeline stage, float32: a list (one per stage) of dicts
+def memory_breakdown(model, layout, global_batch, device="cpu"):
+    """Peak bytes per rank of each pipeline stage, float32, of `model` (anything model_costs
+    takes): a list (one per stage) of dicts
     {"params", "grads", "optimizer", "activations", "transient", "total"}.
 
     ZeRO shards over the ranks holding the same parameters, W = dp * sp (the gradient averaging
@@ -535,7 +693,7 @@ def memory_breakdown(cfg, layout, global_batch, device="cpu"):
     from .offload import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_CHUNKS
     from .zero import zero_state_bytes
 
-    L = layout
+    cfg, L = model_costs(model), layout
     stage_params, stage_blocks = _stage_params(cfg, L.pp)
     per_block, head_act = activation_bytes(cfg, L, global_batch)
     W, z, host = L.dp * L.sp, L.zero_stage, device == "cpu"
@@ -616,13 +774,14 @@ def _data_parallel_seconds(cfg, L, P, profile, inter, units_per_stage=None):
     return dp_s, offload_s
 
 
-def estimate(cfg, layout, global_batch, profile, ranks_per_node=None, device="cpu"):
+def estimate(model, layout, global_batch, profile, ranks_per_node=None, device="cpu"):
     """Predicted Estimate of one valid layout (check_layout first). Local (pure).
 
-    cfg: GPTConfig; global_batch: sequences per step; profile: HardwareProfile; ranks_per_node:
+    model: anything model_costs takes (a GPTConfig, a ViTConfig, a Model, a ModelCosts);
+    global_batch: samples per step; profile: HardwareProfile; ranks_per_node:
     default profile.ranks_per_node capped at the world size; device: "cpu" (numpy: host memory
     is the device's) or "cuda" (offload moves state off the device), for memory_breakdown."""
-    L, p = layout, profile
+    cfg, L, p = model_costs(model), layout, profile
     world = L.dp * L.tp * L.pp * L.sp
     R = min(world, ranks_per_node or p.ranks_per_node)
     stage_params, stage_blocks = _stage_params(cfg, L.pp)
@@ -680,7 +839,9 @@ def make_plan(cfg, global_batch, world_size, profile, ranks_per_node=None, mem_p
               recompute="none"):
     """Enumerate, check, estimate and rank. Local (pure); every rank gets the same Plan.
 
-    cfg: GPTConfig (seq_len is the sequence length); global_batch: sequences per step;
+    cfg: the model, anything model_costs takes (a GPTConfig: seq_len is the sequence length; a
+    ViTConfig; an rtxmpi.nn Model of the shipped modules; a ModelCosts); global_batch: samples
+    per step;
     world_size: ranks; profile: HardwareProfile; ranks_per_node: default min(world_size,
     profile.ranks_per_node); mem_per_device: bytes per rank (None: unlimited); offloads: the
     ZeRO offload modes to consider (subset of OFFLOADS; "nvme" only when the job has an
@@ -690,8 +851,7 @@ def make_plan(cfg, global_batch, world_size, profile, ranks_per_node=None, mem_p
     Returns Plan (ranked by predicted total time, ties broken by lower memory, then fewer
     micro-batches, then lower ZeRO stage). Raises ConfigError on bad inputs.
     """
-    if not isinstance(cfg, GPTConfig):
-        raise ConfigError(f"cfg must be a GPTConfig, got {type(cfg).__name__}")
+    costs = model_costs(cfg)
     for name, value in (("global_batch", global_batch), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -711,11 +871,11 @@ def make_plan(cfg, global_batch, world_size, profile, ranks_per_node=None, mem_p
             world_size, global_batch, max_micro_batches, zero_stages, schedules, offloads)]
     ranked, rejected = [], []
     for L in candidates:
-        why = check_layout(cfg, L, global_batch, world_size, supported)
+        why = check_layout(costs, L, global_batch, world_size, supported)
         if why:
             rejected.append((L, why))
             continue
-        e = estimate(cfg, L, global_batch, profile, R, device)
+        e = estimate(costs, L, global_batch, profile, R, device)
         if mem_per_device is not None and e.peak_bytes > mem_per_device:
             rejected.append((L, f"memory: peak {_fmt_bytes(e.peak_bytes)} > "
                                 f"{_fmt_bytes(mem_per_device)} per device"))
