@@ -391,11 +391,15 @@ def model_costs(model, seq_len=None):
     return _costs_of_units(units, seq_len, "the model", facts)
 
 
-def calibration_config(costs):
-    """The GPTConfig `calibrate` measures for a model: the GPT itself, else a GPT with the same
-    blocks (n_layer, n_head, n_embd, seq_len) and the head's width as its vocabulary, whose kernel
-    rates and reference run stand for the model's."""
-    c = model_costs(costs)
+def calibration_config(model):
+    """The GPTConfig `calibrate` measures for `model` (anything model_costs takes): a GPT's own,
+    else a GPT with the same blocks (n_layer, n_head, n_embd, seq_len) and the head's width as its
+    vocabulary, whose kernel rates and reference run stand for the model's (the profile format
+    holds a GPT reference). Raises ConfigError as model_costs does."""
+    cfg = getattr(model, "cfg", model)
+    if isinstance(cfg, GPTConfig):
+        return cfg
+    c = model_costs(model)
     return GPTConfig(vocab_size=c.head_width, seq_len=c.seq_len, n_layer=c.n_layer,
                      n_head=c.n_head, n_embd=c.n_embd)
 
@@ -925,10 +929,19 @@ def parse_bytes(text):
 def add_arguments(parser):
     """The `rtxmpi plan` flags (rtxmpi/cli.py)."""
     from ..nn.gpt import MODEL_SIZES
+    from ..nn.vit import VIT_SIZES
 
-    parser.add_argument("--model", default="small", choices=sorted(MODEL_SIZES), help="model size")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--global-batch", type=int, default=32, help="sequences per step")
+    parser.add_argument("--model-kind", default="gpt", choices=("gpt", "vit"),
+                        help="the model: the GPT (--model, --seq-len) or the ViT (--vit-size, "
+                             "--patch; examples/train_vit.py's digits images)")
+    parser.add_argument("--model", default="small", choices=sorted(MODEL_SIZES), help="GPT size")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per sequence (GPT; default 128)")
+    parser.add_argument("--vit-size", default="small", choices=list(VIT_SIZES), help="ViT size")
+    parser.add_argument("--patch", type=int, default=None,
+                        help="ViT patch side in pixels (default 2; 8 must divide)")
+    parser.add_argument("--global-batch", type=int, default=32,
+                        help="samples per step (sequences, images)")
     parser.add_argument("--world-size", type=int, default=None,
                         help="ranks (default: the MPI world size when launched with mpiexec)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
@@ -992,6 +1005,22 @@ def _plan_json(plan):
             "reason": plan.reason()}
 
 
+def _cli_model(args):
+    """(config, description) of the `rtxmpi plan` flags. Raises ConfigError for a flag of the
+    other model kind."""
+    from ..nn.vit import ViTConfig
+
+    if args.model_kind == "vit":
+        if args.seq_len is not None:
+            raise ConfigError("--seq-len is the GPT's; a ViT's positions are its patches and the "
+                              "class token (--patch)")
+        cfg = ViTConfig.named(args.vit_size, patch_size=args.patch or 2)
+        return cfg, f"ViT {args.vit_size}, {cfg.image_size}x{cfg.image_size} images in {cfg.patch_size}x{cfg.patch_size} patches"
+    if args.patch is not None:
+        raise ConfigError("--patch is the ViT's: use it with --model-kind vit")
+    return GPTConfig.named(args.model, seq_len=args.seq_len or 128), f"model {args.model}"
+
+
 def main(args):
     """`rtxmpi plan`: print the ranked table and the reason (rank 0). Exit status 0, 1 when no
     layout fits, 2 for bad flags (ConfigError, printed on one line)."""
@@ -1002,17 +1031,17 @@ def main(args):
 
     rank = MPI.COMM_WORLD.Get_rank()
     try:
-        for name in ("seq_len", "global_batch", "top", "max_micro_batches"):
-            if getattr(args, name) < 1:
+        for name in ("seq_len", "patch", "global_batch", "top", "max_micro_batches"):
+            if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
         if args.world_size is not None and args.world_size < 1:  # 0 is a bad flag, not "unset"
             raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
         world_size = MPI.COMM_WORLD.Get_size() if args.world_size is None else args.world_size
         if args.world_size is None and world_size == 1:
             raise ConfigError("--world-size is needed outside mpiexec (the ranks to plan for)")
-        cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
+        cfg, what = _cli_model(args)
         memory = parse_bytes(args.mem_per_device) if args.mem_per_device else None
-        profile = load_or_calibrate(args, cfg=cfg)
+        profile = load_or_calibrate(args, cfg=calibration_config(cfg))
         offloads = tuple(dict.fromkeys(m.strip() for m in args.offload.split(",") if m.strip()))
         if not offloads or set(offloads) - set(OFFLOADS):
             raise ConfigError(f"--offload {args.offload!r}: comma-separated modes from "
@@ -1028,8 +1057,8 @@ def main(args):
     if rank != 0:
         return 0 if plan.ranked else 1
     mem = _fmt_bytes(memory) if memory else "unlimited"
-    print(f"plan: model {args.model} ({cfg.n_layer} layers, {cfg.n_head} heads, n_embd "
-          f"{cfg.n_embd}), global batch {args.global_batch} x {args.seq_len} tokens, world size "
+    print(f"plan: {what} ({cfg.n_layer} layers, {cfg.n_head} heads, n_embd {cfg.n_embd}), "
+          f"global batch {args.global_batch} x {cfg.seq_len} positions, world size "
           f"{world_size}, {plan.inputs['ranks_per_node']} rank"
           f"{'' if plan.inputs['ranks_per_node'] == 1 else 's'} per node, memory {mem} per rank")
     print(f"profile: {profile.source}")
@@ -1056,6 +1085,9 @@ def explicit_layout_flags(argv):
 def plan_for_job(group, cfg, global_batch, profile_path=None, mem_per_device=None,
                  offload_dir=None, device="cpu", recompute="none"):
     """`--plan auto`: the fastest layout for this job. Collective: every rank of `group` calls it.
+
+    cfg: the model, anything make_plan takes (a GPTConfig, a ViTConfig, a Model); global_batch:
+    samples per step.
 
     The profile is read from `profile_path` when that file exists, else measured now (calibrate,
     5-15 s) and, with a path, saved there for the next run (rank 0 writes). Rank 0 plans and
@@ -1086,7 +1118,7 @@ def plan_for_job(group, cfg, global_batch, profile_path=None, mem_per_device=Non
             raise ConfigError(error)
         profile = HardwareProfile.from_dict(data, what=profile_path)
     else:
-        profile = calibrate(group, cfg=cfg)
+        profile = calibrate(group, cfg=calibration_config(cfg))
         if profile_path and group.rank == 0:
             profile.save(profile_path)
     if mem_per_device is None:
