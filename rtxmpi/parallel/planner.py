@@ -1,11 +1,16 @@
 """The planner: which (dp, tp, pp, sp) layout, micro-batch count, ZeRO stage and pipeline schedule
-trains a GPT fastest on this machine, within its memory.
+trains a model fastest on this machine, within its memory.
 
     rtxmpi plan --model small --global-batch 32 --seq-len 128 --world-size 4 --profile prof.json
+    rtxmpi plan --model-kind vit --vit-size small --global-batch 64 --world-size 4
     plan = make_plan(cfg, global_batch=32, world_size=4, profile=default_profile())
     print(plan.table(top=10)); print(plan.reason())
 
-Inputs: the model (GPTConfig), the global batch (sequences per step), the world size and ranks per
+Inputs: the model (a GPTConfig, a ViTConfig or an rtxmpi.nn Model of the shipped modules, read
+once into a ModelCosts by `model_costs`: per unit its parameters, which units are the blocks, the
+blocks' width, heads and positions, the head's width and whether it maps every position, what is
+vocabulary-parallel, the first unit's matmul FLOPs), the global batch (samples per step), the
+world size and ranks per
 node, the memory per device (bytes), and a HardwareProfile (rtxmpi/parallel/calibrate.py: matmul
 and element-wise rates with every local rank busy, the contention that implies, and alpha-beta fits
 of all_reduce, all_gather, reduce_scatter, all_to_all and send/recv inside and across nodes).
@@ -20,8 +25,9 @@ planner's own preference (ZeRO with dp * sp == 1 shards nothing), and an optiona
 filter (rtxmpi.topology.placement_filter: tp inside an NVLink island); then `estimate` rejects
 what does not fit in memory.
 
-Cost model (`estimate`), per step, seconds; n = b * T / sp tokens of a micro-batch of b samples on
-a rank, h = n_head / (tp * sp) heads, S = b * h * T * T attention scores, P = parameters per rank:
+Cost model (`estimate`), per step, seconds; n = b * T / sp positions of a micro-batch of b samples
+on a rank, h = n_head / (tp * sp) heads, S = b * h * T * T attention scores, P = parameters per
+rank, V the head's width, r its rows (n for a language-model head, b for a classifier's):
   compute of one block and micro-batch, at "alone" speed (one rank computing on the node):
     dense GEMMs   3 * 24 n C^2 / tp FLOPs (forward 1x, backward 2x: the 6 * params * tokens rule
                   for the qkv, proj, fc and mlp-proj matrices) at dense_flops
@@ -29,8 +35,9 @@ a rank, h = n_head / (tp * sp) heads, S = b * h * T * T attention scores, P = pa
                   the masked half) at attn_flops
     element-wise  S (score_fwd_ns + score_bwd_ns) + 4 n C / tp gelu_ns + 2 n C ln_ns (LayerNorm is
                   replicated over tp)
-  head (last stage): 3 * 2 n C V / tp FLOPs and n V / tp cross-entropy elements (score rates);
-  embeddings: n C ln_ns / 2.  The optimizer: P / (dp if ZeRO >= 1) * adam_ns.
+  head (last stage): 3 * 2 r C V / tp FLOPs and r V / tp cross-entropy elements (score rates;
+  "/ tp" only for a vocabulary-parallel head); embeddings: n C ln_ns / 2, plus a patch
+  embedding's matmul (3x its forward FLOPs).  The optimizer: P / (dp if ZeRO >= 1) * adam_ns.
   contention: when n of a node's R ranks compute at once and the others wait in MPI, each runs at
   speed(n) = min(1, effective_cores / (n + wait_weight (R - n))) (processor sharing; waiting
   ranks spin-yield and still take a share), relative to speed(1), the condition the profile's
@@ -39,7 +46,7 @@ a rank, h = n_head / (tp * sp) heads, S = b * h * T * T attention scores, P = pa
   nodes, mesh order pp, dp, sp, tp outermost to innermost as in rtxmpi.mesh):
     every collective also pays HardwareProfile.sync_time_s(n): the wait for the last of n ranks
          that computed before it (measured; large when ranks outnumber cores).
-    tp   Megatron: per block 2 all_reduce of n C floats forward and 2 backward; the vocabulary-
+    tp   Megatron: per block 2 all_reduce of n C floats forward and 2 backward; a vocabulary-
          parallel embedding and head add one forward and one backward (Shoeybi et al. 2019).
     sp   Ulysses: per block, forward and backward, an all_to_all of the q, k, v shard (3 n C / tp
          floats) and one of the output (n C / tp) (Jacobs et al. 2023).
@@ -57,7 +64,7 @@ a rank, h = n_head / (tp * sp) heads, S = b * h * T * T attention scores, P = pa
   memory per rank (memory_breakdown), bytes, float32: params 4 P, grads 4 P, AdamW 16 P (m, v,
   decay mask, scratch); ZeRO and offload as zero.py's memory_bytes counts them, plus transients;
   activations per block and micro-batch 4 (4 n C + 17 n C / tp + S) bytes (the caches of
-  rtxmpi.nn.layers), head 8 n V / tp; in flight: GPipe m micro-batches, 1F1B min(m, pp - stage).
+  rtxmpi.nn.layers), head 8 r V / tp; in flight: GPipe m micro-batches, 1F1B min(m, pp - stage).
   recompute "blocks" (Chen et al. 2016; the job's --recompute): each block
   keeps its input, 4 n C bytes, and one block's activations are rebuilt at a time in backward;
   each block's backward pays its forward again (compute and its tp/sp collectives).
