@@ -86,6 +86,7 @@ from ..nn.modules import (ClassificationHead, ClassToken, ClassTokenHead, Embedd
 from ..nn.vit import ViTConfig, vit_units
 from .calibrate import HardwareProfile
 from .layout import OFFLOADS, RECOMPUTE, ZERO_STAGES, Layout, ModelFacts, model_facts
+from .layout import _leaves
 from .schedule import build_schedule, partition
 
 PLANNED_SCHEDULES = ("1f1b", "gpipe")  # the layout.SCHEDULES the cost model simulates
@@ -315,13 +316,6 @@ _FIRST_UNIT = (Embedding, PositionalEmbedding, PatchEmbedding, ClassToken, Layer
 _HEADS = (LMHead, ClassificationHead, ClassTokenHead)
 
 
-def _leaves(module):
-    children = getattr(module, "children", None)
-    if children is None:
-        return [module]
-    return [leaf for child in children for leaf in _leaves(child)]
-
-
 def _sizes(leaves):
     """(own, tied) parameter elements of `leaves`."""
     decls = [d for m in leaves for d in m.param_specs()]
@@ -329,8 +323,12 @@ def _sizes(leaves):
             sum(math.prod(d.shape) for d in decls if d.tied_to is not None))
 
 
-def _costs_of_units(units, seq_len, name, facts):
-    modules = [u[1] if isinstance(u, tuple) else u for u in units]
+def _vocab_split(leaves):
+    return any(d.split == "vocab" for m in leaves for d in m.param_specs())
+
+
+def _costs_of_units(modules, seq_len, name, facts):
+    """ModelCosts of a Model's unit modules (first, blocks, head). Raises ConfigError."""
     if len(modules) < 3:
         raise ConfigError(f"the planner needs a first unit, at least one block and a head; "
                           f"{name} has {len(modules)} unit(s)")
@@ -360,9 +358,9 @@ def _costs_of_units(units, seq_len, name, facts):
                 if isinstance(m, (PatchEmbedding, Linear)))
     first_own, _ = _sizes(first)
     head_own, head_tied = _sizes(head)
-    vocab = lambda leaves: any(d.split == "vocab" for m in leaves for d in m.param_specs())
     return ModelCosts(name, seq_len, C, H, first_own, tuple(_sizes([m])[0] for m in body), head_own,
-                      head_tied, width, lm, vocab(first), vocab(head), float(flops), facts)
+                      head_tied, width, lm, _vocab_split(first), _vocab_split(head), float(flops),
+                      facts)
 
 
 def model_costs(model, seq_len=None):
@@ -374,28 +372,28 @@ def model_costs(model, seq_len=None):
     if isinstance(model, ModelCosts):
         return model
     cfg = getattr(model, "cfg", model)
-    if isinstance(cfg, GPTConfig):
-        return _costs_of_units(gpt_units(cfg), cfg.seq_len, "GPT", model_facts(cfg))
-    if isinstance(cfg, ViTConfig):
-        return _costs_of_units(vit_units(cfg), cfg.seq_len, "ViT", model_facts(cfg))
+    if isinstance(cfg, (GPTConfig, ViTConfig)):
+        gpt = isinstance(cfg, GPTConfig)
+        units = gpt_units(cfg) if gpt else vit_units(cfg)
+        return _costs_of_units([u[1] if isinstance(u, tuple) else u for u in units], cfg.seq_len,
+                               "GPT" if gpt else "ViT", model_facts(cfg))
     if isinstance(model, Model):
-        units = model.modules
+        modules = list(model.modules)
     elif isinstance(model, (list, tuple)):
-        units = list(model)
+        modules = [u[1] if isinstance(u, tuple) else u for u in model]
     else:
         raise ConfigError(f"cannot plan a {type(model).__name__}: pass a GPTConfig, a ViTConfig, an "
                           "rtxmpi.nn Model of the shipped modules or its units")
     if seq_len is None:
-        first = units[0][1] if units and isinstance(units[0], tuple) else (units[0] if units else None)
-        pos = [m for m in _leaves(first) if isinstance(m, PositionalEmbedding)] if first else []
+        pos = [m for m in _leaves(modules[0]) if isinstance(m, PositionalEmbedding)] if modules else []
         if not pos:
             raise ConfigError("the model has no PositionalEmbedding to read its sequence length "
                               "from: pass seq_len")
         seq_len = pos[0].decl.shape[0]
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ConfigError(f"seq_len must be an integer >= 1, got {seq_len!r}")
-    facts = replace(model_facts(units), seq_len=seq_len)
-    return _costs_of_units(units, seq_len, "the model", facts)
+    facts = replace(model_facts(modules), seq_len=seq_len)
+    return _costs_of_units(modules, seq_len, "the model", facts)
 
 
 def calibration_config(model):
@@ -1022,7 +1020,8 @@ def _cli_model(args):
             raise ConfigError("--seq-len is the GPT's; a ViT's positions are its patches and the "
                               "class token (--patch)")
         cfg = ViTConfig.named(args.vit_size, patch_size=args.patch or 2)
-        return cfg, f"ViT {args.vit_size}, {cfg.image_size}x{cfg.image_size} images in {cfg.patch_size}x{cfg.patch_size} patches"
+        side, patch = cfg.image_size, cfg.patch_size
+        return cfg, f"ViT {args.vit_size}, {side}x{side} images in {patch}x{patch} patches"
     if args.patch is not None:
         raise ConfigError("--patch is the ViT's: use it with --model-kind vit")
     return GPTConfig.named(args.model, seq_len=args.seq_len or 128), f"model {args.model}"
