@@ -34,6 +34,7 @@ GPT's token checks.
 Shape legend: B this rank's samples, T positions per sample, Ts = T/sp this rank's positions,
 Tl = Ts/tp with sequence_parallel (else Ts); C channels; Hl = H/tp heads; V vocabulary.
 """
+import copy
 import zlib
 
 import numpy as np
@@ -44,9 +45,9 @@ from ..errors import ConfigError
 from ..nn.gpt import GPTConfig, gpt_units
 from ..nn.module import (FlatParams, Model, Module, ParamDecl, Sequential, declarations,
                          init_flat, own_layout, run_backward)
-from ..nn.modules import (MLP, BiasGELU, ClassificationHead, Embedding, LayerNorm, Linear,
-                          LMHead, MultiHeadAttention, PatchEmbedding, PositionalEmbedding,
-                          TransformerBlock)
+from ..nn.modules import (MLP, BiasGELU, ClassificationHead, ClassToken, ClassTokenHead,
+                          Embedding, LayerNorm, Linear, LMHead, MultiHeadAttention,
+                          PatchEmbedding, PositionalEmbedding, TransformerBlock)
 from ..nn.optim import grad_norm_sq
 from . import tensor as tpl
 from .sequence import check_heads, ulysses_attention_backward, ulysses_attention_forward
@@ -64,6 +65,13 @@ class Axes:
     def splits_sequence(self):
         """True when a unit sees only some positions of each sample (sp > 1 or Megatron sp)."""
         return self.sp > 1 or self.sequence_parallel
+
+    def whole(self):
+        """These axes for a unit that runs every position on every sp rank: sp = 1 (sp_group
+        None), tp as it is."""
+        axes = copy.copy(self)
+        axes.sp, axes.sp_rank, axes.sp_group = 1, 0, None
+        return axes
 
 
 def _local_decls(decls, kinds, tp):
@@ -325,6 +333,60 @@ class _SequenceSplitUnit(Module):
         return dx
 
 
+class _Wrapped(Module):
+    """A unit around `module`: its declarations, needs and head (loss_forward) are the module's."""
+
+    def __init__(self, module, ax):
+        self.module, self.ax = module, ax
+        self.backward_needs_params = module.backward_needs_params
+        if hasattr(module, "loss_forward"):
+            self.loss_forward, self.loss_backward = module.loss_forward, module.loss_backward
+
+    def param_specs(self):
+        return self.module.param_specs()
+
+
+class SplitSequenceAfter(_Wrapped):
+    """A unit that makes the positions from the whole input (PatchEmbedding, ClassToken), run
+    whole on every sp rank; its output (B, T, C) is cut to this sp rank's positions, (B, T/sp, C)
+    (mesh.seq_slice). Backward puts dy at those positions of a zero (B, T, C). Local; raises
+    ConfigError (on every rank alike) when sp does not divide T."""
+
+    def forward(self, params, x):
+        y, cache = self.module.forward(params, x)
+        T, sp = y.shape[1], self.ax.sp
+        if T % sp:
+            raise ConfigError(f"{T} positions per sample are not divisible by sp({sp}); each sp "
+                              f"rank takes T/sp of them (e.g. choose the image and patch sizes "
+                              f"so that T = patches (+ 1 class token) divides by sp)")
+        Ts = T // sp
+        part = xp_of(y).ascontiguousarray(y[:, self.ax.sp_rank * Ts:(self.ax.sp_rank + 1) * Ts])
+        return part, (cache, y.shape)
+
+    def backward(self, params, grads, cache, dy):
+        cache, shape = cache
+        Ts = dy.shape[1]
+        full = xp_of(dy).zeros(shape, dy.dtype)
+        full[:, self.ax.sp_rank * Ts:(self.ax.sp_rank + 1) * Ts] = dy
+        return self.module.backward(params, grads, cache, full)
+
+
+class GatherSequenceBefore(_Wrapped):
+    """A unit that reads every position of a sample (ClassificationHead, ClassTokenHead): its
+    input, this sp rank's positions (B, T/sp, C), is all-gathered over sp to (B, T, C) and the
+    unit runs whole on every sp rank (the same output and loss on each). Backward keeps this
+    rank's positions of dx, times sp: the engines average gradients over sp (mesh.loss_group),
+    and the sp ranks' positions carry the one loss's gradient between them. Collective on sp."""
+
+    def forward(self, params, x):
+        return self.module.forward(params, tpl.gather_sequence(x, self.ax.sp_group))
+
+    def backward(self, params, grads, cache, dy):
+        dx = self.module.backward(params, grads, cache, dy)
+        Ts, r = dx.shape[1] // self.ax.sp, self.ax.sp_rank
+        return dx[:, r * Ts:(r + 1) * Ts] * self.ax.sp
+
+
 def _child_names(seq):
     """The (name or None) of each child of a Sequential, recovered from its prefixed
     declarations."""
@@ -344,7 +406,9 @@ def _child_names(seq):
 _PARALLEL = {Embedding: VocabParallelEmbedding, PositionalEmbedding: PositionSlice,
              MultiHeadAttention: ParallelAttention, MLP: ParallelMLP,
              TransformerBlock: ParallelTransformerBlock, LMHead: VocabParallelLMHead}
-_WHOLE_SEQUENCE = (PatchEmbedding, ClassificationHead)  # they need every position of a sample
+_WHOLE_INPUT = (PatchEmbedding, ClassToken)  # make the positions from the whole input
+_WHOLE_HEAD = (ClassificationHead, ClassTokenHead)  # read every position of a sample
+_WHOLE_SEQUENCE = _WHOLE_INPUT + _WHOLE_HEAD
 _POSITION_WISE = (LayerNorm, Linear)  # replicated parameters, one position at a time
 
 
@@ -362,7 +426,8 @@ def parallel_module(module, ax):
     if isinstance(module, _WHOLE_SEQUENCE) and ax.splits_sequence:
         raise ConfigError(f"{kind.__name__} needs every position of a sample, but sequence "
                           f"parallelism (sp={ax.sp}, sequence_parallel={ax.sequence_parallel}) "
-                          f"gives each rank only some; use dp and tp for this model")
+                          f"gives each rank only some here; use dp, tp and sp (Ulysses) for "
+                          f"this model, with its whole-sequence units first and last")
     if kind in _PARALLEL:
         par = _PARALLEL[kind](module, ax)
         return par, par.kinds
@@ -411,19 +476,47 @@ def _check_linear_pairs(modules):
                           "put a row-split Linear after it")
 
 
+def whole_sequence_ends(units):
+    """(front, back) of a model's units: front, the last unit holding a module that makes the
+    positions from the whole input (PatchEmbedding, ClassToken), -1 if none; back, the first
+    unit holding one that reads every position (ClassificationHead, ClassTokenHead), len(units)
+    if none. Under sp (Ulysses) units 0..front and back.. run whole on every sp rank. Local."""
+    named = [unit if isinstance(unit, tuple) else (None, unit) for unit in units]
+    holds = [[isinstance(leaf, kinds) for leaf in _leaves(m)] for _, m in named
+             for kinds in (_WHOLE_INPUT, _WHOLE_HEAD)]
+    inputs = [u for u in range(len(named)) if any(holds[2 * u])]
+    heads = [u for u in range(len(named)) if any(holds[2 * u + 1])]
+    return max(inputs, default=-1), min(heads, default=len(named))
+
+
 def parallelize(units, ax):
     """The units of a tensor/sequence-parallel model: [(name or None, module)] and, per unit,
     the kinds of its declarations (tied ones included). units: Modules or (name, Module) pairs,
-    as rtxmpi.nn.module.Model takes. Local; raises ConfigError on every rank alike (it depends
-    only on the units and the axes)."""
+    as rtxmpi.nn.module.Model takes. Under sp (Ulysses) the units up to the last that makes
+    the positions from the whole input run whole on every sp rank, then their output is cut
+    (SplitSequenceAfter), and the units from the first that reads every position on gather the
+    sequence first (GatherSequenceBefore): `whole_sequence_ends`. Local; raises ConfigError on
+    every rank alike (it depends only on the units and the axes), also when such units are not
+    all before and after the sequence-split ones."""
     named = [unit if isinstance(unit, tuple) else (None, unit) for unit in units]
     if ax.tp > 1:
         _check_linear_pairs(m for _, m in named)
+    front, back = -1, len(named)
+    if ax.sp > 1 and not ax.sequence_parallel:
+        front, back = whole_sequence_ends(named)
+        if front >= back:
+            raise ConfigError(f"unit {back} reads every position of a sample but unit {front}, "
+                              f"after it, makes positions from the whole input: under sp the "
+                              f"whole-input units must all come before the whole-sequence heads")
     out, kinds = [], []
-    for name, module in named:
-        par, k = parallel_module(module, ax)
+    for u, (name, module) in enumerate(named):
+        par, k = parallel_module(module, ax.whole() if u <= front or u >= back else ax)
         if ax.sequence_parallel and None in k:
             par = _SequenceSplitUnit(par, k, ax)
+        if u == front:
+            par = SplitSequenceAfter(par, ax)
+        if u == back:
+            par = GatherSequenceBefore(par, ax)
         out.append(par if name is None else (name, par))
         kinds.append(k)
     return out, kinds
@@ -474,7 +567,8 @@ class TensorParallelModel(Model):
     params (the full model's names, local shapes), flat_data, flat_grad, num_params (local),
     units, provider; and mesh, tp_group, sp_group, tp, sp, tp_rank, sp_rank, sequence_parallel,
     kinds (per parameter: tensor.shard's kind), replicated (per parameter: kind is None),
-    full_specs (the one-process layout), full_num_params.
+    full_specs (the one-process layout), full_num_params, whole_input / whole_head (under sp:
+    the first units take the whole input / the head reads every position; whole_sequence_ends).
     """
 
     def __init__(self, units, mesh, seed=0, xp=np, dtype=np.float32, sequence_parallel=False):
@@ -491,6 +585,8 @@ class TensorParallelModel(Model):
         self.tp, self.sp, self.tp_rank, self.sp_rank = ax.tp, ax.sp, ax.tp_rank, ax.sp_rank
         self.sequence_parallel = ax.sequence_parallel
         parallel_units, unit_kinds = parallelize(units, ax)
+        front, back = whole_sequence_ends(units) if ax.sp > 1 else (-1, len(units))
+        self.whole_input, self.whole_head = front >= 0, back < len(units)
         # Model draws values for the local shapes; they are replaced by the shards of the full draw
         super().__init__(parallel_units, seed=seed, xp=xp, dtype=dtype)
         full_decls, self.full_specs = own_layout(units)
@@ -557,15 +653,22 @@ class TensorParallelModel(Model):
                               f"length divisible by tp * sp")
 
     def _own_positions(self, x, targets):
-        """This sp rank's positions (mesh.seq_slice of dim 1) of x and targets; ConfigError."""
-        if self.sp == 1:
+        """This sp rank's positions (mesh.seq_slice of dim 1) of x, unless the model's first
+        units make the positions from the whole input (whole_input), and of targets, unless its
+        head reads every position (whole_head: targets per sample); ConfigError."""
+        if self.sp == 1 or (self.whole_input and self.whole_head):
             return x, targets
-        if getattr(x, "ndim", 0) < 2 or getattr(targets, "shape", (None,))[:2] != x.shape[:2]:
+        if self.whole_head:
+            if getattr(x, "ndim", 0) < 2:
+                raise ConfigError(f"x must be a (B, T, ...) array, got {getattr(x, 'shape', None)}")
+            return x[:, self.mesh.seq_slice(x.shape[1])], targets
+        if getattr(targets, "ndim", 0) < 2 or (
+                not self.whole_input and getattr(x, "shape", (None,))[:2] != targets.shape[:2]):
             raise ConfigError(f"x and targets must be (B, T, ...) arrays of the same B and T, "
                               f"got {getattr(x, 'shape', None)} and "
                               f"{getattr(targets, 'shape', None)}")
-        cols = self.mesh.seq_slice(x.shape[1])
-        return x[:, cols], targets[:, cols]
+        cols = self.mesh.seq_slice(targets.shape[1])
+        return (x if self.whole_input else x[:, cols]), targets[:, cols]
 
     def _check_same_inputs(self, x, targets, error):
         """Checking mode: every tp rank must feed the same inputs (they compute one model
@@ -688,6 +791,7 @@ class ParallelGPT(TensorParallelModel):
                               f"{self.cfg.vocab_size}")
 
 
-__all__ = ["Axes", "parallel_module", "parallelize", "units_of", "TensorParallelModel", "ParallelGPT",
+__all__ = ["Axes", "parallel_module", "parallelize", "whole_sequence_ends", "units_of",
+           "SplitSequenceAfter", "GatherSequenceBefore", "TensorParallelModel", "ParallelGPT",
            "VocabParallelEmbedding", "PositionSlice", "ColumnParallelLinear", "RowParallelLinear",
            "ParallelAttention", "ParallelMLP", "ParallelTransformerBlock", "VocabParallelLMHead"]
