@@ -481,12 +481,12 @@ def whole_sequence_ends(units):
     positions from the whole input (PatchEmbedding, ClassToken), -1 if none; back, the first
     unit holding one that reads every position (ClassificationHead, ClassTokenHead), len(units)
     if none. Under sp (Ulysses) units 0..front and back.. run whole on every sp rank. Local."""
-    named = [unit if isinstance(unit, tuple) else (None, unit) for unit in units]
-    holds = [[isinstance(leaf, kinds) for leaf in _leaves(m)] for _, m in named
-             for kinds in (_WHOLE_INPUT, _WHOLE_HEAD)]
-    inputs = [u for u in range(len(named)) if any(holds[2 * u])]
-    heads = [u for u in range(len(named)) if any(holds[2 * u + 1])]
-    return max(inputs, default=-1), min(heads, default=len(named))
+    modules = [unit[1] if isinstance(unit, tuple) else unit for unit in units]
+
+    def holding(kinds):
+        return [u for u, m in enumerate(modules) if any(isinstance(leaf, kinds)
+                                                         for leaf in _leaves(m))]
+    return max(holding(_WHOLE_INPUT), default=-1), min(holding(_WHOLE_HEAD), default=len(modules))
 
 
 def parallelize(units, ax):
