@@ -174,8 +174,8 @@ def parse_args(argv=None):
     p.add_argument("--recompute", default="none", choices=RECOMPUTE,
                    help="blocks: forward keeps only each transformer block's input and backward "
                         "reruns the block (activations of about one block instead of all, at "
-                        "about one extra forward; the same bits); data parallelism and ZeRO only "
-                        "(docs/model.md)")
+                        "about one extra forward; the same bits); with every layout, pipeline "
+                        "stages included (docs/model.md)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=None, help="final learning rate (default lr/10)")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up (default steps/20)")
@@ -292,9 +292,6 @@ def check_args(args, world_size):
     if (args.offload == "nvme") != (args.offload_dir is not None):
         raise ConfigError("--offload nvme needs --offload-dir DIR, and --offload-dir only goes "
                           "with --offload nvme")
-    if args.recompute != "none" and args.pp > 1:
-        raise ConfigError(f"--recompute {args.recompute} runs without pipeline parallelism: drop "
-                          f"it or use --pp 1 (pipeline stages keep every activation)")
     dp = check_layout(world_size, dp=args.dp, tp=args.tp, pp=getattr(args, "pp", 1), sp=args.sp,
                       seq_len=args.seq_len, zero_stage=args.zero_stage,
                       sequence_parallel=args.sequence_parallel)  # docs/parallel.md
@@ -900,6 +897,7 @@ def train(args):
                                 zero_stage=args.zero_stage,  # 1, 2: each stage over its replicas
                                 virtual_stages=args.virtual_stages,  # --schedule interleaved
                                 micro_batches=args.micro_batches, schedule=args.schedule,
+                                recompute=args.recompute,  # each stage reruns its blocks
                                 optimizer=lambda params, mask: AdamW(
                                     params, lr=args.lr, weight_decay=args.weight_decay,
                                     decay_mask=mask))

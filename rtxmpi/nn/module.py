@@ -77,11 +77,15 @@ class Module:
     Class attributes: `backward_needs_params` (False: backward reads no parameter, and the model
     passes params=None, fetching nothing); `reports_ready` (True: backward takes `ready=` and calls
     ready(j) once per declared parameter j as soon as its gradient is final; otherwise the caller
-    reports them all, last first, after backward returns).
+    reports them all, last first, after backward returns); `defers_weight_grads` (True: backward
+    takes `defer=`, None or a list: with a list it computes dx now and appends callables that add
+    some weight gradients later, bitwise the same sums once they ran; such gradients are not
+    reported to `ready`).
     """
 
     backward_needs_params = True
     reports_ready = False
+    defers_weight_grads = False
 
     def param_specs(self):
         """list[ParamDecl], in the order forward and backward take `params` / `grads`."""
@@ -94,13 +98,15 @@ class Module:
         raise NotImplementedError(f"{type(self).__name__}.backward")
 
 
-def run_backward(module, params, grads, cache, dy, ready=None):
-    """module.backward, reporting ready(j) for each of its parameters j (see Module)."""
+def run_backward(module, params, grads, cache, dy, ready=None, defer=None):
+    """module.backward, reporting ready(j) for each of its parameters j (see Module); defer: None
+    or a list handed to a module that defers_weight_grads (ignored by the others)."""
+    more = {"defer": defer} if defer is not None and module.defers_weight_grads else {}
     if ready is None:
-        return module.backward(params, grads, cache, dy)
+        return module.backward(params, grads, cache, dy, **more)
     if module.reports_ready:
-        return module.backward(params, grads, cache, dy, ready=ready)
-    dx = module.backward(params, grads, cache, dy)
+        return module.backward(params, grads, cache, dy, ready=ready, **more)
+    dx = module.backward(params, grads, cache, dy, **more)
     for j in range(len(grads) - 1, -1, -1):
         ready(j)
     return dx
@@ -137,6 +143,7 @@ class Sequential(Module):
         sizes = [len(m.param_specs()) for m in self.children]
         self._bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
         self.backward_needs_params = any(m.backward_needs_params for m in self.children)
+        self.defers_weight_grads = any(m.defers_weight_grads for m in self.children)
         if any(hasattr(m, "loss_forward") for m in self.children[:-1]):
             raise ConfigError("a head (a module with loss_forward) must be the last of a Sequential")
         if self.children and hasattr(self.children[-1], "loss_forward"):
@@ -153,11 +160,11 @@ class Sequential(Module):
             caches.append(cache)
         return x, caches
 
-    def backward(self, params, grads, cache, dy, ready=None):
+    def backward(self, params, grads, cache, dy, ready=None, defer=None):
         for m, (a, b), c in zip(reversed(self.children), reversed(self._bounds), reversed(cache)):
             child_ready = None if ready is None else (lambda j, a=a: ready(a + j))
             dy = run_backward(m, None if params is None else params[a:b], grads[a:b], c, dy,
-                              child_ready)
+                              child_ready, defer)
         return dy
 
 
@@ -340,6 +347,11 @@ class Model:
         hints = [next((v for v in range(u - 1, -1, -1) if fetches[v]), None) for u in range(n)]
         self._recompute_plan = (again, fetches, hints)
 
+    @property
+    def recompute_units(self):
+        """The unit indices (sorted) whose forward reruns in backward under `recompute`."""
+        return [u for u, again in enumerate(self._recompute_plan[0]) if again]
+
     def use_provider(self, provider, drop_flat=False):
         """Take parameters and gradients from `provider` (rtxmpi.nn.gpt's module docstring) from
         now on. drop_flat: also let go of flat_data, flat_grad and the Param views (they become
@@ -350,6 +362,11 @@ class Model:
             self.flat_data = self.flat_grad = None
             for p in self.params:
                 p.data = p.grad = None
+
+    def unit_params(self, u):
+        """Parameter indices of unit u's declarations, in declaration order: its own, and for a
+        tied declaration the owner's index (a parameter of an earlier unit)."""
+        return [self.units[o][0] + j for o, j in self._sources[u]]
 
     def param(self, name):
         """The Param called `name`. Raises ConfigError if unknown."""

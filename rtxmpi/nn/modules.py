@@ -286,9 +286,10 @@ class TransformerBlock(Module):
     Parameters: ln1.*, attn.*, ln2.*, mlp.* of LayerNorm, MultiHeadAttention, LayerNorm, MLP (the
     order of layers.BLOCK_PARAM_NAMES). Runs layers.block_forward / block_backward, which fuse the
     residual add with ln2 and the fc bias with the GELU on cupy. Reports each gradient as it is
-    final (ready(j), j = 11 ... 0)."""
+    final (ready(j), j = 11 ... 0); defer (Module): the MLP's weight and bias gradients."""
 
     reports_ready = True
+    defers_weight_grads = True
 
     def __init__(self, n_embd, n_head, causal=True, std=STD, proj_std=STD):
         self.n_head, self.causal = n_head, bool(causal)
@@ -305,11 +306,11 @@ class TransformerBlock(Module):
         return y, ((ln1[0], ln1[1]), _attention_cache_with(attn, None, None), (ln2[0], ln2[1]),
                    _mlp_cache_with(mlp, None, None))
 
-    def backward(self, params, grads, cache, dy, ready=None):
+    def backward(self, params, grads, cache, dy, ready=None, defer=None):
         ln1, attn, ln2, mlp = cache
         cache = (ln1 + (params[0],), _attention_cache_with(attn, params[2], params[4]),
                  ln2 + (params[6],), _mlp_cache_with(mlp, params[8], params[10]))
-        return layers.block_backward(dy, cache, grads, ready=ready)[0]
+        return layers.block_backward(dy, cache, grads, ready=ready, defer=defer)[0]
 
     def forward_with(self, params, x, attn, mlp):
         """`forward` with other attention and MLP modules over the same parameter slots (e.g.
@@ -342,7 +343,9 @@ class LMHead(Module):
     logits (B, T, V). tied_to: None, W is this module's parameter `name` (split "vocab"); or the
     full name of an earlier (V, C) parameter it shares (e.g. "wte": tied embeddings).
     loss_forward(logits, targets (B, T) ids) -> (mean cross-entropy in nats, 0-d array, cache);
-    loss_backward(scale, cache) -> dlogits of scale * loss."""
+    loss_backward(scale, cache) -> dlogits of scale * loss. defer (Module): W's gradient."""
+
+    defers_weight_grads = True
 
     def __init__(self, vocab_size, n_embd, tied_to=None, name="lm_head", std=STD):
         _positive("LMHead", vocab_size=vocab_size, n_embd=n_embd)
@@ -355,8 +358,9 @@ class LMHead(Module):
         y, (x, _, _) = layers.linear_forward(x, params[0].T)
         return y, x
 
-    def backward(self, params, grads, cache, dy):
-        return layers.linear_backward(dy, (cache, params[0].T, False), dw_out=grads[0].T)[0]
+    def backward(self, params, grads, cache, dy, defer=None):
+        return layers.linear_backward(dy, (cache, params[0].T, False), dw_out=grads[0].T,
+                                      defer=defer)[0]
 
     def loss_forward(self, y, targets):
         return layers.crossentropy_forward(y, targets)

@@ -36,8 +36,9 @@ STAGES = (1, 2)
 
 
 class StageZero:
-    """ZeRO stage 1 or 2 for one pipeline stage (rtxmpi.parallel.pipeline.PipelineStage or
-    TensorParallelStage) over its replica `group` (None: a single replica).
+    """ZeRO stage 1 or 2 for one pipeline stage (rtxmpi.parallel.pipeline.PipelineStage,
+    TensorParallelStage or ChunkedStage: `replicated` flags its own parameters, the tied copies
+    follow them) over its replica `group` (None: a single replica).
 
     make_optimizer: callable (params_shard, decay_mask_shard) -> AdamW-like optimizer over this
     rank's slice of stage.flat_data (updated in place). Attributes: zero_stage, start, stop (this
@@ -62,8 +63,9 @@ class StageZero:
         mask = shard_decay_mask(st.params, self.start, self.stop, xp=st.xp, dtype=st.dtype)
         self.optimizer = make_optimizer(st.flat_data[self.start:self.stop], mask)
         # parts of the shard the gradient norm counts (relative to start)
-        own = st.params[:len(st.params) - (1 if st.tied_copy else 0)]
-        self._norm_ranges = tpl.norm_ranges(own, st.tp_rank, self.start, self.stop)
+        own = st.params[:len(st.replicated)]  # the copies are counted on their owner's stage
+        self._norm_ranges = tpl.norm_ranges(own, st.tp_rank, self.start, self.stop,
+                                            replicated=st.replicated)
 
     def grad_shard(self):
         """This rank's slice of the stage's gradient (a view)."""

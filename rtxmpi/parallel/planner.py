@@ -57,7 +57,7 @@ a rank, h = n_head / (tp * sp) heads, S = b * h * T * T attention scores, P = pa
   decay mask, scratch); ZeRO and offload as zero.py's memory_bytes counts them, plus transients;
   activations per block and micro-batch 4 (4 n C + 17 n C / tp + S) bytes (the caches of
   rtxmpi.nn.layers), head 8 n V / tp; in flight: GPipe m micro-batches, 1F1B min(m, pp - stage).
-  recompute "blocks" (Chen et al. 2016; the job's --recompute, without pp): each block
+  recompute "blocks" (Chen et al. 2016; the job's --recompute): each block
   keeps its input, 4 n C bytes, and one block's activations are rebuilt at a time in backward;
   each block's backward pays its forward again (compute and its tp/sp collectives).
 Sources: Narayanan et al. 2021 (Megatron-LM, the bubble and 1F1B memory), Rajbhandari et al. 2020
@@ -281,8 +281,6 @@ def default_supported(layout):
     runtime's own checks (rtxmpi.parallel.hybrid.check_layout, rtxmpi.parallel.pipeline.
     check_pipeline) so the planner only proposes layouts the runtime can execute."""
     L = layout
-    if L.recompute != "none" and L.pp > 1:
-        return "--recompute blocks runs without pipeline parallelism (pp = 1)"
     try:
         from .hybrid import check_layout as hybrid_check
         from .pipeline import check_pipeline

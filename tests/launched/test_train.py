@@ -57,8 +57,6 @@ BAD_FLAGS = [  # each refused on every one of 4 ranks, in one launch (tests/laun
     (["--ckpt-dir", "/proc/x/ckpt"], "--ckpt-dir /proc/x/ckpt: the directory cannot be created "
                                      "(in /proc): No such file or directory"),
     (["--recompute", "all"], "invalid choice: 'all'"),
-    (["--recompute", "blocks", "--pp", "2"], "--recompute blocks runs without pipeline "
-                                             "parallelism: drop it or use --pp 1"),
 ]
 
 
@@ -140,7 +138,8 @@ def test_nvme_offload_trains_like_no_offload_and_cleans_up(tmp_path, zero_stage)
 
 
 @pytest.mark.parametrize("layout", [["--zero-stage", "0"], ["--zero-stage", "3"],
-                                    ["--tp", "2", "--sequence-parallel"], ["--sp", "2"]])
+                                    ["--tp", "2", "--sequence-parallel"], ["--sp", "2"],
+                                    ["--pp", "2"]])
 def test_recompute_blocks_trains_bitwise_like_none_and_reruns_the_blocks(tmp_path, layout):
     common = ["--model", "tiny", "--steps", "4", "--global-batch", "8", "--seq-len", "32",
               "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress",
@@ -157,5 +156,6 @@ def test_recompute_blocks_trains_bitwise_like_none_and_reruns_the_blocks(tmp_pat
     assert len(losses["none"]) == 4 and losses["blocks"] == losses["none"]
     assert not spans["none"]
     # the tiny model's 2 blocks are units 1 and 2: rerun once per step on each of the 2 ranks
+    # (--pp 2: each rank's block, once per micro-batch, 2 micro-batches a step)
     assert sorted(set(spans["blocks"])) == ["unit 1 recompute", "unit 2 recompute"]
     assert spans["blocks"].count("unit 1 recompute") == 4 * 2

@@ -362,3 +362,34 @@ def test_the_example_of_docs_model_md_runs():
     for block in blocks:
         exec(compile(block, "docs/model.md", "exec"), namespace)  # noqa: S102
     assert math.isfinite(namespace["loss"])
+
+
+def test_deferred_weight_gradients_are_bitwise_those_computed_at_once(rng):
+    """A Sequential of a TransformerBlock and a tied LMHead, backward with defer=list: dx now,
+    the weight gradients once the deferred callables ran, bitwise the same as without."""
+    C, V = 8, 11
+    seq = nn.Sequential(("h", TransformerBlock(C, 2)), LMHead(V, C))
+    assert seq.defers_weight_grads and not nn.Sequential(LayerNorm(C)).defers_weight_grads
+    params = [rng.standard_normal(d.shape) * 0.3 for d in seq.param_specs()]
+    x, dy = rng.standard_normal((2, 3, C)), rng.standard_normal((2, 3, V))
+    results = []
+    for defer in (None, []):
+        grads = [np.zeros_like(p) for p in params]
+        _, cache = seq.forward(params, x)
+        dx = nn.module.run_backward(seq, params, grads, cache, dy, defer=defer)
+        if defer is not None:
+            assert len(defer) == 3 and not grads[-1].any()  # the head and the MLP's two linears
+            for weight_grads in defer:
+                weight_grads()
+        results.append((dx, grads))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_unit_params_name_the_owner_of_a_tied_declaration():
+    model = nn.GPT(nn.GPTConfig(vocab_size=16, seq_len=4, n_layer=2, n_head=2, n_embd=8))
+    assert model.unit_params(0) == [0, 1]
+    assert model.unit_params(3) == [len(model.params) - 2, len(model.params) - 1, 0]  # ln_f, wte
+    model.recompute = "blocks"
+    assert model.recompute_units == [1, 2]

@@ -2,8 +2,10 @@
 import pytest
 
 from rtxmpi.errors import ConfigError
-from rtxmpi.nn import GPTConfig
-from rtxmpi.parallel.pipeline import stage_costs, stage_layout
+from rtxmpi.nn import GPT, GPTConfig
+from rtxmpi.nn.module import Model, Sequential
+from rtxmpi.nn.modules import ClassificationHead, Linear
+from rtxmpi.parallel.pipeline import body_costs, stage_costs, stage_layout, stage_units, unit_layout
 from rtxmpi.parallel.schedule import (Op, build_schedule, check_schedule, gpipe, one_f_one_b,
                                       partition, receiving_chunk, replay)
 
@@ -134,6 +136,37 @@ def test_stage_layout_of_a_gpt_counts_embeddings_and_head():
     assert stage_layout(big_vocab, 2) == [(0, 3), (3, 4)]
     with pytest.raises(ConfigError, match="every stage needs"):
         stage_layout(cfg, 5)
+
+
+def test_unit_layout_of_a_gpt_is_its_stage_layout():
+    for tied in (True, False):
+        cfg = GPTConfig(n_layer=4, n_head=2, n_embd=32, seq_len=16, vocab_size=4096,
+                        tie_embeddings=tied)
+        model = GPT(cfg)
+        assert body_costs(model) == stage_costs(cfg)
+        for stages in (1, 2, 3, 4):
+            assert unit_layout(model, stages) == stage_layout(cfg, stages)
+    # blocks (0, 3), (3, 4) of 6 units: units 0..3 (embeddings, blocks 0-2), 4..5 (block 3, head)
+    assert [stage_units(b, 6) for b in [(0, 3), (3, 4)]] == [(0, 4), (4, 6)]
+    assert stage_units((0, 4), 6) == (0, 6)
+
+
+def test_unit_layout_of_another_model_balances_the_parameters_each_unit_uses():
+    """Body units r0..r2 of C x C + C each; the input unit's D x C + C counted with r0 and the
+    head's C x K + K with r2: with D = 4 C the input makes r0 the heaviest, alone on stage 0."""
+    C, D, K = 8, 32, 3
+    model = Model([Sequential(("inp", Linear(D, C))), ("r0", Linear(C, C)), ("r1", Linear(C, C)),
+                   ("r2", Linear(C, C)), Sequential(("head", ClassificationHead(C, K)))])
+    unit = C * C + C
+    assert body_costs(model) == [unit + D * C + C, unit, unit + C * K + K]
+    assert unit_layout(model, 2) == [(0, 1), (1, 3)]
+    assert unit_layout(model, 2, split=[2, 1]) == [(0, 2), (2, 3)]
+    with pytest.raises(ConfigError, match="every stage needs"):
+        unit_layout(model, 4)
+    head_only = Model([Sequential(("inp", Linear(D, C))), Sequential(("head", ClassificationHead(C, K)))])
+    assert unit_layout(head_only, 1) == [(0, 0)]
+    with pytest.raises(ConfigError, match="every stage needs at least one"):
+        unit_layout(head_only, 2)
 
 
 @pytest.mark.parametrize("stages,chunks", [(2, 2), (3, 2), (4, 2), (2, 3), (4, 3)])

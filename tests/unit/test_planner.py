@@ -654,14 +654,13 @@ def test_recompute_keeps_block_inputs_plus_one_block_and_pays_one_more_forward()
     assert blocks.flags().endswith("--recompute blocks") and "recompute" not in none.flags()
 
 
-def test_plan_with_recompute_keeps_layouts_without_a_pipeline_only():
+def test_plan_with_recompute_ranks_every_layout_pipelines_included():
     cfg = GPTConfig.named("small", seq_len=64)
     plan = make_plan(cfg, 16, 4, synthetic(), recompute="blocks")
-    assert plan.ranked and all(e.layout.recompute == "blocks" and e.layout.pp == 1
-                               for e in plan.ranked)
+    assert plan.ranked and all(e.layout.recompute == "blocks" for e in plan.ranked)
     assert any(e.layout.tp > 1 for e in plan.ranked)
-    assert any("--recompute blocks runs without pipeline parallelism" in why
-               for _, why in plan.rejected)
+    assert any(e.layout.pp > 1 for e in plan.ranked)
+    assert not any("recompute" in why for _, why in plan.rejected)
     assert check_layout(cfg, Layout(4, 1, 1, 1, recompute="all"), 16, 4).startswith("recompute:")
     with pytest.raises(ConfigError, match="recompute"):
         make_plan(cfg, 16, 4, synthetic(), recompute="all")
