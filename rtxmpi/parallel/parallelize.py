@@ -16,6 +16,11 @@ into their parallel versions, driven by the splits the modules declare (rtxmpi.n
     anything else                 -> itself, replicated: every tp rank computes it whole (or a
                                      ConfigError where it cannot run: `parallel_module`)
 
+and, under sp (Ulysses), the units up to the last holding PatchEmbedding / ClassToken run whole on
+every sp rank, then SplitSequenceAfter cuts their output to the rank's positions; the units from
+the first holding ClassificationHead / ClassTokenHead on run whole after GatherSequenceBefore
+(`whole_sequence_ends`).
+
 Each parallel module holds only its shard of each parameter (local shapes in param_specs, same
 names) and runs the shipped modules of rtxmpi.nn on those shards (a Linear of the shard's shape,
 the MLP's BiasGELU, the attention's core, the block's LayerNorms through

@@ -45,10 +45,10 @@ def ulysses_attention_forward(qkv, n_head, group, core):
 
     qkv: (B, Ts, 3 * H * hs), columns [q | k | v] with heads contiguous inside each (the output
     of the qkv projection on this rank's positions); n_head: H; group: the sp ProcessGroup (size
-    sp dividing H; None: sp = 1); core: the attention core module (AttentionCore: causal or bidirectional), run
-    on (q, k, v) of shape (B, H/sp, T, hs). Returns y: (B, Ts, H * hs) for this rank's positions,
-    heads in order, cache.
-    Collective on `group` (two all-to-alls; none when sp = 1).
+    sp dividing H; None: sp = 1); core: the attention core module (AttentionCore: causal or
+    bidirectional), run on (q, k, v) of shape (B, H/sp, T, hs). Returns y: (B, Ts, H * hs) for
+    this rank's positions, heads in order, cache. Collective on `group` (two all-to-alls; none
+    when sp = 1).
     """
     B, Ts, C3 = qkv.shape
     sp, hs = 1 if group is None else group.world_size, C3 // (3 * n_head)
