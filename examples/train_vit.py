@@ -2,30 +2,31 @@
 
     mpiexec -n 2 python examples/train_vit.py                  # DataParallel
     mpiexec -n 2 python examples/train_vit.py --zero-stage 3   # ZeRO stage 1, 2 or 3
+    mpiexec -n 4 python examples/train_vit.py --ckpt-dir ck --ckpt-every 50 --resume
 
 Every rank reads its slice of the same global batch (rtxmpi.data_vision.ImageBatchSampler: the
 run is the same at any world size), AdamW with warmup and cosine decay, gradient clipping; rank 0
 prints the loss every --log-every steps and, at the end, the held-out accuracy over all ranks.
-Needs scikit-learn (pip install 'rtxmpi[vision]'). A bad flag gives a one-line error and exit
-code 2 on every rank; a non-finite final loss, exit code 4.
+The loop is rtxmpi.train.fit's (docs/training.md): checkpoints and --resume at any world size,
+the write-ahead log, --metrics-jsonl, SIGTERM/SIGUSR1 (exit 75) and Ctrl-C (exit 130) after a
+committed checkpoint, --elastic shrink. Needs scikit-learn (pip install 'rtxmpi[vision]').
+A bad flag gives a one-line error and exit code 2 on every rank; a checkpoint error, 3; a
+diverged run, 4.
 """
 import argparse
 import math
 import sys
-import time
+from dataclasses import asdict
 
 import numpy as np
 
-import rtxmpi
+from rtxmpi import elastic
 from rtxmpi.backend import to_host
 from rtxmpi.data_vision import ImageBatchSampler, eval_slice, load_digits
-from rtxmpi.errors import ConfigError
-from rtxmpi.nn import VIT_SIZES, AdamW, ViT, ViTConfig, clip_grad_norm, cosine_lr, decay_mask
-from rtxmpi.parallel.data import DataParallel, grad_scale
-from rtxmpi.parallel.zero import ZeroDataParallel
-
-EXIT_CONFIG = 2
-EXIT_DIVERGED = 4
+from rtxmpi.errors import CheckpointError, ConfigError
+from rtxmpi.nn import VIT_SIZES, AdamW, ViT, ViTConfig
+from rtxmpi.parallel.layout import ZERO_STAGES
+from rtxmpi.train import Parts, Task, TrainConfig, build_engine, exit_status, fit, flag_names
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,11 +44,27 @@ def parse_args(argv=None):
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm")
-    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
+    p.add_argument("--zero-stage", type=int, default=0, choices=ZERO_STAGES,
                    help="0: DataParallel; 1, 2, 3: ZeroDataParallel of that stage")
     p.add_argument("--val-fraction", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="held-out loss every N steps (0: only at the end)")
+    p.add_argument("--metrics-jsonl", default=None, help="one JSON object per step (rank 0)")
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (docs/checkpoint.md)")
+    p.add_argument("--ckpt-every", type=int, default=0,
+                   help="checkpoint after every K-th step and at the end (0: only at the end)")
+    p.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest committed checkpoint in --ckpt-dir")
+    p.add_argument("--stop-after-step", type=int, default=None, metavar="S",
+                   help="end after step S with a committed checkpoint, as if pre-empted")
+    p.add_argument("--deterministic", action="store_true",
+                   help="a resume re-runs the logged steps and checks them bit for bit (docs/wal.md)")
+    p.add_argument("--elastic", default="off", choices=elastic.POLICIES,
+                   help="on a rank failure: off, shrink (needs mpiexec --with-ft ulfm), restart")
+    p.add_argument("--timeout-s", type=float, default=None, help="deadline of every collective wait")
     args = p.parse_args(argv)
     if min(args.steps, args.batch, args.log_every) < 1 or args.seed < 0:
         raise ConfigError("--steps, --batch and --log-every must be >= 1 and --seed >= 0")
@@ -59,78 +76,88 @@ def parse_args(argv=None):
     return args
 
 
-def accuracy(model, world, images, labels):
-    """Held-out accuracy over every rank's slice, (correct, total): one logits call per rank (at
-    ZeRO stage 3 it gathers the parameters, a collective). Collective."""
-    part = eval_slice(len(labels), world.rank, world.world_size)
-    logits = to_host(model.logits(images[part]))
-    correct = int((logits.argmax(axis=-1) == labels[part]).sum())
-    counts = np.array([correct, part.stop - part.start], np.int64)
-    world.all_reduce(counts, op="sum")
-    return int(counts[0]), int(counts[1])
+class ViTTask(Task):
+    """A ViT on the digits for rtxmpi.train.fit, data-parallel at --zero-stage."""
+
+    def __init__(self, args):
+        self.args, self.name = args, f"train-vit-{args.model}"
+        self.cfg = ViTConfig.named(args.model, patch_size=args.patch)
+        self.data = load_digits(args.val_fraction, seed=args.seed)
+
+    def build(self, world, config):
+        args = self.args
+        model = ViT(self.cfg, seed=args.seed)
+        engine = build_engine(model, world, zero_stage=args.zero_stage, optimizer=lambda params, mask: AdamW(
+            params, lr=args.lr, weight_decay=args.weight_decay, decay_mask=mask))
+        sampler = ImageBatchSampler(self.data.train_images, self.data.train_labels, args.batch,
+                                    seed=args.seed, dp_rank=world.rank, dp_size=world.world_size)
+        return Parts(model, engine, sampler, tokens_per_step=args.batch, unit="images",
+                     zero_stage=args.zero_stage, replica=None if args.zero_stage else "tensors")
+
+    def describe(self, world, parts, config):
+        args, data = self.args, self.data
+        return (f"ViT {args.model} ({parts.model.num_params} parameters, {self.cfg.seq_len} positions) "
+                f"on digits: {len(data.train_labels)} train, {len(data.val_labels)} held-out images; "
+                f"{world.world_size} rank(s), "
+                f"{f'ZeRO stage {args.zero_stage}' if args.zero_stage else 'DataParallel'}")
+
+    def _held_out(self, world, model, fn):
+        """sum of fn(images, labels) over every rank's slice of the held-out set, and the count
+        (at ZeRO stage 3 the model gathers its parameters: collective)."""
+        part = eval_slice(len(self.data.val_labels), world.rank, world.world_size)
+        images, labels = self.data.val_images[part], self.data.val_labels[part]
+        totals = np.array([fn(images, labels), len(labels)], np.float64)
+        world.all_reduce(totals, op="sum")
+        return totals[0], int(totals[1])
+
+    def evaluate(self, world, parts, config):
+        """The mean held-out loss over every rank's slice."""
+        model = parts.model
+        total, n = self._held_out(world, model, lambda x, y: to_host(model.forward(x, y)[0]) * len(y))
+        return float(total / n)
+
+    def checkpoint_meta(self):
+        return {"model": self.args.model, "model_config": asdict(self.cfg)}
+
+    def check_checkpoint(self, meta, path):
+        saved = ViTConfig(**meta["model_config"])
+        if saved != self.cfg:
+            raise CheckpointError(f"checkpoint {path} holds ViT {meta['model']} ({saved}), this run "
+                                  f"builds ViT {self.args.model} ({self.cfg}); resume with --model "
+                                  f"{meta['model']} --patch {saved.patch_size}, or use another --ckpt-dir")
+
+    def finish(self, world, parts, config, record):
+        """Rank 0 prints the held-out accuracy over every rank's slice."""
+        model = parts.model
+        correct, total = self._held_out(world, model, lambda x, y: int(
+            (to_host(model.logits(x)).argmax(axis=-1) == y).sum()))
+        if world.rank == 0:
+            print(f"held-out accuracy {correct / total:.4f} ({int(correct)}/{total}) after "
+                  f"{config.steps} steps, train loss {record['loss']:.4f}", flush=True)
 
 
-def train(args, world):
-    data = load_digits(args.val_fraction, seed=args.seed)
-    cfg = ViTConfig.named(args.model, patch_size=args.patch)
-    model = ViT(cfg, seed=args.seed)
-    sampler = ImageBatchSampler(data.train_images, data.train_labels, args.batch, seed=args.seed,
-                                dp_rank=world.rank, dp_size=world.world_size)
-
-    def adamw(params, mask):
-        return AdamW(params, lr=args.lr, weight_decay=args.weight_decay, decay_mask=mask)
-
-    if args.zero_stage:
-        engine = ZeroDataParallel(model, world, stage=args.zero_stage, optimizer=adamw)
-    else:
-        engine = DataParallel(model, world)
-        opt = adamw(model.flat_data, decay_mask(model.params, dtype=model.dtype))
-    if world.rank == 0:
-        print(f"ViT {args.model} ({model.num_params} parameters, {cfg.seq_len} positions) on "
-              f"digits: {len(data.train_labels)} train, {len(data.val_labels)} held-out images; "
-              f"{world.world_size} rank(s), "
-              f"{f'ZeRO stage {args.zero_stage}' if args.zero_stage else 'DataParallel'}",
-              flush=True)
-    start = time.perf_counter()
-    loss_sum = np.zeros(2)
-    for step in range(1, args.steps + 1):
-        images, labels = sampler.next_batch()
-        loss, cache = engine.forward(images, labels)
-        engine.backward(cache, scale=grad_scale(len(labels), args.batch, world.world_size))
-        lr = cosine_lr(step, args.lr, args.warmup_steps, args.steps, min_lr=args.lr / 10)
-        if args.zero_stage:
-            engine.step(lr=lr, max_grad_norm=args.grad_clip)
-        else:
-            clip_grad_norm(model.flat_grad, args.grad_clip)
-            engine.step(opt, lr=lr)
-        loss_sum += (loss * len(labels), len(labels))
-        if step % args.log_every == 0 or step == args.steps:
-            world.all_reduce(loss_sum, op="sum")  # the mean over every rank's images
-            mean_loss, loss_sum[:] = loss_sum[0] / loss_sum[1], 0
-            if world.rank == 0:
-                print(f"step {step} loss {mean_loss:.4f} lr {lr:.2e} "
-                      f"{time.perf_counter() - start:.1f}s", flush=True)
-    train_s = time.perf_counter() - start
-    correct, total = accuracy(model, world, data.val_images, data.val_labels)
-    if world.rank == 0:
-        print(f"held-out accuracy {correct / total:.4f} ({correct}/{total}) after {args.steps} "
-              f"steps, train loss {mean_loss:.4f}, {train_s:.1f}s", flush=True)
-    return mean_loss
+def train_config(args):
+    """The loop's settings from the flags (messages name the flags)."""
+    return TrainConfig(steps=args.steps, global_batch=args.batch, lr=args.lr,
+                       warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, seed=args.seed,
+                       eval_every=args.eval_every, log_every=args.log_every,
+                       metrics_jsonl=args.metrics_jsonl, ckpt_dir=args.ckpt_dir,
+                       ckpt_every=args.ckpt_every, async_save=args.async_save, resume=args.resume,
+                       stop_after_step=args.stop_after_step, deterministic=args.deterministic,
+                       elastic=args.elastic, timeout_s=args.timeout_s, progress=False,
+                       run_info={"args": vars(args)},
+                       names={**flag_names(), "global_batch": "--batch"})
 
 
 def main(argv=None):
-    world = rtxmpi.init()
-    try:
-        final_loss = train(parse_args(argv), world)
-    except ConfigError as exc:  # flags and data are the same on every rank: every rank raises
-        if world.rank == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_CONFIG)
-    if not math.isfinite(final_loss):
-        if world.rank == 0:
-            print(f"error: training diverged: final loss {final_loss}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_DIVERGED)
+    def run():
+        args = parse_args(argv)
+        return fit(ViTTask(args), train_config(args))
+
+    code = exit_status(run)
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":
-    main()
+    elastic.exit_after(main)  # main()'s exit status; after a shrink, no MPI_Finalize (docs/elastic.md)

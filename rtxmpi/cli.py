@@ -11,7 +11,7 @@
     rtxmpi plan --model small --world-size 4 [--profile F]   ranked layouts and why the first
     mpiexec -n 4 rtxmpi plan --calibrate --save-profile F  ... measuring this machine first
     rtxmpi report RUN_DIR [RUN_DIR ...] [--out DIR] [--last N]   summary, bottleneck and PNG plots
-                                      of examples/train.py --run-dir runs (docs/observe.md)
+                                      of training runs with a run_dir (docs/observe.md)
     rtxmpi bench NAME|all [-n N] [--dry-run] [-- ARGS]   run bench/NAME.py under the right
                                       launcher, or every benchmark (bench/README.md)
 
@@ -355,10 +355,10 @@ def build_parser():
     add_plan_arguments(plan)
     plan.set_defaults(func=cmd_plan)
     report = sub.add_parser("report", help="summary, bottleneck and plots of a training run",
-                            description="Reads what examples/train.py --run-dir wrote; the first "
+                            description="Reads what a training run wrote to its run_dir; the first "
                                         "run is described, several runs add a scaling table. "
                                         "Exit status: 0, or 2 for a missing or bad run directory.")
-    report.add_argument("run_dir", nargs="+", help="run directories (train.py --run-dir)")
+    report.add_argument("run_dir", nargs="+", help="run directories (TrainConfig.run_dir)")
     report.add_argument("--out", default=None, help="where the PNGs go (default: the first run dir)")
     report.add_argument("--last", type=int, default=20,
                         help="steps the breakdown and the bottleneck verdict look at")

@@ -29,40 +29,48 @@ from itertools import combinations
 
 from rtxmpi.errors import ConfigError
 
-AXES = ("pp", "dp", "sp", "tp")  # outermost to innermost
-MeshCoord = namedtuple("MeshCoord", AXES)
+
+def is_degree(value):
+    """An int >= 1 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _degree(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"DeviceMesh: {name} must be an integer >= 1, got {value!r}")
-    return value
-
-
-def resolve_degrees(world_size, dp=None, tp=1, pp=1, sp=1):
-    """Validate parallel degrees against a world size without creating anything (pure, local).
-
-    dp=None means world_size // (tp * pp * sp). Returns (dp, tp, pp, sp). Raises ConfigError when
-    a degree is not an integer >= 1 or dp * tp * pp * sp != world_size; the message names every
-    factor, e.g. "dp(2) * tp(2) * pp(1) * sp(1) = 4 != world_size(8); set dp=2 or use 4 ranks".
-    """
-    tp, pp, sp = _degree("tp", tp), _degree("pp", pp), _degree("sp", sp)
+def degree_problems(world_size, dp, tp, pp, sp):
+    """(dp or None, [problem texts]) for the degrees against the world size."""
+    bad = [f"{name} must be an integer >= 1, got {value!r}" for name, value in
+           (("dp", dp), ("tp", tp), ("pp", pp), ("sp", sp)) if not (value is None and name == "dp")
+           and not is_degree(value)]
+    if bad:
+        return None, bad
     n, model = world_size, tp * pp * sp
     if dp is None:
         if n % model:
-            raise ConfigError(
-                f"DeviceMesh: world_size({n}) is not divisible by tp({tp}) * pp({pp}) * "
-                f"sp({sp}) = {model}, so no dp fits; use a multiple of {model} ranks or smaller "
-                f"degrees")
+            return None, [f"world_size({n}) is not divisible by tp({tp}) * pp({pp}) * sp({sp}) = "
+                          f"{model}, so no dp fits; use a multiple of {model} ranks or smaller "
+                          f"degrees"]
         dp = n // model
-    dp = _degree("dp", dp)
     product = dp * model
     if product != n:
         hint = f"set dp={n // model} or use {product} ranks" if n % model == 0 else \
             f"use {product} ranks"
-        raise ConfigError(f"DeviceMesh: dp({dp}) * tp({tp}) * pp({pp}) * sp({sp}) = {product} "
-                          f"!= world_size({n}); {hint}")
+        return dp, [f"dp({dp}) * tp({tp}) * pp({pp}) * sp({sp}) = {product} != world_size({n}); "
+                    f"{hint}"]
+    return dp, []
+
+
+def resolve_degrees(world_size, dp=None, tp=1, pp=1, sp=1, what="DeviceMesh"):
+    """The degrees against a world size, nothing created (pure, local). dp=None means
+    world_size // (tp * pp * sp). Returns (dp, tp, pp, sp). Raises ConfigError when a degree is
+    not an integer >= 1 or dp * tp * pp * sp != world_size; the message names every factor, e.g.
+    "dp(2) * tp(2) * pp(1) * sp(1) = 4 != world_size(8); set dp=2 or use 4 ranks"."""
+    dp, problems = degree_problems(world_size, dp, tp, pp, sp)
+    if problems:
+        raise ConfigError(f"{what}: " + "; ".join(problems))
     return dp, tp, pp, sp
+
+
+AXES = ("pp", "dp", "sp", "tp")  # outermost to innermost
+MeshCoord = namedtuple("MeshCoord", AXES)
 
 
 class DeviceMesh:

@@ -4,7 +4,7 @@
 prterun exits 0 when it loses a node's daemon (measured with two network-namespace nodes, with or
 without ULFM: the job is torn down mid-run, status 0), and in ULFM mode its status is no failure
 signal at all (docs/elastic.md). So for each attempt the supervisor sets $RTXMPI_EXIT_DIR to an
-empty folder; `elastic.exit_after` (every rank of examples/train.py) writes `start.<pid>` when it
+empty folder; `elastic.exit_after` (every rank of a training script) writes `start.<pid>` when it
 begins and `exit.<pid>` holding its exit code when it ends. After mpiexec returns 0: some rank
 wrote exit code 0 -> done; ranks started but none ended with 0 -> a failure (relaunch). A command
 that writes no reports (not an rtxmpi program, or all its ranks on hosts that cannot see the

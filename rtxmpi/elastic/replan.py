@@ -11,18 +11,17 @@ survivor picks the same one without talking and a user can predict it:
 "Fits" means the runtime can run it: dp * tp * pp * sp = new world size; the model divides (heads
 by tp * sp, vocabulary by tp, at least one layer per stage); the sequence by sp (by tp * sp under
 Megatron sequence parallelism, which is turned off when tp becomes 1); the runtime's own checks
-(rtxmpi.parallel.hybrid.check_layout, rtxmpi.parallel.pipeline.check_pipeline: 1F1B needs
-micro-batches >= pp, what composes with ZeRO); and the batch: a pipeline needs the global batch
-divisible by dp and the per-rank batch by the micro-batches, while without one the global batch
-may split unevenly over dp (docs/elastic.md) and the micro-batches are capped at the smallest
-per-rank batch. Tensor parallelism is kept longest because a tp group is the most tightly coupled
-(collectives in every layer) and usually the reason for the layout (the model's memory).
+(rtxmpi.parallel.layout.Layout's rules: 1F1B needs micro-batches >= pp, what composes with
+ZeRO); and the batch: a pipeline needs the global batch divisible by dp and the per-rank batch
+by the micro-batches, while without one the global batch may split unevenly over dp
+(docs/elastic.md) and the micro-batches are capped at the smallest per-rank batch. Tensor
+parallelism is kept longest because a tp group is the most tightly coupled (collectives in every
+layer) and usually the reason for the layout (the model's memory).
 """
-from ..data import micro_batch_split
+from dataclasses import replace
+
 from ..errors import ConfigError
-from ..parallel.hybrid import check_layout as runtime_check
-from ..parallel.pipeline import auto_micro_batches, check_pipeline
-from ..parallel.planner import Layout
+from ..parallel.layout import Layout, auto_micro_batches
 
 
 def _divisors_desc(n):
@@ -41,37 +40,18 @@ def candidates(tp, pp, sp):
     return out
 
 
-def _model_reason(cfg, tp, pp, sp):
-    if cfg.n_head % (tp * sp):
-        return f"n_head {cfg.n_head} is not divisible by tp * sp = {tp * sp}"
-    if cfg.vocab_size % tp:
-        return f"vocab_size {cfg.vocab_size} is not divisible by tp {tp}"
-    if cfg.n_layer < pp:
-        return f"n_layer {cfg.n_layer} < pp {pp} (every stage needs a block)"
-    return None
-
-
-def _batch_reason(global_batch, dp, pp, micro_batches):
-    """None when the runtime splits the batch so (rtxmpi.data.micro_batch_split, the pipeline's
-    equal rule when pp > 1), else its reason."""
-    try:
-        micro_batch_split(global_batch, dp, micro_batches, equal=pp > 1)
-    except ConfigError as exc:
-        return str(exc)
-    return None
-
-
 def replan(world_size, cfg, global_batch, *, tp=1, pp=1, sp=1, micro_batches=1, schedule="1f1b",
            zero_stage=0, sequence_parallel=False, virtual_stages=1):
     """The layout for `world_size` ranks by the module's rule, starting from the user's degrees.
 
-    cfg: rtxmpi.nn.GPTConfig (seq_len is the training sequence length); global_batch: sequences
-    per step. micro_batches: None for `--micro-batches auto` (chosen per candidate layout by
-    rtxmpi.parallel.pipeline.auto_micro_batches: 1 without pp). virtual_stages: the interleaved schedule's chunks per pipeline rank (checked with
-    a kept pp; without pp there are none). Returns (Layout (rtxmpi.parallel.planner),
-    sequence_parallel (bool), why: '' when
-    the user's tp/pp/sp were kept, else the reason they did not fit). Pure and local (the same
-    answer on every rank). Raises ConfigError naming each candidate's reason when none fits.
+    cfg: what rtxmpi.parallel.layout.model_facts takes, e.g. a GPTConfig (its seq_len is the
+    training sequence length); global_batch: sequences per step. micro_batches: None for
+    `--micro-batches auto` (chosen per candidate by rtxmpi.parallel.layout.auto_micro_batches: 1
+    without pp). virtual_stages: the interleaved schedule's chunks per pipeline rank (checked
+    with a kept pp; without pp there are none). Returns (Layout (rtxmpi.parallel.layout),
+    sequence_parallel (bool), why: '' when the user's tp/pp/sp were kept, else the reason they
+    did not fit). Pure and local (the same answer on every rank). Raises ConfigError naming each
+    candidate's reasons when none fits (Layout.problems).
     """
     if world_size < 1 or global_batch < 1:
         raise ConfigError(f"replan: world_size ({world_size}) and global_batch ({global_batch}) "
@@ -83,34 +63,24 @@ def replan(world_size, cfg, global_batch, *, tp=1, pp=1, sp=1, micro_batches=1, 
             reasons.append(f"tp {t} x pp {p} x sp {s} = {model} does not divide {world_size} ranks")
             continue
         dp = world_size // model
-        m, auto_why = micro_batches, None
-        if micro_batches is None and p > 1:  # --micro-batches auto, for this layout's batch
-            try:
-                m = auto_micro_batches(pp=p, per_rank_batch=max(1, global_batch // dp),
-                                       schedule=schedule, n_layer=cfg.n_layer,
-                                       zero_stage=zero_stage,
-                                       virtual_stages=virtual_stages)
-            except ConfigError as exc:
-                m, auto_why = p, str(exc)
-        elif p == 1:
+        layout = Layout(dp, t, p, s, 1, zero_stage, schedule if p > 1 else "none",
+                        virtual_stages=virtual_stages if p > 1 else 1,
+                        sequence_parallel=sequence_parallel and t > 1)
+        why = []
+        if p == 1:
             m = 1 if micro_batches is None else max(1, min(micro_batches, global_batch // dp))
-        seq_par = sequence_parallel and t > 1
-        layout = Layout(dp, t, p, s, m, zero_stage, schedule if p > 1 else "none")
-        why = _model_reason(cfg, t, p, s) or _batch_reason(global_batch, dp, p, m) or auto_why
-        if why is None:
+        elif micro_batches is None:  # --micro-batches auto, for this layout's batch
             try:
-                runtime_check(world_size, dp=dp, tp=t, pp=p, sp=s, seq_len=cfg.seq_len,
-                              zero_stage=zero_stage, sequence_parallel=seq_par)
-                check_pipeline(pp=p, micro_batches=m, schedule=schedule, n_layer=cfg.n_layer,
-                               zero_stage=zero_stage, virtual_stages=virtual_stages if p > 1 else 1)
-                if seq_par and cfg.seq_len % (t * s):
-                    raise ConfigError(f"sequence length {cfg.seq_len} is not divisible by "
-                                      f"tp * sp = {t * s} (Megatron sequence parallelism)")
+                m = auto_micro_batches(layout, world_size, cfg, max(1, global_batch // dp))
             except ConfigError as exc:
-                why = str(exc)
-        if why is None:
-            return layout, seq_par, "" if (t, p, s) == (tp, pp, sp) else reasons[0]
-        reasons.append(f"{layout}: {why}")
+                m, why = p, [str(exc)]
+        else:
+            m = micro_batches
+        layout = replace(layout, micro_batches=m)
+        why = [text for _, text in layout.problems(world_size, cfg, global_batch)] or why
+        if not why:
+            return layout, layout.sequence_parallel, "" if (t, p, s) == (tp, pp, sp) else reasons[0]
+        reasons.append(f"{layout}: {'; '.join(why)}")
     raise ConfigError(f"no parallel layout fits {world_size} ranks (elastic re-plan): "
                       + "; ".join(reasons))
 

@@ -1,6 +1,6 @@
 """`rtxmpi run`: launch an MPI job, forward pre-emption signals, relaunch it after a failure.
 
-    rtxmpi run -n 4 --min-ranks 2 --max-restarts 3 -- python examples/train.py --ckpt-dir ck --resume
+    rtxmpi run -n 4 --min-ranks 2 --max-restarts 3 -- python train.py --ckpt-dir ck --resume
 
 Each attempt runs `mpiexec -n N [mpiexec args] COMMAND` in its own session, with $RTXMPI_RESTART
 set to the attempt's restart count (0 first). What the exit status means:

@@ -144,15 +144,15 @@ def _hint(label, costs, numbers, med, slowest, bucket_mb):
         bucket = f" (now {bucket_mb:g} MiB)" if bucket_mb else ""
         calls, size = numbers["comm_calls_per_step"], numbers["bytes_per_call"]
         if numbers["overlap_pct"] < 50 and calls <= 4:
-            buckets = (f"lower --bucket-mb{bucket} so several buckets form and the first "
+            buckets = (f"lower the gradient bucket size{bucket} so several buckets form and the first "
                        f"all_reduces start while backward still runs")
         else:
-            buckets = (f"raise --bucket-mb{bucket} for fewer, larger all_reduces ({calls:.0f} "
+            buckets = (f"raise the gradient bucket size{bucket} for fewer, larger all_reduces ({calls:.0f} "
                        f"calls of {size / 2**20:.2f} MiB per step now)")
         return (f"{costs['comm']:.1f} ms per step of exposed communication at "
                 f"{numbers['net_bw_gbps']:.3f} GB/s, {numbers['overlap_pct']:.0f}% of it hidden "
-                f"behind compute: {buckets}; add --micro-batches (more compute per all_reduce); "
-                f"use --zero-stage 1 or 2 (reduce_scatter + all_gather instead of all_reduce, "
+                f"behind compute: {buckets}; add micro-batches (more compute per all_reduce); "
+                f"use ZeRO stage 1 or 2 (reduce_scatter + all_gather instead of all_reduce, "
                 f"optimizer work split over ranks); keep tensor parallelism inside a node and "
                 f"check the network link")
     if numbers["world_size"] == 1:
@@ -160,5 +160,5 @@ def _hint(label, costs, numbers, med, slowest, bucket_mb):
                 f"data-parallel ranks, or a GPU")
     return (f"compute takes {costs['compute']:.1f} ms per step, more than the "
             f"{costs['comm']:.1f} ms of exposed communication: the run scales; add data-parallel "
-            f"ranks or use a GPU to go faster, and raise the per-rank batch (or --micro-batches) "
+            f"ranks or use a GPU to go faster, and raise the per-rank batch (or the micro-batches) "
             f"for better arithmetic intensity")

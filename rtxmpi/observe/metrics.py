@@ -148,9 +148,9 @@ class Metrics:
             self.server = None
 
 
-def check_textfile(path):
-    """None when `path` can be written by the textfile exporter, else a message."""
+def check_textfile(path, name="metrics_textfile"):
+    """None when `path` can be written by the textfile exporter, else a message naming `name`."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        return f"--metrics-textfile {path}: not a writable file path"
+        return f"{name} {path}: not a writable file path"
     return None

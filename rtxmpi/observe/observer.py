@@ -59,7 +59,8 @@ class Observer:
     classify_steps: the last N steps the verdict looks at. bucket_mb: quoted in hints.
     timeline_steps: the timeline keeps the spans of the last this many steps (bounded memory on
     long runs; ~15-40 spans of ~100 bytes per step and rank for the reference models).
-    run_info: JSON-able dict stored in run.json (flags, model, ...).
+    run_info: JSON-able dict stored in run.json (flags, model, ...). names: how messages name
+    these settings (default: the parameter names; a command line maps e.g. "run_dir" to "--run-dir").
     Raises ConfigError on every rank for a bad port, an unwritable path, or a port that cannot be
     bound on some rank.
     """
@@ -67,11 +68,12 @@ class Observer:
     def __init__(self, group, *, timeline=None, run_dir=None, metrics_port=None,
                  metrics_bind="127.0.0.1", metrics_textfile=None, metrics_jsonl=False,
                  job="rtxmpi", tokens_per_step=0, classify_steps=20, bucket_mb=None,
-                 run_info=None, timeline_steps=5000):
+                 run_info=None, timeline_steps=5000, names=None):
         self.group, self.job, self.tokens_per_step = group, str(job), int(tokens_per_step)
         self.timeline, self.run_dir = timeline, run_dir
         self.classify_steps, self.bucket_mb = int(classify_steps), bucket_mb
         self.run_info = dict(run_info or {})
+        self.names = dict(names or {})
         self._check(metrics_port, metrics_textfile, classify_steps)
         self.active = any(v is not None for v in (timeline, run_dir, metrics_port, metrics_textfile)) \
             or bool(metrics_jsonl)
@@ -92,7 +94,8 @@ class Observer:
             except OSError as exc:
                 made = exc
         if agree(group, failed=made is not None).failed:
-            raise ConfigError(f"--run-dir {run_dir}: cannot create it on rank 0 ({made or 'see rank 0'})")
+            raise ConfigError(f"{self._name('run_dir')} {run_dir}: cannot create it on rank 0 "
+                              f"({made or 'see rank 0'})")
         self.offset_us = estimate_clock_offset(group)
         error = None
         if metrics_port is not None or metrics_textfile is not None:
@@ -107,23 +110,27 @@ class Observer:
             if self.metrics is not None:
                 self.metrics.close()
             where = f" on rank {group.rank}: {error}" if error else " on another rank"
-            raise ConfigError(f"--metrics-port {metrics_port}: cannot serve metrics at "
+            raise ConfigError(f"{self._name('metrics_port')} {metrics_port}: cannot serve metrics at "
                               f"{metrics_bind}:{metrics_port} + local rank{where}; choose a free "
-                              f"port range or another --metrics-bind")
+                              f"port range or another {self._name('metrics_bind')}")
         trace.enable(True)
+
+    def _name(self, setting):
+        return self.names.get(setting, setting)
 
     def _check(self, port, textfile, classify_steps):
         top = 65536 - self.group.world_size  # the same bound on every rank
         if port is not None and not 0 < int(port) <= top:
-            raise ConfigError(f"--metrics-port {port}: must be in 1..{top} (each rank serves "
+            raise ConfigError(f"{self._name('metrics_port')} {port}: must be in 1..{top} (each rank serves "
                               f"port + its local rank)")
-        problem = check_textfile(textfile) if textfile is not None else None
-        problem = problem or (_writable_path(self.timeline, "--timeline")
+        problem = (check_textfile(textfile, self._name("metrics_textfile"))
+                   if textfile is not None else None)
+        problem = problem or (_writable_path(self.timeline, self._name("timeline"))
                               if self.timeline is not None else None)
         if problem:
             raise ConfigError(problem)
         if self.run_dir is not None and os.path.exists(self.run_dir) and not os.path.isdir(self.run_dir):
-            raise ConfigError(f"--run-dir {self.run_dir}: exists and is not a directory")
+            raise ConfigError(f"{self._name('run_dir')} {self.run_dir}: exists and is not a directory")
         if classify_steps < 1:
             raise ConfigError(f"classify_steps must be >= 1, got {classify_steps}")
 

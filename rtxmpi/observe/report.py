@@ -1,7 +1,7 @@
 """`rtxmpi report RUN_DIR`: a human summary of a training run and PNG plots.
 
     from rtxmpi.observe.report import load_run, summary, plot
-    run = load_run("runs/a")               # what examples/train.py --run-dir wrote
+    run = load_run("runs/a")               # what a run with run_dir="runs/a" wrote
     print(summary([run]))
     plot(run, "runs/a")                    # loss.png, step_breakdown.png, bandwidth.png
 
@@ -99,8 +99,8 @@ def load_run(path):
     elif run.spans:
         run.breakdowns = step_breakdowns(run.spans)
     if not run.records and not run.breakdowns:
-        raise ConfigError(f"{path}: no metrics.jsonl and no timeline.json; run examples/train.py "
-                          f"with --run-dir {path}")
+        raise ConfigError(f"{path}: no metrics.jsonl and no timeline.json; train with the run "
+                          f"directory {path} (TrainConfig.run_dir, docs/observe.md)")
     return run
 
 

@@ -13,11 +13,12 @@ import math
 import numpy as np
 
 from ..errors import ConfigError
-from ..mesh import DeviceMesh, resolve_degrees
+from ..mesh import DeviceMesh
 from ..nn.gpt import GPTConfig
 from ..nn.optim import AdamW, clip_grad_norm
 from ..nn.params import decay_mask
 from .data import DEFAULT_BUCKET_BYTES, DataParallel
+from .layout import Layout, no_positions
 from .parallelize import ParallelGPT, TensorParallelModel
 from .zero import even_range
 from .zero_hybrid import ZeroHybridParallel
@@ -30,7 +31,7 @@ class HybridParallel:
 
     model: TensorParallelModel (e.g. ParallelGPT); optimizer: callable (flat_params, decay_mask)
     -> optimizer (default AdamW).
-    Offers the calls the training loop uses for every engine (examples/train.py): forward,
+    Offers the calls the training loop uses for every engine (rtxmpi.train): forward,
     backward, no_sync, grad_norm, step(lr, max_grad_norm, total_norm), zero_grad, full_params,
     shards, load_shards; a checkpoint holds the FULL model's flat vectors, so it loads at any
     layout. Collective: every rank of the mesh constructs it and calls the same methods in the same
@@ -114,23 +115,12 @@ class HybridParallel:
 
 def check_layout(world_size, *, dp=None, tp=1, pp=1, sp=1, seq_len, zero_stage=0,
                  sequence_parallel=False):
-    """Validate a training job's layout before anything is built (pure, local, the same verdict
-    on every rank). Returns dp. Raises ConfigError: dp * tp * pp * sp != world_size (naming every
-    factor), seq_len not divisible by sp (or by tp * sp under Megatron sequence parallelism,
-    checked by the model), sequence_parallel with tp = 1, a ZeRO stage outside 0-3. ZeRO
-    composes with tp and sp (zero_hybrid.py); under pp the pipeline engine's check_pipeline
-    decides. (After an elastic shrink the layout is re-planned for the survivors:
-    rtxmpi.elastic.replan.)"""
-    dp, tp, pp, sp = resolve_degrees(world_size, dp=dp, tp=tp, pp=pp, sp=sp)
-    if seq_len % sp:
-        raise ConfigError(f"sequence length {seq_len} is not divisible by sp({sp}); use a multiple "
-                          f"of {sp}")
-    if zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-    if sequence_parallel and tp == 1:
-        raise ConfigError("Megatron sequence parallelism splits the sequence over tp: it needs "
-                          "tp > 1 (for sequence parallelism without tp use sp, Ulysses)")
-    return dp
+    """The degrees, sequence length, ZeRO stage and Megatron sequence parallelism of a job,
+    checked by rtxmpi.parallel.layout.Layout before anything is built (pure, local, the same
+    verdict on every rank). Returns dp. Raises ConfigError naming every problem."""
+    layout = Layout(dp, tp, pp, sp, zero_stage=zero_stage, sequence_parallel=sequence_parallel,
+                    schedule="gpipe" if pp != 1 else "none")  # the pipeline's own: check_pipeline
+    return layout.check(world_size, seq_len=seq_len).dp
 
 
 def build_hybrid(cfg, group, *, dp=None, tp=1, sp=1, seed=0, dtype=np.float32,
@@ -143,6 +133,8 @@ def build_hybrid(cfg, group, *, dp=None, tp=1, sp=1, seed=0, dtype=np.float32,
     zero_stage 1-3: a ZeroHybridParallel instead (ZeRO over mesh.loss_group, with offload None,
     "cpu" or "nvme" + offload_dir; rtxmpi.parallel.zero_hybrid). Collective on `group`. Raises
     ConfigError (layout, or a model that does not divide by tp / sp) on every rank."""
+    Layout(dp, tp, 1, sp, zero_stage=zero_stage, offload=offload or "none",
+           sequence_parallel=sequence_parallel).check(group.world_size, no_positions(cfg))
     mesh = DeviceMesh(dp=dp, tp=tp, pp=1, sp=sp, group=group)
     kind = ParallelGPT if isinstance(cfg, GPTConfig) else TensorParallelModel
     model = kind(cfg, mesh, seed=seed, xp=xp, dtype=dtype, sequence_parallel=sequence_parallel)

@@ -59,8 +59,9 @@ from ..nn.params import bind, decay_mask, layout
 from ..observe import trace
 from . import tensor as tpl
 from .data import DEFAULT_BUCKET_BYTES, BucketReducer, build_buckets
+from .layout import Layout, ModelFacts, no_positions
+from .layout import auto_micro_batches as layout_auto_micro_batches
 from .parallelize import ParallelGPT, TensorParallelModel
-from .pipeline_zero import STAGES as ZERO_STAGES
 from .pipeline_zero import StageZero
 from .zero import even_range, read_range
 from .schedule import build_schedule, partition, receiving_chunk
@@ -696,7 +697,7 @@ class PipelineParallel:
     chunks of one rank would hold.
 
     Attributes: stage (PipelineStage, TensorParallelStage or ChunkedStage), model (the same stage:
-    dtype, num_params, full_specs, as train.py reads a model), mesh (from_mesh), num_params (the
+    dtype, num_params, full_specs, as the training loop reads a model), mesh (from_mesh), num_params (the
     whole one-process model's), tied (this rank's [(parameter index, group, Param)] of the tied
     parameters it holds), tied_indices (every tied parameter index of the pipeline), embed_group
     (the first tied group, or None: a GPT's embedding group), optimizer, schedule (this stage's
@@ -748,7 +749,7 @@ class PipelineParallel:
         self._check_inputs = _input_check(model)
         self.num_params = self.stage.full_specs[-1].stop  # the one-process model's
         self.full_specs = self.stage.full_specs  # the one-process flat layout (checkpoint metadata)
-        self.model = self.stage  # what train.py reads as "the model": dtype, num_params, full_specs
+        self.model = self.stage  # what the training loop reads as "the model": dtype, num_params, full_specs
         self.mesh = None  # set by from_mesh
         self.timeline = []
         self._shapes = {}  # activation shapes per batch shape (_probe_shapes)
@@ -1128,60 +1129,33 @@ class PipelineParallel:
         st.zero_grad()
 
 
+def _pipeline_layout(pp, micro_batches, schedule, zero_stage, offload, virtual_stages):
+    return Layout(1, 1, pp, 1, micro_batches, zero_stage, schedule, offload,
+                  virtual_stages=virtual_stages)
+
+
 def check_pipeline(*, pp, micro_batches, schedule, n_layer, zero_stage=0, offload="none",
                    virtual_stages=1):
-    """Validate a training job's pipeline settings before anything is built (pure, local, the
-    same verdict on every rank). Raises ConfigError: pp > n_layer, an impossible schedule
-    (unknown, micro_batches < 1, 1F1B with micro_batches < pp; the schedule is built and
-    simulated), ZeRO stage 3 (every micro-batch needs the stage's parameters; stages 1 and 2
-    shard each stage over its replicas: rtxmpi.parallel.pipeline_zero), offload."""
-    if pp < 1:
+    """A job's pipeline settings, checked by rtxmpi.parallel.layout.Layout before anything is
+    built (pure, local, the same verdict on every rank). Raises ConfigError naming every problem:
+    pp (x virtual_stages) > n_layer, an impossible schedule (unknown, micro_batches < 1, 1F1B
+    with micro_batches < pp; the schedule is built and simulated), ZeRO stage 3 or offload with
+    pp > 1 (stages 1 and 2 shard each stage over its replicas: rtxmpi.parallel.pipeline_zero)."""
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise ConfigError(f"--pp must be >= 1, got {pp}")
-    if pp == 1:
-        if virtual_stages != 1:
-            raise ConfigError(f"--virtual-stages {virtual_stages} splits each pipeline rank's "
-                              "layers into chunks: it needs --pp > 1 and --schedule interleaved")
-        return
-    if pp > n_layer:
-        raise ConfigError(f"--pp {pp} > n_layer {n_layer}: every pipeline stage needs at least one "
-                          f"transformer block; use --pp <= {n_layer} or a deeper --model")
-    if pp * virtual_stages > n_layer:
-        raise ConfigError(f"--pp {pp} x --virtual-stages {virtual_stages} > n_layer {n_layer}: "
-                          "every virtual stage needs at least one transformer block")
-    if zero_stage not in (0, *ZERO_STAGES):
-        raise ConfigError(f"--zero-stage {zero_stage} with --pp {pp} is not supported: a stage's "
-                          "parameters serve every micro-batch of the schedule, so stage 3 would "
-                          "gather them per micro-batch; use --zero-stage 1 or 2 with --pp")
-    if offload != "none":
-        raise ConfigError(f"--offload {offload} with --pp {pp} is not supported; use --offload "
-                          "none (ZeRO stages 1 and 2 shard each stage's optimizer state)")
-    build_schedule(schedule, micro_batches, pp, virtual_stages)
+    _pipeline_layout(pp, micro_batches, schedule, zero_stage, offload, virtual_stages).check(
+        pp, ModelFacts(n_units=n_layer))
 
 
 def auto_micro_batches(*, pp, per_rank_batch, schedule, n_layer, zero_stage=0, offload="none",
                        virtual_stages=1):
-    """`--micro-batches auto`: 1 without a pipeline (pp == 1); with pp > 1 the smallest multiple
-    of pp that divides per_rank_batch (every stage busy in the steady state, the largest
-    micro-batch that gives that), else the smallest divisor of per_rank_batch that the schedule
-    accepts (check_pipeline: 1F1B needs >= pp; interleaved its own multiple). Pure and local (the
-    same answer on every rank). Raises ConfigError: check_pipeline's own error when the settings
-    fail whatever the count (ZeRO-3, pp > n_layer, ...), else one naming the per-rank batch."""
-    if pp <= 1:
-        return 1
-    check = dict(pp=pp, schedule=schedule, n_layer=n_layer, zero_stage=zero_stage, offload=offload,
-                 virtual_stages=virtual_stages)
-    b = per_rank_batch
-    divisors = [m for m in range(1, b + 1) if b % m == 0]
-    for m in [d for d in divisors if d % pp == 0] + [d for d in divisors if d % pp]:
-        try:
-            check_pipeline(micro_batches=m, **check)
-            return m
-        except ConfigError:
-            continue
-    check_pipeline(micro_batches=pp * virtual_stages, **check)  # a count-independent error first
-    raise ConfigError(f"--micro-batches auto: no number of micro-batches that divides the per-rank "
-                      f"batch {b} suits --pp {pp} --schedule {schedule}; make the per-rank batch a "
-                      f"multiple of {pp} (raise --global-batch)")
+    """`--micro-batches auto` (rtxmpi.parallel.layout.auto_micro_batches) for these pipeline
+    settings: 1 with pp == 1; else the smallest multiple of pp dividing per_rank_batch, else the
+    smallest divisor the schedule accepts. Raises ConfigError as check_pipeline, or naming the
+    per-rank batch."""
+    layout = _pipeline_layout(pp, 1, schedule, zero_stage, offload, virtual_stages)
+    return layout_auto_micro_batches(layout, max(pp, 1), ModelFacts(n_units=n_layer),
+                                     per_rank_batch)
 
 
 def build_pipeline(cfg, group, *, dp=None, pp, tp=1, sp=1, micro_batches, schedule="1f1b", split=None,
@@ -1196,6 +1170,9 @@ def build_pipeline(cfg, group, *, dp=None, pp, tp=1, sp=1, micro_batches, schedu
     reruns its forward in its stage's backward). Returns the engine (engine.mesh, engine.model =
     its stage). Collective on `group`. Raises ConfigError on every rank (layout, schedule, split,
     recompute, a model that does not divide by tp or sp)."""
+    Layout(dp, tp, pp, sp, micro_batches, zero_stage, schedule, recompute=recompute,
+           virtual_stages=virtual_stages, sequence_parallel=sequence_parallel).check(
+        group.world_size, None if model is not None else no_positions(cfg))
     mesh = DeviceMesh(dp=dp, tp=tp, pp=pp, sp=sp, group=group)
     if model is not None:
         model = model(mesh)

@@ -30,9 +30,10 @@ import numpy as np
 from ..errors import ConfigError
 from ..nn import grad_norm_sq
 from . import tensor as tpl
+from .layout import PIPELINE_ZERO_STAGES
 from .zero import gather_shards, shard_decay_mask, shard_range, shard_size
 
-STAGES = (1, 2)
+STAGES = PIPELINE_ZERO_STAGES[1:]  # the sharded ones
 
 
 class StageZero:

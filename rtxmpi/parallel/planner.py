@@ -12,12 +12,13 @@ of all_reduce, all_gather, reduce_scatter, all_to_all and send/recv inside and a
 
 Enumeration (`enumerate_layouts`): every dp * tp * pp * sp == world_size, every micro-batch count m
 dividing the per-rank batch (global_batch / dp), ZeRO stages 0-3 and, when pp > 1, the GPipe and
-1F1B schedules. `check_layout` says why a candidate is invalid (one reason, a sentence):
-n_head % (tp * sp), vocab_size % tp, seq_len % sp, n_layer < pp, the batch split the runtime
-refuses (rtxmpi.data.batch_split / micro_batch_split: global_batch < dp, smallest per-rank batch
-< m, and with pp > 1 global_batch % dp or per-rank batch % m), 1F1B with m < pp, ZeRO with dp * sp == 1 (nothing to shard), offload without ZeRO, and what
-the runtime cannot run yet (`supported`: the runtime's own checks decide which ZeRO stages compose
-with tp / pp / sp); then `estimate` rejects what does not fit in memory.
+1F1B schedules. `check_layout` says why a candidate is invalid: every reason the layout object
+gives (rtxmpi.parallel.layout.Layout.reasons, 'rule: explanation': the world size, the model's
+heads, vocabulary and layers, the sequence, the batch split the runtime runs, the schedule, what
+composes with ZeRO, offload and recomputation; the rules the runtime itself checks), the
+planner's own preference (ZeRO with dp * sp == 1 shards nothing), and an optional `supported`
+filter (rtxmpi.topology.placement_filter: tp inside an NVLink island); then `estimate` rejects
+what does not fit in memory.
 
 Cost model (`estimate`), per step, seconds; n = b * T / sp tokens of a micro-batch of b samples on
 a rank, h = n_head / (tp * sp) heads, S = b * h * T * T attention scores, P = parameters per rank:
@@ -72,52 +73,14 @@ from ..data import batch_split, micro_batch_split
 from ..errors import ConfigError
 from ..exchange import broadcast_json
 from ..nn.gpt import GPTConfig, param_layout
-from ..nn.module import RECOMPUTE
 from .calibrate import HardwareProfile
+from .layout import OFFLOADS, RECOMPUTE, ZERO_STAGES, Layout
 from .schedule import build_schedule, partition
 
-SCHEDULES = ("1f1b", "gpipe")
-ZERO_STAGES = (0, 1, 2, 3)
-OFFLOADS = ("none", "cpu", "nvme")  # examples/train.py --offload
+PLANNED_SCHEDULES = ("1f1b", "gpipe")  # the layout.SCHEDULES the cost model simulates
 BUCKET_BYTES = 25 * 2**20
 TIE_BAND = 0.02  # predictions this close are one estimate: among them, the least peak memory first
 STEP_OVERHEAD_ALL_REDUCES = 3  # loss average, overflow agree, grad-norm reduction: small messages
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One candidate: parallel degrees, micro-batches per step, ZeRO stage, pipeline schedule
-    ("none" when pp == 1), offload, activation recomputation ("none" or "blocks": examples/
-    train.py --recompute; the planner never picks it, make_plan applies the job's)."""
-
-    dp: int
-    tp: int
-    pp: int
-    sp: int
-    micro_batches: int = 1
-    zero_stage: int = 0
-    schedule: str = "none"
-    offload: str = "none"
-    recompute: str = "none"
-
-    @property
-    def degrees(self):
-        return (self.dp, self.tp, self.pp, self.sp)
-
-    def flags(self):
-        """The examples/train.py flags that run this layout (--offload nvme also needs the
-        job's --offload-dir DIR)."""
-        out = (f"--dp {self.dp} --tp {self.tp} --pp {self.pp} --sp {self.sp} "
-               f"--micro-batches {self.micro_batches} --zero-stage {self.zero_stage}")
-        out += f" --schedule {self.schedule}" if self.pp > 1 else ""
-        out += f" --offload {self.offload}" if self.offload != "none" else ""
-        return out + (f" --recompute {self.recompute}" if self.recompute != "none" else "")
-
-    def __str__(self):
-        s = f"dp{self.dp} tp{self.tp} pp{self.pp} sp{self.sp} m{self.micro_batches} z{self.zero_stage}"
-        s += f" {self.schedule}" if self.pp > 1 else ""
-        s += f" offload-{self.offload}" if self.offload != "none" else ""
-        return s + (f" recompute-{self.recompute}" if self.recompute != "none" else "")
 
 
 @dataclass
@@ -254,7 +217,7 @@ def factorizations(world_size):
 
 
 def enumerate_layouts(world_size, global_batch, max_micro_batches=32, zero_stages=ZERO_STAGES,
-                      schedules=SCHEDULES, offloads=("none",)):
+                      schedules=PLANNED_SCHEDULES, offloads=("none",)):
     """Every candidate Layout: all factorizations, micro-batch counts dividing the per-rank batch
     (global_batch // dp, the smaller one when dp does not divide the batch: it is split unevenly
     and weighted by samples, rtxmpi.data.batch_split; up to max_micro_batches; 1 when no split
@@ -276,72 +239,19 @@ def enumerate_layouts(world_size, global_batch, max_micro_batches=32, zero_stage
     return out
 
 
-def default_supported(layout):
-    """What examples/train.py runs in this version (None: yes; else why not), asked of the
-    runtime's own checks (rtxmpi.parallel.hybrid.check_layout, rtxmpi.parallel.pipeline.
-    check_pipeline) so the planner only proposes layouts the runtime can execute."""
+def check_layout(cfg, layout, global_batch, world_size, supported=None):
+    """None when `layout` can run `cfg` at this batch and world size, else every reason, joined
+    by '; ', each 'rule: explanation' (Layout.reasons, the runtime's rules), then the planner's
+    own: ZeRO with dp * sp == 1 shards nothing; then `supported(layout)` (None or a reason; e.g.
+    rtxmpi.topology.placement_filter), as 'runtime: ...'. Local (pure)."""
     L = layout
-    try:
-        from .hybrid import check_layout as hybrid_check
-        from .pipeline import check_pipeline
-    except ImportError:  # an older runtime: pipeline with data parallelism only
-        if L.pp > 1 and (L.tp > 1 or L.sp > 1):
-            return "pipeline parallelism combines with dp only"
-        return None
-    world = L.dp * L.tp * L.pp * L.sp
-    try:
-        hybrid_check(world, dp=L.dp, tp=L.tp, pp=L.pp, sp=L.sp, seq_len=L.sp,
-                     zero_stage=L.zero_stage)
-        if L.pp > 1:
-            check_pipeline(pp=L.pp, micro_batches=L.micro_batches, schedule=L.schedule,
-                           n_layer=L.pp, zero_stage=L.zero_stage, offload=L.offload)
-    except ConfigError as exc:
-        return str(exc).split("; ")[0]
-    return None
-
-
-def check_layout(cfg, layout, global_batch, world_size, supported=default_supported):
-    """None when `layout` can run `cfg` at this batch and world size, else the reason (a string
-    'rule: explanation'). Local (pure)."""
-    L = layout
-    dp, tp, pp, sp, m = L.dp, L.tp, L.pp, L.sp, L.micro_batches
-    if dp * tp * pp * sp != world_size:
-        return f"world size: dp*tp*pp*sp = {dp * tp * pp * sp} != {world_size}"
-    if cfg.n_head % (tp * sp):
-        return f"heads: n_head {cfg.n_head} not divisible by tp*sp = {tp * sp}"
-    if cfg.vocab_size % tp:
-        return f"vocab: vocab_size {cfg.vocab_size} not divisible by tp {tp}"
-    if cfg.seq_len % sp:
-        return f"sequence: seq_len {cfg.seq_len} not divisible by sp {sp}"
-    if cfg.n_layer < pp:
-        return f"layers: n_layer {cfg.n_layer} < pp {pp} (every stage needs a block)"
-    try:  # the data module's split rule (rtxmpi.data): what the runtime runs, never restated
-        batch_split(global_batch, dp, equal=pp > 1)
-    except ConfigError as exc:
-        return f"batch: {exc}"
-    try:
-        micro_batch_split(global_batch, dp, m, equal=pp > 1)
-    except ConfigError as exc:
-        return f"micro-batches: {exc}"
-    if pp > 1 and L.schedule not in SCHEDULES:
-        return f"schedule: unknown pipeline schedule {L.schedule!r}"
-    if L.schedule == "1f1b" and m < pp:
-        return f"1f1b: needs micro-batches >= pp ({m} < {pp})"
-    if L.zero_stage not in ZERO_STAGES:
-        return f"zero: unknown stage {L.zero_stage}"
-    if L.zero_stage and dp * sp == 1:
-        return "zero: dp * sp = 1 leaves nothing to shard (same as stage 0)"
-    if L.offload not in OFFLOADS:
-        return f"offload: unknown offload {L.offload!r} (one of {', '.join(OFFLOADS)})"
-    if L.offload != "none" and not L.zero_stage:
-        return f"offload: --offload {L.offload} needs ZeRO stage 1-3"
-    if L.recompute not in RECOMPUTE:
-        return f"recompute: unknown policy {L.recompute!r} (one of {', '.join(RECOMPUTE)})"
-    if supported is not None:
-        why = supported(L)
-        if why:
-            return f"runtime: {why}"
-    return None
+    why = L.reasons(world_size, cfg, global_batch)
+    if L.zero_stage and L.dp * L.sp == 1 and L.zero_stage in ZERO_STAGES:
+        why.append("zero: dp * sp = 1 leaves nothing to shard (same as stage 0)")
+    if not why and supported is not None:
+        extra = supported(L)
+        why += [f"runtime: {extra}"] if extra else []
+    return "; ".join(why) or None
 
 
 # ------------------------------------------------------------------------------ cost model
@@ -765,8 +675,8 @@ def estimate(cfg, layout, global_batch, profile, ranks_per_node=None, device="cp
 
 
 def make_plan(cfg, global_batch, world_size, profile, ranks_per_node=None, mem_per_device=None,
-              max_micro_batches=32, zero_stages=ZERO_STAGES, schedules=SCHEDULES,
-              supported=default_supported, layouts=None, offloads=("none",), device="cpu",
+              max_micro_batches=32, zero_stages=ZERO_STAGES, schedules=PLANNED_SCHEDULES,
+              supported=None, layouts=None, offloads=("none",), device="cpu",
               recompute="none"):
     """Enumerate, check, estimate and rank. Local (pure); every rank gets the same Plan.
 
@@ -880,8 +790,8 @@ def add_arguments(parser):
                         help="largest micro-batch count considered")
     parser.add_argument("--offload", default="none", metavar="MODES",
                         help="ZeRO offload modes to consider, comma-separated from none, cpu, "
-                             "nvme (default none; train.py's --plan auto adds nvme with "
-                             "--offload-dir, cpu with --device cuda)")
+                             "nvme (default none; a job's automatic plan adds nvme when it "
+                             "has an offload directory, cpu on cuda)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="where the model computes: with cuda, offloaded state leaves the "
                              "device's memory")
@@ -973,7 +883,7 @@ def main(args):
     return 0 if plan.ranked else 1
 
 
-# ------------------------------------------------------------------- examples/train.py --plan auto
+# ------------------------------------------------------------------------- a job's automatic plan
 LAYOUT_FLAGS = ("--dp", "--tp", "--pp", "--sp", "--micro-batches", "--zero-stage", "--schedule",
                 "--offload")
 
@@ -1023,7 +933,7 @@ def plan_for_job(group, cfg, global_batch, profile_path=None, mem_per_device=Non
         mem_per_device = node_memory_per_rank(comm)
     from ..topology import discover, placement_filter
 
-    supported = placement_filter(discover(group), default_supported)  # collective: tp in NVLink
+    supported = placement_filter(discover(group))  # collective: tp in NVLink
     choice, plan, error = None, None, None
     if group.rank == 0:
         offloads = ("none",) + (("cpu",) if device == "cuda" else ()) + \

@@ -45,10 +45,12 @@ from ..errors import CheckpointError, ConfigError, RtxmpiError
 from ..kernels import grad_epilogue
 from ..nn import AdamW, clip_grad_norm, grad_norm_sq
 from .data import DEFAULT_BUCKET_BYTES, DataParallel, check_batch_on_every_rank, check_synced_step
+from .layout import OFFLOADS as LAYOUT_OFFLOADS
+from .layout import ZERO_STAGES
 from .offload import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_CHUNKS, NvmeStore
 
-STAGES = (1, 2, 3)
-OFFLOADS = (None, "cpu", "nvme")
+STAGES = ZERO_STAGES[1:]  # the sharded ones
+OFFLOADS = (None,) + tuple(o for o in LAYOUT_OFFLOADS if o != "none")
 NVME_TENSORS = ("params", "adam.m", "adam.v")
 
 

@@ -54,7 +54,7 @@ class ZeroHybridParallel:
     offload_dir, offload_chunk_bytes, offload_max_chunks, prefetch: as for
     rtxmpi.parallel.zero.ZeroDataParallel, which runs on this rank's tp slice over loss_group
     ("nvme" files: offload_dir/tp_TTTTT/rank_RRRRR/ with tp > 1, RRRRR the loss_group rank).
-    Offers the engine calls of examples/train.py (HybridParallel's): forward, backward, no_sync,
+    Offers the training loop's engine calls (rtxmpi.train): forward, backward, no_sync,
     grad_norm, step(lr, max_grad_norm, total_norm), zero_grad, full_params, shards,
     load_shards, memory_bytes, close.
 

@@ -66,6 +66,9 @@ BAD_LAYOUTS = [  # each refused on both ranks, in one launch (tests/launched/tra
     (["--dp", "2", "--tp", "2"], "dp(2) * tp(2) * pp(1) * sp(1) = 4 != world_size(2)"),
     (["--sp", "2", "--seq-len", "31"], "sequence length 31 is not divisible by sp(2)"),
     (["--tp", "2", "--offload", "cpu"], "--offload cpu needs --zero-stage 1, 2 or 3"),
+    (["--dp", "2", "--tp", "2", "--offload", "cpu"], "2 problems: (1) dp(2) * tp(2) * pp(1) * sp(1) = 4 "
+                                                     "!= world_size(2); set dp=1 or use 4 ranks; (2) "
+                                                     "--offload cpu needs --zero-stage 1, 2 or 3"),
 ]
 
 

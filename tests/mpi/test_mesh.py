@@ -78,3 +78,19 @@ def test_unknown_axis_raises(world):
     mesh = DeviceMesh(group=world)
     with pytest.raises(ConfigError, match="axes must be distinct"):
         mesh.group("ep")
+
+
+def test_engine_builders_refuse_every_layout_problem_on_every_rank(world, assert_raised_on_every_rank):
+    """build_hybrid and build_pipeline ask the layout object before building anything: every
+    problem in one ConfigError, on every rank, with no collective started."""
+    from rtxmpi.nn import GPTConfig
+    from rtxmpi.parallel.hybrid import build_hybrid
+    from rtxmpi.parallel.pipeline import build_pipeline
+
+    n, cfg = world.world_size, GPTConfig.named("tiny", seq_len=16)  # n_layer 2
+    assert_raised_on_every_rank(
+        world, lambda: build_hybrid(cfg, world, dp=n, tp=2, offload="cpu"), ConfigError,
+        match=["2 problems", f"dp({n}) * tp(2) * pp(1) * sp(1) = {2 * n}", "--offload cpu needs"])
+    assert_raised_on_every_rank(
+        world, lambda: build_pipeline(cfg, world, pp=4 * n, micro_batches=1, zero_stage=3),
+        ConfigError, match=[f"--pp {4 * n} > n_layer 2", "1F1B needs", "--zero-stage 3 with"])

@@ -93,11 +93,13 @@ def _train_module():
 
 
 def test_train_counts_and_printable_sample():
-    train = _train_module()
-    assert train._count(1, "step") == "1 step" and train._count(3, "step") == "3 steps"
-    assert train._count(1, "loss") == "1 loss" and train._count(0, "loss") == "0 losses"
-    assert train._count(1, "parameter digest") == "1 parameter digest"
     from rtxmpi.data import decode
+    from rtxmpi.train.metrics import count
+
+    train = _train_module()
+    assert count(1, "step") == "1 step" and count(3, "step") == "3 steps"
+    assert count(1, "loss") == "1 loss" and count(0, "loss") == "0 losses"
+    assert count(1, "parameter digest") == "1 parameter digest"
 
     raw = [ord(c) for c in "ab\n\t"] + [0x1B, ord("["), 0x00, 0xC3, 0xA9, 0xFF, ord("z")]
     text = train.printable(decode(raw))

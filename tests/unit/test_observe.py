@@ -367,10 +367,12 @@ def test_observer_refuses_a_bad_port_and_path(tmp_path):
     from rtxmpi.observe.observer import Observer
 
     world = rtxmpi.init()
-    with pytest.raises(ConfigError, match="--metrics-port 0"):
+    with pytest.raises(ConfigError, match="^metrics_port 0"):
         Observer(world, metrics_port=0)
-    with pytest.raises(ConfigError, match="--timeline .*not a writable file path"):
+    with pytest.raises(ConfigError, match="^timeline .*not a writable file path"):
         Observer(world, timeline=str(tmp_path / "missing" / "t.json"))
+    with pytest.raises(ConfigError, match="^--timeline .*not a writable file path"):  # as a CLI names it
+        Observer(world, timeline=str(tmp_path / "missing" / "t.json"), names={"timeline": "--timeline"})
 
 
 def test_report_scaling_table_from_runs_at_two_world_sizes(tmp_path):

@@ -9,7 +9,7 @@ from rtxmpi.cli import main as cli_main
 from rtxmpi.errors import ConfigError
 from rtxmpi.nn import GPTConfig
 from rtxmpi.parallel.calibrate import HardwareProfile, default_profile, ring_factor
-from rtxmpi.parallel.planner import (Layout, check_layout, default_supported,
+from rtxmpi.parallel.planner import (Layout, check_layout,
                                      enumerate_layouts, estimate, factorizations, make_plan,
                                      memory_breakdown, model_factor, parse_bytes,
                                      simulate_pipeline, TIE_BAND)
@@ -408,7 +408,7 @@ def test_zero_with_model_parallelism_follows_the_runtime_checks():
                 runs = True
             except Refused:
                 runs = False
-            why = check_layout(CFG, Layout(dp, tp, pp, sp, m, z, sched), 32, 4, default_supported)
+            why = check_layout(CFG, Layout(dp, tp, pp, sp, m, z, sched), 32, 4)
             assert (why is None) == runs, (dp, tp, pp, sp, z, why)
 
 
