@@ -15,7 +15,8 @@ recomputation policy and Megatron sequence parallelism. `reasons` checks, all at
     offload     one of OFFLOADS; needs ZeRO stage >= 1; not with pp > 1
     recompute   one of RECOMPUTE (or unit indices: the Model checks those)
     sequence    sequence_parallel needs tp > 1; seq_len divisible by sp (tp * sp with
-                sequence_parallel); sp refused by a model that needs every position
+                sequence_parallel); sequence_parallel refused by a model that needs every
+                position (under sp its whole-sequence units run whole on every sp rank)
     model       heads divisible by tp * sp, vocabulary and tensor-parallel widths by tp, at least
                 one unit per (virtual) pipeline stage — read from ModelFacts, which a GPTConfig,
                 a ViTConfig, any rtxmpi.nn Model or an object with `layout_facts()` gives
@@ -59,8 +60,8 @@ class ModelFacts:
     n_head: attention heads (split over tp * sp; 1: none); vocab_size: rows of a vocabulary-split
     table (over tp; None: none); widths: the other dims tensor parallelism splits (over tp);
     seq_len: positions per sample (None: given to check); whole_sequence: the name of a module
-    that needs every position of a sample (sp and sequence_parallel refused), or None; name: for
-    messages."""
+    that needs every position of a sample (sequence_parallel refused; under sp it runs whole on
+    every sp rank), or None; name: for messages."""
 
     n_units: int
     n_head: int = 1
@@ -281,11 +282,11 @@ class Layout:
             out.append(("sequence", "Megatron sequence parallelism splits the sequence over tp: "
                                     "it needs tp > 1 (for sequence parallelism without tp use "
                                     "sp, Ulysses)"))
-        if facts is not None and facts.whole_sequence and (sp > 1 or seq_par):
+        if facts is not None and facts.whole_sequence and seq_par:
+            # under sp such units run whole on every sp rank (rtxmpi.parallel.parallelize)
             out.append(("sequence", f"{facts.whole_sequence} needs every position of a sample, "
-                                    f"but sequence parallelism (sp={sp}, sequence_parallel="
-                                    f"{seq_par}) gives each rank only some; use dp and tp for "
-                                    f"{facts.name}"))
+                                    f"but Megatron sequence parallelism gives each tp rank only "
+                                    f"some; use dp, tp and sp (Ulysses) for {facts.name}"))
         elif seq_len is not None:
             if seq_len % sp:
                 out.append(("sequence", f"sequence length {seq_len} is not divisible by sp({sp}); "

@@ -40,7 +40,10 @@ def rules(layout, world, model=SMALL, batch=32, **kw):
     (Layout(1, 2, sequence_parallel=True), 2, GPTConfig(seq_len=31), 32, "sequence",
      "not divisible by tp * sp = 2 (Megatron sequence parallelism)"),
     (Layout(2, sequence_parallel=True), 2, SMALL, 32, "sequence", "it needs tp > 1"),
-    (Layout(1, 1, 1, 2), 2, ViTConfig(), 32, "sequence", "PatchEmbedding needs every position"),
+    (Layout(1, 1, 1, 2), 2, ViTConfig(), 32, "sequence",
+     "sequence length 17 is not divisible by sp(2)"),  # 16 patches and the class token
+    (Layout(1, 2, sequence_parallel=True), 2, ViTConfig(image_size=6), 32, "sequence",
+     "PatchEmbedding needs every position"),
     (Layout(4), 4, SMALL, 2, "batch", "global batch 2 is smaller than the data-parallel size 4"),
     (Layout(3, 1, 2, 1, 2, schedule="gpipe"), 6, SMALL, 32, "batch", "a pipeline needs them equal"),
     (Layout(2, micro_batches=17), 2, SMALL, 32, "micro-batches", "fewer than 17 micro-batches"),
@@ -65,6 +68,10 @@ def test_each_rule_is_refused_with_its_name_and_a_message(layout, world, model, 
     with pytest.raises(ConfigError) as info:
         layout.check(world, model, batch)
     assert text in str(info.value) and not str(info.value).startswith(rule + ":")
+
+
+def test_a_vit_splits_over_sp_when_its_positions_divide():
+    assert Layout(1, 1, 1, 2).reasons(2, ViTConfig(image_size=6), 32) == []  # 9 patches + 1
 
 
 def test_every_problem_is_reported_at_once():
@@ -129,11 +136,12 @@ def test_model_facts_of_configs_models_and_units_are_general():
         model_facts("gpt")
 
 
-def test_vit_units_refuse_sequence_parallelism_but_take_tp():
+def test_vit_units_refuse_megatron_sequence_parallelism_but_take_tp_and_sp():
     from rtxmpi.nn import vit_units
     units = vit_units(ViTConfig())
     assert rules(Layout(1, 2), 2, units, None) == []
-    assert rules(Layout(1, 1, 1, 2), 2, units, None) == ["sequence"]
+    assert rules(Layout(1, 1, 1, 2), 2, units, None) == []  # T checked when the patches are made
+    assert rules(Layout(1, 2, sequence_parallel=True), 2, units, None) == ["sequence"]
 
 
 # -- the checks that ask it ----------------------------------------------------------------------
