@@ -222,12 +222,12 @@ def test_a_class_token_vit_whose_positions_do_not_split_over_sp_is_refused(
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("units", ["classifier_of_tokens", "vit"])
+@pytest.mark.parametrize("units", [classifier_of_tokens, vit], ids=["tokens", "vit"])
 def test_whole_sequence_modules_refuse_megatron_sequence_parallelism(world, units,
                                                                      assert_raised_on_every_rank):
     mesh = DeviceMesh(dp=1, tp=world.world_size, group=world)
     error = assert_raised_on_every_rank(
-        world, lambda: TensorParallelModel(globals()[units](), mesh, sequence_parallel=True),
+        world, lambda: TensorParallelModel(units(), mesh, sequence_parallel=True),
         ConfigError)
     assert "needs every position of a sample" in str(error)
 
