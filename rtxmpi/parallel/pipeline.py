@@ -856,7 +856,7 @@ class PipelineParallel:
         for (_, group, param), owner in zip(self.tied, owners):
             group.broadcast(param.data, src=owner)
         make = optimizer or (lambda params, mask: AdamW(params, lr=3e-4, decay_mask=mask))
-        self.zero_stage = zero_stage
+        self.zero_stage, self.provider = zero_stage, None
         if not bucket_bytes > 0:
             raise ConfigError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         self.overlap_dp = bool(overlap_dp)
@@ -870,6 +870,7 @@ class PipelineParallel:
         if zero_stage:  # ZeRO 1-3 over the stage's replica group (rtxmpi.parallel.pipeline_zero)
             self.zero = StageZero(st, dp_group, zero_stage, make)
             self.optimizer = self.zero.optimizer
+            self.provider = self.zero.provider  # stage 3: gathered units (peak_bytes)
         else:
             self.zero = None
             self.optimizer = make(st.flat_data, decay_mask(st.params, xp=st.xp, dtype=st.dtype))
