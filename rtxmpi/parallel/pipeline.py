@@ -177,8 +177,10 @@ class PipelineStage:
     (list[Param] on the stage's buffers: own, then copies), flat_data, flat_grad, num_params,
     own_size, replicated (per own parameter: whole on every tp rank), units (the grad-units:
     (start, stop) ranges of flat_grad, one per unit with parameters of its own, then one per copy;
-    the dp buckets' units), recompute (local unit indices whose forward reruns in backward: the
-    model's `recompute` policy at construction).
+    the dp buckets' units, and the slots a parameter provider hands out), slot_params (per slot
+    its indices into params), fetches (per local unit the slots it uses, its own first), provider
+    (None: the stage's own buffers; see use_provider), recompute (local unit indices whose
+    forward reruns in backward: the model's `recompute` policy at construction).
 
     forward(inp, targets) -> (out, cache): inp is what the model's first unit takes on the first
     stage (token ids, images), else the previous stage's activation; out is the activation for the
@@ -254,7 +256,7 @@ class PipelineStage:
             self.slot_params[slot].append(self._n_own + self.copies.index(k) if k in copy_slot
                                           else k - self.param_start)
         self._sources = [[where[k] for k in ks] for ks in uses]
-        self._fetches = [list(dict.fromkeys(slot for slot, _ in src)) for src in self._sources]
+        self.fetches = [list(dict.fromkeys(slot for slot, _ in src)) for src in self._sources]
         self.provider = None
         chosen = set(model.recompute_units)
         self.recompute = [u - ua for u in range(ua, ub) if u in chosen]
@@ -293,7 +295,7 @@ class PipelineStage:
         fetched from the provider slot by slot (then: the slot hinted after the last)."""
         if self.provider is None:
             return self._data[u]
-        slots, got = self._fetches[u], {}
+        slots, got = self.fetches[u], {}
         for i, slot in enumerate(slots):
             got[slot] = self.provider.fetch(slot, then=slots[i + 1] if i + 1 < len(slots) else then)
         return [got[slot][j] for slot, j in self._sources[u]]
@@ -301,12 +303,12 @@ class PipelineStage:
     def _take_grads(self, u):
         if self.provider is None:
             return self._grad[u]
-        got = {slot: self.provider.grads(slot) for slot in self._fetches[u]}
+        got = {slot: self.provider.grads(slot) for slot in self.fetches[u]}
         return [got[slot][j] for slot, j in self._sources[u]]
 
     def _release(self, u):
         if self.provider is not None:
-            for slot in self._fetches[u]:
+            for slot in self.fetches[u]:
                 self.provider.release(slot)
 
     def _fetches_in(self, u, backward):
@@ -321,8 +323,8 @@ class PipelineStage:
         step = -1 if backward else 1
         u += step
         while 0 <= u < len(self.modules):
-            if self._fetches[u] and self._fetches_in(u, backward):
-                return self._fetches[u][0]
+            if self.fetches[u] and self._fetches_in(u, backward):
+                return self.fetches[u][0]
             u += step
         return None
 
