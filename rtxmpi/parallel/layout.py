@@ -12,7 +12,7 @@ recomputation policy and Megatron sequence parallelism. `reasons` checks, all at
                 1F1B needs micro_batches >= pp, interleaved a multiple of pp and virtual stages
                 >= 2); virtual stages only with pp > 1 and the interleaved schedule
     zero        stage in ZERO_STAGES; with pp > 1 only PIPELINE_ZERO_STAGES, stage 3 there with
-                tp = sp = 1 and one chunk a rank (no interleaved virtual stages)
+                tp = sp = 1
     offload     one of OFFLOADS; needs ZeRO stage >= 1; not with pp > 1
     recompute   one of RECOMPUTE (or unit indices: the Model checks those)
     sequence    sequence_parallel needs tp > 1; seq_len divisible by sp (tp * sp with
@@ -259,11 +259,10 @@ class Layout:
         elif pp > 1 and z not in PIPELINE_ZERO_STAGES:
             out.append(("zero", f"--zero-stage {z} with --pp {pp} is not supported; use one of "
                                 f"{PIPELINE_ZERO_STAGES}"))
-        elif pp > 1 and z == 3 and (self.tp > 1 or self.sp > 1 or self.virtual_stages > 1):
-            out.append(("zero", f"--zero-stage 3 with --pp {pp} shards plain pipeline stages: "
-                                f"tp({self.tp}), sp({self.sp}) and virtual stages "
-                                f"({self.virtual_stages}) must be 1 (their stages keep whole "
-                                "tensor-parallel or chunked buffers); use --zero-stage 1 or 2"))
+        elif pp > 1 and z == 3 and (self.tp > 1 or self.sp > 1):
+            out.append(("zero", f"--zero-stage 3 with --pp {pp} shards stages of a plain model: "
+                                f"tp({self.tp}) and sp({self.sp}) must be 1 (a tensor- or "
+                                "sequence-parallel stage is not sharded); use --zero-stage 1 or 2"))
         if off not in OFFLOADS:
             out.append(("offload", f"unknown offload {off!r} (one of {', '.join(OFFLOADS)})"))
         elif off != "none" and z == 0:

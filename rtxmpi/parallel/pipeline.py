@@ -419,6 +419,12 @@ class PipelineStage:
                 out[p.offset:p.offset + p.size] = values
         return out
 
+    def vector_range(self, k):
+        """(lo, hi): where the model's parameter index k lies in this stage's vector (owned or a
+        copy), or None. Local."""
+        p = self.tied_param(k)
+        return None if p is None else (p.offset, p.offset + p.size)
+
     def tied_param(self, k):
         """The Param holding the model's parameter index k here (owned or a copy), or None."""
         if self.param_start <= k < self.param_stop:
@@ -577,6 +583,13 @@ class TensorParallelStage(PipelineStage):
             p.data = p.grad = None
         model.flat_data = model.flat_grad = None
 
+    def use_provider(self, provider):
+        """Refused (ConfigError): a tensor-parallel stage's parameters stay in its buffers (its
+        checkpoint and norm read the model's tp layout); ZeRO-3 under pp needs tp = sp = 1."""
+        raise ConfigError("ZeRO stage 3 under pipeline parallelism shards stages of a plain Model "
+                          f"(tp = sp = 1), not tp({self.tp}) x sp({self.model.sp}) stages; use "
+                          "ZeRO stage 1 or 2 with tensor or sequence parallelism")
+
     def check_positions(self, x):
         m, T = self.model, x.shape[1] if x.ndim >= 2 else 1
         if m.sp > 1 and T % m.sp:
@@ -678,10 +691,37 @@ class ChunkedStage:
         self.own_size = self.num_params - (last.num_params - last.own_size)
         self.copies = last.copies
         self._unit_base = [sum(len(c.units) for c in self.chunks[:v]) for v in range(V)]
+        param_base = [sum(len(c.params) for c in self.chunks[:v]) for v in range(V)]
+        self.slot_params = [[base + k for k in ks] for ch, base in zip(self.chunks, param_base)
+                            for ks in ch.slot_params]
+        self.provider = None
+
+    def use_provider(self, provider):
+        """PipelineStage.use_provider for every chunk, over this rank's slots (`units`: chunk
+        v's slot j is its units index, the slots of the chunks before it plus j); flat_data,
+        flat_grad and the Params' arrays become None. Local."""
+        self.provider = provider
+        for ch, base in zip(self.chunks, self._unit_base):
+            ch.use_provider(_ShiftedSlots(provider, base))
+        self.flat_data = self.flat_grad = None
+        for p in self.params:
+            p.data = p.grad = None
+
+    def vector_range(self, k):
+        """(lo, hi): where the model's parameter index k lies in this rank's vector, or None
+        when no chunk holds it. Local."""
+        for ch, base in zip(self.chunks, self.segments):
+            where = ch.vector_range(k)
+            if where is not None:
+                return where[0] + base, where[1] + base
+        return None
 
     def zero_grad(self):
-        """Set flat_grad (every chunk, and the copies) to 0. Local."""
-        self.flat_grad.fill(0)
+        """Set the gradients (every chunk, and the copies; the provider's shard) to 0. Local."""
+        if self.flat_grad is not None:
+            self.flat_grad.fill(0)
+        elif self.provider is not None:
+            self.provider.grad.fill(0)
 
     def check_positions(self, x):
         """Nothing to check (whole sequences)."""
@@ -743,6 +783,28 @@ class ChunkedStage:
         ready = None if unit_ready is None else (lambda u: unit_ready(base + u))
         return self.chunks[chunk].backward(cache, dout=dout, scale=scale, unit_ready=ready)
 
+
+
+class _ShiftedSlots:
+    """A chunk's view of its rank's provider: the chunk's slot j is the rank's slot base + j."""
+
+    def __init__(self, provider, base):
+        self.provider, self.base = provider, base
+
+    def fetch(self, slot, then=None):
+        return self.provider.fetch(self.base + slot, then=None if then is None else self.base + then)
+
+    def release(self, slot):
+        self.provider.release(self.base + slot)
+
+    def grads(self, slot):
+        return self.provider.grads(self.base + slot)
+
+    def grads_ready(self, slot):
+        self.provider.grads_ready(self.base + slot)
+
+    def finish(self):
+        self.provider.finish()
 
 
 class PipelineParallel:

@@ -30,8 +30,9 @@ schedule the tied copies' gradients are summed over their group (each a gather o
 parameter's range over the replicas, transiently) and the shard averaged. Per micro-batch
 traffic: 2 gathers of the stage's parameters (3 with recompute) and one reduce_scatter of its
 gradient, against stage 2's one reduce_scatter per step: memory for communication.
-Not offered: offload; stage 3 with tensor- or sequence-parallel stages or interleaved chunks
-(refused by rtxmpi.parallel.layout.Layout).
+Interleaved 1F1B: a rank's chunks share one provider over all their slots (ChunkedStage).
+Not offered: offload; stage 3 with tensor- or sequence-parallel stages (refused by
+rtxmpi.parallel.layout.Layout: a TensorParallelStage keeps its model's layout for tp gathers).
 
 Gradient norm (clipping): each rank's shard, only the stage's own range (the wte copy is counted
 on the first stage), tensor-split parameters on every tp rank and replicated ones on tp rank 0,
@@ -67,8 +68,8 @@ class _Slots:
 class StageZero:
     """ZeRO stage 1, 2 or 3 for one pipeline stage (rtxmpi.parallel.pipeline.PipelineStage,
     TensorParallelStage or ChunkedStage at stages 1 and 2: `replicated` flags its own parameters,
-    the tied copies follow them; a PipelineStage at stage 3) over its replica `group` (None: a
-    single replica).
+    the tied copies follow them; a PipelineStage or ChunkedStage at stage 3) over its replica
+    `group` (None: a single replica).
 
     make_optimizer: callable (params_shard, decay_mask_shard) -> AdamW-like optimizer over this
     rank's slice of the stage's flat vector (updated in place: stage.flat_data's slice, or at
@@ -76,18 +77,14 @@ class StageZero:
     stage's flat vector), optimizer, provider (stage 3: the ShardedParams the stage's units take
     their parameters from; else None). Collective methods: every rank of `group` (and of the
     stage's tp group) calls them in the same order.
-    Raises ConfigError for a stage other than 1, 2 or 3, or stage 3 on a tensor-parallel or
-    chunked stage.
+    Raises ConfigError for a stage other than 1, 2 or 3, or stage 3 on a tensor-parallel stage
+    (its use_provider refuses).
     """
 
     def __init__(self, stage, group, zero_stage, make_optimizer):
         if zero_stage not in STAGES:
             raise ConfigError(f"ZeRO under pipeline parallelism supports stages {STAGES}, got "
                               f"{zero_stage!r}")
-        if zero_stage == 3 and (stage.tp > 1 or not hasattr(stage, "use_provider")):
-            raise ConfigError("ZeRO stage 3 under pipeline parallelism shards plain pipeline "
-                              "stages (tp = sp = 1, one chunk a rank); use --zero-stage 1 or 2 "
-                              "with tensor or sequence parallelism or the interleaved schedule")
         self.st, self.group, self.zero_stage = stage, group, zero_stage
         st = stage
         self.numel = st.num_params
@@ -118,13 +115,13 @@ class StageZero:
 
     def finish_step(self, tied):
         """Stage 3, after the schedule (every backward has reduced its units into the shards,
-        as sums): each tied parameter's gradient (tied: the engine's [(index, group, Param)],
-        Param laid out in the stage vector) gathered over the replica group, summed over its
+        as sums): each tied parameter's gradient (tied: the engine's [(index, group, Param)])
+        gathered over the replica group, summed over its
         tied group and put back into the shard; then the shard averaged over the replicas.
         Collective on the group and on each tied group, in order."""
         grad = self.provider.grad
-        for _, group, param in tied:
-            lo, hi = param.offset, param.offset + param.size
+        for k, group, _ in tied:
+            lo, hi = self.st.vector_range(k)
             whole = gather_range(self.group if self.world > 1 else None, grad, self.numel, lo, hi)
             group.all_reduce(whole, op="sum")
             a, b = max(lo, self.start), min(hi, self.stop)

@@ -285,10 +285,12 @@ def test_pipeline_zero_matches_single_process_over_10_steps(world, zero_stage):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_pipeline_zero3_with_recompute_matches_single_process_over_10_steps(world, tied):
+def test_pipeline_zero3_with_recompute_matches_single_process_over_10_steps(world, tied, schedule):
     """pp 2 x dp (world / 2), ZeRO-3 over each stage's dp ranks (dp 1 at 2 ranks: one shard,
-    units still gathered and reduced one by one) with recomputed blocks: this rank's gradient
+    units still gathered and reduced one by one) with recomputed blocks, 1F1B and interleaved
+    (2 chunks a rank, one block each): this rank's gradient
     shard, the 10-step loss curve and the parameters equal one process's; the wte copy on the
     last stage stays bitwise stage 0's wte."""
     if world.world_size % 2:
@@ -301,10 +303,12 @@ def test_pipeline_zero3_with_recompute_matches_single_process_over_10_steps(worl
     ref_opt = optimizer(reference.flat_data, decay_mask(reference.params, dtype=np.float64))
     model = make_model(tied, dtype=np.float64)
     model.recompute = "blocks"
+    V = 2 if schedule == "interleaved" else 1
     mesh, engine = build(world, world.world_size // 2, 2, model=model, micro_batches=4,
-                         optimizer=optimizer, zero_stage=3)
+                         optimizer=optimizer, zero_stage=3, schedule=schedule, virtual_stages=V)
     st, z = engine.stage, engine.zero
-    assert st.recompute and st.flat_data is None
+    chunks = getattr(st, "chunks", [st])
+    assert all(ch.recompute for ch in chunks) and st.flat_data is None
     rows = mesh.batch_slice(GLOBAL_BATCH)
     for step in range(10):
         x, y = global_batch(step)
@@ -313,7 +317,8 @@ def test_pipeline_zero3_with_recompute_matches_single_process_over_10_steps(worl
         loss = engine.train_step(x[rows], y[rows])
         assert loss == pytest.approx(ref_loss, rel=1e-9)
         if step == 0:  # this rank's shard of the stage vector (own range, then the wte copy)
-            whole = reference.flat_grad[st.flat_start:st.flat_stop]
+            whole = np.concatenate([reference.flat_grad[ch.flat_start:ch.flat_stop]
+                                    for ch in chunks])
             if st.tied_copy:
                 whole = np.concatenate([whole, reference.params[0].grad.reshape(-1)])
             np.testing.assert_allclose(z.grad_shard(), whole[z.start:z.stop], rtol=1e-9,

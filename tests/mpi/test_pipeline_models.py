@@ -310,11 +310,12 @@ def recomputed(make):
 
 
 def shard_of(engine, reference):
-    """This rank's shard of its stage vector (own range, then the tied copies) in the one-process
-    model's gradient."""
-    st, z = engine.stage, engine.zero
-    whole = np.concatenate([reference.flat_grad[st.flat_start:st.flat_stop]]
-                           + [reference.params[k].grad.reshape(-1) for k in st.copies])
+    """This rank's shard of its stage vector (own range of each chunk, then the tied copies) in the
+    one-process model's gradient."""
+    z = engine.zero
+    whole = np.concatenate([reference.flat_grad[ch.flat_start:ch.flat_stop]
+                            for ch in getattr(engine.stage, "chunks", [engine.stage])]
+                           + [reference.params[k].grad.reshape(-1) for k in engine.stage.copies])
     return whole[z.start:z.stop]
 
 
@@ -331,12 +332,13 @@ def read_from(world, engine):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved"])
 @pytest.mark.parametrize("name", MODELS)
 def test_pipeline_zero3_with_recompute_follows_three_clipped_adamw_steps(world, name, schedule):
     """Each stage's parameters sharded over its dp ranks (dp 1: one shard, still gathered and
-    reduced unit by unit) and recomputed units: the loss, this rank's gradient shard and the
-    parameters after clipped AdamW steps equal one process's; the tied copy stays its owner."""
+    reduced unit by unit) and recomputed units, under each schedule (interleaved: 2 chunks a
+    rank on one provider): the loss, this rank's gradient shard and the parameters after clipped
+    AdamW steps equal one process's; the tied copy stays its owner."""
     make, batch = MODELS[name]
     dp = zero3_dp(world)
 
@@ -346,9 +348,10 @@ def test_pipeline_zero3_with_recompute_follows_three_clipped_adamw_steps(world, 
     reference = make()
     ref_opt = optimizer(reference.flat_data, decay_mask(reference.params, dtype=np.float64))
     mesh, engine = build(world, recomputed(make), dp, 1, 2, optimizer=optimizer, zero_stage=3,
-                         schedule=schedule)
+                         schedule=schedule, virtual_stages=2 if schedule == "interleaved" else 1)
     st, z = engine.stage, engine.zero
-    assert st.flat_data is None and st.recompute and engine.deferred_w is False
+    chunks = getattr(st, "chunks", [st])
+    assert st.flat_data is None and all(ch.recompute for ch in chunks) and not engine.deferred_w
     assert z.provider.shard.shape == engine.optimizer.m.shape == (z.stop - z.start,)
     rows = mesh.batch_slice(GLOBAL_BATCH)
     for step in range(3):
@@ -365,10 +368,10 @@ def test_pipeline_zero3_with_recompute_follows_three_clipped_adamw_steps(world, 
         engine.step(max_grad_norm=1.0)
     full = engine.full_params()  # collective: every rank
     np.testing.assert_allclose(full, reference.flat_data, rtol=1e-8, atol=1e-11)
-    vector = z.stage_vector()
+    vector = z.stage_vector()  # collective on dp
     for k in st.copies:
-        p, spec = st.tied_param(k), st.full_specs[k]
-        np.testing.assert_array_equal(vector[p.offset:p.offset + p.size], full[spec.offset:spec.stop])
+        (lo, hi), spec = st.vector_range(k), st.full_specs[k]
+        np.testing.assert_array_equal(vector[lo:hi], full[spec.offset:spec.stop])
 
 
 @pytest.mark.mpi(min_size=4)
