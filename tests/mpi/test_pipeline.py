@@ -335,6 +335,31 @@ def test_pipeline_zero3_with_recompute_matches_single_process_over_10_steps(worl
         np.testing.assert_array_equal(vector[st.num_params - wte.size:], full[:wte.size])
 
 
+@pytest.mark.mpi(min_size=4)
+def test_zero3_stage_state_is_what_the_planner_counts_and_half_of_zero2(world):
+    """pp 2 x dp 2: each rank's parameter, gradient and AdamW bytes (engine.memory_bytes) are
+    planner.memory_breakdown's for its stage (the most over the stage's ranks); ZeRO-3 keeps
+    about half of stage 2's parameters and gradients (dp 2) and the same optimizer shard."""
+    from rtxmpi.parallel.layout import Layout
+    from rtxmpi.parallel.planner import memory_breakdown
+
+    held = {}
+    for zero_stage in (2, 3):
+        mesh, engine = build(world, 2, 2, micro_batches=4, zero_stage=zero_stage)
+        got = engine.memory_bytes()
+        mine = np.array([got["params"], got["grads"], got["optimizer"]], np.int64)
+        stage_max = mine.copy()
+        mesh.group("dp").all_reduce(stage_max, op="max")
+        plan = memory_breakdown(config(), Layout(2, 1, 2, 1, 4, zero_stage, "1f1b"),
+                                GLOBAL_BATCH)[mesh.pp_rank]
+        assert stage_max.tolist() == [plan["params"], plan["grads"], plan["optimizer"]]
+        held[zero_stage] = got
+    assert held[3]["optimizer"] == held[2]["optimizer"]
+    for kind in ("params", "grads"):
+        assert held[3][kind] <= (held[2][kind] + 8) // 2
+    assert held[3]["total"] < held[2]["total"]
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("tied", [True, False])
 def test_interleaved_virtual_stages_match_single_process(world, tied):
