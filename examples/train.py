@@ -892,7 +892,7 @@ def train(args):
         engine = build_pipeline(cfg, world, dp=args.dp, pp=args.pp, tp=args.tp, sp=args.sp,
                                 seed=args.seed, xp=xp, sequence_parallel=args.sequence_parallel,
                                 bucket_bytes=int(args.bucket_mb * 2**20),
-                                zero_stage=args.zero_stage,  # 1, 2: each stage over its replicas
+                                zero_stage=args.zero_stage,  # 1-3: each stage over its replicas
                                 virtual_stages=args.virtual_stages,  # --schedule interleaved
                                 micro_batches=args.micro_batches, schedule=args.schedule,
                                 recompute=args.recompute,  # each stage reruns its blocks
