@@ -22,7 +22,7 @@ such parameter: Megatron's "embedding group" for the GPT, first and last stage),
 receives the same update and stays identical (they start identical: copied from the same model and
 broadcast from the owner's rank).
 
-Additions: dp gradient buckets reduced while the stage's last backward runs, ZeRO 1/2 per stage
+Additions: dp gradient buckets reduced while the stage's last backward runs, ZeRO 1-3 per stage
 (pipeline_zero.py), tensor-parallel and Ulysses (sp) stages, the last stage's deferred weight
 gradients, per-unit activation recomputation (the Model's `recompute`), and interleaved 1F1B
 over virtual stages (ChunkedStage); see docs/pipeline.md.
@@ -826,8 +826,10 @@ class PipelineParallel:
     virtual_stages = V >= 2 chunks of a plain Model a rank: ChunkedStage). split: body units (a
     GPT's blocks) per (virtual) stage (see unit_layout), None: balanced by body_costs.
     optimizer: callable(params_flat, decay_mask) -> AdamW-like (default AdamW(lr=3e-4)); it
-    updates this stage's flat_data (own range and tied copies), or with zero_stage 1 or 2 only
-    this rank's shard of it (rtxmpi.parallel.pipeline_zero.StageZero over dp_group).
+    updates this stage's flat_data (own range and tied copies), or with zero_stage 1-3 only
+    this rank's shard of it (rtxmpi.parallel.pipeline_zero.StageZero over dp_group; at stage 3
+    the stage keeps only that shard and gathers each unit per micro-batch, see
+    PipelineStage.use_provider; the last stage's weight gradients are then not deferred).
     defer_weight_grads: the last stage of a plain-Model pipeline (V = 1) computes the weight
     gradients its last two units can defer (a GPT's head and last block's MLP) after its last op
     (PipelineStage.defer_weight_grads; bitwise the same gradients). Recomputation: the units the
@@ -840,8 +842,8 @@ class PipelineParallel:
     grad_norm / eval_loss the same number of times in the same order, with same-shaped batches.
     Raises ConfigError on every rank (before any send) for an unknown schedule, more stages than
     body units, micro_batches < 1 or < pp with 1F1B, a split that does not fit, a schedule that
-    fails check_schedule, ZeRO stage 3, virtual stages with tp or sp, a tied parameter that two
-    chunks of one rank would hold.
+    fails check_schedule, ZeRO stage 3 with tp or sp, virtual stages with tp or sp, a tied
+    parameter that two chunks of one rank would hold.
 
     Attributes: stage (PipelineStage, TensorParallelStage or ChunkedStage), model (the same stage:
     dtype, num_params, full_specs, as train.py reads a model), mesh (from_mesh), num_params (the
@@ -1308,8 +1310,8 @@ def check_pipeline(*, pp, micro_batches, schedule, n_layer, zero_stage=0, offloa
     """A job's pipeline settings, checked by rtxmpi.parallel.layout.Layout before anything is
     built (pure, local, the same verdict on every rank). Raises ConfigError naming every problem:
     pp (x virtual_stages) > n_layer, an impossible schedule (unknown, micro_batches < 1, 1F1B
-    with micro_batches < pp; the schedule is built and simulated), ZeRO stage 3 or offload with
-    pp > 1 (stages 1 and 2 shard each stage over its replicas: rtxmpi.parallel.pipeline_zero)."""
+    with micro_batches < pp; the schedule is built and simulated), offload with pp > 1 (ZeRO
+    stages 1-3 shard each stage over its replicas: rtxmpi.parallel.pipeline_zero)."""
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise ConfigError(f"--pp must be >= 1, got {pp}")
     _pipeline_layout(pp, micro_batches, schedule, zero_stage, offload, virtual_stages).check(
