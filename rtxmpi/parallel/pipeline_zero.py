@@ -28,8 +28,9 @@ freed after; each backward reduce_scatters a unit's gradient into its owners' sh
 final, and completes every reduction before the stage's next pipeline message. After the
 schedule the tied copies' gradients are summed over their group (each a gather of the
 parameter's range over the replicas, transiently) and the shard averaged. Per micro-batch
-traffic: 2 gathers of the stage's parameters (3 with recompute) and one reduce_scatter of its
-gradient, against stage 2's one reduce_scatter per step: memory for communication.
+traffic: 2 gathers of the stage's parameters (a recomputed unit reruns on backward's gather) and
+one reduce_scatter of its gradient, against stage 2's one reduce_scatter per step: memory for
+communication.
 Interleaved 1F1B: a rank's chunks share one provider over all their slots (ChunkedStage).
 Not offered: offload; stage 3 with tensor- or sequence-parallel stages (refused by
 rtxmpi.parallel.layout.Layout: a TensorParallelStage keeps its model's layout for tp gathers).
@@ -53,7 +54,7 @@ STAGES = PIPELINE_ZERO_STAGES[1:]  # the sharded ones
 class _Solo:
     """The replica group of a stage without data parallelism (ShardedParams never calls it)."""
 
-    world_size, rank, name = 1, 0, "solo"
+    world_size, rank = 1, 0
 
 
 class _Slots:
@@ -116,9 +117,9 @@ class StageZero:
     def finish_step(self, tied):
         """Stage 3, after the schedule (every backward has reduced its units into the shards,
         as sums): each tied parameter's gradient (tied: the engine's [(index, group, Param)])
-        gathered over the replica group, summed over its
-        tied group and put back into the shard; then the shard averaged over the replicas.
-        Collective on the group and on each tied group, in order."""
+        gathered over the replica group, summed over its tied group and put back into the
+        shard; then the shard averaged over the replicas. Collective on the group and on each
+        tied group, in order."""
         grad = self.provider.grad
         for k, group, _ in tied:
             lo, hi = self.st.vector_range(k)
