@@ -335,6 +335,36 @@ def test_pipeline_zero3_with_recompute_matches_single_process_over_10_steps(worl
         np.testing.assert_array_equal(vector[st.num_params - wte.size:], full[:wte.size])
 
 
+@pytest.mark.mpi(min_size=2)
+def test_zero3_recomputation_gathers_a_unit_again_only_where_backward_would_not(world):
+    """ZeRO-3 under pp 2: recomputing the blocks gathers nothing more (their backward gathers
+    anyway, the rerun uses it); recomputing the embeddings (whose backward reads no parameter)
+    gathers them once more per micro-batch, on stage 0 only (counted where there is something
+    to gather: dp 2 at 4 ranks). Loss and gradient shards are bitwise those without
+    recomputation."""
+    if world.world_size % 2:
+        pytest.skip("pp = 2 needs an even world size")
+    x, y = global_batch(5)
+    runs = {}
+    for recompute in ("none", "blocks", [0]):
+        model = make_model()
+        model.recompute = recompute
+        mesh, engine = build(world, world.world_size // 2, 2, model=model, micro_batches=4,
+                             zero_stage=3)
+        rows = mesh.batch_slice(GLOBAL_BATCH)
+        engine.train_step(x[rows], y[rows])  # the first step also probes the shapes
+        gathers = engine.provider.gathers
+        loss = engine.train_step(x[rows], y[rows])
+        runs[str(recompute)] = (loss, engine.zero.grad_shard().copy(),
+                                engine.provider.gathers - gathers)
+    base_loss, base_grad, base_gathers = runs["none"]
+    for key, extra in (("blocks", 0), ("[0]", 4 if mesh.pp_rank == 0 and mesh.dp > 1 else 0)):
+        loss, grad, gathers = runs[key]
+        assert loss == base_loss, key
+        np.testing.assert_array_equal(grad, base_grad)
+        assert gathers == base_gathers + extra, (key, gathers, base_gathers)
+
+
 @pytest.mark.mpi(min_size=4)
 def test_zero3_stage_state_is_what_the_planner_counts_and_half_of_zero2(world):
     """pp 2 x dp 2: each rank's parameter, gradient and AdamW bytes (engine.memory_bytes) are
