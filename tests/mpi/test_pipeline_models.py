@@ -3,7 +3,8 @@ ViT (rtxmpi.nn.vit) and a residual MLP of Linear modules with a ClassificationHe
 residual weight is tied to its first (a tied parameter that is not an embedding).
 
 Layouts (dp, tp, pp) from the world size n: pp = n and, at n = 4, pp = 2 x dp = 2 and pp = 2 x
-tp = 2 (the ViT's tensor-parallel stages); interleaved virtual stages at pp = 2."""
+tp = 2 (the ViT's tensor-parallel stages); interleaved virtual stages at pp = 2; ZeRO-3 stages at
+pp = 2 x dp = 2 (4 ranks) and pp = 2 x dp = 1 (2 ranks)."""
 import numpy as np
 import pytest
 from conftest import GLOBAL_BATCH
@@ -418,9 +419,9 @@ def test_pipeline_zero3_checkpoint_loads_at_another_layout_and_back(world, name)
     _, plain = build(world, make, *other)
     plain.load_shards(written)
     again = read_from(world, plain)
-    for name_ in ("params", "adam.m", "adam.v", "adam.step"):
-        size = 1 if name_ == "adam.step" else n
-        np.testing.assert_array_equal(again(name_, 0, size), written(name_, 0, size))
+    for tensor in ("params", "adam.m", "adam.v", "adam.step"):
+        size = 1 if tensor == "adam.step" else n
+        np.testing.assert_array_equal(again(tensor, 0, size), written(tensor, 0, size))
     _, back = build(world, make, dp, 1, 2, zero_stage=3)
     back.load_shards(again)
     x, y = batch(1)
