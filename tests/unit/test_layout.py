@@ -187,7 +187,8 @@ def test_every_module_takes_the_constants_from_the_layout():
 # -- the same verdicts as the checks it replaced -------------------------------------------------
 # (model, world, dp, tp, pp, sp, global batch, micro-batches, schedule, ZeRO stage, offload) ->
 # the first rule the planner's check_layout gave before the layout object (None: valid; its
-# "runtime: --zero-stage 3 / --offload with --pp" are now the "zero" / "offload" rules)
+# "runtime: --zero-stage 3 / --offload with --pp" are now the "zero" / "offload" rules; ZeRO-3
+# with --pp is refused only with tp or sp > 1 now, so a row that also offloads is "offload")
 PLANNER_VERDICTS = [
     ("small", 4, 2, 1, 2, 1, 32, 4, "gpipe", 0, "none", None),
     ("odd", 2, 1, 1, 1, 2, 32, 2, "none", 0, "none", None),
