@@ -406,7 +406,7 @@ class GPTTask(Task):
             engine = build_pipeline(cfg, world, dp=args.dp, pp=args.pp, tp=args.tp, sp=args.sp,
                                     seed=args.seed, xp=xp, sequence_parallel=args.sequence_parallel,
                                     bucket_bytes=bucket_bytes,
-                                    zero_stage=args.zero_stage,  # 1, 2: each stage over its replicas
+                                    zero_stage=args.zero_stage,  # 1-3: each stage over its replicas
                                     virtual_stages=args.virtual_stages,  # --schedule interleaved
                                     micro_batches=args.micro_batches, schedule=args.schedule,
                                     recompute=args.recompute,  # each stage reruns its blocks

@@ -327,6 +327,55 @@ def _heads(qkv, n_head):
     return qkv.reshape(B, T, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
 
 
+def masked_softmax_forward(att, causal=True):
+    """The attention probabilities from the scores, in place: att <- softmax(att [+ causal
+    mask]) over the last dim. att: (..., T, T) scores (query rows, key columns); causal: mask
+    the keys after each query. Returns att."""
+    if causal:
+        att += _causal_bias(xp_of(att), att.shape[-1], att.dtype)
+    return _softmax_inplace(att)
+
+
+def softmax_backward(datt, att):
+    """Gradient of a softmax over the last dim from its output: ds = att * (datt - sum(datt *
+    att, -1)). datt, att: (..., T); datt is overwritten (scratch). Returns ds, a new array."""
+    xp = xp_of(att)
+    ds = datt * att
+    row = ds.sum(axis=-1, keepdims=True)
+    xp.multiply(att, row, out=datt)
+    ds -= datt
+    return ds
+
+
+def attention_core_forward(q, k, v, causal=True, out=None):
+    """Scaled dot-product attention on split heads (Vaswani et al. 2017): y = softmax(q k^T /
+    sqrt(hs) [+ causal mask]) v, what `attention_forward` computes between its projections.
+
+    q, k, v: (B, H, T, hs); causal: as in `attention_forward`; out: None or a (B, H, T, hs)
+    array (a view may be strided) to write y into. Returns y: (B, H, T, hs), cache (the scaled
+    q, k, v and the (B, H, T, T) probabilities).
+    """
+    xp = xp_of(q)
+    q = q * (1.0 / math.sqrt(q.shape[-1]))  # scaled copy (the cache keeps it for dk)
+    att = q @ k.swapaxes(-1, -2)  # (B, H, T, T)
+    masked_softmax_forward(att, causal)
+    return xp.matmul(att, v, out=out), (q, k, v, att)
+
+
+def attention_core_backward(dy, cache, out=None):
+    """Gradients of `attention_core_forward`. dy: (B, H, T, hs); out: None or (dq, dk, dv)
+    arrays (views may be strided) to write into. Returns dq, dk, dv: (B, H, T, hs)."""
+    q, k, v, att = cache
+    xp = xp_of(dy)
+    dq, dk, dv = out if out is not None else (None,) * 3
+    dv = xp.matmul(att.swapaxes(-1, -2), dy, out=dv)
+    ds = softmax_backward(dy @ v.swapaxes(-1, -2), att)  # (B, H, T, T)
+    dq = xp.matmul(ds, k, out=dq)
+    dq *= 1.0 / math.sqrt(q.shape[-1])
+    dk = xp.matmul(ds.swapaxes(-1, -2), q, out=dk)  # q is already scaled
+    return dq, dk, dv
+
+
 def attention_forward(x, w_qkv, b_qkv, w_proj, b_proj, n_head, causal=True):
     """Multi-head self-attention (Vaswani et al. 2017) with a fused qkv projection.
 
@@ -342,13 +391,9 @@ def attention_forward(x, w_qkv, b_qkv, w_proj, b_proj, n_head, causal=True):
     hs = C // n_head
     qkv, qkv_cache = linear_forward(x, w_qkv, b_qkv)  # (B, T, 3C)
     q, k, v = _heads(qkv, n_head)  # (B, H, T, hs) each, views
-    q = q * (1.0 / math.sqrt(hs))  # scaled copy (the cache keeps it for dk)
-    att = q @ k.swapaxes(-1, -2)  # (B, H, T, T)
-    if causal:
-        att += _causal_bias(xp, T, att.dtype)
-    _softmax_inplace(att)
     yh = xp.empty((B, T, n_head, hs), dtype=x.dtype)
-    xp.matmul(att, v, out=yh.transpose(0, 2, 1, 3))  # (B, H, T, hs) written as (B, T, H, hs)
+    # (B, H, T, hs) written as (B, T, H, hs); q comes back scaled (the cache keeps it for dk)
+    _, (q, k, v, att) = attention_core_forward(q, k, v, causal, out=yh.transpose(0, 2, 1, 3))
     y, proj_cache = linear_forward(yh.reshape(B, T, C), w_proj, b_proj)
     return y, (qkv_cache, q, k, v, att, proj_cache, n_head)
 
@@ -367,17 +412,8 @@ def attention_backward(dy, cache, dparams=None):
     dyh, dw_proj, db_proj = linear_backward(dy, proj_cache, dw_proj, db_proj)
     dyh = dyh.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)  # (B, H, T, hs)
     dqkv = xp.empty((B, T, 3, n_head, hs), dtype=dy.dtype)
-    dq, dk, dv = dqkv.transpose(2, 0, 3, 1, 4)  # (B, H, T, hs) views into dqkv
-    xp.matmul(att.swapaxes(-1, -2), dyh, out=dv)
-    # softmax backward: ds = att * (datt - sum(datt * att, -1))
-    datt = dyh @ v.swapaxes(-1, -2)  # (B, H, T, T)
-    ds = datt * att
-    row = ds.sum(axis=-1, keepdims=True)
-    xp.multiply(att, row, out=datt)
-    ds -= datt
-    xp.matmul(ds, k, out=dq)
-    dq *= 1.0 / math.sqrt(hs)
-    xp.matmul(ds.swapaxes(-1, -2), q, out=dk)  # q is already scaled
+    # dq, dk, dv: (B, H, T, hs) views into dqkv
+    attention_core_backward(dyh, (q, k, v, att), out=tuple(dqkv.transpose(2, 0, 3, 1, 4)))
     dx, dw_qkv, db_qkv = linear_backward(dqkv.reshape(B, T, 3 * C), qkv_cache, dw_qkv, db_qkv)
     return dx, (dw_qkv, db_qkv, dw_proj, db_proj)
 

@@ -114,6 +114,13 @@ class LayerNorm(Module):
     def backward(self, params, grads, cache, dy):
         return layers.layernorm_backward(dy, cache + (params[0],), *grads)[0]
 
+    def residual_forward(self, params, a, x):
+        """The residual add of a pre-LN block and this LayerNorm: x1 = a + x, h = LayerNorm(x1),
+        one kernel on cupy (layers.residual_layernorm_forward). a, x: (..., C); a is updated in
+        place to x1 on numpy. Returns x1, h, cache (for `backward`, which gives dx1)."""
+        x1, h, (xhat, rstd, _) = layers.residual_layernorm_forward(a, x, *params)
+        return x1, h, (xhat, rstd)
+
 
 class Linear(Module):
     """y = x @ w + b. x: (..., C_in); y: (..., C_out). Parameters w (C_in, C_out) and, with bias,
@@ -137,6 +144,74 @@ class Linear(Module):
 
     def backward(self, params, grads, cache, dy):
         return layers.linear_backward(dy, (cache, params[0], len(self.decls) == 2), *grads)[0]
+
+
+class GELU(Module):
+    """GELU, tanh approximation (layers.gelu_forward). x, y: any shape. No parameters."""
+
+    backward_needs_params = False
+
+    def param_specs(self):
+        return []
+
+    def forward(self, params, x):
+        return layers.gelu_forward(x)
+
+    def backward(self, params, grads, cache, dy):
+        return layers.gelu_backward(dy, cache)
+
+
+class BiasGELU(Module):
+    """y = GELU(x + b): the bias of a bias-free Linear before it, then the activation (MLP's fc
+    bias and GELU), one kernel on cupy (layers.bias_gelu_forward). x, y: (..., F); x is updated
+    in place to x + b on numpy (pass a fresh array, e.g. a Linear's output). Parameter `name`
+    (F,) zeros, split "column"."""
+
+    backward_needs_params = False
+
+    def __init__(self, width, name="b"):
+        _positive("BiasGELU", width=width)
+        self.decl = ParamDecl(name, (width,), False, "column")
+
+    def param_specs(self):
+        return [self.decl]
+
+    def forward(self, params, x):
+        return layers.bias_gelu_forward(x, params[0])
+
+    def backward(self, params, grads, cache, dy):
+        return layers.bias_gelu_backward(dy, cache, grads[0])[0]
+
+
+class AttentionCore(Module):
+    """Scaled dot-product attention on split heads: softmax(q k^T / sqrt(hs) [+ causal mask]) v,
+    MultiHeadAttention between its projections (its `core`; Ulysses runs it on the full sequence
+    of some heads, rtxmpi.parallel.sequence). x: (q, k, v), each (B, H, T, hs); y: (B, H, T, hs);
+    backward returns (dq, dk, dv). No parameters. scores_forward / scores_backward are its
+    softmax step alone (what the planner's calibration times)."""
+
+    backward_needs_params = False
+
+    def __init__(self, causal=True):
+        self.causal = bool(causal)
+
+    def param_specs(self):
+        return []
+
+    def forward(self, params, x):
+        q, k, v = x
+        return layers.attention_core_forward(q, k, v, self.causal)
+
+    def backward(self, params, grads, cache, dy):
+        return layers.attention_core_backward(dy, cache)
+
+    def scores_forward(self, att):
+        """att (..., T, T) scores -> the probabilities, in place (mask, softmax). Returns att."""
+        return layers.masked_softmax_forward(att, self.causal)
+
+    def scores_backward(self, datt, att):
+        """The scores' gradient from the probabilities' (datt, overwritten) and att."""
+        return layers.softmax_backward(datt, att)
 
 
 def _attention_cache_with(cache, w_qkv, w_proj):
@@ -163,6 +238,7 @@ class MultiHeadAttention(Module):
             raise ConfigError(f"MultiHeadAttention: n_embd ({n_embd}) must be divisible by "
                               f"n_head ({n_head})")
         self.n_head, self.causal = n_head, bool(causal)
+        self.core = AttentionCore(causal)  # what runs between the projections
         C = n_embd
         self.decls = [ParamDecl("w_qkv", (C, 3 * C), True, "column", std),
                       ParamDecl("b_qkv", (3 * C,), False, "column"),
@@ -235,6 +311,31 @@ class TransformerBlock(Module):
         cache = (ln1 + (params[0],), _attention_cache_with(attn, params[2], params[4]),
                  ln2 + (params[6],), _mlp_cache_with(mlp, params[8], params[10]))
         return layers.block_backward(dy, cache, grads, ready=ready, defer=defer)[0]
+
+    def forward_with(self, params, x, attn, mlp):
+        """`forward` with other attention and MLP modules over the same parameter slots (e.g.
+        their tensor-parallel versions on local shards: rtxmpi.parallel.parallelize), between
+        this block's LayerNorms: the same operations in the same order. params: the 12 arrays
+        (attn's at 2:6, mlp's at 8:12). Returns y, cache (for `backward_with`)."""
+        ln1, ln2 = self.parts[0][1], self.parts[2][1]
+        h1, c_ln1 = ln1.forward(params[0:2], x)
+        a, c_attn = attn.forward(params[2:6], h1)
+        x1, h2, c_ln2 = ln2.residual_forward(params[6:8], a, x)  # x1 = x + attn(ln1(x))
+        y, c_mlp = mlp.forward(params[8:12], h2)
+        y += x1
+        return y, (c_ln1, c_attn, c_ln2, c_mlp)
+
+    def backward_with(self, params, grads, cache, dy, attn, mlp):
+        """Gradients of `forward_with` (the same attn and mlp): adds into grads, returns dx."""
+        ln1, ln2 = self.parts[0][1], self.parts[2][1]
+        c_ln1, c_attn, c_ln2, c_mlp = cache
+        dh2 = mlp.backward(params[8:12], grads[8:12], c_mlp, dy)
+        dx1 = ln2.backward(params[6:8], grads[6:8], c_ln2, dh2)
+        dx1 += dy  # residual
+        dh1 = attn.backward(params[2:6], grads[2:6], c_attn, dx1)
+        dx = ln1.backward(params[0:2], grads[0:2], c_ln1, dh1)
+        dx += dx1  # residual
+        return dx
 
 
 class LMHead(Module):

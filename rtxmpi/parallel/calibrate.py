@@ -325,8 +325,9 @@ def _time_median(fn, comm, reps, active=True, clock=time.perf_counter):
 
 
 def _compute_kernels(C, H, T, tokens):
-    """The model's hot kernels at one shape, as closures, with the unit each is divided by."""
-    from ..nn import layers
+    """The model's hot kernels at one shape, as closures over the shipped modules (rtxmpi.nn
+    .modules), with the unit each is divided by."""
+    from ..nn.modules import GELU, AttentionCore, LayerNorm, TransformerBlock
 
     rng = np.random.default_rng(0)
     B = max(1, tokens // T)
@@ -336,11 +337,12 @@ def _compute_kernels(C, H, T, tokens):
     q = rng.standard_normal((B, H, T, hs)).astype(np.float32)
     att = rng.standard_normal((B, H, T, T)).astype(np.float32)
     datt = att.copy()
-    bias = layers._causal_bias(np, T, np.float32)
     h = rng.standard_normal((B, T, 4 * C)).astype(np.float32)
     x = rng.standard_normal((B, T, C)).astype(np.float32)
     g = np.ones(C, np.float32)
     S = att.size
+    core, gelu_module, norm = AttentionCore(causal=True), GELU(), LayerNorm(C)
+    ln_params, ln_grads = [g, g], [np.zeros(C, np.float32), np.zeros(C, np.float32)]
 
     def gemm():
         a @ w
@@ -348,29 +350,28 @@ def _compute_kernels(C, H, T, tokens):
     def attn():
         q @ q.swapaxes(-1, -2)
 
-    def score_fwd():
+    def score_fwd():  # the core's causal mask and softmax, between its matmuls
         att[...] = datt
-        att.__iadd__(bias)
-        layers._softmax_inplace(att)
+        core.scores_forward(att)
 
     copy_s = lambda: att.__setitem__(Ellipsis, datt)  # noqa: E731  (subtracted from score_fwd)
 
-    probs = layers.softmax_forward(datt)
-    tmp = np.empty_like(probs)
+    probs = core.scores_forward(datt.copy())
+    dprobs = np.empty_like(probs)
 
-    def score_bwd():  # layers.attention_backward between its matmuls
-        ds = datt * probs
-        row = ds.sum(axis=-1, keepdims=True)
-        np.multiply(probs, row, out=tmp)
-        ds -= tmp
+    def score_bwd():  # the core's softmax backward (it overwrites the probabilities' gradient)
+        dprobs[...] = datt
+        core.scores_backward(dprobs, probs)
+
+    copy_b = lambda: dprobs.__setitem__(Ellipsis, datt)  # noqa: E731  (subtracted from score_bwd)
 
     def gelu():
-        y, cache = layers.gelu_forward(h)
-        layers.gelu_backward(h, cache)
+        y, cache = gelu_module.forward(None, h)
+        gelu_module.backward(None, None, cache, h)
 
     def ln():
-        y, cache = layers.layernorm_forward(x, g, g)
-        layers.layernorm_backward(x, cache)
+        y, cache = norm.forward(ln_params, x)
+        norm.backward(ln_params, ln_grads, cache, x)
 
     from ..nn.optim import AdamW
 
@@ -379,22 +380,24 @@ def _compute_kernels(C, H, T, tokens):
     opt = AdamW(p, lr=1e-3, decay_mask=np.ones(n_adam, np.float32))
     grad = rng.standard_normal(n_adam).astype(np.float32)
     xs = rng.standard_normal((1, 8, C)).astype(np.float32)
-    block = [(rng.standard_normal(shape) * 0.02).astype(np.float32)
-             for _, shape, _ in layers.block_param_shapes(C)]
+    block = TransformerBlock(C, H)
+    block_params = [(rng.standard_normal(d.shape) * 0.02).astype(np.float32)
+                    for d in block.param_specs()]
+    block_grads = [np.zeros_like(b) for b in block_params]
 
     src = rng.standard_normal(1 << 20).astype(np.float32)  # 4 MiB: past the caches, as a shard
     dst = np.empty_like(src)
 
     def block_call():  # one block forward + backward at 8 tokens: the per-call cost
-        y, cache = layers.block_forward(xs, block, H)
-        layers.block_backward(y, cache)
+        y, cache = block.forward(block_params, xs)
+        block.backward(block_params, block_grads, cache, y)
 
     return {
         "block_call_us": (block_call, 1e3, "ns"),  # seconds / 1e3 * 1e9 = us
         "dense_flops": (gemm, 2.0 * B * T * C * 4 * C, "flops"),
         "attn_flops": (attn, 2.0 * B * H * T * T * hs, "flops"),
         "score_fwd_ns": (score_fwd, S, "ns", copy_s),
-        "score_bwd_ns": (score_bwd, S, "ns"),
+        "score_bwd_ns": (score_bwd, S, "ns", copy_b),
         "gelu_ns": (gelu, h.size, "ns"),
         "ln_ns": (ln, x.size, "ns"),
         "adam_ns": (lambda: opt.step(grad), n_adam, "ns"),

@@ -54,7 +54,9 @@ class HybridParallel:
     def forward(self, idx, targets):
         """(loss, cache) for this rank's samples: idx, targets (B, T) = this dp rank's rows of
         the global batch with the FULL sequence (mesh.batch_slice); this sp rank's positions are
-        taken here. loss: mean over this rank's tokens (average over mesh.loss_group).
+        taken here (or after the model's whole-input units, e.g. a ViT's images: then targets
+        are per sample, TensorParallelModel.whole_input / whole_head). loss: mean over this
+        rank's tokens (samples with whole_head; average over mesh.loss_group).
         Collective on the mesh; raises ConfigError on every rank when any rank's batch is bad
         (TensorParallelModel.forward)."""
         return self.model.forward(idx, targets, full_sequence=True)

@@ -11,11 +11,13 @@ recomputation policy and Megatron sequence parallelism. `reasons` checks, all at
     schedule    a known one; with pp > 1 it is built and simulated (rtxmpi.parallel.schedule:
                 1F1B needs micro_batches >= pp, interleaved a multiple of pp and virtual stages
                 >= 2); virtual stages only with pp > 1 and the interleaved schedule
-    zero        stage in ZERO_STAGES; with pp > 1 only PIPELINE_ZERO_STAGES
+    zero        stage in ZERO_STAGES; with pp > 1 only PIPELINE_ZERO_STAGES, stage 3 there with
+                tp = sp = 1
     offload     one of OFFLOADS; needs ZeRO stage >= 1; not with pp > 1
     recompute   one of RECOMPUTE (or unit indices: the Model checks those)
     sequence    sequence_parallel needs tp > 1; seq_len divisible by sp (tp * sp with
-                sequence_parallel); sp refused by a model that needs every position
+                sequence_parallel); sequence_parallel refused by a model that needs every
+                position (under sp its whole-sequence units run whole on every sp rank)
     model       heads divisible by tp * sp, vocabulary and tensor-parallel widths by tp, at least
                 one unit per (virtual) pipeline stage — read from ModelFacts, which a GPTConfig,
                 a ViTConfig, any rtxmpi.nn Model or an object with `layout_facts()` gives
@@ -42,7 +44,7 @@ from .schedule import build_schedule
 
 SCHEDULES = tuple(_SCHEDULE_OPS)          # pipeline schedules: "gpipe", "1f1b", "interleaved"
 ZERO_STAGES = (0, 1, 2, 3)                # 0: replicated optimizer (rtxmpi.parallel.zero)
-PIPELINE_ZERO_STAGES = (0, 1, 2)          # under pp > 1 (rtxmpi.parallel.pipeline_zero)
+PIPELINE_ZERO_STAGES = (0, 1, 2, 3)       # under pp > 1 (rtxmpi.parallel.pipeline_zero)
 OFFLOADS = ("none", "cpu", "nvme")        # ZeRO offload (rtxmpi.parallel.offload)
 WHOLE_SEQUENCE = (PatchEmbedding, ClassificationHead)  # modules that need every position
 
@@ -59,8 +61,8 @@ class ModelFacts:
     n_head: attention heads (split over tp * sp; 1: none); vocab_size: rows of a vocabulary-split
     table (over tp; None: none); widths: the other dims tensor parallelism splits (over tp);
     seq_len: positions per sample (None: given to check); whole_sequence: the name of a module
-    that needs every position of a sample (sp and sequence_parallel refused), or None; name: for
-    messages."""
+    that needs every position of a sample (sequence_parallel refused; under sp it runs whole on
+    every sp rank), or None; name: for messages."""
 
     n_units: int
     n_head: int = 1
@@ -257,10 +259,12 @@ class Layout:
         if z not in ZERO_STAGES:
             out.append(("zero", f"ZeRO stage must be 0, 1, 2 or 3, got {z!r}"))
         elif pp > 1 and z not in PIPELINE_ZERO_STAGES:
-            out.append(("zero", f"--zero-stage {z} with --pp {pp} is not supported: a stage's "
-                                "parameters serve every micro-batch of the schedule, so stage 3 "
-                                "would gather them per micro-batch; use --zero-stage 1 or 2 with "
-                                "--pp"))
+            out.append(("zero", f"--zero-stage {z} with --pp {pp} is not supported; use one of "
+                                f"{PIPELINE_ZERO_STAGES}"))
+        elif pp > 1 and z == 3 and (self.tp > 1 or self.sp > 1):
+            out.append(("zero", f"--zero-stage 3 with --pp {pp} shards stages of a plain model: "
+                                f"tp({self.tp}) and sp({self.sp}) must be 1 (a tensor- or "
+                                "sequence-parallel stage is not sharded); use --zero-stage 1 or 2"))
         if off not in OFFLOADS:
             out.append(("offload", f"unknown offload {off!r} (one of {', '.join(OFFLOADS)})"))
         elif off != "none" and z == 0:
@@ -281,11 +285,11 @@ class Layout:
             out.append(("sequence", "Megatron sequence parallelism splits the sequence over tp: "
                                     "it needs tp > 1 (for sequence parallelism without tp use "
                                     "sp, Ulysses)"))
-        if facts is not None and facts.whole_sequence and (sp > 1 or seq_par):
+        if facts is not None and facts.whole_sequence and seq_par:
+            # under sp such units run whole on every sp rank (rtxmpi.parallel.parallelize)
             out.append(("sequence", f"{facts.whole_sequence} needs every position of a sample, "
-                                    f"but sequence parallelism (sp={sp}, sequence_parallel="
-                                    f"{seq_par}) gives each rank only some; use dp and tp for "
-                                    f"{facts.name}"))
+                                    f"but Megatron sequence parallelism gives each tp rank only "
+                                    f"some; use dp, tp and sp (Ulysses) for {facts.name}"))
         elif seq_len is not None:
             if seq_len % sp:
                 out.append(("sequence", f"sequence length {seq_len} is not divisible by sp({sp}); "

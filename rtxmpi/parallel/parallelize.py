@@ -16,9 +16,17 @@ into their parallel versions, driven by the splits the modules declare (rtxmpi.n
     anything else                 -> itself, replicated: every tp rank computes it whole (or a
                                      ConfigError where it cannot run: `parallel_module`)
 
+and, under sp (Ulysses), the units up to the last holding PatchEmbedding / ClassToken run whole on
+every sp rank, then SplitSequenceAfter cuts their output to the rank's positions; the units from
+the first holding ClassificationHead / ClassTokenHead on run whole after GatherSequenceBefore
+(`whole_sequence_ends`).
+
 Each parallel module holds only its shard of each parameter (local shapes in param_specs, same
-names) and wraps the collectives around the math of rtxmpi.nn.layers / rtxmpi.parallel.tensor /
-rtxmpi.parallel.sequence; `kinds` says how each of its parameters is cut (tensor.shard). With
+names) and runs the shipped modules of rtxmpi.nn on those shards (a Linear of the shard's shape,
+the MLP's BiasGELU, the attention's core, the block's LayerNorms through
+TransformerBlock.forward_with) between the collectives of rtxmpi.parallel.tensor and
+rtxmpi.parallel.sequence: no layer math of its own. `kinds` says how each of its parameters is
+cut (tensor.shard). With
 Megatron sequence parallelism the activations between units are split along the sequence over
 tp, and every replicated parameter of a unit gets a partial gradient: `_SequenceSplitUnit` sums
 those over tp after the unit's backward (one all-reduce per unit).
@@ -31,6 +39,7 @@ GPT's token checks.
 Shape legend: B this rank's samples, T positions per sample, Ts = T/sp this rank's positions,
 Tl = Ts/tp with sequence_parallel (else Ts); C channels; Hl = H/tp heads; V vocabulary.
 """
+import copy
 import zlib
 
 import numpy as np
@@ -38,13 +47,12 @@ import numpy as np
 from ..backend import to_host, xp_of
 from ..control import raise_if_any_failed
 from ..errors import ConfigError
-from ..nn import layers
 from ..nn.gpt import GPTConfig, gpt_units
 from ..nn.module import (FlatParams, Model, Module, ParamDecl, Sequential, declarations,
                          init_flat, own_layout, run_backward)
-from ..nn.modules import (MLP, ClassificationHead, Embedding, LayerNorm, Linear, LMHead,
-                          MultiHeadAttention, PatchEmbedding, PositionalEmbedding,
-                          TransformerBlock)
+from ..nn.modules import (MLP, BiasGELU, ClassificationHead, ClassToken, ClassTokenHead,
+                          Embedding, LayerNorm, Linear, LMHead, MultiHeadAttention,
+                          PatchEmbedding, PositionalEmbedding, TransformerBlock)
 from ..nn.optim import grad_norm_sq
 from . import tensor as tpl
 from .sequence import check_heads, ulysses_attention_backward, ulysses_attention_forward
@@ -62,6 +70,13 @@ class Axes:
     def splits_sequence(self):
         """True when a unit sees only some positions of each sample (sp > 1 or Megatron sp)."""
         return self.sp > 1 or self.sequence_parallel
+
+    def whole(self):
+        """These axes for a unit that runs every position on every sp rank: sp = 1 (sp_group
+        None), tp as it is."""
+        axes = copy.copy(self)
+        axes.sp, axes.sp_rank, axes.sp_group = 1, 0, None
+        return axes
 
 
 def _local_decls(decls, kinds, tp):
@@ -129,174 +144,159 @@ class PositionSlice(_Parallel):
 
 
 # ---------------------------------------------------------------------------------- linears
-def _column_cache(cache, w):
-    """A tensor.column_linear_forward cache holding weight w (None: taken out)."""
-    (x, _, has_b), sequence_parallel = cache
-    return ((x, w, has_b), sequence_parallel)
-
-
-def _row_cache(cache, w):
-    """A tensor.row_linear_forward cache holding weight w (None: taken out)."""
-    (x, _, has_b), sequence_parallel, has_bias = cache
-    return ((x, w, has_b), sequence_parallel, has_bias)
-
-
 class ColumnParallelLinear(_Parallel):
-    """Linear(split="column") with w[:, cols] and b[cols] local: x (B, T, Cin) replicated (or
-    (B, Tl, Cin), gathered, with sequence_parallel) -> y (B, T, Cout/tp). Backward all-reduces
-    dx over tp (reduce-scatters with sequence_parallel)."""
+    """Linear(split="column") with w[:, cols] and b[cols] local: the Linear module on the shard's
+    shape (C_in, C_out/tp). x (B, T, Cin) replicated (or (B, Tl, Cin), gathered, with
+    sequence_parallel) -> y (B, T, Cout/tp). Backward sums dx over tp (all-reduce; reduce-scatter
+    with sequence_parallel). Collective on tp."""
 
     def __init__(self, module, ax):
-        _split_of("Linear output width", module.decls[0].shape[1], ax.tp)
-        self.ax, self.has_bias = ax, len(module.decls) == 2
+        c_in, c_out = module.decls[0].shape
+        self.ax, has_bias = ax, len(module.decls) == 2
+        self.linear = Linear(c_in, _split_of("Linear output width", c_out, ax.tp), bias=has_bias)
         self.kinds = ["cols"] * len(module.decls)
         self.decls = _local_decls(module.decls, self.kinds, ax.tp)
 
     def forward(self, params, x):
-        b = params[1] if self.has_bias else None
-        y, cache = tpl.column_linear_forward(x, params[0], b, self.ax.tp_group,
-                                             self.ax.sequence_parallel)
-        return y, _column_cache(cache, None)
+        if self.ax.sequence_parallel:
+            x = tpl.gather_sequence(x, self.ax.tp_group)
+        return self.linear.forward(params, x)
 
     def backward(self, params, grads, cache, dy):
-        return tpl.column_linear_backward(dy, _column_cache(cache, params[0]), self.ax.tp_group,
-                                          *grads)[0]
+        dx = self.linear.backward(params, grads, cache, dy)
+        return tpl.sum_partial(dx, self.ax.tp_group, self.ax.sequence_parallel)
 
 
 class RowParallelLinear(_Parallel):
-    """Linear(split="row") with w[rows, :] local and b whole: x (B, T, Cin/tp) -> y (B, T, Cout)
-    summed over tp (all-reduce; reduce-scatter to (B, Tl, Cout) with sequence_parallel)."""
+    """Linear(split="row") with w[rows, :] local and b whole: the bias-free Linear module on the
+    shard's shape (C_in/tp, C_out), its output summed over tp (all-reduce; reduce-scatter to
+    (B, Tl, Cout) with sequence_parallel), then the bias added once. x (B, T, Cin/tp) ->
+    y (B, T, Cout). Collective on tp."""
 
     def __init__(self, module, ax):
-        _split_of("Linear input width", module.decls[0].shape[0], ax.tp)
+        c_in, c_out = module.decls[0].shape
         self.ax, self.has_bias = ax, len(module.decls) == 2
+        self.linear = Linear(_split_of("Linear input width", c_in, ax.tp), c_out, bias=False)
         self.kinds = ["rows", None][:len(module.decls)]
         self.decls = _local_decls(module.decls, self.kinds, ax.tp)
 
     def forward(self, params, x):
-        b = params[1] if self.has_bias else None
-        y, cache = tpl.row_linear_forward(x, params[0], b, self.ax.tp_group,
-                                          self.ax.sequence_parallel)
-        return y, _row_cache(cache, None)
+        y, cache = self.linear.forward(params[:1], x)
+        y = tpl.sum_partial(y, self.ax.tp_group, self.ax.sequence_parallel)
+        if self.has_bias:
+            y += params[1]
+        return y, cache
 
     def backward(self, params, grads, cache, dy):
-        return tpl.row_linear_backward(dy, _row_cache(cache, params[0]), self.ax.tp_group,
-                                       *grads)[0]
+        if self.has_bias:  # with sequence_parallel this rank's positions only: a partial sum
+            grads[1] += dy.reshape(-1, dy.shape[-1]).sum(axis=0)
+        if self.ax.sequence_parallel:
+            dy = tpl.gather_sequence(dy, self.ax.tp_group)
+        return self.linear.backward(params[:1], grads[:1], cache, dy)
 
 
 # -------------------------------------------------------------------------- attention, MLP
 class ParallelAttention(_Parallel):
-    """MultiHeadAttention with Hl = H/tp whole heads per tp rank (column-parallel qkv, each of q,
-    k, v cut by heads: kind "qkv"), Ulysses attention over sp (H/(tp*sp) heads of the full
-    sequence per rank) and a row-parallel output projection. x, y: (B, Tl, C). Collective on tp
-    and sp."""
+    """MultiHeadAttention with Hl = H/tp whole heads per tp rank: a column-parallel qkv (each of
+    q, k, v cut by heads: kind "qkv"), the module's own attention core (its `core`, Ulysses over
+    sp: H/(tp*sp) heads of the full sequence per rank) and a row-parallel output projection.
+    x, y: (B, Tl, C). Collective on tp and sp."""
 
     def __init__(self, module, ax):
-        self.ax, self.causal = ax, module.causal
+        self.ax, self.core = ax, module.core
         self.n_head = _split_of("n_head", module.n_head, ax.tp,
                                 ": each tensor-parallel rank needs whole attention heads; use "
                                 "n_head divisible by tp")
         check_heads(self.n_head, ax.sp)
+        C = module.decls[0].shape[0]
+        self.qkv = ColumnParallelLinear(Linear(C, 3 * C), ax)
+        self.proj = RowParallelLinear(Linear(C, C, split="row"), ax)
         self.kinds = ["qkv", "qkv", "rows", None]
         self.decls = _local_decls(module.decls, self.kinds, ax.tp)
 
     def forward(self, params, x):
-        w_qkv, b_qkv, w_proj, b_proj = params
-        ax = self.ax
-        qkv, c_qkv = tpl.column_linear_forward(x, w_qkv, b_qkv, ax.tp_group, ax.sequence_parallel)
-        a, c_att = ulysses_attention_forward(qkv, self.n_head, ax.sp_group, self.causal)
-        y, c_proj = tpl.row_linear_forward(a, w_proj, b_proj, ax.tp_group, ax.sequence_parallel)
-        return y, (_column_cache(c_qkv, None), c_att, _row_cache(c_proj, None))
+        qkv, c_qkv = self.qkv.forward(params[0:2], x)
+        a, c_att = ulysses_attention_forward(qkv, self.n_head, self.ax.sp_group, self.core)
+        y, c_proj = self.proj.forward(params[2:4], a)
+        return y, (c_qkv, c_att, c_proj)
 
     def backward(self, params, grads, cache, dy):
         c_qkv, c_att, c_proj = cache
-        tp = self.ax.tp_group
-        da, _, _ = tpl.row_linear_backward(dy, _row_cache(c_proj, params[2]), tp, grads[2],
-                                           grads[3])
+        da = self.proj.backward(params[2:4], grads[2:4], c_proj, dy)
         dqkv = ulysses_attention_backward(da, c_att, self.ax.sp_group)
-        return tpl.column_linear_backward(dqkv, _column_cache(c_qkv, params[0]), tp, grads[0],
-                                          grads[1])[0]
+        return self.qkv.backward(params[0:2], grads[0:2], c_qkv, dqkv)
 
 
 class ParallelMLP(_Parallel):
-    """MLP with the hidden width 4C split over tp: column-parallel fc (its bias added with the
-    GELU, layers.bias_gelu_forward), row-parallel projection. x, y: (B, Tl, C). Collective on
-    tp."""
+    """MLP with the hidden width 4C split over tp: its pieces on the local shard, a column-
+    parallel bias-free fc, the fc bias with the GELU (BiasGELU), a row-parallel projection.
+    x, y: (B, Tl, C). Collective on tp."""
 
     def __init__(self, module, ax):
-        _split_of("MLP width 4*n_embd", module.decls[0].shape[1], ax.tp)
+        C, F = module.decls[0].shape
+        _split_of("MLP width 4*n_embd", F, ax.tp)
         self.ax = ax
+        self.fc = ColumnParallelLinear(Linear(C, F, bias=False), ax)
+        self.act = BiasGELU(F // ax.tp)
+        self.proj = RowParallelLinear(Linear(F, C, split="row"), ax)
         self.kinds = ["cols", "cols", "rows", None]
         self.decls = _local_decls(module.decls, self.kinds, ax.tp)
 
     def forward(self, params, x):
-        w_fc, b_fc, w_proj, b_proj = params
-        ax = self.ax
-        f, c_fc = tpl.column_linear_forward(x, w_fc, None, ax.tp_group, ax.sequence_parallel)
-        f, c_gelu = layers.bias_gelu_forward(f, b_fc)
-        y, c_proj = tpl.row_linear_forward(f, w_proj, b_proj, ax.tp_group, ax.sequence_parallel)
-        return y, (_column_cache(c_fc, None), c_gelu, _row_cache(c_proj, None))
+        f, c_fc = self.fc.forward(params[0:1], x)
+        f, c_act = self.act.forward(params[1:2], f)
+        y, c_proj = self.proj.forward(params[2:4], f)
+        return y, (c_fc, c_act, c_proj)
 
     def backward(self, params, grads, cache, dy):
-        c_fc, c_gelu, c_proj = cache
-        tp = self.ax.tp_group
-        df, _, _ = tpl.row_linear_backward(dy, _row_cache(c_proj, params[2]), tp, grads[2],
-                                           grads[3])
-        df, _ = layers.bias_gelu_backward(df, c_gelu, grads[1])
-        return tpl.column_linear_backward(df, _column_cache(c_fc, params[0]), tp, grads[0])[0]
+        c_fc, c_act, c_proj = cache
+        df = self.proj.backward(params[2:4], grads[2:4], c_proj, dy)
+        df = self.act.backward(params[1:2], grads[1:2], c_act, df)
+        return self.fc.backward(params[0:1], grads[0:1], c_fc, df)
 
 
 class ParallelTransformerBlock(_Parallel):
-    """TransformerBlock of ParallelAttention and ParallelMLP between its (replicated) LayerNorms:
-    x = x + attn(ln1(x)); y = x + mlp(ln2(x)), the residual add fused with ln2 on cupy
-    (layers.residual_layernorm_forward). x, y: (B, Tl, C). Collective on tp and sp."""
+    """TransformerBlock with ParallelAttention and ParallelMLP between its own (replicated)
+    LayerNorms (TransformerBlock.forward_with: the block's operations in its order).
+    x, y: (B, Tl, C). Collective on tp and sp."""
 
     def __init__(self, module, ax):
-        self.ax = ax
+        self.ax, self.block = ax, module
         self.attn = ParallelAttention(module.parts[1][1], ax)
         self.mlp = ParallelMLP(module.parts[3][1], ax)
         self.kinds = [None, None] + self.attn.kinds + [None, None] + self.mlp.kinds
         self.decls = _local_decls(module.param_specs(), self.kinds, ax.tp)
 
     def forward(self, params, x):
-        h1, ln1 = layers.layernorm_forward(x, params[0], params[1])
-        a, c_attn = self.attn.forward(params[2:6], h1)
-        x1, h2, ln2 = layers.residual_layernorm_forward(a, x, params[6], params[7])
-        y, c_mlp = self.mlp.forward(params[8:12], h2)
-        y += x1
-        return y, ((ln1[0], ln1[1]), c_attn, (ln2[0], ln2[1]), c_mlp)
+        return self.block.forward_with(params, x, self.attn, self.mlp)
 
     def backward(self, params, grads, cache, dy):
-        ln1, c_attn, ln2, c_mlp = cache
-        dh2 = self.mlp.backward(params[8:12], grads[8:12], c_mlp, dy)
-        dx1, _, _ = layers.layernorm_backward(dh2, ln2 + (params[6],), grads[6], grads[7])
-        dx1 += dy
-        dh1 = self.attn.backward(params[2:6], grads[2:6], c_attn, dx1)
-        dx, _, _ = layers.layernorm_backward(dh1, ln1 + (params[0],), grads[0], grads[1])
-        dx += dx1
-        return dx
+        return self.block.backward_with(params, grads, cache, dy, self.attn, self.mlp)
 
 
 # ------------------------------------------------------------------------------------ head
 class VocabParallelLMHead(_Parallel):
-    """LMHead with W's vocabulary rows split over tp (tied or its own): logits (B, Ts, V/tp) =
-    x @ W_local.T (x gathered along the sequence first with sequence_parallel), and the
-    vocabulary-parallel cross-entropy (tensor.vocab_crossentropy_forward), whose loss is the mean
-    over this rank's B * Ts positions, the same on every tp rank. Collective on tp."""
+    """LMHead with W's vocabulary rows split over tp (tied or its own): the LMHead module on the
+    local rows, logits (B, Ts, V/tp) = x @ W_local.T (x gathered along the sequence first with
+    sequence_parallel; dx summed over tp), and the vocabulary-parallel cross-entropy
+    (tensor.vocab_crossentropy_forward), whose loss is the mean over this rank's B * Ts
+    positions, the same on every tp rank. Collective on tp."""
 
     def __init__(self, module, ax):
         self.ax, self.kinds = ax, ["vocab"]
-        self.vocab_start = tpl.vocab_range(module.decl.shape[0], ax.tp_rank, ax.tp)[0]
+        V, C = module.decl.shape
+        self.vocab_start = tpl.vocab_range(V, ax.tp_rank, ax.tp)[0]
+        self.head = LMHead(V // ax.tp, C)
         self.decls = _local_decls([module.decl], self.kinds, ax.tp)
 
     def forward(self, params, x):
-        y, cache = tpl.column_linear_forward(x, params[0].T, None, self.ax.tp_group,
-                                             self.ax.sequence_parallel)
-        return y, _column_cache(cache, None)
+        if self.ax.sequence_parallel:
+            x = tpl.gather_sequence(x, self.ax.tp_group)
+        return self.head.forward(params, x)
 
     def backward(self, params, grads, cache, dy):
-        return tpl.column_linear_backward(dy, _column_cache(cache, params[0].T), self.ax.tp_group,
-                                          dw_out=grads[0].T)[0]
+        dx = self.head.backward(params, grads, cache, dy)
+        return tpl.sum_partial(dx, self.ax.tp_group, self.ax.sequence_parallel)
 
     def loss_forward(self, y, targets):
         return tpl.vocab_crossentropy_forward(y, targets, self.vocab_start, self.ax.tp_group)
@@ -338,6 +338,60 @@ class _SequenceSplitUnit(Module):
         return dx
 
 
+class _Wrapped(Module):
+    """A unit around `module`: its declarations, needs and head (loss_forward) are the module's."""
+
+    def __init__(self, module, ax):
+        self.module, self.ax = module, ax
+        self.backward_needs_params = module.backward_needs_params
+        if hasattr(module, "loss_forward"):
+            self.loss_forward, self.loss_backward = module.loss_forward, module.loss_backward
+
+    def param_specs(self):
+        return self.module.param_specs()
+
+
+class SplitSequenceAfter(_Wrapped):
+    """A unit that makes the positions from the whole input (PatchEmbedding, ClassToken), run
+    whole on every sp rank; its output (B, T, C) is cut to this sp rank's positions, (B, T/sp, C)
+    (mesh.seq_slice). Backward puts dy at those positions of a zero (B, T, C). Local; raises
+    ConfigError (on every rank alike) when sp does not divide T."""
+
+    def forward(self, params, x):
+        y, cache = self.module.forward(params, x)
+        T, sp = y.shape[1], self.ax.sp
+        if T % sp:
+            raise ConfigError(f"{T} positions per sample are not divisible by sp({sp}); each sp "
+                              f"rank takes T/sp of them (e.g. choose the image and patch sizes "
+                              f"so that T = patches (+ 1 class token) divides by sp)")
+        Ts = T // sp
+        part = xp_of(y).ascontiguousarray(y[:, self.ax.sp_rank * Ts:(self.ax.sp_rank + 1) * Ts])
+        return part, (cache, y.shape)
+
+    def backward(self, params, grads, cache, dy):
+        cache, shape = cache
+        Ts = dy.shape[1]
+        full = xp_of(dy).zeros(shape, dy.dtype)
+        full[:, self.ax.sp_rank * Ts:(self.ax.sp_rank + 1) * Ts] = dy
+        return self.module.backward(params, grads, cache, full)
+
+
+class GatherSequenceBefore(_Wrapped):
+    """A unit that reads every position of a sample (ClassificationHead, ClassTokenHead): its
+    input, this sp rank's positions (B, T/sp, C), is all-gathered over sp to (B, T, C) and the
+    unit runs whole on every sp rank (the same output and loss on each). Backward keeps this
+    rank's positions of dx, times sp: the engines average gradients over sp (mesh.loss_group),
+    and the sp ranks' positions carry the one loss's gradient between them. Collective on sp."""
+
+    def forward(self, params, x):
+        return self.module.forward(params, tpl.gather_sequence(x, self.ax.sp_group))
+
+    def backward(self, params, grads, cache, dy):
+        dx = self.module.backward(params, grads, cache, dy)
+        Ts, r = dx.shape[1] // self.ax.sp, self.ax.sp_rank
+        return dx[:, r * Ts:(r + 1) * Ts] * self.ax.sp
+
+
 def _child_names(seq):
     """The (name or None) of each child of a Sequential, recovered from its prefixed
     declarations."""
@@ -357,7 +411,9 @@ def _child_names(seq):
 _PARALLEL = {Embedding: VocabParallelEmbedding, PositionalEmbedding: PositionSlice,
              MultiHeadAttention: ParallelAttention, MLP: ParallelMLP,
              TransformerBlock: ParallelTransformerBlock, LMHead: VocabParallelLMHead}
-_WHOLE_SEQUENCE = (PatchEmbedding, ClassificationHead)  # they need every position of a sample
+_WHOLE_INPUT = (PatchEmbedding, ClassToken)  # make the positions from the whole input
+_WHOLE_HEAD = (ClassificationHead, ClassTokenHead)  # read every position of a sample
+_WHOLE_SEQUENCE = _WHOLE_INPUT + _WHOLE_HEAD
 _POSITION_WISE = (LayerNorm, Linear)  # replicated parameters, one position at a time
 
 
@@ -375,7 +431,8 @@ def parallel_module(module, ax):
     if isinstance(module, _WHOLE_SEQUENCE) and ax.splits_sequence:
         raise ConfigError(f"{kind.__name__} needs every position of a sample, but sequence "
                           f"parallelism (sp={ax.sp}, sequence_parallel={ax.sequence_parallel}) "
-                          f"gives each rank only some; use dp and tp for this model")
+                          f"gives each rank only some here; use dp, tp and sp (Ulysses) for "
+                          f"this model, with its whole-sequence units first and last")
     if kind in _PARALLEL:
         par = _PARALLEL[kind](module, ax)
         return par, par.kinds
@@ -424,19 +481,47 @@ def _check_linear_pairs(modules):
                           "put a row-split Linear after it")
 
 
+def whole_sequence_ends(units):
+    """(front, back) of a model's units: front, the last unit holding a module that makes the
+    positions from the whole input (PatchEmbedding, ClassToken), -1 if none; back, the first
+    unit holding one that reads every position (ClassificationHead, ClassTokenHead), len(units)
+    if none. Under sp (Ulysses) units 0..front and back.. run whole on every sp rank. Local."""
+    modules = [unit[1] if isinstance(unit, tuple) else unit for unit in units]
+
+    def holding(kinds):
+        return [u for u, m in enumerate(modules) if any(isinstance(leaf, kinds)
+                                                         for leaf in _leaves(m))]
+    return max(holding(_WHOLE_INPUT), default=-1), min(holding(_WHOLE_HEAD), default=len(modules))
+
+
 def parallelize(units, ax):
     """The units of a tensor/sequence-parallel model: [(name or None, module)] and, per unit,
     the kinds of its declarations (tied ones included). units: Modules or (name, Module) pairs,
-    as rtxmpi.nn.module.Model takes. Local; raises ConfigError on every rank alike (it depends
-    only on the units and the axes)."""
+    as rtxmpi.nn.module.Model takes. Under sp (Ulysses) the units up to the last that makes
+    the positions from the whole input run whole on every sp rank, then their output is cut
+    (SplitSequenceAfter), and the units from the first that reads every position on gather the
+    sequence first (GatherSequenceBefore): `whole_sequence_ends`. Local; raises ConfigError on
+    every rank alike (it depends only on the units and the axes), also when such units are not
+    all before and after the sequence-split ones."""
     named = [unit if isinstance(unit, tuple) else (None, unit) for unit in units]
     if ax.tp > 1:
         _check_linear_pairs(m for _, m in named)
+    front, back = -1, len(named)
+    if ax.sp > 1 and not ax.sequence_parallel:
+        front, back = whole_sequence_ends(named)
+        if front >= back:
+            raise ConfigError(f"unit {back} reads every position of a sample but unit {front}, "
+                              f"after it, makes positions from the whole input: under sp the "
+                              f"whole-input units must all come before the whole-sequence heads")
     out, kinds = [], []
-    for name, module in named:
-        par, k = parallel_module(module, ax)
+    for u, (name, module) in enumerate(named):
+        par, k = parallel_module(module, ax.whole() if u <= front or u >= back else ax)
         if ax.sequence_parallel and None in k:
             par = _SequenceSplitUnit(par, k, ax)
+        if u == front:
+            par = SplitSequenceAfter(par, ax)
+        if u == back:
+            par = GatherSequenceBefore(par, ax)
         out.append(par if name is None else (name, par))
         kinds.append(k)
     return out, kinds
@@ -487,7 +572,8 @@ class TensorParallelModel(Model):
     params (the full model's names, local shapes), flat_data, flat_grad, num_params (local),
     units, provider; and mesh, tp_group, sp_group, tp, sp, tp_rank, sp_rank, sequence_parallel,
     kinds (per parameter: tensor.shard's kind), replicated (per parameter: kind is None),
-    full_specs (the one-process layout), full_num_params.
+    full_specs (the one-process layout), full_num_params, whole_input / whole_head (under sp:
+    the first units take the whole input / the head reads every position; whole_sequence_ends).
     """
 
     def __init__(self, units, mesh, seed=0, xp=np, dtype=np.float32, sequence_parallel=False):
@@ -504,6 +590,8 @@ class TensorParallelModel(Model):
         self.tp, self.sp, self.tp_rank, self.sp_rank = ax.tp, ax.sp, ax.tp_rank, ax.sp_rank
         self.sequence_parallel = ax.sequence_parallel
         parallel_units, unit_kinds = parallelize(units, ax)
+        front, back = whole_sequence_ends(units) if ax.sp > 1 else (-1, len(units))
+        self.whole_input, self.whole_head = front >= 0, back < len(units)
         # Model draws values for the local shapes; they are replaced by the shards of the full draw
         super().__init__(parallel_units, seed=seed, xp=xp, dtype=dtype)
         full_decls, self.full_specs = own_layout(units)
@@ -570,15 +658,22 @@ class TensorParallelModel(Model):
                               f"length divisible by tp * sp")
 
     def _own_positions(self, x, targets):
-        """This sp rank's positions (mesh.seq_slice of dim 1) of x and targets; ConfigError."""
-        if self.sp == 1:
+        """This sp rank's positions (mesh.seq_slice of dim 1) of x, unless the model's first
+        units make the positions from the whole input (whole_input), and of targets, unless its
+        head reads every position (whole_head: targets per sample); ConfigError."""
+        if self.sp == 1 or (self.whole_input and self.whole_head):
             return x, targets
-        if getattr(x, "ndim", 0) < 2 or getattr(targets, "shape", (None,))[:2] != x.shape[:2]:
+        if self.whole_head:
+            if getattr(x, "ndim", 0) < 2:
+                raise ConfigError(f"x must be a (B, T, ...) array, got {getattr(x, 'shape', None)}")
+            return x[:, self.mesh.seq_slice(x.shape[1])], targets
+        if getattr(targets, "ndim", 0) < 2 or (
+                not self.whole_input and getattr(x, "shape", (None,))[:2] != targets.shape[:2]):
             raise ConfigError(f"x and targets must be (B, T, ...) arrays of the same B and T, "
                               f"got {getattr(x, 'shape', None)} and "
                               f"{getattr(targets, 'shape', None)}")
-        cols = self.mesh.seq_slice(x.shape[1])
-        return x[:, cols], targets[:, cols]
+        cols = self.mesh.seq_slice(targets.shape[1])
+        return (x if self.whole_input else x[:, cols]), targets[:, cols]
 
     def _check_same_inputs(self, x, targets, error):
         """Checking mode: every tp rank must feed the same inputs (they compute one model
@@ -701,6 +796,7 @@ class ParallelGPT(TensorParallelModel):
                               f"{self.cfg.vocab_size}")
 
 
-__all__ = ["Axes", "parallel_module", "parallelize", "units_of", "TensorParallelModel", "ParallelGPT",
+__all__ = ["Axes", "parallel_module", "parallelize", "whole_sequence_ends", "units_of",
+           "SplitSequenceAfter", "GatherSequenceBefore", "TensorParallelModel", "ParallelGPT",
            "VocabParallelEmbedding", "PositionSlice", "ColumnParallelLinear", "RowParallelLinear",
            "ParallelAttention", "ParallelMLP", "ParallelTransformerBlock", "VocabParallelLMHead"]

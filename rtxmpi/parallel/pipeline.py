@@ -22,7 +22,7 @@ such parameter: Megatron's "embedding group" for the GPT, first and last stage),
 receives the same update and stays identical (they start identical: copied from the same model and
 broadcast from the owner's rank).
 
-Additions: dp gradient buckets reduced while the stage's last backward runs, ZeRO 1/2 per stage
+Additions: dp gradient buckets reduced while the stage's last backward runs, ZeRO 1-3 per stage
 (pipeline_zero.py), tensor-parallel and Ulysses (sp) stages, the last stage's deferred weight
 gradients, per-unit activation recomputation (the Model's `recompute`), and interleaved 1F1B
 over virtual stages (ChunkedStage); see docs/pipeline.md.
@@ -63,7 +63,7 @@ from .layout import Layout, ModelFacts, no_positions
 from .layout import auto_micro_batches as layout_auto_micro_batches
 from .parallelize import ParallelGPT, TensorParallelModel
 from .pipeline_zero import StageZero
-from .zero import even_range, read_range
+from .zero import even_range, optimizer_bytes, read_range
 from .schedule import build_schedule, partition, receiving_chunk
 
 _ACT, _GRAD = 0, 1  # message kinds; tag = 2 * micro_batch + kind
@@ -177,8 +177,10 @@ class PipelineStage:
     (list[Param] on the stage's buffers: own, then copies), flat_data, flat_grad, num_params,
     own_size, replicated (per own parameter: whole on every tp rank), units (the grad-units:
     (start, stop) ranges of flat_grad, one per unit with parameters of its own, then one per copy;
-    the dp buckets' units), recompute (local unit indices whose forward reruns in backward: the
-    model's `recompute` policy at construction).
+    the dp buckets' units, and the slots a parameter provider hands out), slot_params (per slot
+    its indices into params), fetches (per local unit the slots it uses, its own first), provider
+    (None: the stage's own buffers; see use_provider), recompute (local unit indices whose
+    forward reruns in backward: the model's `recompute` policy at construction).
 
     forward(inp, targets) -> (out, cache): inp is what the model's first unit takes on the first
     stage (token ids, images), else the previous stage's activation; out is the activation for the
@@ -241,6 +243,21 @@ class PipelineStage:
             self.units.append((p.offset, p.offset + p.size))
         first_user = {k: min(u for u, ks in enumerate(uses) if k in ks) for k in self.copies}
         self._report = _ready_order(uses, own_slot, copy_slot, first_user)
+        # provider traffic: per grad-unit (slot) its stage parameter indices; per local unit the
+        # (slot, position) of each declaration and the slots it fetches (its own first)
+        where = {}
+        for u in range(ua, ub):
+            a, b = model.units[u]
+            for j, k in enumerate(range(a, b)):
+                where[k] = (own_slot[u - ua], j)
+        where.update({k: (copy_slot[k], 0) for k in self.copies})
+        self.slot_params = [[] for _ in self.units]
+        for k, (slot, _) in sorted(where.items(), key=lambda kv: kv[1]):
+            self.slot_params[slot].append(self._n_own + self.copies.index(k) if k in copy_slot
+                                          else k - self.param_start)
+        self._sources = [[where[k] for k in ks] for ks in uses]
+        self.fetches = [list(dict.fromkeys(slot for slot, _ in src)) for src in self._sources]
+        self.provider = None
         chosen = set(model.recompute_units)
         self.recompute = [u - ua for u in range(ua, ub) if u in chosen]
         self._again = [u + ua in chosen for u in range(ub - ua)]
@@ -258,9 +275,65 @@ class PipelineStage:
         self._data = [[local[k].data for k in ks] for ks in self._uses]
         self._grad = [[local[k].grad for k in ks] for ks in self._uses]
 
+    def use_provider(self, provider):
+        """Take the units' parameters and gradients from `provider` from now on, slot by slot
+        (a slot is a grad-unit, an index into `units`): fetch(slot, then=None) -> the slot's
+        arrays (then: the slot fetched next, a prefetch hint), release(slot), grads(slot) ->
+        arrays to add into, grads_ready(slot) once this backward made its gradient final, and
+        finish() after each backward (rtxmpi.parallel.zero.ShardedParams: ZeRO-3). The stage lets
+        go of flat_data, flat_grad and its Params' arrays (None): only the provider holds them.
+        The calls are in unit order, the same on every rank that shares the provider's group.
+        Local."""
+        self.provider = provider
+        self.flat_data = self.flat_grad = None
+        for p in self.params:
+            p.data = p.grad = None
+        self._data = self._grad = None
+
+    def _take(self, u, then=None):
+        """Local unit u's parameter arrays in declaration order: the precomputed views, or
+        fetched from the provider slot by slot (then: the slot hinted after the last)."""
+        if self.provider is None:
+            return self._data[u]
+        slots, got = self.fetches[u], {}
+        for i, slot in enumerate(slots):
+            got[slot] = self.provider.fetch(slot, then=slots[i + 1] if i + 1 < len(slots) else then)
+        return [got[slot][j] for slot, j in self._sources[u]]
+
+    def _take_grads(self, u):
+        if self.provider is None:
+            return self._grad[u]
+        got = {slot: self.provider.grads(slot) for slot in self.fetches[u]}
+        return [got[slot][j] for slot, j in self._sources[u]]
+
+    def _release(self, u):
+        if self.provider is not None:
+            for slot in self.fetches[u]:
+                self.provider.release(slot)
+
+    def _fetches_in(self, u, backward):
+        """Whether local unit u asks the provider for parameters in this pass: always in
+        forward; in backward when its forward reruns or its backward reads them."""
+        return not backward or self._again[u] or self.modules[u].backward_needs_params
+
+    def _next_fetch(self, u, backward):
+        """The first slot of the next local unit that fetches in this pass (after u in forward,
+        before it in backward), or None: the prefetch hint, which never leaves the stage's pass
+        (no gather is in flight across a pipeline send or receive)."""
+        step = -1 if backward else 1
+        u += step
+        while 0 <= u < len(self.modules):
+            if self.fetches[u] and self._fetches_in(u, backward):
+                return self.fetches[u][0]
+            u += step
+        return None
+
     def zero_grad(self):
-        """Set flat_grad (own range and the copies) to 0. Local."""
-        self.flat_grad.fill(0)
+        """Set the gradients (own range and the copies; the provider's shard) to 0. Local."""
+        if self.flat_grad is not None:
+            self.flat_grad.fill(0)
+        elif self.provider is not None:
+            self.provider.grad.fill(0)
 
     def defer_weight_grads(self):
         """On the last stage of a pipeline: from now on its backward computes the weight gradients
@@ -346,6 +419,12 @@ class PipelineStage:
                 out[p.offset:p.offset + p.size] = values
         return out
 
+    def vector_range(self, k):
+        """(lo, hi): where the model's parameter index k lies in this stage's vector (owned or a
+        copy), or None. Local."""
+        p = self.tied_param(k)
+        return None if p is None else (p.offset, p.offset + p.size)
+
     def tied_param(self, k):
         """The Param holding the model's parameter index k here (owned or a copy), or None."""
         if self.param_start <= k < self.param_stop:
@@ -363,8 +442,9 @@ class PipelineStage:
         """The stage's units forward on inp, nothing kept: the activation for the next stage (the
         engine's shape probe). Local (collective on tp/sp for a tensor-parallel stage)."""
         x = inp
-        for m, params in zip(self.modules, self._data):
-            x = m.forward(params, x)[0]
+        for u, m in enumerate(self.modules):
+            x = m.forward(self._take(u, self._next_fetch(u, False)), x)[0]
+            self._release(u)
         return x
 
     def forward(self, inp, targets=None, chunk=0):
@@ -376,10 +456,11 @@ class PipelineStage:
         unit keeps its input instead of its cache. Local (collective on tp/sp for a
         tensor-parallel stage)."""
         x, inputs, caches = inp, [], []
-        for m, params, again in zip(self.modules, self._data, self._again):
+        for u, (m, again) in enumerate(zip(self.modules, self._again)):
             inputs.append(x if again else None)
-            x, cache = m.forward(params, x)
+            x, cache = m.forward(self._take(u, self._next_fetch(u, False)), x)
             caches.append(None if again else cache)
+            self._release(u)
         if not self.is_last:
             return x, (inputs, caches, None)
         loss, loss_cache = self.modules[-1].loss_forward(x, targets)
@@ -398,19 +479,29 @@ class PipelineStage:
         start collectives: PipelineParallel._start_buckets)."""
         inputs, caches, loss_cache = cache
         dx = self.modules[-1].loss_backward(scale, loss_cache) if self.is_last else dout
-        hold = self.held_units
+        hold, P = self.held_units, self.provider
         for u in range(len(self.modules) - 1, -1, -1):
-            m, params, unit_cache = self.modules[u], self._data[u], caches[u]
+            m, unit_cache = self.modules[u], caches[u]
+            # a provider is asked only for what backward reads: a recomputed unit's parameters,
+            # or those its backward needs (Model.backward's rule)
+            fetch = P is None or self._fetches_in(u, backward=True)
+            params = self._take(u, self._next_fetch(u, True)) if fetch else None
             if unit_cache is None:  # recomputed: the forward kept the unit's input
                 unit = u + self.unit_range[0]
                 with trace.span(f"unit {unit} recompute", "compute", unit=unit):
                     unit_cache = m.forward(params, inputs[u])[1]
             defer = self._deferred if self.defer_w and u >= self._defer_from else None
-            dx = run_backward(m, params, self._grad[u], unit_cache, dx, defer=defer)
-            if unit_ready is not None:
-                for slot in self._report[u]:
-                    if slot not in hold:
-                        unit_ready(slot)
+            dx = run_backward(m, params if m.backward_needs_params else None, self._take_grads(u),
+                              unit_cache, dx, defer=defer)
+            if fetch:
+                self._release(u)
+            for slot in self._report[u]:
+                if P is not None:
+                    P.grads_ready(slot)
+                if unit_ready is not None and slot not in hold:
+                    unit_ready(slot)
+        if P is not None:
+            P.finish()  # every reduction of this backward done before the next pipeline message
         return None if self.is_first else dx
 
 
@@ -491,6 +582,13 @@ class TensorParallelStage(PipelineStage):
         for p in model.params:
             p.data = p.grad = None
         model.flat_data = model.flat_grad = None
+
+    def use_provider(self, provider):
+        """Refused (ConfigError): a tensor-parallel stage's parameters stay in its buffers (its
+        checkpoint and norm read the model's tp layout); ZeRO-3 under pp needs tp = sp = 1."""
+        raise ConfigError("ZeRO stage 3 under pipeline parallelism shards stages of a plain Model "
+                          f"(tp = sp = 1), not tp({self.tp}) x sp({self.model.sp}) stages; use "
+                          "ZeRO stage 1 or 2 with tensor or sequence parallelism")
 
     def check_positions(self, x):
         m, T = self.model, x.shape[1] if x.ndim >= 2 else 1
@@ -593,10 +691,37 @@ class ChunkedStage:
         self.own_size = self.num_params - (last.num_params - last.own_size)
         self.copies = last.copies
         self._unit_base = [sum(len(c.units) for c in self.chunks[:v]) for v in range(V)]
+        param_base = [sum(len(c.params) for c in self.chunks[:v]) for v in range(V)]
+        self.slot_params = [[base + k for k in ks] for ch, base in zip(self.chunks, param_base)
+                            for ks in ch.slot_params]
+        self.provider = None
+
+    def use_provider(self, provider):
+        """PipelineStage.use_provider for every chunk, over this rank's slots (`units`: chunk
+        v's slot j is its units index, the slots of the chunks before it plus j); flat_data,
+        flat_grad and the Params' arrays become None. Local."""
+        self.provider = provider
+        for ch, base in zip(self.chunks, self._unit_base):
+            ch.use_provider(_ShiftedSlots(provider, base))
+        self.flat_data = self.flat_grad = None
+        for p in self.params:
+            p.data = p.grad = None
+
+    def vector_range(self, k):
+        """(lo, hi): where the model's parameter index k lies in this rank's vector, or None
+        when no chunk holds it. Local."""
+        for ch, base in zip(self.chunks, self.segments):
+            where = ch.vector_range(k)
+            if where is not None:
+                return where[0] + base, where[1] + base
+        return None
 
     def zero_grad(self):
-        """Set flat_grad (every chunk, and the copies) to 0. Local."""
-        self.flat_grad.fill(0)
+        """Set the gradients (every chunk, and the copies; the provider's shard) to 0. Local."""
+        if self.flat_grad is not None:
+            self.flat_grad.fill(0)
+        elif self.provider is not None:
+            self.provider.grad.fill(0)
 
     def check_positions(self, x):
         """Nothing to check (whole sequences)."""
@@ -660,6 +785,28 @@ class ChunkedStage:
 
 
 
+class _ShiftedSlots:
+    """A chunk's view of its rank's provider: the chunk's slot j is the rank's slot base + j."""
+
+    def __init__(self, provider, base):
+        self.provider, self.base = provider, base
+
+    def fetch(self, slot, then=None):
+        return self.provider.fetch(self.base + slot, then=None if then is None else self.base + then)
+
+    def release(self, slot):
+        self.provider.release(self.base + slot)
+
+    def grads(self, slot):
+        return self.provider.grads(self.base + slot)
+
+    def grads_ready(self, slot):
+        self.provider.grads_ready(self.base + slot)
+
+    def finish(self):
+        self.provider.finish()
+
+
 class PipelineParallel:
     """Train a Model split into pipeline stages over `pp_group`, replicated over `dp_group`.
 
@@ -679,8 +826,10 @@ class PipelineParallel:
     virtual_stages = V >= 2 chunks of a plain Model a rank: ChunkedStage). split: body units (a
     GPT's blocks) per (virtual) stage (see unit_layout), None: balanced by body_costs.
     optimizer: callable(params_flat, decay_mask) -> AdamW-like (default AdamW(lr=3e-4)); it
-    updates this stage's flat_data (own range and tied copies), or with zero_stage 1 or 2 only
-    this rank's shard of it (rtxmpi.parallel.pipeline_zero.StageZero over dp_group).
+    updates this stage's flat_data (own range and tied copies), or with zero_stage 1-3 only
+    this rank's shard of it (rtxmpi.parallel.pipeline_zero.StageZero over dp_group; at stage 3
+    the stage keeps only that shard and gathers each unit per micro-batch, see
+    PipelineStage.use_provider; the last stage's weight gradients are then not deferred).
     defer_weight_grads: the last stage of a plain-Model pipeline (V = 1) computes the weight
     gradients its last two units can defer (a GPT's head and last block's MLP) after its last op
     (PipelineStage.defer_weight_grads; bitwise the same gradients). Recomputation: the units the
@@ -693,8 +842,8 @@ class PipelineParallel:
     grad_norm / eval_loss the same number of times in the same order, with same-shaped batches.
     Raises ConfigError on every rank (before any send) for an unknown schedule, more stages than
     body units, micro_batches < 1 or < pp with 1F1B, a split that does not fit, a schedule that
-    fails check_schedule, ZeRO stage 3, virtual stages with tp or sp, a tied parameter that two
-    chunks of one rank would hold.
+    fails check_schedule, ZeRO stage 3 with tp or sp, virtual stages with tp or sp, a tied
+    parameter that two chunks of one rank would hold.
 
     Attributes: stage (PipelineStage, TensorParallelStage or ChunkedStage), model (the same stage:
     dtype, num_params, full_specs, as the training loop reads a model), mesh (from_mesh), num_params (the
@@ -773,27 +922,30 @@ class PipelineParallel:
         for (_, group, param), owner in zip(self.tied, owners):
             group.broadcast(param.data, src=owner)
         make = optimizer or (lambda params, mask: AdamW(params, lr=3e-4, decay_mask=mask))
-        self.zero_stage = zero_stage
-        if zero_stage:  # ZeRO 1/2 over the stage's replica group (rtxmpi.parallel.pipeline_zero)
-            self.zero = StageZero(st, dp_group, zero_stage, make)
-            self.optimizer = self.zero.optimizer
-        else:
-            self.zero = None
-            self.optimizer = make(st.flat_data, decay_mask(st.params, xp=st.xp, dtype=st.dtype))
+        self.zero_stage, self.provider = zero_stage, None
         if not bucket_bytes > 0:
             raise ConfigError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         self.overlap_dp = bool(overlap_dp)
-        self.buckets = stage_buckets(st.units, int(bucket_bytes), st.flat_grad.itemsize)
+        self.buckets = stage_buckets(st.units, int(bucket_bytes), np.dtype(st.dtype).itemsize)
         # DataParallel's bucket engine over the stage's units; every bucket launches async as it
-        # completes (sends and the deferred weight gradients still follow the last backward)
+        # completes (sends and the deferred weight gradients still follow the last backward).
+        # ZeRO-3 reduces each unit in every backward instead (its provider)
         self.reducer = (BucketReducer(self.buckets, len(st.units), st.flat_grad, dp_group,
-                                      op="avg", block_last=False) if self._dp_active() else None)
+                                      op="avg", block_last=False)
+                        if self._dp_active() and zero_stage != 3 else None)
+        if zero_stage:  # ZeRO 1-3 over the stage's replica group (rtxmpi.parallel.pipeline_zero)
+            self.zero = StageZero(st, dp_group, zero_stage, make)
+            self.optimizer = self.zero.optimizer
+            self.provider = self.zero.provider  # stage 3: gathered units (peak_bytes)
+        else:
+            self.zero = None
+            self.optimizer = make(st.flat_data, decay_mask(st.params, xp=st.xp, dtype=st.dtype))
         # the stage's last backward (micro-batch of the schedule's last B): its gradients are final
         # unit by unit during it, and the dp all_reduce of each bucket starts as soon as it is
         self._last_b = {op.chunk: op.micro_batch for op in self.schedule if op.kind == "B"}
         # the last stage's head and last-block MLP weight gradients run in its drain idle time
-        self.deferred_w = (defer_weight_grads and V == 1 and not parallel
-                           and st.defer_weight_grads())
+        self.deferred_w = (defer_weight_grads and V == 1 and not parallel and zero_stage != 3
+                           and st.defer_weight_grads())  # ZeRO-3 frees a unit after backward
 
     @classmethod
     def from_mesh(cls, model, mesh, **kwargs):
@@ -870,6 +1022,9 @@ class PipelineParallel:
             self._sum_tied()
             with trace.span("pp.dp_wait", "pipeline", stage=st.stage):
                 self.zero.reduce_scatter()
+        elif self.zero_stage == 3:  # units were reduced in each backward: tied sums, average
+            with trace.span("pp.dp_wait", "pipeline", stage=st.stage):
+                self.zero.finish_step(self.tied)
         else:
             with trace.span("pp.dp_wait", "pipeline", stage=st.stage):
                 self._finish_dp()
@@ -991,7 +1146,7 @@ class PipelineParallel:
         inputs, outputs, caches, grads = {}, {}, {}, {}  # keyed by (micro-batch, chunk)
         # the dp buckets' callback, passed to each chunk's last backward (and the deferred units)
         ready = (self._start_buckets() if backward and self.overlap_dp and self._dp_active()
-                 and self.zero_stage != 2 else None)
+                 and self.zero_stage not in (2, 3) else None)
         sends, timeline, now = [], [], time.perf_counter
         self._loss_sum, scale = 0.0, 1.0 / m
         span = trace.span
@@ -1071,7 +1226,7 @@ class PipelineParallel:
     def full_params(self):
         """The whole model's flat parameter vector (one-process GPT layout, num_params) on every
         rank. Collective over pp_group (one all_reduce of num_params elements) and tp."""
-        return self._full_of(self.stage.flat_data)
+        return self._full_of(self.zero.stage_vector() if self.zero else self.stage.flat_data)
 
     def _full_of(self, local):
         """The one-process flat vector from every stage's `local` (a stage vector: params or an
@@ -1096,7 +1251,8 @@ class PipelineParallel:
                        else (self.dp_group.rank, self.dp_group.world_size))
         w, writers = st.tp_rank * dp + dp_rank, st.tp * dp
         out = {}
-        for name, local in (("params", st.flat_data), ("adam.m", state["m"]),
+        params = self.zero.stage_vector() if self.zero else st.flat_data
+        for name, local in (("params", params), ("adam.m", state["m"]),
                             ("adam.v", state["v"])):
             if self.virtual_stages > 1:  # V ranges a rank: whole vectors, 1/world of each a rank
                 full, p = self._full_of(local), self.pp_group.world_size
@@ -1121,12 +1277,27 @@ class PipelineParallel:
         st, tied = self.stage, self.tied_indices
         state = {"step": int(read_range(read, "adam.step", 0, 1)[0]),
                  "m": st.load_from(read, "adam.m", tied), "v": st.load_from(read, "adam.v", tied)}
-        st.flat_data[...] = st.load_from(read, "params", tied)
+        params = st.load_from(read, "params", tied)
         if self.zero:
+            self.zero.load_params(params)
             self.zero.load_full_state(state)
         else:
+            st.flat_data[...] = params
             self.optimizer.load_state_dict(state)
         st.zero_grad()
+
+    def memory_bytes(self):
+        """{"params", "grads", "optimizer", "total"}: bytes of model state this rank holds for
+        its stage (own range and tied copies): parameters and gradients whole, or only this
+        rank's shards at ZeRO stage 3; the optimizer's arrays (sharded at stages 1-3).
+        Activations and transient buffers are not counted. Local."""
+        if self.zero:
+            return self.zero.memory_bytes()
+        st = self.stage
+        params, grads = st.flat_data.nbytes, st.flat_grad.nbytes
+        optimizer = optimizer_bytes(self.optimizer)
+        return {"params": int(params), "grads": int(grads), "optimizer": int(optimizer),
+                "total": int(params + grads + optimizer)}
 
 
 def _pipeline_layout(pp, micro_batches, schedule, zero_stage, offload, virtual_stages):
@@ -1139,8 +1310,8 @@ def check_pipeline(*, pp, micro_batches, schedule, n_layer, zero_stage=0, offloa
     """A job's pipeline settings, checked by rtxmpi.parallel.layout.Layout before anything is
     built (pure, local, the same verdict on every rank). Raises ConfigError naming every problem:
     pp (x virtual_stages) > n_layer, an impossible schedule (unknown, micro_batches < 1, 1F1B
-    with micro_batches < pp; the schedule is built and simulated), ZeRO stage 3 or offload with
-    pp > 1 (stages 1 and 2 shard each stage over its replicas: rtxmpi.parallel.pipeline_zero)."""
+    with micro_batches < pp; the schedule is built and simulated), offload with pp > 1 (ZeRO
+    stages 1-3 shard each stage over its replicas: rtxmpi.parallel.pipeline_zero)."""
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise ConfigError(f"--pp must be >= 1, got {pp}")
     _pipeline_layout(pp, micro_batches, schedule, zero_stage, offload, virtual_stages).check(

@@ -684,7 +684,8 @@ def memory_breakdown(model, layout, global_batch, device="cpu"):
                  are ceil(P / W) and a short one keeps a send buffer (zero.zero_state_bytes,
                  the runtime's own accounting, gives params, grads and AdamW at every stage)
       stage 3    params, grads and AdamW / W; transient while forward / backward run: two gathered
-                 units (the one in use and the prefetched one) and two unit gradient buffers
+                 units (the one in use and the prefetched one) and two unit gradient buffers;
+                 with pp > 1 per stage (its own units and shard: PipelineParallel.memory_bytes)
       offload "cpu": a master copy of the shard (4P / W) and a host copy of its gradient
                  (4P / W); on device "cpu" (numpy) they are in the same memory, so they add to
                  it; on "cuda" they, and AdamW, are host memory and the device holds only params

@@ -13,12 +13,12 @@ sp at constant communication per rank.
 
 Shape legend: B batch, Ts = T/sp positions on this rank, T = Ts * sp, H heads (the heads this
 rank's tensor-parallel slice owns), Hs = H/sp, hs head size.
-"""
-import math
 
+The attention itself is the model's own: the `core` module of its MultiHeadAttention
+(rtxmpi.nn.modules.AttentionCore), run here on (B, Hs, T, hs) heads of the full sequence.
+"""
 from rtxmpi.backend import xp_of
 from rtxmpi.errors import ConfigError
-from rtxmpi.nn import layers
 
 
 def check_heads(n_head, sp):
@@ -28,38 +28,6 @@ def check_heads(n_head, sp):
         raise ConfigError(f"sequence parallelism: {n_head} attention heads (per tensor-parallel "
                           f"rank) are not divisible by sp({sp}); the all-to-all gives each sp rank "
                           f"whole heads, so use n_head divisible by tp * sp")
-
-
-# ------------------------------------------------------------------------------ attention core
-def attention_core_forward(q, k, v, causal=True):
-    """softmax(q k^T / sqrt(hs) [+ causal mask]) v (Vaswani et al. 2017) on already split heads.
-
-    q, k, v: (B, H, T, hs); causal: False lets every position see every other (an encoder).
-    Returns y: (B, H, T, hs), cache (holds the (B, H, T, T) probabilities). The same arithmetic
-    as `rtxmpi.nn.layers.attention_forward` between its two projections.
-    """
-    xp = xp_of(q)
-    T, hs = q.shape[-2], q.shape[-1]
-    q = q * (1.0 / math.sqrt(hs))
-    att = q @ k.swapaxes(-1, -2)
-    if causal:
-        att += layers._causal_bias(xp, T, att.dtype)
-    layers._softmax_inplace(att)
-    return att @ v, (q, k, v, att)
-
-
-def attention_core_backward(dy, cache):
-    """Gradients of `attention_core_forward`: dy (B, H, T, hs) -> dq, dk, dv (B, H, T, hs)."""
-    q, k, v, att = cache
-    hs = q.shape[-1]
-    dv = att.swapaxes(-1, -2) @ dy
-    datt = dy @ v.swapaxes(-1, -2)
-    ds = datt * att
-    ds -= att * ds.sum(axis=-1, keepdims=True)  # softmax backward
-    dq = ds @ k
-    dq *= 1.0 / math.sqrt(hs)
-    dk = ds.swapaxes(-1, -2) @ q  # q is already scaled
-    return dq, dk, dv
 
 
 # -------------------------------------------------------------------------- Ulysses all-to-all
@@ -72,45 +40,47 @@ def _all_to_all(x, group):
     return group.all_to_all(flat).reshape(x.shape)
 
 
-def ulysses_attention_forward(qkv, n_head, group, causal=True):
-    """Attention (causal, or bidirectional with causal=False) of the full sequence from
-    sequence-sharded q, k, v.
+def ulysses_attention_forward(qkv, n_head, group, core):
+    """Attention of the full sequence from sequence-sharded q, k, v.
 
     qkv: (B, Ts, 3 * H * hs), columns [q | k | v] with heads contiguous inside each (the output
     of the qkv projection on this rank's positions); n_head: H; group: the sp ProcessGroup (size
-    sp dividing H). Returns y: (B, Ts, H * hs) for this rank's positions, heads in order, cache.
-    Collective on `group` (two all-to-alls; none when sp = 1).
+    sp dividing H; None: sp = 1); core: the attention core module (AttentionCore: causal or
+    bidirectional), run on (q, k, v) of shape (B, H/sp, T, hs). Returns y: (B, Ts, H * hs) for
+    this rank's positions, heads in order, cache. Collective on `group` (two all-to-alls; none
+    when sp = 1).
     """
     B, Ts, C3 = qkv.shape
-    sp, hs = group.world_size, C3 // (3 * n_head)
+    sp, hs = 1 if group is None else group.world_size, C3 // (3 * n_head)
     Hs = n_head // sp
     if sp == 1:
         q, k, v = qkv.reshape(B, Ts, 3, n_head, hs).transpose(2, 0, 3, 1, 4)
-        y, core = attention_core_forward(q, k, v, causal)
-        return y.transpose(0, 2, 1, 3).reshape(B, Ts, n_head * hs), (core, n_head, 1)
+        y, c_core = core.forward(None, (q, k, v))
+        return (y.transpose(0, 2, 1, 3).reshape(B, Ts, n_head * hs),
+                (c_core, n_head, 1, core))
     # chunk j = heads [j*Hs, (j+1)*Hs) of my positions -> sp rank j
     send = qkv.reshape(B, Ts, 3, sp, Hs, hs).transpose(3, 0, 1, 2, 4, 5)
     recv = _all_to_all(send, group)  # chunk i = my heads at rank i's positions
     T = sp * Ts
     full = recv.transpose(1, 0, 2, 3, 4, 5).reshape(B, T, 3, Hs, hs)
     q, k, v = full.transpose(2, 0, 3, 1, 4)  # (B, Hs, T, hs)
-    y, core = attention_core_forward(q, k, v, causal)
+    y, c_core = core.forward(None, (q, k, v))
     # chunk i = my heads at rank i's positions -> sp rank i
     back = _all_to_all(y.reshape(B, Hs, sp, Ts, hs).transpose(2, 0, 3, 1, 4), group)
     # chunk j = heads of rank j at my positions: (sp, B, Ts, Hs, hs) -> (B, Ts, H * hs)
-    return back.transpose(1, 2, 0, 3, 4).reshape(B, Ts, n_head * hs), (core, n_head, sp)
+    return back.transpose(1, 2, 0, 3, 4).reshape(B, Ts, n_head * hs), (c_core, n_head, sp, core)
 
 
 def ulysses_attention_backward(dy, cache, group):
     """Gradient of `ulysses_attention_forward`: dy (B, Ts, H * hs) -> dqkv (B, Ts, 3 * H * hs).
     Collective on `group` (two all-to-alls; none when sp = 1)."""
-    core, n_head, sp = cache
+    c_core, n_head, sp, core = cache
     xp = xp_of(dy)
     B, Ts, C = dy.shape
     hs, Hs = C // n_head, n_head // sp
     if sp == 1:
-        dq, dk, dv = attention_core_backward(dy.reshape(B, Ts, n_head, hs).transpose(0, 2, 1, 3),
-                                               core)
+        dq, dk, dv = core.backward(None, None, c_core,
+                                   dy.reshape(B, Ts, n_head, hs).transpose(0, 2, 1, 3))
         dqkv = xp.stack([dq, dk, dv], axis=2)  # (B, H, 3, T, hs)
         return xp.ascontiguousarray(dqkv.transpose(0, 3, 2, 1, 4)).reshape(B, Ts, 3 * C)
     # the reverse of the output all-to-all: heads of rank j at my positions -> rank j
@@ -118,7 +88,7 @@ def ulysses_attention_backward(dy, cache, group):
     recv = _all_to_all(send, group)  # chunk i = my heads at rank i's positions
     T = sp * Ts
     dyh = recv.transpose(1, 3, 0, 2, 4).reshape(B, Hs, T, hs)
-    dq, dk, dv = attention_core_backward(dyh, core)
+    dq, dk, dv = core.backward(None, None, c_core, dyh)
     dfull = xp.stack([dq, dk, dv], axis=0)  # (3, B, Hs, T, hs)
     # chunk i = rank i's positions of my heads -> rank i
     send = dfull.reshape(3, B, Hs, sp, Ts, hs).transpose(3, 1, 4, 0, 2, 5)  # (sp, B, Ts, 3, Hs, hs)

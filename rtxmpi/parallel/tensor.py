@@ -1,4 +1,5 @@
-"""Tensor parallelism (Megatron-LM), with Megatron sequence parallelism, as forward/backward pairs.
+"""Tensor parallelism (Megatron-LM), with Megatron sequence parallelism: its collectives and the
+vocabulary-parallel pieces, as forward/backward pairs, and how parameters are cut over tp.
 
 Sources: Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model
 Parallelism" (2019) for the column/row split of the MLP and the head split of attention, the
@@ -20,13 +21,15 @@ of all-reducing. The same bytes move; activations outside the matmuls take 1/tp 
 Parameters used in the split region (LayerNorm gains and biases, the row-parallel bias, the
 position embedding) then get partial gradients: the caller sums them over tp (`ParallelGPT` does).
 
+The parallel linears themselves (rtxmpi.parallel.parallelize: ColumnParallelLinear,
+RowParallelLinear) are the rtxmpi.nn Linear module on a shard's shape between these collectives.
+
 Every function here is a collective on the tp group (every tp rank calls it in the same order,
 with the same shapes) unless said otherwise. Inputs are not validated (inner loop); the model
 validates once, at the edge.
 """
 from rtxmpi.backend import xp_of
 from rtxmpi.errors import ConfigError
-from rtxmpi.nn import layers
 
 
 def split_size(n, parts, what, hint=""):
@@ -55,65 +58,15 @@ def reduce_scatter_sequence(x, group):
     return xp.ascontiguousarray(part.swapaxes(0, 1))
 
 
-def _reduce(x, group, sequence_parallel):
-    """The sum over tp of a partial (B, T, C): all-reduce, or reduce-scatter along T."""
+def sum_partial(x, group, sequence_parallel=False):
+    """The sum over tp of a partial (B, T, C) (a row-parallel output, a column-parallel input's
+    gradient): all-reduce in place, or with sequence_parallel reduce-scatter along T to
+    (B, T/tp, C). Returns the sum."""
     if sequence_parallel:
         return reduce_scatter_sequence(x, group)
     if group.world_size > 1:
         group.all_reduce(x)
     return x
-
-
-# ----------------------------------------------------------------------------- parallel linears
-def column_linear_forward(x, w, b, group, sequence_parallel=False):
-    """Column-parallel linear: y = x @ w + b with w = W[:, cols] local.
-
-    x: (B, T, Cin) replicated over tp, or (B, T/tp, Cin) with sequence_parallel; w: (Cin, Cout/tp);
-    b: (Cout/tp,) or None. Returns y: (B, T, Cout/tp), cache. Collective on `group` only with
-    sequence_parallel (all-gather of x).
-    """
-    if sequence_parallel:
-        x = gather_sequence(x, group)
-    y, cache = layers.linear_forward(x, w, b)
-    return y, (cache, sequence_parallel)
-
-
-def column_linear_backward(dy, cache, group, dw_out=None, db_out=None):
-    """Gradients of `column_linear_forward`: dx is summed over tp (all-reduce, or reduce-scatter
-    along T with sequence_parallel). dy: (B, T, Cout/tp). Returns dx (the shape of the forward's x),
-    dw: (Cin, Cout/tp), db (added into dw_out / db_out when given). Collective on `group`."""
-    linear_cache, sequence_parallel = cache
-    dx, dw, db = layers.linear_backward(dy, linear_cache, dw_out, db_out)
-    return _reduce(dx, group, sequence_parallel), dw, db
-
-
-def row_linear_forward(x, w, b, group, sequence_parallel=False):
-    """Row-parallel linear: y = sum_tp(x_local @ w_local) + b with w = W[rows, :] local.
-
-    x: (B, T, Cin/tp) (split like the column-parallel output before it); w: (Cin/tp, Cout);
-    b: (Cout,) replicated, added once after the sum. Returns y: (B, T, Cout) replicated, or
-    (B, T/tp, Cout) with sequence_parallel (reduce-scatter). Collective on `group`.
-    """
-    y, cache = layers.linear_forward(x, w, None)
-    y = _reduce(y, group, sequence_parallel)
-    if b is not None:
-        y += b
-    return y, (cache, sequence_parallel, b is not None)
-
-
-def row_linear_backward(dy, cache, group, dw_out=None, db_out=None):
-    """Gradients of `row_linear_forward`. dy: (B, T, Cout), or (B, T/tp, Cout) with
-    sequence_parallel (all-gathered first). Returns dx: (B, T, Cin/tp), dw: (Cin/tp, Cout), db:
-    (Cout,) or None. With sequence_parallel db is this rank's partial sum (sum it over tp).
-    Collective on `group` only with sequence_parallel."""
-    linear_cache, sequence_parallel, has_bias = cache
-    db = None
-    if has_bias:
-        db = layers._accumulate(dy.reshape(-1, dy.shape[-1]).sum(axis=0), db_out)
-    if sequence_parallel:
-        dy = gather_sequence(dy, group)
-    dx, dw, _ = layers.linear_backward(dy, linear_cache, dw_out)
-    return dx, dw, db
 
 
 # ------------------------------------------------------------------------------- vocab parallel
@@ -136,7 +89,7 @@ def vocab_embedding_forward(idx, wte, vocab_start, group, sequence_parallel=Fals
     ids = xp.where(local, idx - vocab_start, 0)
     x = wte[ids]
     x *= local[..., None].astype(x.dtype)
-    return _reduce(x, group, sequence_parallel), (ids, local, wte.shape, sequence_parallel)
+    return sum_partial(x, group, sequence_parallel), (ids, local, wte.shape, sequence_parallel)
 
 
 def vocab_embedding_backward(dx, cache, dwte_out=None):
@@ -233,7 +186,7 @@ def local_shape(kind, shape, tp):
 def shard(kind, full, rank, tp):
     """This tp rank's part of the full parameter `full` split as `kind` ("vocab", "qkv", "cols",
     "rows" or None). Local. For "qkv" the local columns are [q_local | k_local | v_local], heads
-    contiguous inside each: exactly the layout `layers.attention_forward` uses for n_head / tp
+    contiguous inside each: exactly the layout MultiHeadAttention (rtxmpi.nn) uses for n_head / tp
     heads."""
     if kind is None:
         return full
@@ -309,9 +262,8 @@ def norm_ranges(params, tp_rank, start=0, stop=None, replicated=None):
     return out
 
 
-__all__ = ["column_linear_forward", "column_linear_backward", "row_linear_forward",
-           "row_linear_backward", "vocab_embedding_forward", "vocab_embedding_backward",
+__all__ = ["sum_partial", "vocab_embedding_forward", "vocab_embedding_backward",
            "vocab_crossentropy_forward", "vocab_crossentropy_backward", "gather_sequence",
            "reduce_scatter_sequence", "vocab_range", "split_kind", "local_shape", "shard", "unshard",
-           "shard_param",
-           "unshard_param", "local_layout", "is_replicated", "norm_ranges", "split_size"]
+           "shard_param", "unshard_param", "local_layout", "is_replicated", "norm_ranges",
+           "split_size"]

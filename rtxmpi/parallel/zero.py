@@ -107,6 +107,34 @@ def gather_shards(group, shard, numel, send=None):
     return group.all_gather(shard)[:numel]
 
 
+def shard_owners(numel, world_size, lo, hi):
+    """[(rank, a, b)]: the ranks whose `shard_range` shards overlap [lo, hi) of a vector of
+    numel elements, with each overlap [a, b), in rank order. Pure."""
+    S = shard_size(numel, world_size)
+    return [(q, max(lo, q * S), min(hi, (q + 1) * S)) for q in range(world_size)
+            if max(lo, q * S) < min(hi, (q + 1) * S)]
+
+
+def gather_range(group, shard, numel, lo, hi):
+    """Elements [lo, hi) of a vector of numel elements sharded over `group` under the
+    `shard_range` layout (shard: this rank's part, 1-D): one broadcast per owning rank of its
+    overlap, about hi - lo elements in all whatever the group size. group: ProcessGroup or None
+    (one rank). Returns a new (hi - lo,) array. Collective on group (W > 1)."""
+    W, rank = (1, 0) if group is None else (group.world_size, group.rank)
+    start, stop = shard_range(numel, W, rank)
+    if W == 1:
+        return shard[lo:hi].copy()
+    out = xp_of(shard).empty(hi - lo, shard.dtype)
+    a, b = max(lo, start), min(hi, stop)
+    if b > a:
+        out[a - lo:b - lo] = shard[a - start:b - start]
+    works = [group.broadcast(out[a - lo:b - lo], src=q, async_op=True)
+             for q, a, b in shard_owners(numel, W, lo, hi)]
+    for work in works:
+        work.wait()
+    return out
+
+
 def read_range(read, name, offset, length):
     """read(name, offset, length), checked: elements [offset, offset + length) of the global 1-D
     vector `name` from a checkpoint reader (rtxmpi.checkpoint's Checkpoint.read, or any callable
@@ -257,16 +285,13 @@ class ShardedParams:
         self.xp = xp_of(shard)
         self.grad = self.xp.zeros_like(shard)
         W, numel = group.world_size, model.params[-1].offset + model.params[-1].size
-        S = shard_size(numel, W)
         self.start, self.stop = shard_range(numel, W, group.rank)
         self._units = []  # (a, b, [(offset in unit, size, shape)], [(owner rank, lo, hi)])
         for first, stop in model.units:
             params = model.params[first:stop]
             a, b = params[0].offset, params[-1].offset + params[-1].size
-            owners = [(q, max(a, q * S), min(b, (q + 1) * S)) for q in range(W)
-                      if max(a, q * S) < min(b, (q + 1) * S)]
             views = [(p.offset - a, p.size, p.shape) for p in params]
-            self._units.append((a, b, views, owners))
+            self._units.append((a, b, views, shard_owners(numel, W, a, b)))
         # reduce_scatter counts per unit: the unit's overlap with each rank's shard
         self._counts = [[0] * W for _ in self._units]
         for counts, (_, _, _, owners) in zip(self._counts, self._units):

@@ -37,9 +37,32 @@ def test_pp2_tp2_zero2_then_resumed_at_pp2_sp2_zero1_follow_the_one_process_loss
             assert abs(got["val_loss"] - ref["val_loss"]) <= 1e-5 * ref["val_loss"], (ref, got)
 
 
-def test_pipeline_with_zero_or_too_few_micro_batches_exits_with_one_line_error(tmp_path):
+def test_pp2_dp2_zero3_recompute_follows_zero0_and_resumes_at_dp4_zero3(tmp_path):
+    """--pp 2 --dp 2 --zero-stage 3 --recompute blocks: each stage's parameters sharded over its
+    dp pair, gathered per unit and micro-batch. Its losses are --zero-stage 0's to rtol 1e-5, not
+    bitwise: float32 gradient sums run in another order (each micro-batch's unit gradient is
+    reduce_scattered into the shard, where stage 0 accumulates the micro-batches and all_reduces
+    once; measured differences ~1e-8 relative). Its checkpoint resumes without a pipeline at
+    --dp 4 --zero-stage 3 (the one-process flat layout)."""
+    base = ["--pp", "2", "--dp", "2", "--recompute", "blocks"]
+    plain = train(4, base + ["--zero-stage", "0"], tmp_path, "zero0")
+    ckpt = tmp_path / "ckpt"
+    first = train(4, base + ["--zero-stage", "3", "--ckpt-dir", ckpt, "--stop-after-step", "3"],
+                  tmp_path, "zero3")
+    resumed = train(4, ["--dp", "4", "--zero-stage", "3", "--micro-batches", "2", "--ckpt-dir",
+                        ckpt, "--resume"], tmp_path, "zero3")  # appends steps 4..6
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert first == resumed[:3]
+    for ref, got in zip(plain, resumed):
+        assert abs(got["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (ref, got)
+        if "val_loss" in ref:
+            assert abs(got["val_loss"] - ref["val_loss"]) <= 1e-5 * ref["val_loss"], (ref, got)
+
+
+def test_pipeline_with_offload_or_too_few_micro_batches_exits_with_one_line_error(tmp_path):
     """And `--pp 2` alone runs: --micro-batches auto (the default) picks 2 for 1F1B."""
-    cases = [(["--zero-stage", "3", "--micro-batches", "2"], "--zero-stage 3 with --pp 2 is not supported"),
+    cases = [(["--zero-stage", "3", "--offload", "cpu", "--micro-batches", "2"],
+              "--offload cpu with --pp 2 is not supported"),
              (["--micro-batches", "1"], "1F1B needs micro_batches >= pipeline stages"),
              (["--virtual-stages", "2", "--micro-batches", "2"],
               "virtual stages (2) need the interleaved schedule"),

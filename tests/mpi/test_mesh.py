@@ -92,5 +92,5 @@ def test_engine_builders_refuse_every_layout_problem_on_every_rank(world, assert
         world, lambda: build_hybrid(cfg, world, dp=n, tp=2, offload="cpu"), ConfigError,
         match=["2 problems", f"dp({n}) * tp(2) * pp(1) * sp(1) = {2 * n}", "--offload cpu needs"])
     assert_raised_on_every_rank(
-        world, lambda: build_pipeline(cfg, world, pp=4 * n, micro_batches=1, zero_stage=3),
+        world, lambda: build_pipeline(cfg, world, pp=4 * n, sp=2, micro_batches=1, zero_stage=3),
         ConfigError, match=[f"--pp {4 * n} > n_layer 2", "1F1B needs", "--zero-stage 3 with"])

@@ -285,6 +285,112 @@ def test_pipeline_zero_matches_single_process_over_10_steps(world, zero_stage):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_pipeline_zero3_with_recompute_matches_single_process_over_10_steps(world, tied, schedule):
+    """pp 2 x dp (world / 2), ZeRO-3 over each stage's dp ranks (dp 1 at 2 ranks: one shard,
+    units still gathered and reduced one by one) with recomputed blocks, 1F1B and interleaved
+    (2 chunks a rank, one block each): this rank's gradient
+    shard, the 10-step loss curve and the parameters equal one process's; the wte copy on the
+    last stage stays bitwise stage 0's wte."""
+    if world.world_size % 2:
+        pytest.skip("pp = 2 needs an even world size")
+
+    def optimizer(params, mask):
+        return AdamW(params, lr=1e-2, decay_mask=mask)
+
+    reference = make_model(tied, dtype=np.float64)
+    ref_opt = optimizer(reference.flat_data, decay_mask(reference.params, dtype=np.float64))
+    model = make_model(tied, dtype=np.float64)
+    model.recompute = "blocks"
+    V = 2 if schedule == "interleaved" else 1
+    mesh, engine = build(world, world.world_size // 2, 2, model=model, micro_batches=4,
+                         optimizer=optimizer, zero_stage=3, schedule=schedule, virtual_stages=V)
+    st, z = engine.stage, engine.zero
+    chunks = getattr(st, "chunks", [st])
+    assert all(ch.recompute for ch in chunks) and st.flat_data is None
+    rows = mesh.batch_slice(GLOBAL_BATCH)
+    for step in range(10):
+        x, y = global_batch(step)
+        ref_loss, cache = reference.forward(x, y)
+        reference.backward(cache)
+        loss = engine.train_step(x[rows], y[rows])
+        assert loss == pytest.approx(ref_loss, rel=1e-9)
+        if step == 0:  # this rank's shard of the stage vector (own range, then the wte copy)
+            whole = np.concatenate([reference.flat_grad[ch.flat_start:ch.flat_stop]
+                                    for ch in chunks])
+            if st.tied_copy:
+                whole = np.concatenate([whole, reference.params[0].grad.reshape(-1)])
+            np.testing.assert_allclose(z.grad_shard(), whole[z.start:z.stop], rtol=1e-9,
+                                       atol=1e-12)
+        clip_grad_norm(reference.flat_grad, 1.0)
+        ref_opt.step(reference.flat_grad)
+        reference.zero_grad()
+        engine.step(max_grad_norm=1.0)
+    full = engine.full_params()  # collective: every rank
+    np.testing.assert_allclose(full, reference.flat_data, rtol=1e-6, atol=1e-9)
+    vector = z.stage_vector()  # collective on dp
+    if st.tied_copy:
+        wte = st.full_specs[0]
+        np.testing.assert_array_equal(vector[st.num_params - wte.size:], full[:wte.size])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero3_recomputation_gathers_a_unit_again_only_where_backward_would_not(world):
+    """ZeRO-3 under pp 2: recomputing the blocks gathers nothing more (their backward gathers
+    anyway, the rerun uses it); recomputing the embeddings (whose backward reads no parameter)
+    gathers them once more per micro-batch, on stage 0 only (counted where there is something
+    to gather: dp 2 at 4 ranks). Loss and gradient shards are bitwise those without
+    recomputation."""
+    if world.world_size % 2:
+        pytest.skip("pp = 2 needs an even world size")
+    x, y = global_batch(5)
+    runs = {}
+    for recompute in ("none", "blocks", [0]):
+        model = make_model()
+        model.recompute = recompute
+        mesh, engine = build(world, world.world_size // 2, 2, model=model, micro_batches=4,
+                             zero_stage=3)
+        rows = mesh.batch_slice(GLOBAL_BATCH)
+        engine.train_step(x[rows], y[rows])  # the first step also probes the shapes
+        gathers = engine.provider.gathers
+        loss = engine.train_step(x[rows], y[rows])
+        runs[str(recompute)] = (loss, engine.zero.grad_shard().copy(),
+                                engine.provider.gathers - gathers)
+    base_loss, base_grad, base_gathers = runs["none"]
+    for key, extra in (("blocks", 0), ("[0]", 4 if mesh.pp_rank == 0 and mesh.dp > 1 else 0)):
+        loss, grad, gathers = runs[key]
+        assert loss == base_loss, key
+        np.testing.assert_array_equal(grad, base_grad)
+        assert gathers == base_gathers + extra, (key, gathers, base_gathers)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_zero3_stage_state_is_what_the_planner_counts_and_half_of_zero2(world):
+    """pp 2 x dp 2: each rank's parameter, gradient and AdamW bytes (engine.memory_bytes) are
+    planner.memory_breakdown's for its stage (the most over the stage's ranks); ZeRO-3 keeps
+    about half of stage 2's parameters and gradients (dp 2) and the same optimizer shard."""
+    from rtxmpi.parallel.layout import Layout
+    from rtxmpi.parallel.planner import memory_breakdown
+
+    held = {}
+    for zero_stage in (2, 3):
+        mesh, engine = build(world, 2, 2, micro_batches=4, zero_stage=zero_stage)
+        got = engine.memory_bytes()
+        mine = np.array([got["params"], got["grads"], got["optimizer"]], np.int64)
+        stage_max = mine.copy()
+        mesh.group("dp").all_reduce(stage_max, op="max")
+        plan = memory_breakdown(config(), Layout(2, 1, 2, 1, 4, zero_stage, "1f1b"),
+                                GLOBAL_BATCH)[mesh.pp_rank]
+        assert stage_max.tolist() == [plan["params"], plan["grads"], plan["optimizer"]]
+        held[zero_stage] = got
+    assert held[3]["optimizer"] == held[2]["optimizer"]
+    for kind in ("params", "grads"):
+        assert held[3][kind] <= (held[2][kind] + 8) // 2
+    assert held[3]["total"] < held[2]["total"]
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("tied", [True, False])
 def test_interleaved_virtual_stages_match_single_process(world, tied):
     """pp = 2 with V = 2 chunks a rank (virtual stages 0..3, one block each; dp = 2 at 4 ranks):

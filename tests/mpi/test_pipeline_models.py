@@ -3,7 +3,8 @@ ViT (rtxmpi.nn.vit) and a residual MLP of Linear modules with a ClassificationHe
 residual weight is tied to its first (a tied parameter that is not an embedding).
 
 Layouts (dp, tp, pp) from the world size n: pp = n and, at n = 4, pp = 2 x dp = 2 and pp = 2 x
-tp = 2 (the ViT's tensor-parallel stages); interleaved virtual stages at pp = 2."""
+tp = 2 (the ViT's tensor-parallel stages); interleaved virtual stages at pp = 2; ZeRO-3 stages at
+pp = 2 x dp = 2 (4 ranks) and pp = 2 x dp = 1 (2 ranks)."""
 import numpy as np
 import pytest
 from conftest import GLOBAL_BATCH
@@ -291,3 +292,141 @@ def test_build_pipeline_builds_a_given_model_with_its_recompute_policy(world):
                             model=lambda mesh: vit_model())
     assert engine.stage.recompute and engine.mesh.pp == world.world_size
     assert engine.train_step(x, y) == pytest.approx(ref_loss, rel=1e-12)
+
+
+# -- ZeRO-3 per stage: pp 2 x dp 2 at 4 ranks, pp 2 x dp 1 at 2 ------------------------------------
+def zero3_dp(world):
+    """dp of the ZeRO-3 pipeline tests (pp = 2), or skip at an odd world size."""
+    if world.world_size % 2:
+        pytest.skip("pp = 2 needs an even world size")
+    return world.world_size // 2
+
+
+def recomputed(make):
+    def build_model():
+        model = make()
+        model.recompute = "blocks"
+        return model
+    return build_model
+
+
+def shard_of(engine, reference):
+    """This rank's shard of its stage vector (own range of each chunk, then the tied copies) in the
+    one-process model's gradient."""
+    z = engine.zero
+    whole = np.concatenate([reference.flat_grad[ch.flat_start:ch.flat_stop]
+                            for ch in getattr(engine.stage, "chunks", [engine.stage])]
+                           + [reference.params[k].grad.reshape(-1) for k in engine.stage.copies])
+    return whole[z.start:z.stop]
+
+
+def read_from(world, engine):
+    """A checkpoint reader (read(name, offset, length)) over every rank's engine.shards() pieces,
+    each tensor assembled whole on every rank. Collective."""
+    whole = {}
+    for name, (data, offset, size) in engine.shards().items():
+        full = np.zeros(size, np.int64 if name == "adam.step" else np.float64)
+        full[offset:offset + data.shape[0]] = data
+        world.all_reduce(full)
+        whole[name] = full
+    return lambda name, offset, length: whole[name][offset:offset + length]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved"])
+@pytest.mark.parametrize("name", MODELS)
+def test_pipeline_zero3_with_recompute_follows_three_clipped_adamw_steps(world, name, schedule):
+    """Each stage's parameters sharded over its dp ranks (dp 1: one shard, still gathered and
+    reduced unit by unit) and recomputed units, under each schedule (interleaved: 2 chunks a
+    rank on one provider): the loss, this rank's gradient shard and the parameters after clipped
+    AdamW steps equal one process's; the tied copy stays its owner."""
+    make, batch = MODELS[name]
+    dp = zero3_dp(world)
+
+    def optimizer(params, mask):
+        return AdamW(params, lr=1e-2, decay_mask=mask)
+
+    reference = make()
+    ref_opt = optimizer(reference.flat_data, decay_mask(reference.params, dtype=np.float64))
+    mesh, engine = build(world, recomputed(make), dp, 1, 2, optimizer=optimizer, zero_stage=3,
+                         schedule=schedule, virtual_stages=2 if schedule == "interleaved" else 1)
+    st, z = engine.stage, engine.zero
+    chunks = getattr(st, "chunks", [st])
+    assert st.flat_data is None and all(ch.recompute for ch in chunks) and not engine.deferred_w
+    assert z.provider.shard.shape == engine.optimizer.m.shape == (z.stop - z.start,)
+    rows = mesh.batch_slice(GLOBAL_BATCH)
+    for step in range(3):
+        x, y = batch(step)
+        ref_loss, cache = reference.forward(x, y)
+        reference.backward(cache)
+        assert engine.train_step(x[rows], y[rows]) == pytest.approx(ref_loss, rel=1e-10)
+        if step == 0:
+            np.testing.assert_allclose(z.grad_shard(), shard_of(engine, reference), rtol=1e-9,
+                                       atol=1e-12)
+        clip_grad_norm(reference.flat_grad, 1.0)
+        ref_opt.step(reference.flat_grad)
+        reference.zero_grad()
+        engine.step(max_grad_norm=1.0)
+    full = engine.full_params()  # collective: every rank
+    np.testing.assert_allclose(full, reference.flat_data, rtol=1e-8, atol=1e-11)
+    vector = z.stage_vector()  # collective on dp
+    for k in st.copies:
+        (lo, hi), spec = st.vector_range(k), st.full_specs[k]
+        np.testing.assert_array_equal(vector[lo:hi], full[spec.offset:spec.stop])
+
+
+@pytest.mark.mpi(min_size=4)
+def test_pipeline_zero3_holds_half_the_parameters_and_gradients_of_zero2(world):
+    """pp 2 x dp 2: a rank keeps its shard of the stage's parameters and gradient (stage 2: the
+    whole stage's), the same optimizer shard, and gathered parameters of one unit at a time (with
+    its tied copy) plus the next one's first slot (prefetched)."""
+    x, y = features(0)
+    held = {}
+    for zero_stage in (2, 3):
+        mesh, engine = build(world, mlp_model, 2, 1, 2, zero_stage=zero_stage)
+        rows = mesh.batch_slice(GLOBAL_BATCH)
+        engine.train_step(x[rows], y[rows])
+        held[zero_stage] = engine.memory_bytes()
+    st, z = engine.stage, engine.zero
+    itemsize = np.dtype(st.dtype).itemsize
+    assert held[3]["params"] == held[3]["grads"] == (z.stop - z.start) * itemsize
+    assert held[2]["params"] == held[2]["grads"] == st.num_params * itemsize
+    assert held[3]["optimizer"] == held[2]["optimizer"]
+    assert held[3]["total"] < held[2]["total"] - 0.9 * st.num_params * itemsize
+    slot_bytes = [(b - a) * itemsize for a, b in st.units]
+    unit_bytes = max(sum(slot_bytes[k] for k in slots) for slots in st.fetches)
+    assert 0 < engine.provider.peak_bytes["params"] <= unit_bytes + max(slot_bytes)
+    assert unit_bytes + max(slot_bytes) < st.num_params * itemsize
+    assert engine.provider.gathers > 0
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", MODELS)
+def test_pipeline_zero3_checkpoint_loads_at_another_layout_and_back(world, name):
+    """The stage-3 pipeline writes the one-process flat layout: a pipeline of another layout
+    without ZeRO (pp 4 at 4 ranks, pp 1 x dp 2 at 2) loads it with the same parameters and
+    AdamW state, and writes it back for a new stage-3 pipeline that then takes the same step."""
+    make, batch = MODELS[name]
+    dp = zero3_dp(world)
+    mesh, engine = build(world, make, dp, 1, 2, zero_stage=3)
+    rows = mesh.batch_slice(GLOBAL_BATCH)
+    x, y = batch(0)
+    engine.train_step(x[rows], y[rows])
+    engine.step(max_grad_norm=1.0)
+    written = read_from(world, engine)
+    n = engine.num_params
+    other = (1, 1, 4) if world.world_size == 4 else (2, 1, 1)
+    _, plain = build(world, make, *other)
+    plain.load_shards(written)
+    again = read_from(world, plain)
+    for tensor in ("params", "adam.m", "adam.v", "adam.step"):
+        size = 1 if tensor == "adam.step" else n
+        np.testing.assert_array_equal(again(tensor, 0, size), written(tensor, 0, size))
+    _, back = build(world, make, dp, 1, 2, zero_stage=3)
+    back.load_shards(again)
+    x, y = batch(1)
+    losses = [e.train_step(x[rows], y[rows]) for e in (engine, back)]
+    for e in (engine, back):
+        e.step(max_grad_norm=1.0)
+    assert losses[0] == losses[1]
+    np.testing.assert_array_equal(back.full_params(), engine.full_params())

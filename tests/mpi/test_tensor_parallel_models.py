@@ -13,14 +13,14 @@ from rtxmpi.mesh import DeviceMesh
 from rtxmpi.nn import AdamW, decay_mask
 from rtxmpi.nn.module import Model, Module, ParamDecl, Sequential
 from rtxmpi.nn.vit import ViT, ViTConfig
-from rtxmpi.nn.modules import (MLP, ClassificationHead, Embedding, LayerNorm, Linear, LMHead,
-                               MultiHeadAttention, PatchEmbedding, PositionalEmbedding,
-                               TransformerBlock)
+from rtxmpi.nn.modules import (MLP, ClassificationHead, ClassToken, ClassTokenHead, Embedding,
+                               LayerNorm, Linear, LMHead, MultiHeadAttention, PatchEmbedding,
+                               PositionalEmbedding, TransformerBlock)
 from rtxmpi.parallel.hybrid import HybridParallel, TensorParallelModel, build_hybrid
 from rtxmpi.parallel.replica import full_index
 
 V, C, H, K = 256, 32, 4, 5
-IMAGE = (4, 6, 3)  # Hi, Wi, Ci: 2x2 patches -> 6 positions
+IMAGE = (4, 8, 3)  # Hi, Wi, Ci: 2x2 patches -> 8 positions (split over sp = 2 and 4)
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (4, 1, 1), (2, 2, 1), (2, 1, 2),
            (1, 4, 1), (1, 2, 2), (1, 1, 4)]
 
@@ -88,12 +88,14 @@ def test_encoder_gradients_match_single_process(world, dp, tp, sp, sequence_para
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-10, atol=1e-14)
 
 
-@pytest.mark.parametrize("dp,tp", [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4)])
-def test_vit_gradients_and_three_adamw_steps_match_single_process(world, dp, tp):
-    mesh_or_skip(world, dp, tp, 1)
+@pytest.mark.parametrize("dp,tp,sp", LAYOUTS)
+def test_vit_gradients_and_three_adamw_steps_match_single_process(world, dp, tp, sp):
+    """Under sp the patches and positions run whole on every sp rank, the blocks on T/sp
+    positions, the classifier on the gathered sequence."""
+    mesh_or_skip(world, dp, tp, sp)
     reference = Model(vit(), seed=0, dtype=np.float64)
     ref_opt = AdamW(reference.flat_data, lr=1e-2, decay_mask=decay_mask(reference.params))
-    engine = build_hybrid(vit(), world, dp=dp, tp=tp, dtype=np.float64,
+    engine = build_hybrid(vit(), world, dp=dp, tp=tp, sp=sp, dtype=np.float64,
                           optimizer=lambda p, m: AdamW(p, lr=1e-2, decay_mask=m))
     np.testing.assert_array_equal(engine.full_params(), reference.flat_data)  # the same init
     for step in range(3):
@@ -109,6 +111,26 @@ def test_vit_gradients_and_three_adamw_steps_match_single_process(world, dp, tp)
         engine.step()
         engine.zero_grad()
     np.testing.assert_allclose(engine.full_params(), reference.flat_data, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("dp,tp,sp", [layout for layout in LAYOUTS if layout[2] > 1])
+def test_vit_under_sp_with_zero3_and_recomputed_blocks_matches_single_process(world, dp, tp, sp):
+    mesh_or_skip(world, dp, tp, sp)
+    x, y = images(0)
+    ref_loss, ref_grad = reference_gradients(vit(), x, y)
+    engine = build_hybrid(vit(), world, dp=dp, tp=tp, sp=sp, dtype=np.float64, zero_stage=3)
+    engine.model.recompute = "blocks"
+    mesh = engine.mesh
+    loss, cache = engine.forward(*(a[mesh.batch_slice(GLOBAL_BATCH)] for a in (x, y)))
+    engine.backward(cache)
+    losses = np.array([loss])
+    mesh.loss_group.all_reduce(losses, op="avg")
+    zero = engine.zero  # the one-process gradient from the ZeRO shards
+    shard = np.zeros(-(-zero.numel // zero.group.world_size))
+    shard[:len(zero.grad_shard())] = zero.grad_shard()
+    grad = engine.model.gather_full(zero.group.all_gather(shard)[:zero.numel])
+    assert losses[0] == pytest.approx(ref_loss, rel=1e-12)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-10, atol=1e-14)
 
 
 def test_replica_positions_follow_the_model_shards(world):
@@ -147,12 +169,17 @@ def test_recomputed_blocks_give_bitwise_the_same_gradients(world, dp, tp, sp, se
     np.testing.assert_array_equal(grads[1], grads[0])
 
 
-@pytest.mark.parametrize("dp,tp", [(1, 1), (2, 1), (1, 2), (4, 1), (2, 2), (1, 4)])
-def test_the_nn_vit_with_a_class_token_matches_single_process(world, dp, tp):
-    mesh = mesh_or_skip(world, dp, tp, 1)
-    reference = ViT(ViTConfig(n_layer=2, n_head=4, n_embd=32), seed=0, dtype=np.float64)
+def class_token_vit():
+    """The nn ViT on 6x6 images in 2x2 patches: 9 patches and the class token, 10 positions."""
+    return ViT(ViTConfig(image_size=6, n_layer=2, n_head=4, n_embd=32), seed=0, dtype=np.float64)
+
+
+@pytest.mark.parametrize("dp,tp,sp", [layout for layout in LAYOUTS if layout[2] < 4])
+def test_the_nn_vit_with_a_class_token_matches_single_process(world, dp, tp, sp):
+    mesh = mesh_or_skip(world, dp, tp, sp)
+    reference = class_token_vit()
     rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((GLOBAL_BATCH, 8, 8, 1)), rng.integers(0, 10, GLOBAL_BATCH)
+    x, y = rng.standard_normal((GLOBAL_BATCH, 6, 6, 1)), rng.integers(0, 10, GLOBAL_BATCH)
     engine = HybridParallel(TensorParallelModel(reference, mesh, dtype=np.float64))
     ref_loss, cache = reference.forward(x, y)
     reference.backward(cache)
@@ -167,25 +194,54 @@ def classifier_of_tokens():
             Sequential(("ln_f", LayerNorm(C)), ("head", ClassificationHead(C, K)))]
 
 
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("axis", ["sp", "sequence_parallel"])
-def test_a_head_that_pools_the_sequence_refuses_sequence_parallelism(world, axis,
-                                                                    assert_raised_on_every_rank):
-    n = world.world_size
-    mesh = DeviceMesh(dp=1, tp=1, sp=n, group=world) if axis == "sp" else DeviceMesh(
-        dp=1, tp=n, group=world)
+@pytest.mark.parametrize("dp,tp,sp", [layout for layout in LAYOUTS if layout[2] > 1])
+def test_a_pooling_head_over_split_token_positions_matches_single_process(world, dp, tp, sp):
+    """The tokens are split over sp from the start; the head gathers them."""
+    mesh = mesh_or_skip(world, dp, tp, sp)
+    x, _ = global_batch(0)
+    y = np.random.default_rng(3).integers(0, K, GLOBAL_BATCH)
+    ref_loss, ref_grad = reference_gradients(classifier_of_tokens(), x, y)
+    engine = HybridParallel(TensorParallelModel(classifier_of_tokens(), mesh, dtype=np.float64))
+    loss, grad = gradients(engine, x, y)
+    assert loss == pytest.approx(ref_loss, rel=1e-12)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_a_class_token_vit_whose_positions_do_not_split_over_sp_is_refused(
+        world, assert_raised_on_every_rank):
+    if world.world_size != 4:
+        pytest.skip("the layout dp=1 sp=4 needs 4 ranks")
+    mesh = DeviceMesh(dp=1, sp=4, group=world)
+    model = TensorParallelModel(class_token_vit(), mesh, dtype=np.float64)
+    images = np.zeros((2, 6, 6, 1))
     error = assert_raised_on_every_rank(
-        world, lambda: TensorParallelModel(classifier_of_tokens(), mesh,
-                                           sequence_parallel=axis != "sp"), ConfigError)
-    assert "ClassificationHead needs every position" in str(error)
+        world, lambda: model.forward(images, np.zeros(2, np.int64), full_sequence=True),
+        ConfigError)
+    assert "10 positions per sample are not divisible by sp(4)" in str(error)
 
 
 @pytest.mark.mpi(min_size=2)
-def test_patch_embedding_refuses_ulysses(world, assert_raised_on_every_rank):
+@pytest.mark.parametrize("units", [classifier_of_tokens, vit], ids=["tokens", "vit"])
+def test_whole_sequence_modules_refuse_megatron_sequence_parallelism(world, units,
+                                                                     assert_raised_on_every_rank):
+    mesh = DeviceMesh(dp=1, tp=world.world_size, group=world)
+    error = assert_raised_on_every_rank(
+        world, lambda: TensorParallelModel(units(), mesh, sequence_parallel=True),
+        ConfigError)
+    assert "needs every position of a sample" in str(error)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_whole_input_unit_after_a_whole_sequence_head_is_refused_under_sp(
+        world, assert_raised_on_every_rank):
     mesh = DeviceMesh(dp=1, sp=world.world_size, group=world)
-    error = assert_raised_on_every_rank(world, lambda: TensorParallelModel(vit(), mesh),
+    units = [Sequential(("patch", PatchEmbedding(2, IMAGE[2], C)),
+                        ("pool", ClassificationHead(C, C))),
+             ClassToken(C), Sequential(("ln_f", LayerNorm(C)), ("head", ClassTokenHead(C, K)))]
+    error = assert_raised_on_every_rank(world, lambda: TensorParallelModel(units, mesh),
                                         ConfigError)
-    assert "PatchEmbedding needs every position" in str(error)
+    assert "whole-input units must all come before" in str(error)
 
 
 class _Scale(Module):

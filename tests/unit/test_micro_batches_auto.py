@@ -41,8 +41,10 @@ def test_auto_micro_batches_errors_name_the_batch_or_keep_the_layout_error():
     with pytest.raises(ConfigError, match="no number of micro-batches that divides the per-rank "
                                           "batch 1 suits --pp 2 --schedule 1f1b"):
         auto_micro_batches(pp=2, per_rank_batch=1, schedule="1f1b", n_layer=4)
-    with pytest.raises(ConfigError, match="--zero-stage 3 with --pp 2 is not supported"):
-        auto_micro_batches(pp=2, per_rank_batch=8, schedule="1f1b", n_layer=4, zero_stage=3)
+    with pytest.raises(ConfigError, match="--offload cpu with --pp 2 is not supported"):
+        auto_micro_batches(pp=2, per_rank_batch=8, schedule="1f1b", n_layer=4, zero_stage=3,
+                           offload="cpu")
+    assert auto_micro_batches(pp=2, per_rank_batch=8, schedule="1f1b", n_layer=4, zero_stage=3) == 2
     with pytest.raises(ConfigError, match="--pp 8 > n_layer 4"):
         auto_micro_batches(pp=8, per_rank_batch=8, schedule="1f1b", n_layer=4)
 

@@ -13,6 +13,7 @@ from rtxmpi.errors import ConfigError
 from rtxmpi.nn import (MLP, ClassificationHead, Embedding, GradcheckError, LayerNorm, Linear,
                        LMHead, Model, Module, MultiHeadAttention, ParamDecl, PatchEmbedding,
                        PositionalEmbedding, Sequential, TransformerBlock, gradcheck)
+from rtxmpi.nn.modules import GELU, AttentionCore, BiasGELU
 
 B, T, C, H, V, K = 2, 5, 8, 2, 7, 3
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -25,6 +26,10 @@ def rng():
 
 def x_btc(rng):
     return rng.standard_normal((B, T, C))
+
+
+def qkv_bhts(rng):
+    return tuple(rng.standard_normal((B, H, T, C // H)) for _ in range(3))
 
 
 # ------------------------------------------------------------------------- gradcheck
@@ -40,6 +45,12 @@ SHIPPED = {
     "MultiHeadAttention-bidirectional": lambda rng: (MultiHeadAttention(C, H, causal=False),
                                                      x_btc(rng), None),
     "MLP": lambda rng: (MLP(C), x_btc(rng), None),
+    "GELU": lambda rng: (GELU(), x_btc(rng), None),
+    "BiasGELU-after-Linear": lambda rng: (Sequential(("fc", Linear(C, 6, bias=False)),
+                                                     ("act", BiasGELU(6))), x_btc(rng), None),
+    "AttentionCore-causal": lambda rng: (AttentionCore(), qkv_bhts(rng), None),
+    "AttentionCore-bidirectional": lambda rng: (AttentionCore(causal=False), qkv_bhts(rng),
+                                                None),
     "TransformerBlock-causal": lambda rng: (TransformerBlock(C, H), x_btc(rng), None),
     "TransformerBlock-bidirectional": lambda rng: (TransformerBlock(C, H, causal=False),
                                                    x_btc(rng), None),
@@ -57,9 +68,30 @@ SHIPPED = {
 def test_every_shipped_module_passes_gradcheck(rng, name):
     module, x, targets = SHIPPED[name](rng)
     errors = gradcheck(module, x, targets)
-    assert set(errors) == {d.name for d in module.param_specs()} | (
-        {"x"} if x.dtype.kind == "f" else set())
+    inputs = ({f"x[{i}]" for i in range(len(x))} if isinstance(x, tuple)
+              else {"x"} if x.dtype.kind == "f" else set())
+    assert set(errors) == {d.name for d in module.param_specs()} | inputs
     assert max(errors.values()) < 1e-6
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_block_composed_of_its_own_sublayers_is_bitwise_its_forward_and_backward(rng, causal):
+    """forward_with / backward_with (what the tensor-parallel block runs with its parallel
+    sublayers) are the block's operations in its order."""
+    block = TransformerBlock(C, H, causal=causal)
+    attn, mlp = block.parts[1][1], block.parts[3][1]
+    params = [rng.standard_normal(d.shape) + (d.init == "ones") for d in block.param_specs()]
+    x, dy = x_btc(rng), x_btc(rng)
+    y, cache = block.forward(params, x.copy())
+    y_with, cache_with = block.forward_with(params, x.copy(), attn, mlp)
+    np.testing.assert_array_equal(y_with, y)
+    grads = [np.zeros(p.shape) for p in params]
+    grads_with = [np.zeros(p.shape) for p in params]
+    dx = block.backward(params, grads, cache, dy)
+    dx_with = block.backward_with(params, grads_with, cache_with, dy, attn, mlp)
+    np.testing.assert_array_equal(dx_with, dx)
+    for g_with, g in zip(grads_with, grads):
+        np.testing.assert_array_equal(g_with, g)
 
 
 @pytest.mark.parametrize("name", ["LMHead", "ClassificationHead"])
