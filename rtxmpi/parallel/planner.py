@@ -37,7 +37,7 @@ rank, V the head's width, r its rows (n for a language-model head, b for a class
                   replicated over tp)
   head (last stage): 3 * 2 r C V / tp FLOPs and r V / tp cross-entropy elements (score rates;
   "/ tp" only for a vocabulary-parallel head); embeddings: n C ln_ns / 2, plus a patch
-  embedding's matmul (3x its forward FLOPs).  The optimizer: P / (dp if ZeRO >= 1) * adam_ns.
+  embedding's matmul (3x its forward FLOPs, whole on every sp rank).  The optimizer: P / (dp if ZeRO >= 1) * adam_ns.
   contention: when n of a node's R ranks compute at once and the others wait in MPI, each runs at
   speed(n) = min(1, effective_cores / (n + wait_weight (R - n))) (processor sharing; waiting
   ranks spin-yield and still take a share), relative to speed(1), the condition the profile's
@@ -458,9 +458,10 @@ class _Costs:
         self.head_b = 2 * head_mm + ce * p.score_bwd_ns + n * C * p.ln_ns * 0.6e-9
         self.head_f, self.head_b = self.head_f + 0.2 * call, self.head_b + 0.3 * call
         self.emb_f = self.emb_b = n * C * p.ln_ns * 0.5e-9 / 2 + 0.1 * call
-        if c.first_flops:  # a patch embedding's matmul: backward 2x (input and weight gradient)
-            self.emb_f += c.first_flops * b / L.sp / p.dense_flops
-            self.emb_b += 2 * c.first_flops * b / L.sp / p.dense_flops
+        if c.first_flops:  # a patch embedding's matmul: backward 2x (input and weight gradient);
+            # a unit that needs every position runs whole on each sp rank
+            emb = c.first_flops * b / (1 if c.facts.whole_sequence else L.sp) / p.dense_flops
+            self.emb_f, self.emb_b = self.emb_f + emb, self.emb_b + 2 * emb
         for name in ("block_f", "block_b", "head_f", "head_b", "emb_f", "emb_b"):
             setattr(self, name, getattr(self, name) * factor)
         # communication per block and micro-batch

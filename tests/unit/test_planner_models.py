@@ -63,7 +63,7 @@ def test_vit_costs_count_its_units_and_its_parameters():
 def test_vit_plans_at_every_world_size_with_consistent_estimates(world_size):
     plan = make_plan(VIT, 32, world_size, synthetic())
     assert plan.ranked and plan.best.total_ms > 0
-    assert all(e.layout.sp == 1 for e in plan.ranked)  # the patch embedding needs every position
+    assert all(e.layout.sp == 1 for e in plan.ranked)  # 17 positions do not split over sp
     if world_size > 1:
         assert any(L.sp > 1 and "sequence" in why for L, why in plan.rejected)
     if world_size == 1:
@@ -133,3 +133,19 @@ def test_cli_plans_the_vit_and_refuses_the_other_kinds_flags(capsys):
     assert r.returncode == 2 and "--patch is the ViT's" in r.stderr
     r = _cli(capsys, "--model-kind", "vit", "--patch", "3", "--world-size", "2")
     assert r.returncode == 2 and "error: " in r.stderr
+
+
+def test_vit_under_sp_runs_its_patch_embedding_whole_on_every_sp_rank():
+    """65 positions and 5 heads split over sp = 5: planned, and the patch matmul per rank is the
+    same as without sp (the unit needs every position: it runs whole on each sp rank)."""
+    from dataclasses import replace
+
+    from rtxmpi.parallel.planner import _Costs
+
+    cfg = ViTConfig(patch_size=1, n_head=5, n_embd=40)
+    plan = make_plan(cfg, 40, 5, synthetic())
+    assert any(e.layout.sp == 5 for e in plan.ranked)
+    c, p = model_costs(cfg), synthetic()
+    matmul = [_Costs(c, L, 8, p, 1).emb_f - _Costs(replace(c, first_flops=0.0), L, 8, p, 1).emb_f
+              for L in (Layout(1), Layout(1, 1, 1, 5))]
+    assert matmul[0] > 0 and matmul[0] == pytest.approx(matmul[1])
