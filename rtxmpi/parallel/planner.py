@@ -37,7 +37,8 @@ rank, V the head's width, r its rows (n for a language-model head, b for a class
                   replicated over tp)
   head (last stage): 3 * 2 r C V / tp FLOPs and r V / tp cross-entropy elements (score rates;
   "/ tp" only for a vocabulary-parallel head); embeddings: n C ln_ns / 2, plus a patch
-  embedding's matmul (3x its forward FLOPs, whole on every sp rank).  The optimizer: P / (dp if ZeRO >= 1) * adam_ns.
+  embedding's matmul (3x its forward FLOPs, whole on every sp rank).
+  The optimizer: P / (dp if ZeRO >= 1) * adam_ns.
   contention: when n of a node's R ranks compute at once and the others wait in MPI, each runs at
   speed(n) = min(1, effective_cores / (n + wait_weight (R - n))) (processor sharing; waiting
   ranks spin-yield and still take a share), relative to speed(1), the condition the profile's

@@ -1,17 +1,19 @@
 """The planner's model side (rtxmpi.parallel.planner.model_costs) on models other than the GPT:
 the ViT at 1, 2, 4 and 8 ranks, a Model of one's own of the shipped modules, the estimate against
 the memory the model measurably holds (rtxmpi.observe.memory), and `rtxmpi plan --model-kind vit`."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from rtxmpi.errors import ConfigError
 from rtxmpi.nn import GPT, GPTConfig, ViT, ViTConfig, gpt_units, vit_units
-from rtxmpi.nn.module import Model
+from rtxmpi.nn.module import Model, Sequential
 from rtxmpi.nn.modules import (MLP, ClassificationHead, Embedding, LayerNorm, LMHead,
                                PositionalEmbedding, TransformerBlock)
 from rtxmpi.nn.optim import AdamW
 from rtxmpi.observe.memory import cache_bytes, optimizer_state_bytes
-from rtxmpi.parallel.planner import (Layout, _stage_params, activation_bytes, calibration_config,
+from rtxmpi.parallel.planner import (Layout, _Costs, _stage_params, activation_bytes, calibration_config,
                                      estimate, make_plan, memory_breakdown, model_costs)
 from tests.unit.test_planner import _cli, synthetic
 
@@ -24,8 +26,6 @@ def own_model(tied=False):
     blocks = [(f"b{i}", TransformerBlock(32, 2, causal=tied)) for i in range(3)]
     head = ([("ln", LayerNorm(32)), ("lm", LMHead(48, 32, tied_to="tok"))] if tied else
             [("ln", LayerNorm(32)), ("cls", ClassificationHead(32, 5))])
-    from rtxmpi.nn.module import Sequential
-
     return Model([Sequential(*first)] + blocks + [Sequential(*head)], seed=0)
 
 
@@ -138,10 +138,6 @@ def test_cli_plans_the_vit_and_refuses_the_other_kinds_flags(capsys):
 def test_vit_under_sp_runs_its_patch_embedding_whole_on_every_sp_rank():
     """65 positions and 5 heads split over sp = 5: planned, and the patch matmul per rank is the
     same as without sp (the unit needs every position: it runs whole on each sp rank)."""
-    from dataclasses import replace
-
-    from rtxmpi.parallel.planner import _Costs
-
     cfg = ViTConfig(patch_size=1, n_head=5, n_embd=40)
     plan = make_plan(cfg, 40, 5, synthetic())
     assert any(e.layout.sp == 5 for e in plan.ranked)
