@@ -87,7 +87,8 @@ class ParallelEngine:
     stage); mesh: the DeviceMesh (None under plain data parallelism); layout: the checked Layout
     (dp resolved); data_rank, data_size: this rank's place among the ranks that read different
     samples (mesh.dp_rank, mesh.dp; the world's without a mesh); pipelined: pp > 1; replica: what
-    an elastic shrink hands over (Parts.replica); make_model: the factory it was built from."""
+    an elastic shrink hands over (Parts.replica); make_model: the factory it was built from;
+    num_params: the one-process model's parameter count."""
 
     engine: object
     model: object
@@ -98,6 +99,7 @@ class ParallelEngine:
     pipelined: bool
     replica: str
     make_model: object
+    num_params: int
     _gathered: object = None
 
     @property
@@ -146,6 +148,7 @@ def build_parallel(make_model, world, layout, *, optimizer, bucket_bytes=DEFAULT
     """
     model = make_model()
     layout = layout.check(world.world_size, model, global_batch)
+    num_params = model.num_params
     offload = None if layout.offload == "none" else layout.offload
     xp, dtype = model.xp, model.dtype
     if layout.pp > 1:
@@ -176,4 +179,4 @@ def build_parallel(make_model, world, layout, *, optimizer, bucket_bytes=DEFAULT
     data_rank, data_size = (mesh.dp_rank, mesh.dp) if mesh else (world.rank, world.world_size)
     replica = None if layout.zero_stage else "pieces" if mesh else "tensors"
     return ParallelEngine(engine, engine.model, mesh, layout, data_rank, data_size,
-                          layout.pp > 1, replica, make_model)
+                          layout.pp > 1, replica, make_model, num_params)
