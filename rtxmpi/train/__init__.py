@@ -12,7 +12,6 @@ from rtxmpi.train.exits import (EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_DIVERGED, EXI
 from rtxmpi.train.loop import Trainer, fit
 from rtxmpi.train.task import Parts, Task
 
-__all__ = ["TrainConfig", "Task", "Parts", "fit", "Trainer", "build_engine", "build_parallel", "ParallelEngine",
-           "Replicated",
-           "exit_status", "is_rank0", "flag_names", "check_ckpt_dir", "EXIT_CONFIG",
-           "EXIT_CHECKPOINT", "EXIT_DIVERGED", "EXIT_PREEMPTED", "EXIT_INTERRUPTED"]
+__all__ = ["TrainConfig", "Task", "Parts", "fit", "Trainer", "build_engine", "build_parallel",
+           "ParallelEngine", "Replicated", "exit_status", "is_rank0", "flag_names", "check_ckpt_dir",
+           "EXIT_CONFIG", "EXIT_CHECKPOINT", "EXIT_DIVERGED", "EXIT_PREEMPTED", "EXIT_INTERRUPTED"]
