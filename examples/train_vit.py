@@ -55,7 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (refused by the ViT)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step with --pp")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="micro-batches per step: the pipeline's with --pp, else gradient accumulation")
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule with --pp")
     p.add_argument("--recompute", default="none", choices=RECOMPUTE,
                    help="blocks: every transformer block reruns its forward in backward")
@@ -113,9 +114,8 @@ class ViTTask(Task):
 
     def describe(self, world, parts, config):
         args, data, layout = self.args, self.data, self.built.layout
-        engine = f"ZeRO stage {args.zero_stage}" if args.zero_stage else "DataParallel"
-        if (layout.tp, layout.pp) != (1, 1):
-            engine = f"{layout}"
+        engine = (str(layout) if (layout.tp, layout.pp) != (1, 1) else
+                  f"ZeRO stage {args.zero_stage}" if args.zero_stage else "DataParallel")
         return (f"ViT {args.model} ({self.built.num_params} parameters, {self.cfg.seq_len} positions) "
                 f"on digits: {len(data.train_labels)} train, {len(data.val_labels)} held-out images; "
                 f"{world.world_size} rank(s), {engine}")
@@ -156,8 +156,8 @@ class ViTTask(Task):
 
 def train_config(args):
     """The loop's settings from the flags (messages name the flags)."""
-    return TrainConfig(steps=args.steps, global_batch=args.batch, lr=args.lr,
-                       warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, seed=args.seed,
+    return TrainConfig(steps=args.steps, global_batch=args.batch, micro_batches=args.micro_batches,
+                       lr=args.lr, warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, seed=args.seed,
                        eval_every=args.eval_every, log_every=args.log_every,
                        metrics_jsonl=args.metrics_jsonl, ckpt_dir=args.ckpt_dir,
                        ckpt_every=args.ckpt_every, async_save=args.async_save, resume=args.resume,

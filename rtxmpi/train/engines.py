@@ -109,11 +109,11 @@ class ParallelEngine:
     def parts(self, sampler, tokens_per_step, **kwargs):
         """rtxmpi.train.Parts of this engine with `sampler` (reading data_rank of data_size) and
         tokens_per_step; kwargs: the other Parts fields (unit, bucket_mb, loss_unit, ...)."""
-        close = self.engine.close if self.layout.offload == "nvme" else None  # its offload files
+        if self.layout.offload == "nvme":
+            kwargs.setdefault("close", self.engine.close)  # removes its offload files
         return Parts(self.model, self.engine, sampler, tokens_per_step, data_rank=self.data_rank,
                      data_size=self.data_size, zero_stage=self.zero_stage,
-                     pipelined=self.pipelined, replica=self.replica,
-                     **{"close": close, **kwargs})
+                     pipelined=self.pipelined, replica=self.replica, **kwargs)
 
     def gathered_model(self):
         """A one-process Model (make_model()'s, made once) holding the trained parameters, on
