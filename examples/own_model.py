@@ -78,6 +78,11 @@ class OwnTask(Task):
                                     dp_rank=built.data_rank, dp_size=built.data_size)
         return built.parts(sampler, config.global_batch, unit="samples")
 
+    def describe(self, world, parts, config):
+        return (f"own model: {self.built.num_params} parameters, {len(self.data[1])} train and "
+                f"{len(self.data[3])} held-out samples; {world.world_size} rank(s), "
+                f"layout {self.built.layout}")
+
     def held_out(self, world):
         """(mean loss, accuracy) over the held-out set, each rank its slice. Collective."""
         model, (x, y) = self.built.gathered_model(), self.data[2:]
@@ -94,7 +99,7 @@ class OwnTask(Task):
     def finish(self, world, parts, config, record):
         accuracy = self.held_out(world)[1]
         if world.rank == 0:
-            print(f"held-out accuracy {accuracy:.4f} (chance {1 / CLASSES:.2f}), layout {self.built.layout}")
+            print(f"held-out accuracy {accuracy:.4f} (chance {1 / CLASSES:.2f})")
 
 
 def main():
