@@ -16,6 +16,7 @@ import numpy as np
 
 from rtxmpi.backend import to_host
 from rtxmpi.data_vision import ImageBatchSampler, eval_slice
+from rtxmpi.errors import ConfigError
 from rtxmpi.nn import AdamW, ClassificationHead, LayerNorm, Linear, Model, Module, Sequential, gradcheck
 from rtxmpi.parallel.layout import Layout
 from rtxmpi.train import Task, TrainConfig, build_parallel, exit_status, fit
@@ -56,7 +57,10 @@ def make_model(seed=0, dtype=np.float32):
 def load_data(seed=0, n=3000, val_fraction=0.2):
     """(train x, train y, held-out x, held-out y): standardized features as (N, 1, FEATURES)
     float32 (one position per sample), labels (N,) int64 in [0, CLASSES)."""
-    from sklearn.datasets import make_classification
+    try:
+        from sklearn.datasets import make_classification
+    except ImportError as exc:
+        raise ConfigError("examples/own_model.py needs scikit-learn: pip install 'rtxmpi[vision]'") from exc
     x, y = make_classification(n, FEATURES, n_informative=12, n_redundant=4, n_classes=CLASSES,
                                class_sep=1.5, random_state=seed)
     x = ((x - x.mean(0)) / x.std(0)).astype(np.float32)[:, None, :]
