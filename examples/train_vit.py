@@ -1,8 +1,13 @@
-"""Train a vision transformer (rtxmpi.nn.ViT) on scikit-learn's 8x8 digits, data-parallel.
+"""Train a vision transformer (rtxmpi.nn.ViT) on scikit-learn's 8x8 digits, at any layout.
 
     mpiexec -n 2 python examples/train_vit.py                  # DataParallel
     mpiexec -n 2 python examples/train_vit.py --zero-stage 3   # ZeRO stage 1, 2 or 3
+    mpiexec -n 4 python examples/train_vit.py --tp 2 --pp 2 --micro-batches 2 --recompute blocks
     mpiexec -n 4 python examples/train_vit.py --ckpt-dir ck --ckpt-every 50 --resume
+
+The layout (--tp, --pp with --micro-batches and --schedule, --zero-stage, --recompute; dp is the
+ranks left over) is checked and built by rtxmpi.train.build_parallel; sp is refused (the patch
+embedding and the classifier need every position of an image).
 
 Every rank reads its slice of the same global batch (rtxmpi.data_vision.ImageBatchSampler: the
 run is the same at any world size), AdamW with warmup and cosine decay, gradient clipping; rank 0
@@ -25,8 +30,9 @@ from rtxmpi.backend import to_host
 from rtxmpi.data_vision import ImageBatchSampler, eval_slice, load_digits
 from rtxmpi.errors import CheckpointError, ConfigError
 from rtxmpi.nn import VIT_SIZES, AdamW, ViT, ViTConfig
-from rtxmpi.parallel.layout import ZERO_STAGES
-from rtxmpi.train import Parts, Task, TrainConfig, build_engine, exit_status, fit, flag_names
+from rtxmpi.nn.module import RECOMPUTE
+from rtxmpi.parallel.layout import SCHEDULES, ZERO_STAGES, Layout
+from rtxmpi.train import Task, TrainConfig, build_parallel, exit_status, fit, flag_names
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,6 +52,14 @@ def parse_args(argv=None):
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm")
     p.add_argument("--zero-stage", type=int, default=0, choices=ZERO_STAGES,
                    help="0: DataParallel; 1, 2, 3: ZeroDataParallel of that stage")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (refused by the ViT)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="micro-batches per step: the pipeline's with --pp, else gradient accumulation")
+    p.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule with --pp")
+    p.add_argument("--recompute", default="none", choices=RECOMPUTE,
+                   help="blocks: every transformer block reruns its forward in backward")
     p.add_argument("--val-fraction", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50)
@@ -77,43 +91,48 @@ def parse_args(argv=None):
 
 
 class ViTTask(Task):
-    """A ViT on the digits for rtxmpi.train.fit, data-parallel at --zero-stage."""
+    """A ViT on the digits for rtxmpi.train.fit, at the layout of the flags."""
 
     def __init__(self, args):
         self.args, self.name = args, f"train-vit-{args.model}"
         self.cfg = ViTConfig.named(args.model, patch_size=args.patch)
         self.data = load_digits(args.val_fraction, seed=args.seed)
+        self.layout = Layout(dp=None, tp=args.tp, pp=args.pp, sp=args.sp,
+                             micro_batches=args.micro_batches, zero_stage=args.zero_stage,
+                             schedule=args.schedule if args.pp > 1 else "none",
+                             recompute=args.recompute)
 
     def build(self, world, config):
         args = self.args
-        model = ViT(self.cfg, seed=args.seed)
-        engine = build_engine(model, world, zero_stage=args.zero_stage, optimizer=lambda params, mask: AdamW(
-            params, lr=args.lr, weight_decay=args.weight_decay, decay_mask=mask))
+        built = self.built = build_parallel(
+            lambda: ViT(self.cfg, seed=args.seed), world, self.layout, global_batch=args.batch,
+            optimizer=lambda params, mask: AdamW(params, lr=args.lr, weight_decay=args.weight_decay,
+                                                 decay_mask=mask))
         sampler = ImageBatchSampler(self.data.train_images, self.data.train_labels, args.batch,
-                                    seed=args.seed, dp_rank=world.rank, dp_size=world.world_size)
-        return Parts(model, engine, sampler, tokens_per_step=args.batch, unit="images",
-                     zero_stage=args.zero_stage, replica=None if args.zero_stage else "tensors")
+                                    seed=args.seed, dp_rank=built.data_rank, dp_size=built.data_size)
+        return built.parts(sampler, args.batch, unit="images")
 
     def describe(self, world, parts, config):
-        args, data = self.args, self.data
-        return (f"ViT {args.model} ({parts.model.num_params} parameters, {self.cfg.seq_len} positions) "
+        args, data, layout = self.args, self.data, self.built.layout
+        engine = (str(layout) if (layout.tp, layout.pp) != (1, 1) else
+                  f"ZeRO stage {args.zero_stage}" if args.zero_stage else "DataParallel")
+        return (f"ViT {args.model} ({self.built.num_params} parameters, {self.cfg.seq_len} positions) "
                 f"on digits: {len(data.train_labels)} train, {len(data.val_labels)} held-out images; "
-                f"{world.world_size} rank(s), "
-                f"{f'ZeRO stage {args.zero_stage}' if args.zero_stage else 'DataParallel'}")
+                f"{world.world_size} rank(s), {engine}")
 
-    def _held_out(self, world, model, fn):
-        """sum of fn(images, labels) over every rank's slice of the held-out set, and the count
-        (at ZeRO stage 3 the model gathers its parameters: collective)."""
+    def _held_out(self, world, fn):
+        """sum of fn(model, images, labels) over every rank's slice of the held-out set, and the
+        count; model: the one-process ViT with the trained parameters (gathered: collective)."""
+        model = self.built.gathered_model()
         part = eval_slice(len(self.data.val_labels), world.rank, world.world_size)
         images, labels = self.data.val_images[part], self.data.val_labels[part]
-        totals = np.array([fn(images, labels), len(labels)], np.float64)
+        totals = np.array([fn(model, images, labels), len(labels)], np.float64)
         world.all_reduce(totals, op="sum")
         return totals[0], int(totals[1])
 
     def evaluate(self, world, parts, config):
         """The mean held-out loss over every rank's slice."""
-        model = parts.model
-        total, n = self._held_out(world, model, lambda x, y: to_host(model.forward(x, y)[0]) * len(y))
+        total, n = self._held_out(world, lambda model, x, y: to_host(model.forward(x, y)[0]) * len(y))
         return float(total / n)
 
     def checkpoint_meta(self):
@@ -128,8 +147,7 @@ class ViTTask(Task):
 
     def finish(self, world, parts, config, record):
         """Rank 0 prints the held-out accuracy over every rank's slice."""
-        model = parts.model
-        correct, total = self._held_out(world, model, lambda x, y: int(
+        correct, total = self._held_out(world, lambda model, x, y: int(
             (to_host(model.logits(x)).argmax(axis=-1) == y).sum()))
         if world.rank == 0:
             print(f"held-out accuracy {correct / total:.4f} ({int(correct)}/{total}) after "
@@ -138,8 +156,8 @@ class ViTTask(Task):
 
 def train_config(args):
     """The loop's settings from the flags (messages name the flags)."""
-    return TrainConfig(steps=args.steps, global_batch=args.batch, lr=args.lr,
-                       warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, seed=args.seed,
+    return TrainConfig(steps=args.steps, global_batch=args.batch, micro_batches=args.micro_batches,
+                       lr=args.lr, warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, seed=args.seed,
                        eval_every=args.eval_every, log_every=args.log_every,
                        metrics_jsonl=args.metrics_jsonl, ckpt_dir=args.ckpt_dir,
                        ckpt_every=args.ckpt_every, async_save=args.async_save, resume=args.resume,

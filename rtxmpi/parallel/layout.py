@@ -58,14 +58,14 @@ class ModelFacts:
     """What the layout rules read of a model.
 
     n_units: units a pipeline places in stages (a transformer's blocks), each stage needs one;
-    n_head: attention heads (split over tp * sp; 1: none); vocab_size: rows of a vocabulary-split
+    n_head: attention heads (split over tp * sp; None: none); vocab_size: rows of a vocabulary-split
     table (over tp; None: none); widths: the other dims tensor parallelism splits (over tp);
     seq_len: positions per sample (None: given to check); whole_sequence: the name of a module
     that needs every position of a sample (sequence_parallel refused; under sp it runs whole on
     every sp rank), or None; name: for messages."""
 
     n_units: int
-    n_head: int = 1
+    n_head: int = None
     vocab_size: int = None
     widths: tuple = ()
     seq_len: int = None
@@ -93,7 +93,7 @@ def _facts_of_modules(modules):
             elif d.split == "row":
                 widths.add(d.shape[0])
     whole = next((type(m).__name__ for m in leaves if isinstance(m, WHOLE_SEQUENCE)), None)
-    return ModelFacts(n_units=max(len(modules) - 2, 1), n_head=math.gcd(*heads) if heads else 1,
+    return ModelFacts(n_units=max(len(modules) - 2, 1), n_head=math.gcd(*heads) if heads else None,
                       vocab_size=math.gcd(*vocab) if vocab else None, widths=tuple(sorted(widths)),
                       whole_sequence=whole, name="the model")
 
@@ -301,7 +301,7 @@ class Layout:
 
     def _model_problems(self, f):
         out, tp, sp, pp, V = [], self.tp, self.sp, self.pp, self.virtual_stages
-        if f.n_head % (tp * sp):
+        if f.n_head is not None and f.n_head % (tp * sp):
             out.append(("heads", f"n_head {f.n_head} is not divisible by tp * sp = {tp * sp}"))
         if f.vocab_size is not None and f.vocab_size % tp:
             out.append(("vocab", f"vocab_size {f.vocab_size} is not divisible by tp {tp}"))

@@ -91,3 +91,23 @@ def test_vit_resume_refuses_a_checkpoint_of_another_model(vit_reference, tmp_pat
     assert proc.returncode == 3 and not proc.outer_timeout, str(proc)
     assert "resume with --model tiny --patch 2" in proc.stderr
     assert proc.stderr.count("error: ") == 1 and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("layout", [["--pp", "2", "--micro-batches", "2", "--recompute", "blocks",
+                                     "--zero-stage", "1"], ["--tp", "2", "--recompute", "blocks"],
+                                    ["--micro-batches", "2", "--zero-stage", "3"]],
+                         ids=["pp2-zero1-recompute", "tp2-recompute", "accumulation-zero3"])
+def test_vit_layouts_print_the_data_parallel_curve(layout):
+    args = ["--model", "tiny", "--steps", "20", "--batch", "16", "--log-every", "5"]
+    want, got = train_vit(2, args, timeout_s=120), train_vit(2, [*args, *layout], timeout_s=120)
+    assert want.returncode == 0 and got.returncode == 0, (str(want), str(got))
+    curve = [line.split()[3] for line in want.lines("step ")]  # losses as printed: 4 decimals
+    assert len(curve) == 4 and [line.split()[3] for line in got.lines("step ")] == curve, str(got)
+    assert want.lines("held-out accuracy")[0].split()[2] == got.lines("held-out accuracy")[0].split()[2]
+    assert ("pp2" in got.stdout or "tp2" in got.stdout or "ZeRO stage 3" in got.stdout), str(got)
+
+
+def test_vit_sequence_parallelism_is_refused_with_one_error_line():
+    proc = train_vit(2, ["--sp", "2"], timeout_s=120)
+    assert proc.returncode == 2 and proc.stderr.count("error: ") == 1, str(proc)
+    assert "PatchEmbedding needs every position of a sample" in proc.stderr
