@@ -6,8 +6,8 @@
     mpiexec -n 4 python examples/train_vit.py --ckpt-dir ck --ckpt-every 50 --resume
 
 The layout (--tp, --pp with --micro-batches and --schedule, --zero-stage, --recompute; dp is the
-ranks left over) is checked and built by rtxmpi.train.build_parallel; sp is refused (the patch
-embedding and the classifier need every position of an image).
+ranks left over) is checked and built by rtxmpi.train.build_parallel; --sp needs the positions
+(patches and the class token: 17 for the 8x8 digits in 2x2 patches) divisible by sp.
 
 Every rank reads its slice of the same global batch (rtxmpi.data_vision.ImageBatchSampler: the
 run is the same at any world size), AdamW with warmup and cosine decay, gradient clipping; rank 0
@@ -53,7 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--zero-stage", type=int, default=0, choices=ZERO_STAGES,
                    help="0: DataParallel; 1, 2, 3: ZeroDataParallel of that stage")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (refused by the ViT)")
+    p.add_argument("--sp", type=int, default=1,
+                   help="sequence-parallel degree (Ulysses; it must divide the positions, patches + 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--micro-batches", type=int, default=1,
                    help="micro-batches per step: the pipeline's with --pp, else gradient accumulation")

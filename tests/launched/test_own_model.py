@@ -80,8 +80,8 @@ def test_one_process_learns_the_task(one_process):
     assert accuracy > 2 * CHANCE, str(one_process)
 
 
-@pytest.mark.parametrize("n, layout", [(2, "dp1 tp1 pp2 sp1 m2 z1 1f1b recompute-blocks"),
-                                       (4, "dp2 tp1 pp2 sp1 m2 z1 1f1b recompute-blocks")])
+@pytest.mark.parametrize("n, layout", [(2, "dp1 tp1 pp2 sp1 m2 z3 1f1b recompute-blocks"),
+                                       (4, "dp2 tp1 pp2 sp1 m2 z3 1f1b recompute-blocks")])
 def test_the_readme_diff_trains_the_same_curve_at_n_ranks(one_process, distributed, n, layout):
     proc = run(n, distributed)
     assert proc.returncode == 0, str(proc)

@@ -107,7 +107,7 @@ def test_vit_layouts_print_the_data_parallel_curve(layout):
     assert ("pp2" in got.stdout or "tp2" in got.stdout or "ZeRO stage 3" in got.stdout), str(got)
 
 
-def test_vit_sequence_parallelism_is_refused_with_one_error_line():
+def test_vit_sequence_parallelism_over_17_positions_is_refused_with_one_error_line():
     proc = train_vit(2, ["--sp", "2"], timeout_s=120)
     assert proc.returncode == 2 and proc.stderr.count("error: ") == 1, str(proc)
-    assert "PatchEmbedding needs every position of a sample" in proc.stderr
+    assert "sequence length 17 is not divisible by sp(2)" in proc.stderr
