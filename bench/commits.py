@@ -11,7 +11,9 @@ drift of the machine's load falls on both alike: `mpiexec -n RANKS python SCRIPT
 --metrics-jsonl F --no-progress` with the commit's directory first on PYTHONPATH. A run's figure
 is the median step_time_ms (the script's metrics JSONL) of the steps after --warmup; a commit's is
 the median of its runs. The table gives every run, the medians, new/old (below 1: the new commit
-is faster) and the spread of the runs, so a ratio inside the spread reads as "no difference".
+is faster) and the spread of the runs, so a ratio inside the spread reads as "no difference";
+then the median of each round's new/old, which a load that comes and goes between rounds (another
+job on the machine) moves less than the medians.
 Arguments after `--` go to the script at both commits; a flag one commit lacks fails its run,
 named with the script's error line.
 """
@@ -147,9 +149,12 @@ def main(argv=None):
     print(markdown_table(["commit", "id", "median step time per run (ms)", "median (ms)",
                           "spread (max-min)/median"], rows, align="llrrr"))
     ratio = medians["new"] / medians["old"]
+    pairs = [n / o for o, n in zip(runs["old"], runs["new"])]  # each round's two runs, back to back
     verdict = "" if args.runs < 2 else (
         f" ({'within' if abs(ratio - 1) <= max(spread.values()) else 'outside'} the runs' spread)")
-    print(f"\nnew/old step time: {ratio:.3f}{verdict}")
+    print(f"\nnew/old step time: {ratio:.3f} of the medians{verdict}; "
+          f"{statistics.median(pairs):.3f} the median of the rounds' ratios "
+          f"({', '.join(f'{r:.2f}' for r in pairs)})")
     print(f"machine: {machine_line(info)}")
     print("reproduce: " + shlex.join(["python", "bench/commits.py", "--old", commits["old"][:10],
                                        "--new", commits["new"][:10],
@@ -158,7 +163,8 @@ def main(argv=None):
                                        "--warmup", str(args.warmup), "--"] + args.script_args))
     if args.json:
         write_json(args.json, {"commits": commits, "runs_ms": runs, "median_ms": medians,
-                               "ratio_new_over_old": ratio, "args": vars(args), "machine": info})
+                               "ratio_new_over_old": ratio, "round_ratios": pairs,
+                               "args": vars(args), "machine": info})
 
 
 if __name__ == "__main__":
