@@ -47,7 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch", type=int, default=64, help="global batch (images per step)")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="linear warm-up (default 20, or --steps when fewer)")
     p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm")
     p.add_argument("--zero-stage", type=int, default=0, choices=ZERO_STAGES,
@@ -56,8 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--sp", type=int, default=1,
                    help="sequence-parallel degree (Ulysses; it must divide the positions, patches + 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--micro-batches", type=int, default=1,
-                   help="micro-batches per step: the pipeline's with --pp, else gradient accumulation")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="micro-batches per step: the pipeline's with --pp (default --pp), else "
+                        "gradient accumulation (default 1)")
     p.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule with --pp")
     p.add_argument("--recompute", default="none", choices=RECOMPUTE,
                    help="blocks: every transformer block reruns its forward in backward")
@@ -86,6 +88,10 @@ def parse_args(argv=None):
     if not (math.isfinite(args.lr) and args.lr > 0 and args.grad_clip > 0
             and 0 <= args.weight_decay < math.inf):
         raise ConfigError("--lr and --grad-clip must be finite and > 0, --weight-decay >= 0")
+    if args.warmup_steps is None:
+        args.warmup_steps = min(20, args.steps)
+    if args.micro_batches is None:
+        args.micro_batches = args.pp  # 1F1B's least: one micro-batch in flight per stage
     if not 0 <= args.warmup_steps <= args.steps:
         raise ConfigError(f"--warmup-steps {args.warmup_steps} must be in [0, --steps {args.steps}]")
     return args

@@ -83,7 +83,7 @@ def gradcheck(module, x, targets=None, *, seed=0, eps=1e-6, tol=1e-6, samples=No
         arrays.append(a)
         analytic.append(np.asarray(dxs[i], dtype=np.float64))
 
-    errors = {}
+    errors, numerics = {}, {}
     for name, a, g in zip(names, arrays, analytic):
         if g.shape != a.shape:
             raise GradcheckError(f"gradient of {name} has shape {g.shape}, expected {a.shape}",
@@ -99,18 +99,31 @@ def gradcheck(module, x, targets=None, *, seed=0, eps=1e-6, tol=1e-6, samples=No
             minus = objective()
             a.flat[j] = old
             numeric[k] = (plus - minus) / (2 * eps)
-        ana = g.reshape(-1)[picks]
-        diff = np.linalg.norm(ana - numeric)
-        errors[name] = float(diff / max(np.linalg.norm(ana) + np.linalg.norm(numeric), 1e-6))
-        if not np.isfinite(errors[name]):
-            errors[name] = float("inf")
+        errors[name] = _relative_error(g.reshape(-1)[picks], numeric)
+        numerics[name] = (picks, numeric)
     worst = max(errors, key=errors.get, default=None)
     if worst is not None and errors[worst] > tol:
+        hint = ""
+        if worst in names[:len(decls)]:  # a parameter: right from zeros, wrong added to values?
+            y, cache = run([p.copy() for p in params], inputs)
+            fresh = [np.zeros(d.shape) for d in decls]
+            run_backward(module, params, fresh, cache, dy)
+            picks, numeric = numerics[worst]
+            if _relative_error(fresh[names.index(worst)].reshape(-1)[picks], numeric) <= tol:
+                hint = (f"; from zeroed gradients it is right: backward sets the gradient of "
+                        f"{worst} instead of adding into it (+=)")
         raise GradcheckError(f"{type(module).__name__}: the gradient of {worst} is off by a "
                              f"relative error of {errors[worst]:.2e} > tol {tol:.0e} "
-                             f"(all: {', '.join(f'{k} {v:.1e}' for k, v in errors.items())})",
+                             f"(all: {', '.join(f'{k} {v:.1e}' for k, v in errors.items())}){hint}",
                              errors)
     return errors
+
+
+def _relative_error(analytic, numeric):
+    """|a - n| / max(|a| + |n|, 1e-6); inf when not finite."""
+    err = float(np.linalg.norm(analytic - numeric)
+                / max(np.linalg.norm(analytic) + np.linalg.norm(numeric), 1e-6))
+    return err if np.isfinite(err) else float("inf")
 
 
 def _is_float(a):

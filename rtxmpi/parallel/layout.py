@@ -135,14 +135,15 @@ def no_positions(model):
 # --------------------------------------------------------------------------------- the layout
 @dataclass(frozen=True)
 class Layout:
-    """One training job's layout. dp, tp, pp, sp: parallel degrees (dp None: the world's rest,
-    see `resolved`); micro_batches per step; zero_stage (ZERO_STAGES); schedule: a SCHEDULES name
-    with pp > 1 ("none", or any, ignored, with pp == 1); offload (OFFLOADS); recompute
+    """One training job's layout. dp, tp, pp, sp: parallel degrees (dp None, the default: the
+    world's rest, see `resolved`); micro_batches per step; zero_stage (ZERO_STAGES); schedule: a
+    SCHEDULES name with pp > 1 ("none", the default, is "1f1b" there; any, ignored, with
+    pp == 1); offload (OFFLOADS); recompute
     (RECOMPUTE, or a list of unit indices, which the Model checks); virtual_stages: chunks per
     pipeline rank (interleaved); sequence_parallel: Megatron sequence parallelism inside tp.
     Constructing one checks nothing: `check`/`reasons`."""
 
-    dp: int
+    dp: int = None
     tp: int = 1
     pp: int = 1
     sp: int = 1
@@ -153,6 +154,10 @@ class Layout:
     recompute: str = "none"
     virtual_stages: int = 1
     sequence_parallel: bool = False
+
+    def __post_init__(self):
+        if self.schedule == "none" and _is_degree(self.pp) and self.pp > 1:
+            object.__setattr__(self, "schedule", "1f1b")  # a pipeline's default, as the CLI's
 
     @property
     def degrees(self):
@@ -275,7 +280,7 @@ class Layout:
                                    "--offload none (ZeRO stages 1 and 2 shard each stage's "
                                    "optimizer state)"))
         if not isinstance(self.recompute, (list, tuple)) and self.recompute not in RECOMPUTE:
-            out.append(("recompute", f"unknown policy {self.recompute!r} (one of "
+            out.append(("recompute", f"unknown recompute policy {self.recompute!r} (one of "
                                      f"{', '.join(RECOMPUTE)})"))
         return out
 

@@ -80,8 +80,10 @@ class Task:
 
     def describe(self, world, parts, config):
         """The banner line rank 0 prints before the first step (str)."""
+        specs = getattr(parts.model, "full_specs", None)  # a shard or a stage: the whole model's
         return (f"rtxmpi: world_size {world.world_size}, {self.name}, "
-                f"{parts.model.num_params} parameters, global batch {config.global_batch}")
+                f"{specs[-1].stop if specs else parts.model.num_params} parameters, "
+                f"global batch {config.global_batch}")
 
     def checkpoint_meta(self):
         """JSON-able dict that describes the model in every checkpoint's meta."""

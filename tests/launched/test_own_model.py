@@ -103,5 +103,5 @@ def test_a_layout_with_several_problems_exits_2_naming_each(tmp_path):
     assert proc.stderr.count("error: ") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "has 3 problems" in proc.stderr, proc.stderr
     for problem in ("world_size(2) is not divisible by tp(1) * pp(4)", "1F1B needs micro_batches",
-                    "unknown policy 'all'"):
+                    "unknown recompute policy 'all'"):
         assert problem in proc.stderr, proc.stderr

@@ -52,7 +52,7 @@ def test_every_problem_of_the_layout_at_once_before_an_engine_is_built(world):
     assert "has 5 problems" in text, text
     for problem in ("world_size(1) is not divisible by tp(1) * pp(3) * sp(2)",
                     "--pp 3 > n_layer 2", "sequence length 17 is not divisible by sp(2)",
-                    "1F1B needs micro_batches", "unknown policy 'sometimes'"):
+                    "1F1B needs micro_batches", "unknown recompute policy 'sometimes'"):
         assert problem in text, text
     assert make.calls == 1  # the one-process model the rules read; no engine
 

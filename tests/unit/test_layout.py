@@ -61,7 +61,7 @@ def rules(layout, world, model=SMALL, batch=32, **kw):
     (Layout(2, offload="cpu"), 2, SMALL, 32, "offload", "--offload cpu needs --zero-stage 1, 2"),
     (Layout(2, zero_stage=1, offload="disk"), 2, SMALL, 32, "offload", "unknown offload 'disk'"),
     (Layout(1, 1, 2, 1, 2, 1, "1f1b", "cpu"), 2, SMALL, 32, "offload", "--offload cpu with --pp 2"),
-    (Layout(2, recompute="all"), 2, SMALL, 32, "recompute", "unknown policy 'all'"),
+    (Layout(2, recompute="all"), 2, SMALL, 32, "recompute", "unknown recompute policy 'all'"),
 ])
 def test_each_rule_is_refused_with_its_name_and_a_message(layout, world, model, batch, rule, text):
     reasons = layout.reasons(world, model, batch)
@@ -87,7 +87,7 @@ def test_every_problem_is_reported_at_once():
                               "has 7 problems: (1) dp(2) * tp(2) * pp(2) * sp(1) = 8")
     for part in ("(2) vocab_size 255", "(3) global batch 3 over dp 2", "(4) 1F1B needs",
                  "(5) --zero-stage 3 with --pp 2", "(6) --offload cpu with --pp 2",
-                 "(7) unknown policy 'all'"):
+                 "(7) unknown recompute policy 'all'"):
         assert part in message, message
 
 
@@ -118,7 +118,9 @@ def test_recompute_runs_under_pipelines_and_unit_indices_are_left_to_the_model()
 
 def test_without_a_pipeline_the_schedule_flag_is_ignored():
     assert Layout(2, schedule="1f1b").reasons(2, SMALL, 32) == []  # train.py's default
-    assert Layout(1, 1, 2, 1, 2, schedule="none").reasons(2)[0].startswith("schedule: unknown")
+    assert Layout(1, 1, 2, 1, 2, schedule="none").schedule == "1f1b"  # a pipeline's default
+    assert Layout(pp=2, micro_batches=2).reasons(2) == [] and Layout().dp is None
+    assert Layout(1, 1, 2, 1, 2, schedule="zigzag").reasons(2)[0].startswith("schedule: unknown")
 
 
 # -- the model facts -----------------------------------------------------------------------------

@@ -170,6 +170,14 @@ def test_gradcheck_names_the_array_whose_gradient_is_wrong(rng, module, culprit)
     assert info.value.errors[culprit] > 1e-6
 
 
+def test_gradcheck_says_when_backward_sets_a_gradient_instead_of_adding(rng):
+    with pytest.raises(GradcheckError, match=r"sets the gradient of s instead of adding into it"):
+        gradcheck(Overwrites(C), x_btc(rng))
+    with pytest.raises(GradcheckError) as info:  # a wrong gradient is not taken for an overwrite
+        gradcheck(WrongSign(C), x_btc(rng))
+    assert "instead of adding" not in str(info.value)
+
+
 def test_gradcheck_wants_an_input_gradient_for_a_float_input(rng):
     with pytest.raises(GradcheckError, match="no gradient for the floating input x"):
         gradcheck(NoInputGradient(C), x_btc(rng))
