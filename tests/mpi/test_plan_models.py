@@ -4,7 +4,8 @@ import os
 
 import numpy as np
 
-from rtxmpi.nn import ViTConfig
+from rtxmpi.nn import (ClassificationHead, Embedding, LayerNorm, Model, PositionalEmbedding,
+                       Sequential, TransformerBlock, ViTConfig)
 from rtxmpi.parallel.calibrate import default_profile
 from rtxmpi.parallel.planner import plan_for_job
 
@@ -34,9 +35,9 @@ def test_plan_for_job_plans_the_vit_and_every_rank_runs_its_choice(world, ckpt_d
 
 
 def test_plan_for_job_plans_a_model_of_ones_own(world, ckpt_dir):
-    from tests.unit.test_planner_models import own_model
-
-    model = own_model()
+    blocks = [(f"b{i}", TransformerBlock(32, 2, causal=False)) for i in range(3)]
+    model = Model([Sequential(Embedding(48, 32, "tok"), PositionalEmbedding(12, 32, "pos"))] + blocks
+                  + [Sequential(("ln", LayerNorm(32)), ("cls", ClassificationHead(32, 5)))], seed=0)
     layout, _ = plan_for_job(world, model, 8, profile_path=_profile(world, ckpt_dir))
     _same_on_every_rank(world, layout)
     assert not layout.reasons(world.world_size, model, 8)
