@@ -56,7 +56,8 @@ class Parts:
 
 class Task:
     """The per-model part of a run. Subclass it and override build and evaluate; the rest have
-    defaults. Every method is called on every rank, in the same order.
+    defaults. Every method but describe is called on every rank, in the same order; describe only
+on rank 0, so it must not call a collective.
 
     name: the job's label (metrics, report).
     """
@@ -79,7 +80,8 @@ class Task:
         raise NotImplementedError
 
     def describe(self, world, parts, config):
-        """The banner line rank 0 prints before the first step (str)."""
+        """The banner line rank 0 prints before the first step (str). Rank 0 only: local, no
+        collective."""
         specs = getattr(parts.model, "full_specs", None)  # a shard or a stage: the whole model's
         return (f"rtxmpi: world_size {world.world_size}, {self.name}, "
                 f"{specs[-1].stop if specs else parts.model.num_params} parameters, "
