@@ -455,3 +455,8 @@ class ClassTokenHead(Module):
 
     def loss_backward(self, scale, cache):
         return layers.crossentropy_backward(scale, cache)
+
+
+# The modules that work on a whole sample's positions, which sequence parallelism cannot split:
+WHOLE_INPUT = (PatchEmbedding, ClassToken)  # make the positions from the whole input
+WHOLE_HEAD = (ClassificationHead, ClassTokenHead)  # read every position of a sample

@@ -38,7 +38,7 @@ from ..mesh import degree_problems as _degree_problems
 from ..mesh import is_degree as _is_degree
 from ..mesh import resolve_degrees
 from ..nn.module import RECOMPUTE, Model
-from ..nn.modules import ClassificationHead, PatchEmbedding
+from ..nn.modules import WHOLE_HEAD, WHOLE_INPUT, PatchEmbedding
 from .schedule import SCHEDULES as _SCHEDULE_OPS
 from .schedule import build_schedule
 
@@ -46,7 +46,7 @@ SCHEDULES = tuple(_SCHEDULE_OPS)          # pipeline schedules: "gpipe", "1f1b",
 ZERO_STAGES = (0, 1, 2, 3)                # 0: replicated optimizer (rtxmpi.parallel.zero)
 PIPELINE_ZERO_STAGES = (0, 1, 2, 3)       # under pp > 1 (rtxmpi.parallel.pipeline_zero)
 OFFLOADS = ("none", "cpu", "nvme")        # ZeRO offload (rtxmpi.parallel.offload)
-WHOLE_SEQUENCE = (PatchEmbedding, ClassificationHead)  # modules that need every position
+WHOLE_SEQUENCE = WHOLE_INPUT + WHOLE_HEAD  # modules that need every position of a sample
 
 __all__ = ["Layout", "ModelFacts", "model_facts", "no_positions", "resolve_degrees",
            "auto_micro_batches", "SCHEDULES", "ZERO_STAGES", "PIPELINE_ZERO_STAGES", "OFFLOADS", "RECOMPUTE"]

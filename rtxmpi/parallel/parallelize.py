@@ -50,9 +50,8 @@ from ..errors import ConfigError
 from ..nn.gpt import GPTConfig, gpt_units
 from ..nn.module import (FlatParams, Model, Module, ParamDecl, Sequential, declarations,
                          init_flat, own_layout, run_backward)
-from ..nn.modules import (MLP, BiasGELU, ClassificationHead, ClassToken, ClassTokenHead,
-                          Embedding, LayerNorm, Linear, LMHead, MultiHeadAttention,
-                          PatchEmbedding, PositionalEmbedding, TransformerBlock)
+from ..nn.modules import (MLP, WHOLE_HEAD, WHOLE_INPUT, BiasGELU, Embedding, LayerNorm, Linear,
+                          LMHead, MultiHeadAttention, PositionalEmbedding, TransformerBlock)
 from ..nn.optim import grad_norm_sq
 from . import tensor as tpl
 from .sequence import check_heads, ulysses_attention_backward, ulysses_attention_forward
@@ -411,9 +410,7 @@ def _child_names(seq):
 _PARALLEL = {Embedding: VocabParallelEmbedding, PositionalEmbedding: PositionSlice,
              MultiHeadAttention: ParallelAttention, MLP: ParallelMLP,
              TransformerBlock: ParallelTransformerBlock, LMHead: VocabParallelLMHead}
-_WHOLE_INPUT = (PatchEmbedding, ClassToken)  # make the positions from the whole input
-_WHOLE_HEAD = (ClassificationHead, ClassTokenHead)  # read every position of a sample
-_WHOLE_SEQUENCE = _WHOLE_INPUT + _WHOLE_HEAD
+_WHOLE_SEQUENCE = WHOLE_INPUT + WHOLE_HEAD
 _POSITION_WISE = (LayerNorm, Linear)  # replicated parameters, one position at a time
 
 
@@ -491,7 +488,7 @@ def whole_sequence_ends(units):
     def holding(kinds):
         return [u for u, m in enumerate(modules) if any(isinstance(leaf, kinds)
                                                          for leaf in _leaves(m))]
-    return max(holding(_WHOLE_INPUT), default=-1), min(holding(_WHOLE_HEAD), default=len(modules))
+    return max(holding(WHOLE_INPUT), default=-1), min(holding(WHOLE_HEAD), default=len(modules))
 
 
 def parallelize(units, ax):

@@ -301,3 +301,15 @@ def test_train_flag_verdicts_are_those_of_the_checks_it_replaced(train, world, f
     with pytest.raises(ConfigError) as info:
         train.check_args(args, world)
     assert verdict in str(info.value)
+
+
+def test_the_layout_and_the_transformation_share_which_modules_need_every_position():
+    from rtxmpi.nn.module import Sequential
+    from rtxmpi.nn.modules import WHOLE_HEAD, WHOLE_INPUT, ClassTokenHead, Linear
+    from rtxmpi.nn.modules import TransformerBlock as Block
+    from rtxmpi.parallel import parallelize
+
+    units = [Sequential(("inp", Linear(4, 8))), Block(8, 2, causal=False),
+             Sequential(("head", ClassTokenHead(8, 3)))]
+    assert model_facts(units).whole_sequence == "ClassTokenHead"  # a head alone is enough
+    assert parallelize.WHOLE_INPUT is WHOLE_INPUT and parallelize.WHOLE_HEAD is WHOLE_HEAD
