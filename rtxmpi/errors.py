@@ -1,4 +1,4 @@
-"""The typed errors every layer raises (DESIGN.md, "Typed errors").
+"""The typed errors every layer raises (docs/design.md, "Invariants").
 
 RtxmpiError
  +-- ConfigError            bad configuration or input a user can fix (also a ValueError)

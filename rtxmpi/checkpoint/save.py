@@ -1,6 +1,6 @@
 """`save_checkpoint`: every rank writes its shard file; the coordinator commits with metadata.json.
 
-Protocol (DESIGN.md, "Nothing lost"):
+Protocol (docs/design.md, "Invariants": nothing lost):
  1. ranks agree that they pass the same tensors (names, global sizes, dtypes);
  2. the coordinator (rank 0) clears an uncommitted directory of this step left by a crash;
  3. every rank writes `rank_xxxxx.h5.tmp`, fsyncs it and renames it to `rank_xxxxx.h5`;

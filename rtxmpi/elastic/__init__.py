@@ -1,6 +1,6 @@
 """Elasticity: pre-emption, failure detection, shrink-and-continue, supervised restart.
 
-See docs/elastic.md. Layer "elastic" (DESIGN.md): above state, below observe/apps.
+See docs/elastic.md. Layer "elastic" (docs/design.md): above state, below observe.
 """
 from .loop import (PHASES, POLICIES, Loop, configure, exit_after, recovered_state, run, shrinks,
                    stop_request)

@@ -118,7 +118,7 @@ def clip_grad_norm(grad, max_norm, total_norm=None):
 def cosine_lr(step, base_lr, warmup_steps, total_steps, min_lr=0.0):
     """Linear warmup then cosine decay to min_lr (Loshchilov & Hutter 2017, without restarts).
 
-    step: 1-based number of the optimizer step the rate is for (DESIGN.md's `step`).
+    step: 1-based number of the optimizer step the rate is for (docs/design.md, "Contracts").
     Steps 1..warmup_steps ramp linearly to base_lr (step/warmup_steps * base_lr); steps up to
     total_steps follow half a cosine from base_lr to min_lr; later steps stay at min_lr.
     Raises ConfigError when warmup_steps > total_steps or a value is negative.

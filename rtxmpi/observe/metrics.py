@@ -4,7 +4,7 @@
     m.update({"step_time_ms": 41.0, "tokens_per_s": 1.2e5, ...})
     m.update_cross(table)                                           # rank 0: min/median/max
 
-Gauges (names from docs/observe.md and DESIGN.md), labelled {rank, job}:
+Gauges (names from docs/observe.md and docs/design.md), labelled {rank, job}:
   step_time_ms    wall time of the last step (ms)
   tokens_per_s    global tokens per second at that step time
   allreduce_pct   exposed communication (blocking collectives + waits) as % of the step

@@ -227,7 +227,7 @@ class HardwareProfile:
 
 # Measured on the CI machine kind (2 cores, Debian 12, Open MPI 5.0 shared memory, numpy with one
 # BLAS thread per rank, 4 ranks, November 2026) by `calibrate`; inter-node numbers from the veth
-# pair between two network namespaces (shared/ops/README.md: 16 MiB all_reduce ~17.5 ms).
+# pair between two network namespaces (docs/operations.md: 16 MiB all_reduce ~17.5 ms).
 _DEFAULT = {
     "source": "default (not measured on this machine: 2-core CI machine, 4 ranks, Nov 2026; run "
               "`rtxmpi plan --calibrate` under mpiexec for this machine's numbers)",

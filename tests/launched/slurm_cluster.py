@@ -12,7 +12,7 @@ cluster through SLURM_CONF (see `Cluster.env`). Several clusters can run at once
 when another process takes one between the pick and the bind), has its own munge socket and key,
 state and spool dirs, and its own range of job ids (so that proctrack/cgroup's per-job cgroups
 never collide). Facts used here were measured on this kind of machine:
-/work/shared/ops/README.md (Slurm section).
+docs/operations.md (Slurm section).
 """
 import os
 import shutil

@@ -1,5 +1,5 @@
 """Two network-namespace "nodes" (tests/launched/test_observe_run.py's `two_nodes`: a veth pair,
-named hosts, an ssh-free launch agent; /work/shared/ops/README.md): examples/train.py with one
+named hosts, an ssh-free launch agent; docs/operations.md): examples/train.py with one
 rank on each node, the second node's rank SIGKILLed in backward, and the job recovers.
 
 ULFM works across the nodes (the TCP BTL over the veth): the rank on the first node sees the

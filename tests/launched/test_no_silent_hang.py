@@ -1,4 +1,4 @@
-"""No silent hang (DESIGN.md, Invariants): each test starts its own job under a hard outer timeout.
+"""No silent hang (docs/design.md, "Invariants"): each test starts its own job under a hard outer timeout.
 
 A rank that never arrives makes every other rank raise CollectiveTimeout naming the op, the
 sequence number and the missing ranks, well within 3x the deadline, and the job ends non-zero;

@@ -169,7 +169,7 @@ def _sh(*argv):
 @pytest.fixture
 def two_nodes(tmp_path):
     """Two network namespaces joined by a veth pair throttled to 40 Mbit/s with `tc ... tbf`,
-    named hosts, and an ssh-free launch agent (/work/shared/ops/README.md). Torn down after."""
+    named hosts, and an ssh-free launch agent (docs/operations.md). Torn down after."""
     tools = [shutil.which(t) for t in ("ip", "tc", "unshare")]
     if os.geteuid() != 0 or None in tools or MPIEXEC is None:
         pytest.skip("needs root, ip, tc, unshare and mpiexec")

@@ -1,4 +1,4 @@
-"""The typed error hierarchy (DESIGN.md, "Typed errors"): the recovery layer decides by class."""
+"""The typed error hierarchy (docs/design.md, "Invariants"): the recovery layer decides by class."""
 import pytest
 
 import rtxmpi
