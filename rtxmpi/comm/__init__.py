@@ -139,7 +139,13 @@ def is_initialized():
     return _world is not None
 
 
+def launch_rank():
+    """This process's rank in the launch (MPI_COMM_WORLD): valid before init() and after an
+    elastic shrink renumbered the world. Local."""
+    return MPI.COMM_WORLD.Get_rank()
+
+
 shared_zeros = shm.shared_zeros
 
-__all__ = ["init", "world", "replace_world", "is_initialized", "ProcessGroup", "DeviceGroup",
+__all__ = ["init", "world", "replace_world", "is_initialized", "launch_rank", "ProcessGroup", "DeviceGroup",
            "Work", "shared_zeros"]

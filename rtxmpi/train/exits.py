@@ -10,7 +10,7 @@ pre-empted by SIGTERM/SIGUSR1 with a committed checkpoint; 130 interrupted by Ct
 import sys
 
 import rtxmpi
-from rtxmpi import elastic
+from rtxmpi import comm, elastic
 from rtxmpi.errors import CheckpointError, ConfigError, DirectoryLocked
 
 EXIT_CONFIG = 2
@@ -24,9 +24,7 @@ def is_rank0():
     """Whether this process is rank 0 of the current world (before rtxmpi.init: of the launch)."""
     if rtxmpi.is_initialized():  # after an elastic shrink, launch rank 0 may be gone
         return rtxmpi.world().rank == 0
-    from mpi4py import MPI  # initialized by `import rtxmpi`; works before rtxmpi.init()
-
-    return MPI.COMM_WORLD.Get_rank() == 0
+    return comm.launch_rank() == 0
 
 
 def error_line(message):
