@@ -257,17 +257,21 @@ def run_worker_job(label, ranks, script, worker_args, timeout=None):
     return json.loads(line[len("RESULT "):])
 
 
-def worker_job(ranks, script, worker_args):
-    """(cmd, env) that runs `script --worker ...` as an MPI job of `ranks` ranks on this machine.
+def mpi_job(ranks, argv):
+    """(cmd, env) that runs `python argv...` as an MPI job of `ranks` ranks on this machine.
 
     One BLAS thread per rank, checking mode off, more ranks than cores allowed (--oversubscribe,
-    ranks yield while idle, no binding), root allowed when run as root. worker_args: the worker's
-    own arguments after `--worker`, as strings.
+    ranks yield while idle, no binding), root allowed when run as root.
     """
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", RTXMPI_CHECK="0")
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = ["mpiexec", "--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1",
-           "-n", str(ranks), sys.executable, os.path.abspath(script), "--worker",
-           *[str(a) for a in worker_args]]
+           "-n", str(ranks), sys.executable, *[str(a) for a in argv]]
     return cmd, env
+
+
+def worker_job(ranks, script, worker_args):
+    """(cmd, env) that runs `script --worker ...` as an MPI job of `ranks` ranks (mpi_job).
+    worker_args: the worker's own arguments after `--worker`, as strings."""
+    return mpi_job(ranks, [os.path.abspath(script), "--worker", *worker_args])

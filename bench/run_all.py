@@ -1,4 +1,4 @@
-"""Run every benchmark and regenerate bench/RESULTS.md from their output.
+"""Run every benchmark and regenerate bench/RESULTS.md, whole, from their output.
 
     python bench/run_all.py                     # all, in the order below (same as `rtxmpi bench all`)
     python bench/run_all.py --only checkpoint,memory --results /tmp/RESULTS.md
@@ -7,15 +7,16 @@
 Each benchmark runs through `rtxmpi bench` (rtxmpi/bench_launch.py: this machine's mpiexec flags)
 once per world size of its row below (MPI jobs) or once (benchmarks that start their own jobs),
 with `--json`. Its stdout (markdown tables, the command, the machine line) and JSON go to
---out-dir as NAME[_nN].md / .json. Then, in RESULTS.md, each benchmark's generated block (between
-`<!-- run_all:NAME begin -->` and `<!-- run_all:NAME end -->`) is replaced by the new output; a
-section without a block gets one at its end (the hand-written text around it is kept: update
-findings that quote numbers by hand); a benchmark without a section gets a new one at the end.
-The Machine section's block records the machine, the date and the commit. Benchmarks whose file is
-missing in this checkout are skipped and their sections left as they are; a failed benchmark leaves
-its block as it was and makes the exit status 1.
+--out-dir as NAME[_nN].md / .json. RESULTS.md is then written whole: a header, the Machine
+section, and one section per benchmark in the order of BENCHES, each its title, the first
+paragraph of the benchmark's docstring, and its latest output (between `<!-- run_all:NAME begin -->`
+and `<!-- run_all:NAME end -->`). The output of a benchmark not run this time (`--only`, `--skip`,
+missing file, failure) is carried over from the previous RESULTS.md; one never measured says how
+to measure it. Nothing else in the file is kept: it holds the current tables only (history is in
+git log). A failed benchmark makes the exit status 1.
 """
 import argparse
+import ast
 import datetime
 import os
 import re
@@ -35,6 +36,7 @@ from rtxmpi import bench_launch  # noqa: E402
 # name, RESULTS.md section title, world sizes (MPI jobs; ignored by benchmarks that launch their
 # own jobs), extra arguments. The order of this table is the order of the sections.
 BENCHES = (
+    ("convergence", "Training to a target", (), ()),
     ("collectives", "Collectives", (2, 4), ()),
     ("scaling", "Data-parallel scaling", (), ()),
     ("memory", "Memory", (), ()),
@@ -66,18 +68,43 @@ def git_describe():
         return "unknown (not a git checkout)"
 
 
-def splice(text, name, title, body):
-    """`text` with `name`'s generated block set to `body` (see the module docstring)."""
-    block = f"{begin_marker(name)}\n{body.strip()}\n{end_marker(name)}"
-    pattern = re.compile(re.escape(begin_marker(name)) + r".*?" + re.escape(end_marker(name)), re.S)
-    if pattern.search(text):
-        return pattern.sub(lambda _: block, text, count=1)
-    heading = re.search(rf"^## {re.escape(title)}\s*$", text, re.M)
-    if heading is None:
-        return text.rstrip("\n") + f"\n\n## {title}\n\n{block}\n"
-    following = re.search(r"^## ", text[heading.end():], re.M)
-    cut = heading.end() + following.start() if following else len(text)
-    return text[:cut].rstrip("\n") + f"\n\n{block}\n\n" + text[cut:].lstrip("\n")
+HEADER = """# Benchmark results
+
+The current tables of every benchmark in `bench/` ([README.md](README.md)), written whole by
+`rtxmpi bench all` (`bench/run_all.py`): do not edit by hand. Each section gives the command that
+reproduces it, the machine and its load at the start, and the peer measured in the same run; ratios
+compare only numbers of one run. Earlier results are in the file's git history.
+"""
+
+
+def block(name, body):
+    return f"{begin_marker(name)}\n{body.strip()}\n{end_marker(name)}"
+
+
+def previous_blocks(text):
+    """{name: body} of every generated block in an earlier RESULTS.md."""
+    pattern = re.compile(r"<!-- run_all:(\w+) begin -->\n(.*?)\n<!-- run_all:\1 end -->", re.S)
+    return {m.group(1): m.group(2) for m in pattern.finditer(text)}
+
+
+def summary(name):
+    """The first paragraph of bench/NAME.py's docstring (what it measures), or ''."""
+    path = os.path.join(HERE, f"{name}.py")
+    if not os.path.isfile(path):
+        return ""
+    with open(path) as f:
+        doc = ast.get_docstring(ast.parse(f.read(), path)) or ""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def render(bodies, machine):
+    """The whole RESULTS.md from {name: generated body} and the Machine section's body."""
+    parts = [HEADER, "## Machine", block("machine", machine)]
+    for name, title, sizes, _ in BENCHES:
+        body = bodies.get(name)
+        parts += [f"## {title}", summary(name),
+                  block(name, body) if body else f"Not measured yet: `rtxmpi bench {name}`."]
+    return "\n\n".join(p for p in parts if p) + "\n"
 
 
 def run_one(name, n, extra, args, out_dir):
@@ -131,8 +158,11 @@ def main(argv=None):
         os.makedirs(out_dir, exist_ok=True)
     info = machine_info()
     commit = git_describe()
-    with open(args.results) as f:
-        text = f.read()
+    try:
+        with open(args.results) as f:
+            bodies = previous_blocks(f.read())
+    except FileNotFoundError:
+        bodies = {}
     failed, done, skipped = [], [], []
     for name, title, sizes, extra in BENCHES:
         if name not in only or name in args.skip.split(","):
@@ -156,21 +186,20 @@ def main(argv=None):
             failed.append(name)
             continue
         when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        header = (f"Generated by `python bench/run_all.py` ({when}, commit {commit}, "
-                  f"{seconds:.0f} s); each run's machine line gives the load average at its start.")
-        text = splice(text, name, title, header + "\n\n" + "\n".join(parts))
+        header = f"Measured {when}, commit {commit}, {seconds:.0f} s."
+        bodies[name] = header + "\n\n" + "\n".join(parts)
         done.append(name)
     if args.dry_run:
         return 0
-    machine = (f"Last `bench/run_all.py` run: {stamp.strftime('%Y-%m-%d %H:%M UTC')}, commit {commit}; "
+    machine = (f"Last `rtxmpi bench all` run: {stamp.strftime('%Y-%m-%d %H:%M UTC')}, commit {commit}; "
                f"benchmarks {', '.join(done) or 'none'}"
                + (f"; failed {', '.join(failed)}" if failed else "")
                + (f"; not in this checkout {', '.join(skipped)}" if skipped else "")
-               + f".\n\nmachine: {machine_line(info)}")
-    text = splice(text, "machine", "Machine", machine)
+               + f".\n\nmachine: {machine_line(info)}\n\nThe machine may be shared with other "
+               "work: each run's machine line gives the load average at its start.")
     with open(args.results, "w") as f:
-        f.write(text)
-    progress(f"[run_all] {args.results} updated ({len(done)} benchmark(s)); outputs in {out_dir}")
+        f.write(render(bodies, machine))
+    progress(f"[run_all] {args.results} written ({len(done)} benchmark(s) run); outputs in {out_dir}")
     return 1 if failed else 0
 
 

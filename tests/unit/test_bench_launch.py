@@ -1,4 +1,4 @@
-"""`rtxmpi bench NAME` (rtxmpi/bench_launch.py) and bench/run_all.py's RESULTS.md stitching."""
+"""`rtxmpi bench NAME` (rtxmpi/bench_launch.py) and bench/run_all.py writing RESULTS.md."""
 import importlib.util
 import os
 import shlex
@@ -105,24 +105,35 @@ def load_run_all():
     return module
 
 
-def test_splice_replaces_the_block_keeps_prose_and_appends_new_sections():
+def test_results_are_written_whole_from_the_latest_outputs(tmp_path, monkeypatch):
     run_all = load_run_all()
-    text = "# Results\n\n## Machine\n\nhand-written\n\n## Memory\n\nfindings\n\n## Other\n\nx\n"
-    once = run_all.splice(text, "memory", "Memory", "table 1")
-    assert once.index("findings") < once.index("table 1") < once.index("## Other")
-    twice = run_all.splice(once, "memory", "Memory", "table 2")
-    assert "table 1" not in twice and twice.count("run_all:memory begin") == 1
-    assert twice.replace("table 2", "table 1") == once
-    added = run_all.splice(twice, "elastic", "Elastic recovery", "new")
-    assert added.endswith("## Elastic recovery\n\n<!-- run_all:elastic begin -->\nnew\n"
-                          "<!-- run_all:elastic end -->\n")
-    assert "hand-written" in added and "findings" in added
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n\n## Memory\n\nhand-written diary of 2026-11-29\n\n"
+                       "<!-- run_all:memory begin -->\nold memory table\n<!-- run_all:memory end -->\n\n"
+                       "<!-- run_all:checkpoint begin -->\nold checkpoint table\n"
+                       "<!-- run_all:checkpoint end -->\n")
+    outcome = {"checkpoint": True, "timeline": False}
+    monkeypatch.setattr(run_all, "run_one", lambda name, n, extra, args, out_dir:
+                        (outcome[name], f"new {name} at {n} ranks", 1.0))
+    status = run_all.main(["--only", "checkpoint,timeline", "--results", str(results),
+                           "--out-dir", str(tmp_path / "out")])
+    text = results.read_text()
+    assert status == 1  # timeline failed
+    assert "hand-written diary" not in text
+    assert "old memory table" in text  # not run: carried over
+    assert "old checkpoint table" not in text and "new checkpoint at 4 ranks" in text
+    assert "Not measured yet: `rtxmpi bench timeline`." in text  # failed, never measured before
+    assert "timeline" not in run_all.previous_blocks(text)
+    titles = [line[3:] for line in text.splitlines() if line.startswith("## ")]
+    assert titles == ["Machine"] + [row[1] for row in run_all.BENCHES]
+    assert run_all.summary("memory") in text and run_all.summary("memory").startswith("Per-rank memory")
+    assert run_all.previous_blocks(text)["memory"] == "old memory table"
 
 
 def test_run_all_table_order_and_dry_run():
     run_all = load_run_all()
     names = [row[0] for row in run_all.BENCHES]
-    assert names[:4] == ["collectives", "scaling", "memory", "checkpoint"]
+    assert names[:5] == ["convergence", "collectives", "scaling", "memory", "checkpoint"]
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run_all.py"), "--dry-run",
                            "--only", "checkpoint,elastic"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
