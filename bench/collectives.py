@@ -52,10 +52,10 @@ WARMUP_BUDGET_S = 0.05  # warm-up rounds continue until this long has passed (or
 MAX_WARMUP, MAX_WARMUP_S = 60, 2.0  # ... and while rtxmpi's tuner explores, up to these (a
 # tuner whose ranks always share a CPU never sees the bounce run, and never chooses)
 TARGET_RATIO, TARGET_RATIO_FROM_BYTES, TARGET_OVERHEAD_US = 0.95, 1 << 20, 10.0
-# the shared-memory all_reduce (rtxmpi/comm/shm.py; issue 6 item 5)
+# the shared-memory all_reduce (rtxmpi/comm/shm.py)
 TARGET_SHM_RATIO, TARGET_SHM_FROM_BYTES = 2.0, 16 << 20
 TARGET_GLOO_RATIO, TARGET_GLOO_FROM_BYTES = 3.0, 1 << 20
-TARGET_NEVER_SLOWER = 1.0  # issue 6: rtxmpi all_reduce never slower than raw, at any size
+TARGET_NEVER_SLOWER = 1.0  # target: rtxmpi all_reduce never slower than raw, at any size
 
 
 def busbw_factor(op, n):

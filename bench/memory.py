@@ -27,7 +27,7 @@ AdamW): the process's CPU time, which other processes on a loaded machine barely
 thread: OMP_NUM_THREADS=1), and wall time, and the minor page faults of a step (fresh memory the
 kernel maps in, CPU time too); medians of --repeats, the two policies alternating.
 
-Target (issue): at 4 ranks, ZeRO-3 per-rank model-state bytes <= (DP's / 4 + one layer's gathered
+Target: at 4 ranks, ZeRO-3 per-rank model-state bytes <= (DP's / 4 + one layer's gathered
 parameters) x 1.05, where "one layer" is the largest of: one transformer block's parameters, the
 embeddings (wte + wpe), the final LayerNorm (+ an untied head).
 """
@@ -288,7 +288,7 @@ def main():
     print(markdown_table(["stage"] + [f"{n} rank{'s' if n > 1 else ''}" for n in ranks], side))
     print()
     layer = first["layer_bytes"]
-    if 4 in dp and args.tp * args.sp == 1:  # the issue's target is against plain DP
+    if 4 in dp and args.tp * args.sp == 1:  # the target is against plain DP
         bound = (dp[4] / 4 + layer) * 1.05
         target = {"bound_bytes": bound, "layer_bytes": layer, "dp_bytes": dp[4]}
         if (4, 3) in results:

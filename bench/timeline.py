@@ -20,7 +20,7 @@ context manager and the collective wrapper, timed in a tight loop here), over th
 time off. The end-of-run merge (gather every rank's spans to rank 0, write the Chrome
 trace) happens once and is reported on its own. Rank 0 prints; --json writes every number.
 
-Target (issue 6): overhead <= 2% of step time.
+Target: overhead <= 2% of step time.
 """
 import argparse
 import math
