@@ -1,4 +1,4 @@
-"""CI gate (issue 6): ZeRO's accounted per-rank model-state bytes against data parallelism's.
+"""CI gate: ZeRO's accounted per-rank model-state bytes against data parallelism's.
 
 Bytes the engines hold (rtxmpi.observe.memory.report), never timings, so the check is exact and
 deterministic at any world size. The bound is bench/memory.py's target: ZeRO-3 per-rank

@@ -256,7 +256,7 @@ def test_inject_spec_is_validated():
 
 
 def test_report_step_time_parts_add_up_to_the_total(tmp_path):
-    """Issue 6: per-part medians do not add (compute and comm peak on different steps); the report
+    """Per-part medians do not add (compute and comm peak on different steps); the report
     shows one real step, the median one, so its parts sum to its total, per rank and overall."""
     import re
 

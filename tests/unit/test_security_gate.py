@@ -1,4 +1,4 @@
-"""CI security gate (issue 6): no pickle in any file format, metrics bound to loopback by default,
+"""CI security gate: no pickle in any file format, metrics bound to loopback by default,
 every dependency pinned in constraints.txt.
 
 The pickle check reads the code (the AST, so comments and strings do not count) of every module
