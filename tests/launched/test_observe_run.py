@@ -73,15 +73,15 @@ def test_run_dir_timeline_metrics_and_report(tmp_path):
     for r in records:
         assert set(PROM_NAMES) <= set(r) and 0 <= r["overlap_pct"] <= 100
         assert 0 < r["allreduce_pct"] < 100 and r["net_bw_gbps"] > 0 and r["oom_count"] == 0
-    # the live overlap_pct is the post-run breakdown's (it once was 0.0 live while the
-    # observer's own cross-rank all_gather counted as hidden communication in breakdown.json);
+    # the live overlap_pct is the post-run breakdown's (the observer's own cross-rank all_gather
+    # must count as hidden communication in neither);
     # the last step differs legitimately: its evaluation runs after end_step, inside the step span
     rank0 = {b["step"]: b for b in json.loads((run_dir / "breakdown.json").read_text()) if b["rank"] == 0}
     for r in records[:-1]:
         assert r["overlap_pct"] == pytest.approx(rank0[r["step"]]["overlap_pct"], abs=1e-6), r["step"]
         assert r["comm_ms"] == pytest.approx(rank0[r["step"]]["comm_ms"], abs=1e-6), r["step"]
     assert sum(r["overlap_pct"] > 0 for r in records) > len(records) // 2, records
-    # activations are measured (they once read 0.0): one forward's cache, 4 x 32 tokens per rank
+    # activations are measured, not 0.0: one forward's cache, 4 x 32 tokens per rank
     from rtxmpi.nn import GPT, GPTConfig
     from rtxmpi.observe.memory import cache_bytes
 
