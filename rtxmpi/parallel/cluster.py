@@ -560,3 +560,64 @@ def cluster_plan(model, global_batch, devices, profile, options=Options(),
               "options": options}
     return ClusterPlan(ranked, rejected, best_rejected, profile, inputs,
                        time.perf_counter() - start, len(candidates))
+
+
+# --------------------------------------------------------------------------- `rtxmpi plan`
+def _estimate_json(e):
+    return {"layout": vars(e.layout), "flags": e.layout.flags(), "step_s": e.step_s,
+            "compute_s": e.compute_s, "bubble_s": e.bubble_s, "bubble": e.bubble,
+            "tp_comm_s": e.tp_comm_s, "pp_comm_s": e.pp_comm_s, "dp_exposed_s": e.dp_exposed_s,
+            "optimizer_s": e.optimizer_s, "peak_bytes": e.peak_bytes, "memory": e.memory,
+            "tokens_per_s": e.tokens_per_s, "tflops_per_device": e.tflops_per_device,
+            "mfu": e.mfu}
+
+
+def run_cli(args, model, what, devices, profile):
+    """`rtxmpi plan --profile CLUSTER_PROFILE`: print the ranked table and the reason; return
+    the exit status (0 planned, 1 nothing fits). Raises ConfigError for bad flags (the caller
+    prints it, exit 2)."""
+    import json
+    from dataclasses import replace
+
+    cpu_only = [flag for flag, given in (("--calibrate", args.calibrate),
+                                         ("--ranks-per-node", args.ranks_per_node is not None),
+                                         ("--offload", args.offload != "none"),
+                                         ("--device", args.device != "cpu"),
+                                         ("--show-rejected", args.show_rejected)) if given]
+    if cpu_only:
+        raise ConfigError(f"{', '.join(cpu_only)}: not for a cluster profile ({profile.name}: "
+                          f"{profile.devices_per_node} devices per node; rejected layouts are "
+                          f"counted in the reason)")
+    recompute = tuple(dict.fromkeys(r.strip() for r in args.recompute.split(",") if r.strip()))
+    if not recompute or set(recompute) - set(RECOMPUTE_POLICIES):
+        raise ConfigError(f"--recompute {args.recompute!r}: comma-separated policies from "
+                          f"{', '.join(RECOMPUTE_POLICIES)}")
+    if args.mem_per_device:
+        from .planner import parse_bytes
+
+        limit = parse_bytes(args.mem_per_device) / 2**30
+        profile = replace(profile, memory_gib=limit + profile.reserved_gib)
+    options = Options(dtype=args.dtype, overlap_grad_reduce=not args.no_overlap)
+    plan = cluster_plan(model, args.global_batch, devices, profile, options, recompute=recompute,
+                        max_micro_batches=args.max_micro_batches)
+    nodes = math.ceil(devices / profile.devices_per_node)
+    c = model_costs(model)
+    print(f"plan: {what} ({c.n_layer} layers, {c.n_head} heads, n_embd {c.n_embd}, "
+          f"{c.num_params / 1e9:.2f}B parameters), global batch {args.global_batch} x "
+          f"{c.seq_len} positions, {devices} devices ({nodes} node{'s' if nodes > 1 else ''} of "
+          f"{profile.devices_per_node}), {plan.inputs['dtype']}")
+    print(f"profile: {profile.name} ({profile.path}): {profile.source}")
+    print()
+    print(plan.table(top=args.top))
+    print()
+    print(plan.reason())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"inputs": {"model": what, "global_batch": args.global_batch,
+                                  "devices": devices, "dtype": plan.inputs["dtype"],
+                                  "recompute": recompute},
+                       "profile": {"name": profile.name, "path": profile.path},
+                       "ranked": [_estimate_json(e) for e in plan.ranked[:max(args.top, 1)]],
+                       "rejected_memory": plan.rejected_memory, "considered": plan.considered,
+                       "reason": plan.reason()}, f, indent=1)
+    return 0 if plan.ranked else 1

@@ -945,6 +945,10 @@ def add_arguments(parser):
     parser.add_argument("--model", default="small", choices=sorted(MODEL_SIZES), help="GPT size")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="tokens per sequence (GPT; default 128)")
+    for flag, what in (("--n-layer", "blocks"), ("--n-head", "attention heads"),
+                       ("--n-embd", "width (hidden size)"), ("--vocab-size", "vocabulary")):
+        parser.add_argument(flag, type=int, default=None,
+                            help=f"GPT {what}, overriding --model's")
     parser.add_argument("--vit-size", default="small", choices=list(VIT_SIZES), help="ViT size")
     parser.add_argument("--patch", type=int, default=None,
                         help="ViT patch side in pixels (default 2; 8 must divide)")
@@ -957,7 +961,9 @@ def add_arguments(parser):
     parser.add_argument("--mem-per-device", default=None, metavar="SIZE",
                         help="memory per rank, e.g. 16G (default: unlimited)")
     parser.add_argument("--profile", default=None, metavar="FILE",
-                        help="hardware profile JSON from --save-profile (default: the built-in "
+                        help="hardware profile: a CPU profile JSON from --save-profile, or a "
+                             "cluster profile (a file, or a shipped one: dgx-a100, dgx-h100, "
+                             "dgx-h200, ci-cpu; docs/planner.md) (default: the built-in CPU "
                              "default profile, labelled as such)")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure the hardware profile now (collective: run under mpiexec "
@@ -967,8 +973,17 @@ def add_arguments(parser):
     parser.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table")
     parser.add_argument("--show-rejected", action="store_true",
                         help="list every rejected candidate with its reason")
-    parser.add_argument("--max-micro-batches", type=int, default=32,
-                        help="largest micro-batch count considered")
+    parser.add_argument("--max-micro-batches", type=int, default=None,
+                        help="largest micro-batch count considered (default 32; with a cluster "
+                             "profile up to the batch)")
+    parser.add_argument("--dtype", default=None, choices=("fp32", "tf32", "bf16", "fp16", "fp8"),
+                        help="compute dtype (cluster profile; default the profile's)")
+    parser.add_argument("--recompute", default="none,selective,full", metavar="POLICIES",
+                        help="activation recomputation policies to consider (cluster profile), "
+                             "comma-separated from none, selective, full")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="cluster profile: the data-parallel reduction does not overlap "
+                             "backward (Megatron-LM 2021)")
     parser.add_argument("--offload", default="none", metavar="MODES",
                         help="ZeRO offload modes to consider, comma-separated from none, cpu, "
                              "nvme (default none; a job's automatic plan adds nvme when it "
@@ -1019,15 +1034,23 @@ def _cli_model(args):
     from ..nn.vit import ViTConfig
 
     if args.model_kind == "vit":
+        gpt_only = [f"--{k.replace('_', '-')}" for k in ("n_layer", "n_head", "n_embd", "vocab_size")
+                    if getattr(args, k) is not None]
+        if gpt_only:
+            raise ConfigError(f"{', '.join(gpt_only)}: the GPT's sizes; a ViT's come from --vit-size")
         if args.seq_len is not None:
             raise ConfigError("--seq-len is the GPT's; a ViT's positions are its patches and the "
                               "class token (--patch)")
         cfg = ViTConfig.named(args.vit_size, patch_size=args.patch or 2)
         side, patch = cfg.image_size, cfg.patch_size
         return cfg, f"ViT {args.vit_size}, {side}x{side} images in {patch}x{patch} patches"
+    sizes = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")
+             if getattr(args, k) is not None}
     if args.patch is not None:
         raise ConfigError("--patch is the ViT's: use it with --model-kind vit")
-    return GPTConfig.named(args.model, seq_len=args.seq_len or 128), f"model {args.model}"
+    what = f"model {args.model}" + (" with " + ", ".join(f"{k} {v}" for k, v in sizes.items())
+                                    if sizes else "")
+    return GPTConfig.named(args.model, seq_len=args.seq_len or 128, **sizes), what
 
 
 def main(args):
@@ -1040,7 +1063,8 @@ def main(args):
 
     rank = MPI.COMM_WORLD.Get_rank()
     try:
-        for name in ("seq_len", "patch", "global_batch", "top", "max_micro_batches"):
+        for name in ("seq_len", "patch", "global_batch", "top", "max_micro_batches", "n_layer",
+                     "n_head", "n_embd", "vocab_size"):
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
         if args.world_size is not None and args.world_size < 1:  # 0 is a bad flag, not "unset"
@@ -1049,6 +1073,19 @@ def main(args):
         if args.world_size is None and world_size == 1:
             raise ConfigError("--world-size is needed outside mpiexec (the ranks to plan for)")
         cfg, what = _cli_model(args)
+        from .cluster_profile import is_cluster_profile, load_cluster_profile
+
+        if args.profile and is_cluster_profile(args.profile):
+            from .cluster import run_cli
+
+            profile = load_cluster_profile(args.profile)
+            return run_cli(args, cfg, what, world_size, profile) if rank == 0 else 0
+        cluster_flags = [f for f, given in (("--dtype", args.dtype is not None),
+                                            ("--recompute", args.recompute != "none,selective,full"),
+                                            ("--no-overlap", args.no_overlap)) if given]
+        if cluster_flags:
+            raise ConfigError(f"{', '.join(cluster_flags)}: only with a cluster profile "
+                              f"(--profile dgx-a100, ...; docs/planner.md)")
         memory = parse_bytes(args.mem_per_device) if args.mem_per_device else None
         profile = load_or_calibrate(args, cfg=calibration_config(cfg))
         offloads = tuple(dict.fromkeys(m.strip() for m in args.offload.split(",") if m.strip()))
@@ -1057,7 +1094,7 @@ def main(args):
                               f"{', '.join(OFFLOADS)}")
         plan = make_plan(cfg, args.global_batch, world_size, profile,
                          ranks_per_node=args.ranks_per_node, mem_per_device=memory,
-                         max_micro_batches=args.max_micro_batches, offloads=offloads,
+                         max_micro_batches=args.max_micro_batches or 32, offloads=offloads,
                          device=args.device)
     except ConfigError as exc:
         if rank == 0:
