@@ -97,6 +97,17 @@ class ClusterLayout:
         s += f" z{self.zero_stage}" if self.zero_stage else ""
         return s + (f" recompute-{self.recompute}" if self.recompute != "none" else "")
 
+    def runtime_layout(self):
+        """The rtxmpi.parallel.layout.Layout that runs this layout (full recomputation is the
+        runtime's "blocks"), or None for selective recomputation, which the runtime has not."""
+        from .layout import Layout
+
+        if self.recompute == "selective":
+            return None
+        return Layout(self.dp, self.tp, self.pp, 1, self.micro_batches, self.zero_stage,
+                      self.schedule, "none", "blocks" if self.recompute == "full" else "none",
+                      self.virtual_stages, self.sequence_parallel)
+
     def flags(self):
         """The examples/train.py layout flags that run this layout; "selective" recomputation has
         no runtime flag (rtxmpi recomputes whole blocks: --recompute blocks is "full")."""
@@ -203,6 +214,13 @@ class _Model:
         self.head_flops = 2 * self.rows * self.h * self.V
         self.first_flops = c.first_flops
 
+    def stage_params(self, pp):
+        """Parameters of the busiest of pp stages of equal blocks (the first holds the
+        embeddings, the last the head and, when pp > 1, its copy of a tied table)."""
+        if pp == 1:
+            return self.L * self.block_params + self.first_params + self.costs.head_params
+        return self.L // pp * self.block_params + max(self.first_params, self.head_params)
+
     def model_flops_per_sample(self):
         """Forward + backward FLOPs of one sample, no recomputation."""
         return 3 * (self.L * self.block_flops + self.head_flops + self.first_flops)
@@ -239,10 +257,7 @@ def _memory(M, L, p, opt, e):
     transient, total."""
     b, t, s, h, a, pp, dp = L.micro_batch, L.tp, M.s, M.h, M.a, L.pp, L.dp
     blocks = M.L // pp
-    P = max(blocks * M.block_params + M.first_params,
-            blocks * M.block_params + (M.head_params if pp > 1 else 0)) / t
-    if pp == 1:
-        P = (M.L * M.block_params + M.first_params + M.costs.head_params) / t
+    P = M.stage_params(pp) / t
     master = 4 if e < 4 else 0
     params, grads, optim = e * P, opt.main_grad_bytes * P, (master + 8) * P
     z = L.zero_stage
@@ -314,9 +329,7 @@ def _estimate(M, L, global_batch, p, opt, cache):
         p2p = 2 * (m * v + pp - 1) * one
     pipe_s = m * t_max + bubble_s + p2p
     # data parallelism over dp, k of them in a node (tp innermost in the mesh)
-    P = (blocks * M.block_params + max(M.first_params, M.head_params if pp > 1 else 0)) / t
-    if pp == 1:
-        P = (M.L * M.block_params + M.first_params + M.costs.head_params) / t
+    P = M.stage_params(pp) / t
     local = max(1, min(L.dp, dpn // t))
     grad = P * opt.main_grad_bytes
     z = L.zero_stage

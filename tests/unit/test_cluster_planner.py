@@ -226,3 +226,15 @@ def test_cluster_only_flags_without_a_cluster_profile_exit_2(capsys):
 def test_gpt_size_flags_apply_to_the_cpu_planner_too(capsys):
     code = cli.main(["plan", "--model", "tiny", "--n-layer", "4", "--world-size", "2", "--top", "1"])
     assert code == 0 and "(4 layers" in capsys.readouterr().out
+
+
+def test_the_runtime_accepts_the_layouts_the_cluster_search_proposes():
+    """Layout.reasons, the runtime's own rules, agree with the cluster search for the layouts it
+    can run (selective recomputation has no runtime equivalent)."""
+    cfg = GPTConfig(vocab_size=512, seq_len=256, n_layer=8, n_head=8, n_embd=512)
+    layouts = enumerate_cluster_layouts(cfg, 32, 16, A100, recompute=("none", "full"))
+    assert layouts and all(L.runtime_layout() is not None for L in layouts)
+    for L in layouts[:: max(1, len(layouts) // 150)]:
+        assert L.runtime_layout().reasons(16, cfg, 32) == [], L
+    sel = ClusterLayout(2, 8, 1, 1, 16, recompute="selective")
+    assert sel.runtime_layout() is None and "not a runtime option" in sel.flags()
