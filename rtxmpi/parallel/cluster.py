@@ -44,7 +44,10 @@ bucket; without it (Megatron-LM 2021) it is exposed in full. The optimizer (Adam
 memory-bound: 30 bytes moved per parameter of its shard.
 Memory per device (busiest stage; mixed precision, Megatron-LM's accounting): parameters e P,
 main gradients main_grad_bytes P, fp32 master 4 P (none when e = 4), Adam 8 P; ZeRO 1 shards the
-master and Adam over dp, 2 also the gradients, 3 also the parameters (plus two gathered blocks).
+master and Adam over dp, 2 also the gradients, 3 also the parameters (plus two gathered blocks);
+offload "cpu" moves master and Adam to the host, and each step pays the gradient shard out and the
+parameters back over host_link_gbps and Adam's 30 bytes per parameter on the node's DRAM
+(host_memory_gbps, shared by the node's devices).
 Activations per block and micro-batch (Korthikanti et al. 2022, Table 2; e = 2, scaled by e / 2):
 none s b h (10 + 24 / t) + 5 a s^2 b / t, with sequence parallelism s b h 34 / t + 5 a s^2 b / t;
 selective drops the 5 a s^2 b / t term; full keeps only the block input, 2 s b h (/ t under
@@ -65,6 +68,7 @@ from .cluster_profile import ClusterProfile
 from .planner import model_costs
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
+OFFLOADS = ("none", "cpu")  # ZeRO-Offload: master and Adam state in host memory, Adam on the CPU
 SCHEDULES = ("1f1b", "interleaved")
 ZERO_STAGES = (0, 1, 2, 3)
 ADAM_BYTES_MOVED = 30  # per parameter: read grad, master, m, v (16), write master, m, v (12), param (2)
@@ -76,7 +80,8 @@ class ClusterLayout:
     """One candidate: degrees dp, tp, pp; micro_batch samples per micro-batch and micro_batches
     per step on each data-parallel rank; schedule ("none" for pp = 1, "1f1b", "interleaved"
     with virtual_stages chunks per device); zero_stage; recompute (RECOMPUTE_POLICIES);
-    sequence_parallel (Megatron's, inside tp)."""
+    sequence_parallel (Megatron's, inside tp); offload (OFFLOADS: "cpu" keeps the fp32 master
+    and Adam state of the ZeRO shard in host memory and runs Adam there)."""
 
     dp: int
     tp: int
@@ -88,6 +93,7 @@ class ClusterLayout:
     zero_stage: int = 0
     recompute: str = "none"
     sequence_parallel: bool = False
+    offload: str = "none"
 
     def __str__(self):
         s = f"dp{self.dp} tp{self.tp} pp{self.pp} mb{self.micro_batch}x{self.micro_batches}"
@@ -95,6 +101,7 @@ class ClusterLayout:
             s += f" {self.schedule}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
         s += " seq-par" if self.sequence_parallel else ""
         s += f" z{self.zero_stage}" if self.zero_stage else ""
+        s += f" offload-{self.offload}" if self.offload != "none" else ""
         return s + (f" recompute-{self.recompute}" if self.recompute != "none" else "")
 
     def runtime_layout(self):
@@ -105,7 +112,7 @@ class ClusterLayout:
         if self.recompute == "selective":
             return None
         return Layout(self.dp, self.tp, self.pp, 1, self.micro_batches, self.zero_stage,
-                      self.schedule, "none", "blocks" if self.recompute == "full" else "none",
+                      self.schedule, self.offload, "blocks" if self.recompute == "full" else "none",
                       self.virtual_stages, self.sequence_parallel)
 
     def flags(self):
@@ -117,6 +124,7 @@ class ClusterLayout:
             out += f" --schedule {self.schedule}"
             out += f" --virtual-stages {self.virtual_stages}" if self.virtual_stages > 1 else ""
         out += " --sequence-parallel" if self.sequence_parallel else ""
+        out += f" --offload {self.offload}" if self.offload != "none" else ""
         return out + {"none": "", "full": " --recompute blocks",
                       "selective": " (selective recomputation: not a runtime option)"}[self.recompute]
 
@@ -267,6 +275,8 @@ def _memory(M, L, p, opt, e):
         grads /= dp
     if z >= 3:
         params /= dp
+    if L.offload == "cpu":
+        optim = 0.0  # master and Adam state live in host memory
     sbh = s * b * h
     sp_div = t if L.sequence_parallel else 1
     core = (34 / t if L.sequence_parallel else 10 + 24 / t) * sbh
@@ -354,7 +364,12 @@ def _estimate(M, L, global_batch, p, opt, cache):
             else:
                 dp_exposed = dp_s
     shard = P / L.dp if z >= 1 else P
-    optimizer_s = shard * ADAM_BYTES_MOVED / hbm
+    if L.offload == "cpu":  # gradient shard out, parameters back, Adam on the node's DRAM
+        sharing = min(dpn, L.dp * t * pp)
+        optimizer_s = (shard * (opt.main_grad_bytes + e) / (p.host_link_gbps * 1e9)
+                       + shard * ADAM_BYTES_MOVED * sharing / (p.host_memory_gbps * 1e9))
+    else:
+        optimizer_s = shard * ADAM_BYTES_MOVED / hbm
     step = pipe_s + dp_exposed + optimizer_s
     devices = L.dp * t * pp
     memory = _memory(M, L, p, opt, e)
@@ -419,6 +434,13 @@ def layout_problems(model, layout, global_batch, devices, profile):
         out.append("zero: stage 3 with pp > 1")
     elif L.zero_stage and L.dp == 1:
         out.append("zero: dp = 1 leaves nothing to shard")
+    if L.offload not in OFFLOADS:
+        out.append(f"offload: {L.offload!r} is not one of {', '.join(OFFLOADS)}")
+    elif L.offload != "none" and (not L.zero_stage or L.pp > 1):
+        out.append("offload: needs ZeRO stage >= 1 and pp = 1")
+    elif L.offload != "none" and not (profile.host_link_gbps and profile.host_memory_gbps):
+        out.append(f"offload: the profile {profile.name!r} has no node.host_link_gbps and "
+                   f"node.host_memory_gbps")
     if L.recompute not in RECOMPUTE_POLICIES:
         out.append(f"recompute: {L.recompute!r} is not one of {', '.join(RECOMPUTE_POLICIES)}")
     return out
@@ -426,13 +448,17 @@ def layout_problems(model, layout, global_batch, devices, profile):
 
 def enumerate_cluster_layouts(model, global_batch, devices, profile, recompute=RECOMPUTE_POLICIES,
                               zero_stages=ZERO_STAGES, schedules=SCHEDULES,
-                              max_micro_batches=None):
+                              max_micro_batches=None, offloads=("none",)):
     """Every valid ClusterLayout (layout_problems is empty for each): tp among the divisors of
     the heads up to the devices per node, pp among the divisors of the blocks, dp the rest
     dividing the batch, every micro-batch size dividing dp's share (so micro-batch counts up to
     the batch), 1F1B and interleaved (each virtual stage count) for pp > 1, each recompute
-    policy, sequence parallelism on and off for tp > 1, the ZeRO stages that apply."""
+    policy, sequence parallelism on and off for tp > 1, the ZeRO stages that apply, each of
+    `offloads` with ZeRO >= 1 and pp = 1 where the profile gives the host's bandwidths."""
     M = model if isinstance(model, _Model) else _Model(model)
+    if set(offloads) - set(OFFLOADS) or not offloads:
+        raise ConfigError(f"offloads must be a non-empty subset of {OFFLOADS}, got {offloads!r}")
+    host = bool(profile.host_link_gbps and profile.host_memory_gbps)
     out = []
     for tp in _divisors(profile.devices_per_node):
         if devices % tp or M.a % tp or (M.head_vocab and M.V % tp):
@@ -458,7 +484,8 @@ def enumerate_cluster_layouts(model, global_batch, devices, profile, recompute=R
                     for r in recompute:
                         for sq in seqpar:
                             for z in zs:
-                                out.append(ClusterLayout(dp, tp, pp, b, m, sched, v, z, r, sq))
+                                for o in (offloads if z and pp == 1 and host else ("none",)):
+                                    out.append(ClusterLayout(dp, tp, pp, b, m, sched, v, z, r, sq, o))
     return out
 
 
@@ -539,7 +566,7 @@ class ClusterPlan:
 
 def cluster_plan(model, global_batch, devices, profile, options=Options(),
                  recompute=RECOMPUTE_POLICIES, zero_stages=ZERO_STAGES, schedules=SCHEDULES,
-                 max_micro_batches=None, layouts=None):
+                 max_micro_batches=None, layouts=None, offloads=("none",)):
     """Enumerate, estimate, keep what fits in profile.usable_bytes, rank by step time (at equal
     time the least memory first). model: anything planner.model_costs takes; global_batch:
     samples per step; devices: GPUs; layouts: an explicit candidate list instead. Pure.
@@ -557,7 +584,8 @@ def cluster_plan(model, global_batch, devices, profile, options=Options(),
     start = time.perf_counter()
     M = _Model(model)
     candidates = layouts if layouts is not None else enumerate_cluster_layouts(
-        M, global_batch, devices, profile, recompute, zero_stages, schedules, max_micro_batches)
+        M, global_batch, devices, profile, recompute, zero_stages, schedules, max_micro_batches,
+        offloads)
     limit = profile.usable_bytes
     ranked, rejected, best_rejected, cache = [], 0, None, {}
     for L in candidates:
@@ -594,7 +622,6 @@ def run_cli(args, model, what, devices, profile):
 
     cpu_only = [flag for flag, given in (("--calibrate", args.calibrate),
                                          ("--ranks-per-node", args.ranks_per_node is not None),
-                                         ("--offload", args.offload != "none"),
                                          ("--device", args.device != "cpu"),
                                          ("--show-rejected", args.show_rejected)) if given]
     if cpu_only:
@@ -610,9 +637,13 @@ def run_cli(args, model, what, devices, profile):
 
         limit = parse_bytes(args.mem_per_device) / 2**30
         profile = replace(profile, memory_gib=limit + profile.reserved_gib)
+    offloads = tuple(dict.fromkeys(o.strip() for o in args.offload.split(",") if o.strip()))
+    if not offloads or set(offloads) - set(OFFLOADS):
+        raise ConfigError(f"--offload {args.offload!r}: with a cluster profile, comma-separated "
+                          f"from {', '.join(OFFLOADS)} (nvme is not modeled at cluster scale)")
     options = Options(dtype=args.dtype, overlap_grad_reduce=not args.no_overlap)
     plan = cluster_plan(model, args.global_batch, devices, profile, options, recompute=recompute,
-                        max_micro_batches=args.max_micro_batches)
+                        max_micro_batches=args.max_micro_batches, offloads=offloads)
     nodes = math.ceil(devices / profile.devices_per_node)
     c = model_costs(model)
     print(f"plan: {what} ({c.n_layer} layers, {c.n_head} heads, n_embd {c.n_embd}, "

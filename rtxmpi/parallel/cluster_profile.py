@@ -9,7 +9,7 @@ rtxmpi/parallel/profiles/ and load by name (`load_cluster_profile("dgx-a100")`).
                  "hbm_gbps": 2039, "achievable_hbm_gbps": 1700, "default_dtype": "bf16",
                  "peak_tflops_bf16": 312, "achievable_tflops_bf16": 250, ...},
      "node":    {"devices_per_node": 8, "intra_link": "NVSwitch", "intra_gbps": 300,
-                 "intra_latency_us": 8},
+                 "intra_latency_us": 8, "host_link_gbps": 25, "host_memory_gbps": 400},
      "network": {"inter_link": "8x HDR IB", "nics_per_node": 8, "nic_gbps": 25,
                  "inter_latency_us": 12},
      "collectives": {"intra_efficiency": [[1048576, 0.3], [268435456, 0.8]],
@@ -20,7 +20,9 @@ link, per NIC for the network), TFLOP/s = 1e12 FLOP/s dense (no sparsity), GiB =
 microseconds. Peak and achievable FLOP/s come in pairs per dtype (fp32, tf32, bf16, fp16, fp8);
 "achievable" is what large matrix multiplications reach, the rate the planner divides FLOPs by.
 reserved_gib: memory the planner never plans for (CUDA context, communication buffers,
-allocator fragmentation). An efficiency curve gives the fraction of the link's bandwidth a
+allocator fragmentation). host_link_gbps (device to host, per device, each way) and
+host_memory_gbps (the node's DRAM, shared by its devices) are optional: without them ZeRO
+offload is not planned. An efficiency curve gives the fraction of the link's bandwidth a
 ring collective reaches at a message size (bytes per rank), interpolated log-linearly and held
 beyond its ends; without one the full bandwidth is assumed. Unknown fields are errors, so a typo
 is not silently ignored. Pure and local.
@@ -40,11 +42,13 @@ PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
 _DEVICE = {"name": str, "memory_gib": float, "reserved_gib": float, "hbm_gbps": float,
            "achievable_hbm_gbps": float, "default_dtype": str}
 _DEVICE.update({f"{kind}_tflops_{d}": float for d in DTYPES for kind in ("peak", "achievable")})
-_NODE = {"devices_per_node": int, "intra_link": str, "intra_gbps": float, "intra_latency_us": float}
+_NODE = {"devices_per_node": int, "intra_link": str, "intra_gbps": float, "intra_latency_us": float,
+         "host_link_gbps": float, "host_memory_gbps": float}
 _NETWORK = {"inter_link": str, "nics_per_node": int, "nic_gbps": float, "inter_latency_us": float}
 _COLLECTIVES = {"intra_efficiency": list, "inter_efficiency": list}
 _OPTIONAL = {"device.reserved_gib", "collectives", "notes", "collectives.intra_efficiency",
-             "collectives.inter_efficiency"} | {f"device.{k}" for k in _DEVICE if "tflops" in k}
+             "collectives.inter_efficiency", "node.host_link_gbps", "node.host_memory_gbps"}
+_OPTIONAL |= {f"device.{k}" for k in _DEVICE if "tflops" in k}
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,8 @@ class ClusterProfile:
     nics_per_node: int
     nic_gbps: float
     inter_latency_us: float
+    host_link_gbps: float = None
+    host_memory_gbps: float = None
     intra_efficiency: tuple = ()
     inter_efficiency: tuple = ()
     notes: str = ""

@@ -238,3 +238,46 @@ def test_the_runtime_accepts_the_layouts_the_cluster_search_proposes():
         assert L.runtime_layout().reasons(16, cfg, 32) == [], L
     sel = ClusterLayout(2, 8, 1, 1, 16, recompute="selective")
     assert sel.runtime_layout() is None and "not a runtime option" in sel.flags()
+
+
+def test_offload_moves_master_and_adam_to_the_host_and_pays_the_copies():
+    cfg = GPTConfig(vocab_size=V, seq_len=S, n_layer=24, n_head=24, n_embd=2304)
+    P = _Model(cfg).stage_params(1)
+    on_device = cluster_estimate(cfg, ClusterLayout(8, 1, 1, 1, 1, zero_stage=1), 8, A100)
+    offloaded = cluster_estimate(cfg, ClusterLayout(8, 1, 1, 1, 1, zero_stage=1, offload="cpu"), 8,
+                                 A100)
+    assert on_device.memory["optimizer"] == pytest.approx(12 * P / 8)
+    assert offloaded.memory["optimizer"] == 0
+    copies = P / 8 * (4 + 2) / (A100.host_link_gbps * 1e9)
+    adam = P / 8 * 30 * 8 / (A100.host_memory_gbps * 1e9)  # 8 devices share the node's DRAM
+    assert offloaded.optimizer_s == pytest.approx(copies + adam)
+    assert offloaded.step_s > on_device.step_s
+
+
+def test_offload_needs_zero_no_pipeline_and_the_hosts_bandwidths():
+    cfg = GPTConfig(vocab_size=V, seq_len=S, n_layer=8, n_head=8, n_embd=1024)
+    problems = layout_problems(cfg, ClusterLayout(8, 1, 1, 1, 1, offload="cpu"), 8, 8, A100)
+    assert any(p.startswith("offload:") for p in problems)
+    cpu = load_cluster_profile("ci-cpu")  # no host_link_gbps: the host is the device
+    problems = layout_problems(cfg, ClusterLayout(2, 1, 1, 1, 4, zero_stage=1, offload="cpu"), 8, 2, cpu)
+    assert any("host_link_gbps" in p for p in problems)
+    both = ("none", "cpu")
+    assert all(L.offload == "none" for L in enumerate_cluster_layouts(cfg, 8, 2, cpu, offloads=both))
+    layouts = enumerate_cluster_layouts(cfg, 8, 8, A100, offloads=both)
+    assert {L.offload for L in layouts if L.zero_stage and L.pp == 1} == {"none", "cpu"}
+    assert all(L.offload == "none" for L in layouts if not L.zero_stage or L.pp > 1)
+
+
+def test_plan_cluster_offload_flag(capsys):
+    """7.5B on 8 GPUs in 12 GiB each: only layouts with the master and Adam state on the host fit
+    (ZeRO 3 alone keeps 18 / 8 bytes per parameter, 16.9 GB)."""
+    args = ["plan", "--profile", "dgx-a100", "--n-layer", "36", "--n-head", "32", "--n-embd", "4096",
+            "--vocab-size", "51200", "--seq-len", "2048", "--global-batch", "8", "--world-size", "8",
+            "--mem-per-device", "12G"]
+    assert cli.main(args) == 1
+    capsys.readouterr()
+    assert cli.main(args + ["--offload", "none,cpu"]) == 0
+    chosen = capsys.readouterr().out.split("Chosen: ")[1].split(" (")[0]
+    assert "offload-cpu" in chosen and " z" in chosen
+    assert cli.main(["plan", "--profile", "dgx-a100", "--global-batch", "8", "--world-size", "8",
+                     "--offload", "nvme"]) == 2
