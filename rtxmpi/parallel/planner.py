@@ -1057,6 +1057,7 @@ def main(args):
     """`rtxmpi plan`: print the ranked table and the reason (rank 0). Exit status 0, 1 when no
     layout fits, 2 for bad flags (ConfigError, printed on one line)."""
     import json
+    import os
     import sys
 
     from mpi4py import MPI
@@ -1080,6 +1081,11 @@ def main(args):
 
             profile = load_cluster_profile(args.profile)
             return run_cli(args, cfg, what, world_size, profile) if rank == 0 else 0
+        if args.profile and not os.path.exists(args.profile):
+            from .cluster_profile import shipped_profiles
+
+            raise ConfigError(f"no profile file {args.profile!r} (shipped cluster profiles: "
+                              f"{', '.join(shipped_profiles())})")
         cluster_flags = [f for f, given in (("--dtype", args.dtype is not None),
                                             ("--recompute", args.recompute != "none,selective,full"),
                                             ("--no-overlap", args.no_overlap)) if given]
@@ -1152,6 +1158,11 @@ def plan_for_job(group, cfg, global_batch, profile_path=None, mem_per_device=Non
 
     # the group's communicator: after an elastic shrink COMM_WORLD still holds the failed ranks
     comm = group.backend.comm if hasattr(getattr(group, "backend", None), "comm") else MPI.COMM_WORLD
+    from .cluster_profile import is_cluster_profile
+
+    if profile_path and is_cluster_profile(profile_path):
+        raise ConfigError(f"--plan-profile {profile_path}: a cluster profile, for `rtxmpi plan "
+                          f"--profile`; --plan auto reads or measures this machine's CPU profile")
     if profile_path and os.path.exists(profile_path):
         error, profile = None, None
         if group.rank == 0:

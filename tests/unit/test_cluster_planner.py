@@ -281,3 +281,16 @@ def test_plan_cluster_offload_flag(capsys):
     assert "offload-cpu" in chosen and " z" in chosen
     assert cli.main(["plan", "--profile", "dgx-a100", "--global-batch", "8", "--world-size", "8",
                      "--offload", "nvme"]) == 2
+
+
+def test_a_missing_profile_names_the_shipped_ones(capsys):
+    assert cli.main(["plan", "--profile", "dgx-a10", "--world-size", "2"]) == 2
+    assert "dgx-a100" in capsys.readouterr().err
+
+
+def test_plan_auto_refuses_a_cluster_profile():
+    from rtxmpi.errors import ConfigError
+    from rtxmpi.parallel.planner import plan_for_job
+
+    with pytest.raises(ConfigError, match="cluster profile"):
+        plan_for_job(None, GPTConfig(), 8, profile_path="dgx-a100")
