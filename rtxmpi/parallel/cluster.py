@@ -61,7 +61,7 @@ Pure and local.
 """
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..errors import ConfigError
 from .cluster_profile import ClusterProfile
@@ -493,7 +493,8 @@ def enumerate_cluster_layouts(model, global_batch, devices, profile, recompute=R
 class ClusterPlan:
     """ranked: admitted estimates, fastest first (at equal time the least memory first);
     rejected_memory: how many valid layouts exceed the device memory; best_rejected: the fastest
-    of those (or None); inputs; seconds: the search's wall time."""
+    of those (or None); inputs; seconds: the search's wall time; considered: valid layouts
+    estimated."""
 
     ranked: list
     rejected_memory: int
@@ -502,7 +503,6 @@ class ClusterPlan:
     inputs: dict
     seconds: float = 0.0
     considered: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def best(self):
