@@ -51,7 +51,9 @@ parameters back over host_link_gbps and Adam's 30 bytes per parameter on the nod
 Activations per block and micro-batch (Korthikanti et al. 2022, Table 2; e = 2, scaled by e / 2):
 none s b h (10 + 24 / t) + 5 a s^2 b / t, with sequence parallelism s b h 34 / t + 5 a s^2 b / t;
 selective drops the 5 a s^2 b / t term; full keeps only the block input, 2 s b h (/ t under
-sequence parallelism), plus one block's activations rebuilt during backward. 1F1B keeps
+sequence parallelism), plus one block's activations rebuilt during backward; with flash
+attention (Options.flash_attention) no 5 a s^2 b / t term and no element-wise score traffic,
+and backward recomputes q k^T. 1F1B keeps
 min(m, p) micro-batches in flight on the first stage, interleaved (1 + (p - 1) / (p v)) times
 that; the last stage also keeps the fp32 logits, 4 b s V / t. Peak within memory_gib -
 reserved_gib.
@@ -138,12 +140,15 @@ class Options:
     2: reduced in bf16); overlap_grad_reduce: the data-parallel reduction runs during backward
     and ZeRO-3's gathers during the micro-batch's compute (rtxmpi's bucketed DataParallel,
     Megatron-Core's --overlap-grad-reduce; Megatron-LM 2021 did not); bucket_bytes: the last
-    bucket, never overlapped."""
+    bucket, never overlapped; flash_attention: attention never stores or moves the s x s
+    scores (Dao et al. 2022) and its backward recomputes q k^T; off: they are materialized, as
+    in Megatron-LM of 2021-22 and rtxmpi's layers."""
 
     dtype: str = None
     main_grad_bytes: int = 4
     overlap_grad_reduce: bool = True
     bucket_bytes: int = 25 * 2**20
+    flash_attention: bool = False
 
 
 @dataclass
@@ -239,15 +244,17 @@ class _Model:
         return self.model_flops_per_sample() + extra
 
 
-def _block_times(M, p, L, flops, hbm, e):
+def _block_times(M, p, L, flops, hbm, e, flash):
     """(forward s, backward s including recomputation, tp comm s) of one block and micro-batch."""
     b, t, s, h, a = L.micro_batch, L.tp, M.s, M.h, M.a
     dense = 2 * b * s * M.block_params / t
     attn = 4 * b * s * s * h / t
-    scores = 4.5 * e * a * s * s * b / t
+    scores = 0.0 if flash else 4.5 * e * a * s * s * b / t  # flash: the scores stay on chip
     elem = e * (11 * b * s * h / (t if L.sequence_parallel else 1) + 16 * b * s * h / t) + scores
     fwd = (dense + attn) / flops + elem / hbm
     bwd = 2 * (dense + attn) / flops + 2 * elem / hbm
+    if flash:  # its backward recomputes q k^T
+        bwd += attn / 2 / flops
     if L.recompute == "full":
         bwd += fwd
     elif L.recompute == "selective":
@@ -280,7 +287,7 @@ def _memory(M, L, p, opt, e):
     sbh = s * b * h
     sp_div = t if L.sequence_parallel else 1
     core = (34 / t if L.sequence_parallel else 10 + 24 / t) * sbh
-    full_layer = (core + 5 * a * s * s * b / t) * e / 2
+    full_layer = (core + (0 if opt.flash_attention else 5 * a * s * s * b / t)) * e / 2
     per_block = {"none": full_layer, "selective": core * e / 2, "full": 2 * sbh / sp_div * e / 2}
     kept = per_block[L.recompute]
     in_flight = 1 if pp == 1 else min(L.micro_batches, pp)
@@ -312,7 +319,7 @@ def _estimate(M, L, global_batch, p, opt, cache):
     dpn = p.devices_per_node
     key = (L.micro_batch, L.tp, L.recompute, L.sequence_parallel)
     if key not in cache:
-        cache[key] = _block_times(M, p, L, flops, hbm, e)
+        cache[key] = _block_times(M, p, L, flops, hbm, e, opt.flash_attention)
     fwd, bwd, tp_comm = cache[key]
     b, t, pp, m, v = L.micro_batch, L.tp, L.pp, L.micro_batches, L.virtual_stages
     blocks = M.L // pp
@@ -641,7 +648,8 @@ def run_cli(args, model, what, devices, profile):
     if not offloads or set(offloads) - set(OFFLOADS):
         raise ConfigError(f"--offload {args.offload!r}: with a cluster profile, comma-separated "
                           f"from {', '.join(OFFLOADS)} (nvme is not modeled at cluster scale)")
-    options = Options(dtype=args.dtype, overlap_grad_reduce=not args.no_overlap)
+    options = Options(dtype=args.dtype, overlap_grad_reduce=not args.no_overlap,
+                      flash_attention=args.flash_attention)
     plan = cluster_plan(model, args.global_batch, devices, profile, options, recompute=recompute,
                         max_micro_batches=args.max_micro_batches, offloads=offloads)
     nodes = math.ceil(devices / profile.devices_per_node)

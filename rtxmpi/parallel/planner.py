@@ -954,7 +954,7 @@ def add_arguments(parser):
                         help="ViT patch side in pixels (default 2; 8 must divide)")
     parser.add_argument("--global-batch", type=int, default=32,
                         help="samples per step (sequences, images)")
-    parser.add_argument("--world-size", type=int, default=None,
+    parser.add_argument("--world-size", "--devices", dest="world_size", type=int, default=None,
                         help="ranks (default: the MPI world size when launched with mpiexec)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="ranks per node (default: the profile's, at most the world size)")
@@ -981,6 +981,8 @@ def add_arguments(parser):
     parser.add_argument("--recompute", default="none,selective,full", metavar="POLICIES",
                         help="activation recomputation policies to consider (cluster profile), "
                              "comma-separated from none, selective, full")
+    parser.add_argument("--flash-attention", action="store_true",
+                        help="cluster profile: attention never materializes the s x s scores")
     parser.add_argument("--no-overlap", action="store_true",
                         help="cluster profile: the data-parallel reduction does not overlap "
                              "backward (Megatron-LM 2021)")
@@ -1048,8 +1050,11 @@ def _cli_model(args):
              if getattr(args, k) is not None}
     if args.patch is not None:
         raise ConfigError("--patch is the ViT's: use it with --model-kind vit")
-    what = f"model {args.model}" + (" with " + ", ".join(f"{k} {v}" for k, v in sizes.items())
-                                    if sizes else "")
+    if {"n_layer", "n_head", "n_embd"} <= set(sizes):
+        what = "GPT"
+    else:
+        what = f"model {args.model}" + (" with " + ", ".join(f"{k} {v}" for k, v in sizes.items())
+                                        if sizes else "")
     return GPTConfig.named(args.model, seq_len=args.seq_len or 128, **sizes), what
 
 
@@ -1088,7 +1093,8 @@ def main(args):
                               f"{', '.join(shipped_profiles())})")
         cluster_flags = [f for f, given in (("--dtype", args.dtype is not None),
                                             ("--recompute", args.recompute != "none,selective,full"),
-                                            ("--no-overlap", args.no_overlap)) if given]
+                                            ("--no-overlap", args.no_overlap),
+                                            ("--flash-attention", args.flash_attention)) if given]
         if cluster_flags:
             raise ConfigError(f"{', '.join(cluster_flags)}: only with a cluster profile "
                               f"(--profile dgx-a100, ...; docs/planner.md)")

@@ -193,7 +193,7 @@ GPT_1T = ["--n-layer", "128", "--n-head", "160", "--n-embd", "25600", "--vocab-s
 def test_plan_with_a_cluster_profile_prints_the_table_and_the_reason(capsys, tmp_path):
     out_json = tmp_path / "plan.json"
     code = cli.main(["plan", "--profile", "dgx-a100", *GPT_1T, "--global-batch", "3072",
-                     "--world-size", "3072", "--top", "3", "--json", str(out_json)])
+                     "--devices", "3072", "--top", "3", "--json", str(out_json)])
     out = capsys.readouterr().out
     assert code == 0
     assert "| # | layout | memory/device | bubble % | exposed comm s | step s | tokens/s |" in out
@@ -294,3 +294,13 @@ def test_plan_auto_refuses_a_cluster_profile():
 
     with pytest.raises(ConfigError, match="cluster profile"):
         plan_for_job(None, GPTConfig(), 8, profile_path="dgx-a100")
+
+
+def test_flash_attention_drops_the_score_memory_and_traffic():
+    cfg = GPTConfig(vocab_size=V, seq_len=8192, n_layer=8, n_head=64, n_embd=8192)
+    L = ClusterLayout(1, 8, 1, 1, 1, sequence_parallel=True)
+    plain = cluster_estimate(cfg, L, 1, A100)
+    flash = cluster_estimate(cfg, L, 1, A100, Options(flash_attention=True))
+    scores = 5 * 64 * 8192 * 8192 / 8  # bytes per block, Korthikanti et al. 2022
+    assert plain.memory["activations"] - flash.memory["activations"] == pytest.approx(8 * scores)
+    assert flash.step_s < plain.step_s
