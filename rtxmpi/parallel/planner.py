@@ -6,6 +6,9 @@ trains a model fastest on this machine, within its memory.
     plan = make_plan(cfg, global_batch=32, world_size=4, profile=default_profile())
     print(plan.table(top=10)); print(plan.reason())
 
+For GPU clusters described by a profile file (thousands of devices, closed forms), see
+rtxmpi.parallel.cluster; `rtxmpi plan --profile dgx-a100` runs it.
+
 Inputs: the model (a GPTConfig, a ViTConfig or an rtxmpi.nn Model of the shipped modules, read
 once into a ModelCosts by `model_costs`: per unit its parameters, which units are the blocks, the
 blocks' width, heads and positions, the head's width and whether it maps every position, what is
