@@ -3,6 +3,7 @@
 RtxmpiError
  +-- ConfigError            bad configuration or input a user can fix (also a ValueError)
  |    +-- DirectoryLocked    another job holds the checkpoint directory's lock
+ |    +-- ProfileError       a cluster hardware profile file is malformed; names the field
  +-- CollectiveError        a collective could not complete correctly
  |    +-- CollectiveTimeout  a wait passed its deadline; names op, sequence number, missing ranks
  |    +-- CollectiveMismatch ranks called a collective with different op/shape/dtype
@@ -29,6 +30,15 @@ class DirectoryLocked(ConfigError):
     def __init__(self, message, *, holder=None):
         super().__init__(message)
         self.holder = holder
+
+
+class ProfileError(ConfigError):
+    """A cluster hardware profile (rtxmpi.parallel.cluster_profile) is malformed. Attributes:
+    field (the dotted path of the bad field, e.g. "device.hbm_gbps"), path (the file or None)."""
+
+    def __init__(self, message, *, field="", path=None):
+        super().__init__(message)
+        self.field, self.path = field, path
 
 
 class CollectiveError(RtxmpiError):

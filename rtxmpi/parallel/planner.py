@@ -6,6 +6,9 @@ trains a model fastest on this machine, within its memory.
     plan = make_plan(cfg, global_batch=32, world_size=4, profile=default_profile())
     print(plan.table(top=10)); print(plan.reason())
 
+For GPU clusters described by a profile file (thousands of devices, closed forms), see
+rtxmpi.parallel.cluster; `rtxmpi plan --profile dgx-a100` runs it.
+
 Inputs: the model (a GPTConfig, a ViTConfig or an rtxmpi.nn Model of the shipped modules, read
 once into a ModelCosts by `model_costs`: per unit its parameters, which units are the blocks, the
 blocks' width, heads and positions, the head's width and whether it maps every position, what is
@@ -945,19 +948,25 @@ def add_arguments(parser):
     parser.add_argument("--model", default="small", choices=sorted(MODEL_SIZES), help="GPT size")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="tokens per sequence (GPT; default 128)")
+    for flag, what in (("--n-layer", "blocks"), ("--n-head", "attention heads"),
+                       ("--n-embd", "width (hidden size)"), ("--vocab-size", "vocabulary")):
+        parser.add_argument(flag, type=int, default=None,
+                            help=f"GPT {what}, overriding --model's")
     parser.add_argument("--vit-size", default="small", choices=list(VIT_SIZES), help="ViT size")
     parser.add_argument("--patch", type=int, default=None,
                         help="ViT patch side in pixels (default 2; 8 must divide)")
     parser.add_argument("--global-batch", type=int, default=32,
                         help="samples per step (sequences, images)")
-    parser.add_argument("--world-size", type=int, default=None,
+    parser.add_argument("--world-size", "--devices", dest="world_size", type=int, default=None,
                         help="ranks (default: the MPI world size when launched with mpiexec)")
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="ranks per node (default: the profile's, at most the world size)")
     parser.add_argument("--mem-per-device", default=None, metavar="SIZE",
                         help="memory per rank, e.g. 16G (default: unlimited)")
     parser.add_argument("--profile", default=None, metavar="FILE",
-                        help="hardware profile JSON from --save-profile (default: the built-in "
+                        help="hardware profile: a CPU profile JSON from --save-profile, or a "
+                             "cluster profile (a file, or a shipped one: dgx-a100, dgx-h100, "
+                             "dgx-h200, ci-cpu; docs/planner.md) (default: the built-in CPU "
                              "default profile, labelled as such)")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure the hardware profile now (collective: run under mpiexec "
@@ -967,8 +976,19 @@ def add_arguments(parser):
     parser.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table")
     parser.add_argument("--show-rejected", action="store_true",
                         help="list every rejected candidate with its reason")
-    parser.add_argument("--max-micro-batches", type=int, default=32,
-                        help="largest micro-batch count considered")
+    parser.add_argument("--max-micro-batches", type=int, default=None,
+                        help="largest micro-batch count considered (default 32; with a cluster "
+                             "profile up to the batch)")
+    parser.add_argument("--dtype", default=None, choices=("fp32", "tf32", "bf16", "fp16", "fp8"),
+                        help="compute dtype (cluster profile; default the profile's)")
+    parser.add_argument("--recompute", default="none,selective,full", metavar="POLICIES",
+                        help="activation recomputation policies to consider (cluster profile), "
+                             "comma-separated from none, selective, full")
+    parser.add_argument("--flash-attention", action="store_true",
+                        help="cluster profile: attention never materializes the s x s scores")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="cluster profile: the data-parallel reduction does not overlap "
+                             "backward (Megatron-LM 2021)")
     parser.add_argument("--offload", default="none", metavar="MODES",
                         help="ZeRO offload modes to consider, comma-separated from none, cpu, "
                              "nvme (default none; a job's automatic plan adds nvme when it "
@@ -1019,28 +1039,41 @@ def _cli_model(args):
     from ..nn.vit import ViTConfig
 
     if args.model_kind == "vit":
+        gpt_only = [f"--{k.replace('_', '-')}" for k in ("n_layer", "n_head", "n_embd", "vocab_size")
+                    if getattr(args, k) is not None]
+        if gpt_only:
+            raise ConfigError(f"{', '.join(gpt_only)}: the GPT's sizes; a ViT's come from --vit-size")
         if args.seq_len is not None:
             raise ConfigError("--seq-len is the GPT's; a ViT's positions are its patches and the "
                               "class token (--patch)")
         cfg = ViTConfig.named(args.vit_size, patch_size=args.patch or 2)
         side, patch = cfg.image_size, cfg.patch_size
         return cfg, f"ViT {args.vit_size}, {side}x{side} images in {patch}x{patch} patches"
+    sizes = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size")
+             if getattr(args, k) is not None}
     if args.patch is not None:
         raise ConfigError("--patch is the ViT's: use it with --model-kind vit")
-    return GPTConfig.named(args.model, seq_len=args.seq_len or 128), f"model {args.model}"
+    if {"n_layer", "n_head", "n_embd"} <= set(sizes):
+        what = "GPT"
+    else:
+        what = f"model {args.model}" + (" with " + ", ".join(f"{k} {v}" for k, v in sizes.items())
+                                        if sizes else "")
+    return GPTConfig.named(args.model, seq_len=args.seq_len or 128, **sizes), what
 
 
 def main(args):
     """`rtxmpi plan`: print the ranked table and the reason (rank 0). Exit status 0, 1 when no
     layout fits, 2 for bad flags (ConfigError, printed on one line)."""
     import json
+    import os
     import sys
 
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
     try:
-        for name in ("seq_len", "patch", "global_batch", "top", "max_micro_batches"):
+        for name in ("seq_len", "patch", "global_batch", "top", "max_micro_batches", "n_layer",
+                     "n_head", "n_embd", "vocab_size"):
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
         if args.world_size is not None and args.world_size < 1:  # 0 is a bad flag, not "unset"
@@ -1049,6 +1082,25 @@ def main(args):
         if args.world_size is None and world_size == 1:
             raise ConfigError("--world-size is needed outside mpiexec (the ranks to plan for)")
         cfg, what = _cli_model(args)
+        from .cluster_profile import is_cluster_profile, load_cluster_profile
+
+        if args.profile and is_cluster_profile(args.profile):
+            from .cluster import run_cli
+
+            profile = load_cluster_profile(args.profile)
+            return run_cli(args, cfg, what, world_size, profile) if rank == 0 else 0
+        if args.profile and not os.path.exists(args.profile):
+            from .cluster_profile import shipped_profiles
+
+            raise ConfigError(f"no profile file {args.profile!r} (shipped cluster profiles: "
+                              f"{', '.join(shipped_profiles())})")
+        cluster_flags = [f for f, given in (("--dtype", args.dtype is not None),
+                                            ("--recompute", args.recompute != "none,selective,full"),
+                                            ("--no-overlap", args.no_overlap),
+                                            ("--flash-attention", args.flash_attention)) if given]
+        if cluster_flags:
+            raise ConfigError(f"{', '.join(cluster_flags)}: only with a cluster profile "
+                              f"(--profile dgx-a100, ...; docs/planner.md)")
         memory = parse_bytes(args.mem_per_device) if args.mem_per_device else None
         profile = load_or_calibrate(args, cfg=calibration_config(cfg))
         offloads = tuple(dict.fromkeys(m.strip() for m in args.offload.split(",") if m.strip()))
@@ -1057,7 +1109,7 @@ def main(args):
                               f"{', '.join(OFFLOADS)}")
         plan = make_plan(cfg, args.global_batch, world_size, profile,
                          ranks_per_node=args.ranks_per_node, mem_per_device=memory,
-                         max_micro_batches=args.max_micro_batches, offloads=offloads,
+                         max_micro_batches=args.max_micro_batches or 32, offloads=offloads,
                          device=args.device)
     except ConfigError as exc:
         if rank == 0:
@@ -1115,6 +1167,11 @@ def plan_for_job(group, cfg, global_batch, profile_path=None, mem_per_device=Non
 
     # the group's communicator: after an elastic shrink COMM_WORLD still holds the failed ranks
     comm = group.backend.comm if hasattr(getattr(group, "backend", None), "comm") else MPI.COMM_WORLD
+    from .cluster_profile import is_cluster_profile
+
+    if profile_path and is_cluster_profile(profile_path):
+        raise ConfigError(f"--plan-profile {profile_path}: a cluster profile, for `rtxmpi plan "
+                          f"--profile`; --plan auto reads or measures this machine's CPU profile")
     if profile_path and os.path.exists(profile_path):
         error, profile = None, None
         if group.rank == 0:
