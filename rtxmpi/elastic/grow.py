@@ -1,0 +1,89 @@
+"""Grow back after a shrink: spawn replacement ranks, merge them into the world, hand them the state.
+
+Survivors (`spawn`): `MPI_Comm_spawn` of the lost count of processes running this program with
+its arguments (`sys.executable` + `sys.argv`), on free slots of the job's allocation, then
+`MPI_Intercomm_merge` with the survivors first, so they keep ranks 0..k-1 and the new ranks take
+k..n-1. Spawned processes (`spawned()`: they have an MPI parent) start their own world with
+`rtxmpi.init()`, then `join` the merge. Both sides then make the merged communicator the world
+(`rtxmpi.comm.replace_world`) and `hand_over` the survivors' state: the newest replica, broadcast
+from memory (rtxmpi.elastic.shrink.exchange_replica), or nothing when the survivors reload a
+checkpoint (sharded state).
+
+Open MPI 5 (PRRTE): the spawned processes form a job of their own, which must be recoverable
+(`mpiexec --prtemca state_base_recoverable 1`), else one of them that fails, or exits without
+MPI_Finalize as survivors do (rtxmpi.elastic.exit_after), ends the whole job. A spawn that finds
+no free slot fails at once (MPI_ERR_SPAWN or MPI_ERR_UNKNOWN) and the survivors go on shrunk.
+"""
+import sys
+
+from mpi4py import MPI
+
+from ..comm import init, replace_world
+from ..control import agree_max
+from .shrink import exchange_replica
+
+
+class SpawnFailed(Exception):
+    """MPI_Comm_spawn could not start the replacements (no free slot, the program not found)."""
+
+
+def spawned():
+    """True in a process started by MPI_Comm_spawn (it has a parent communicator). Local."""
+    return MPI.Comm.Get_parent() != MPI.COMM_NULL
+
+
+def spawn(world, count, info=None):
+    """Start `count` processes of this program and merge them after the ranks of `world`.
+
+    info: {key: value} MPI_Info hints for MPI_Comm_spawn (e.g. {"host": "node7:2"}). Returns the
+    merged intracommunicator (errors returned, not fatal). Collective over `world`. Raises
+    SpawnFailed on every rank when no process could be started; RankFailure-class MPI errors
+    (a failed process) pass through."""
+    mpi_info = MPI.Info.Create()
+    for key, value in (info or {}).items():
+        mpi_info.Set(str(key), str(value))
+    try:
+        inter = world.backend.comm.Spawn(sys.executable, args=list(sys.argv), maxprocs=count,
+                                         info=mpi_info, root=0)
+    except MPI.Exception as exc:
+        raise SpawnFailed(exc.Get_error_string().strip()) from None
+    finally:
+        mpi_info.Free()
+    inter.Set_errhandler(MPI.ERRORS_RETURN)
+    merged = inter.Merge(high=False)
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    return merged
+
+
+def join(timeout_s=None):
+    """In a spawned process: start rtxmpi on the spawned processes, merge with the parent's ranks
+    (after them) and make the merged communicator the world. Returns the world ProcessGroup.
+    Collective over the spawned processes and the parent's `spawn`."""
+    init(timeout_s=timeout_s)
+    parent = MPI.Comm.Get_parent()
+    parent.Set_errhandler(MPI.ERRORS_RETURN)
+    merged = parent.Merge(high=True)
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    return replace_world(merged)
+
+
+def merge_world(merged):
+    """Survivors, after `spawn`: make the merged communicator the world. Returns it."""
+    return replace_world(merged)
+
+
+def agree_sizes(world, full_size, has_state):
+    """(full size, whether the survivors hand over a replica) agreed over `world` after a merge:
+    the new ranks pass (0, False) and learn the survivors' values. Collective."""
+    return agree_max(world, full_size), bool(agree_max(world, int(has_state)))
+
+
+def hand_over(world, state, old_size):
+    """Broadcast the survivors' ReplicaState `state` to every rank of `world` (the new ranks pass
+    None). Collective; call only when the survivors hold one (`agree_sizes`). Returns a
+    ReplicaState on every rank, None when no step was applied yet (start over)."""
+    applied = -1 if state is None else state.step
+    got = exchange_replica(world, applied, lambda: state.tensors, lambda: state.meta,
+                           agree_max(world, old_size))
+    return got if got.step >= 0 else None
+
