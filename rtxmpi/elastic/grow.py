@@ -13,14 +13,20 @@ Open MPI 5 (PRRTE): the spawned processes form a job of their own, which must be
 (`mpiexec --prtemca state_base_recoverable 1`), else one of them that fails, or exits without
 MPI_Finalize as survivors do (rtxmpi.elastic.exit_after), ends the whole job. A spawn that finds
 no free slot fails at once (MPI_ERR_SPAWN or MPI_ERR_UNKNOWN) and the survivors go on shrunk.
+Capacity that comes back (a node the scheduler returns) is named in a hosts file, re-read at every
+attempt (`read_hosts`) and passed to the spawn as PMIX_ADD_HOST, which adds it to the allocation.
 """
+import re
 import sys
 
 from mpi4py import MPI
 
 from ..comm import init, replace_world
 from ..control import agree_max
+from ..errors import ConfigError
 from .shrink import exchange_replica
+
+HOST = re.compile(r"[A-Za-z0-9_.-]+(:[1-9][0-9]{0,5})?")
 
 
 class SpawnFailed(Exception):
@@ -32,13 +38,36 @@ def spawned():
     return MPI.Comm.Get_parent() != MPI.COMM_NULL
 
 
+def read_hosts(path):
+    """The hosts file `path` as PMIX_ADD_HOST's value ("node7:4,node8"), None when it is missing
+    or lists none. One HOST[:SLOTS] per line; blank lines and text after `#` are ignored.
+    Raises ConfigError naming the file and line of a bad entry."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read(1 << 20).splitlines()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"grow hosts file {path}: {exc.strerror}") from None
+    hosts = []
+    for number, line in enumerate(lines, 1):
+        entry = line.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        if not HOST.fullmatch(entry):
+            raise ConfigError(f"grow hosts file {path} line {number}: {entry[:80]!r} is not "
+                              f"HOST[:SLOTS] (e.g. node7:4)")
+        hosts.append(entry)
+    return ",".join(hosts) or None
+
+
 def spawn(world, count, info=None):
     """Start `count` processes of this program and merge them after the ranks of `world`.
 
-    info: {key: value} MPI_Info hints for MPI_Comm_spawn (e.g. {"host": "node7:2"}). Returns the
-    merged intracommunicator (errors returned, not fatal). Collective over `world`. Raises
-    SpawnFailed on every rank when no process could be started; RankFailure-class MPI errors
-    (a failed process) pass through."""
+    info: {key: value} MPI_Info hints for MPI_Comm_spawn, read on rank 0 only (e.g.
+    {"PMIX_ADD_HOST": "node7:4"}). Returns the merged intracommunicator (errors returned, not
+    fatal). Collective over `world`. Raises SpawnFailed on every rank when no process could be
+    started; RankFailure-class MPI errors (a failed process) pass through."""
     mpi_info = MPI.Info.Create()
     for key, value in (info or {}).items():
         mpi_info.Set(str(key), str(value))

@@ -36,7 +36,8 @@ from ..errors import ConfigError, RankFailure
 from . import exitreport
 from .evict import Processes, guard_resume
 from .fault import FaultPlan
-from .grow import SpawnFailed, agree_sizes, hand_over, join, merge_world, spawn, spawned
+from .grow import (SpawnFailed, agree_sizes, hand_over, join, merge_world, read_hosts, spawn,
+                   spawned)
 from .preempt import StopRequest
 from .shrink import exchange_pieces, exchange_replica, shrink_world
 
@@ -56,6 +57,7 @@ class _Config:
     current = None  # the Loop of the attempt in progress
     processes = None  # evict.Processes of the attempt's world (policies "shrink", "grow")
     grow_retry_s = 30.0
+    grow_hosts = None  # a file of hosts to add to the allocation, re-read at every spawn
     full_size = None  # the world size before the first shrink: what "grow" restores
     grow_due = False  # spawn replacements before the next attempt
     next_grow = 0.0  # time.monotonic() of the next retry while running shrunk
@@ -73,12 +75,13 @@ class _GrowNow(Exception):
 _config = _Config()
 
 
-def configure(policy="off", min_ranks=1, stuck_timeout_s=None, grow_retry_s=30.0):
+def configure(policy="off", min_ranks=1, stuck_timeout_s=None, grow_retry_s=30.0, grow_hosts=None):
     """Choose what a rank failure does. policy: "off" (the job fails, non-zero exit), "shrink"
     (survivors continue in the same processes while at least `min_ranks` remain), "grow" (shrink,
     then spawn replacements back to the launch's world size; while no slot is free, run shrunk
-    and retry every `grow_retry_s` seconds) or "restart" (the job fails; `rtxmpi run` relaunches
-    it from the last committed checkpoint).
+    and retry every `grow_retry_s` seconds; `grow_hosts`: a file of HOST[:SLOTS] lines re-read at
+    every attempt, hosts to add to the allocation) or "restart" (the job fails; `rtxmpi run`
+    relaunches it from the last committed checkpoint).
     stuck_timeout_s: with a number, control-plane heartbeats (rtxmpi.comm.heartbeat) report a
     rank that made no progress for that long, with its phase and step, as a RankFailure, and a
     shrink evicts it. Local; call it on every rank before `run`. Raises ConfigError."""
@@ -94,6 +97,7 @@ def configure(policy="off", min_ranks=1, stuck_timeout_s=None, grow_retry_s=30.0
         raise ConfigError(f"grow_retry_s must be > 0 seconds, got {grow_retry_s!r}")
     _config.policy, _config.min_ranks = policy, min_ranks
     _config.stuck_timeout_s, _config.grow_retry_s = stuck_timeout_s, float(grow_retry_s)
+    _config.grow_hosts = None if grow_hosts is None else os.fspath(grow_hosts)
 
 
 def _shrinking():
@@ -302,8 +306,16 @@ def _try_spawn(group):
     spawned. Collective."""
     missing = _config.full_size - group.world_size
     start = time.monotonic()
+    info = {}
+    if group.rank == 0 and _config.grow_hosts:  # the spawn's root: the only rank that reads it
+        try:
+            hosts = read_hosts(_config.grow_hosts)
+        except ConfigError as exc:  # written while the job runs: say so and retry later
+            hosts = None
+            print(f"elastic: {exc}; spawning without it", file=sys.stderr, flush=True)
+        info = {"PMIX_ADD_HOST": hosts} if hosts else {}
     try:
-        _config.merged = spawn(group, missing)
+        _config.merged = spawn(group, missing, info)
     except SpawnFailed as exc:
         _config.next_grow = time.monotonic() + _config.grow_retry_s
         if group.rank == 0:

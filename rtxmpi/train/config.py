@@ -37,7 +37,8 @@ class TrainConfig:
     Observer's outputs (docs/observe.md). run_info: JSON-able dict stored in the run directory.
     timeout_s: deadline of every collective wait. elastic: "off", "shrink", "grow" or "restart";
     min_ranks: fewest ranks a shrink goes on with; stuck_timeout_s: heartbeat deadline;
-    grow_retry_s: "grow" with no free slot: seconds between spawn attempts.
+    grow_retry_s: "grow" with no free slot: seconds between spawn attempts; grow_hosts: a file
+    of HOST[:SLOTS] lines, re-read at each attempt, added to the allocation.
     requeue: after a pre-emption, `scontrol requeue` the Slurm job (rank 0). progress: a
     progress bar on rank 0. log_every: rank 0 prints "step S loss L lr R T s" after every K-th
     step and the last (0: never).
@@ -74,6 +75,7 @@ class TrainConfig:
     min_ranks: int = 1
     stuck_timeout_s: float = None
     grow_retry_s: float = 30.0
+    grow_hosts: str = None
     requeue: bool = False
     progress: bool = True
     log_every: int = 0

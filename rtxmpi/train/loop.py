@@ -65,7 +65,7 @@ class Trainer:
                 raise ConfigError(f"{config.name('timeout_s')} must be > 0 seconds, got {config.timeout_s}")
             elastic.configure(policy=config.elastic, min_ranks=config.min_ranks,
                               stuck_timeout_s=config.stuck_timeout_s,
-                              grow_retry_s=config.grow_retry_s)
+                              grow_retry_s=config.grow_retry_s, grow_hosts=config.grow_hosts)
             return elastic.run(self.attempt, config)  # elastic.run sets config.resume after a shrink
         finally:
             release_all()  # the ckpt_dir lock, once the last checkpoint is committed

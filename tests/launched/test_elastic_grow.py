@@ -7,6 +7,8 @@ keep running shrunk and say so at every attempt. Every launch runs under a hard 
 """
 import json
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -98,3 +100,32 @@ def test_no_free_slot_keeps_running_shrunk_and_retries(tmp_path):
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert got[-1]["world_size"] == 3
     assert "grew the world" not in proc.stderr
+
+
+def test_a_host_that_comes_back_is_used_at_the_next_retry(tmp_path):
+    """No free slot at the shrink; while the survivors run shrunk, the hosts file starts to name
+    a host with a slot more, and the next step boundary's retry spawns there and grows back."""
+    hosts = tmp_path / "hosts"
+    steps_seen = threading.Event()
+
+    def add_host():  # once the shrunk run logged step 6 (rank 0 stalls 4 s in step 9's forward)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not steps_seen.is_set():
+            if (tmp_path / "m.jsonl").exists() and len(records(tmp_path)) >= 6:
+                hosts.write_text("# returned by the scheduler\nlocalhost:5\n")
+                return
+            time.sleep(0.02)
+
+    writer = threading.Thread(target=add_host, daemon=True)
+    writer.start()
+    proc = train(tmp_path, "--elastic", "grow", "--grow-retry-s", "0.001", "--grow-hosts", hosts,
+                 slots=4, RTXMPI_FAULT="kill:3:4:backward:0.002,stall:0:9:forward:4")
+    steps_seen.set()
+    writer.join()
+    assert not proc.outer_timeout and "done: 4 steps (steps 9-12: this attempt)" in proc.stdout, str(proc)
+    assert "cannot replace 1 lost rank" in proc.stderr
+    assert "grew the world 3 -> 4 ranks; continuing from rank 0's replica at step 8" in proc.stderr
+    got = records(tmp_path)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["world_size"] for r in got] == [4] * 3 + [3] * 5 + [4] * 4
+    assert load_checkpoint(None, tmp_path / "ckpt", STEPS).world_size_saved == 4

@@ -112,6 +112,20 @@ def test_configure_refuses_a_bad_grow_retry_interval(retry_s):
     configure("off")
 
 
+def test_grow_hosts_file_is_read_as_add_host_and_a_bad_line_is_named(tmp_path):
+    from rtxmpi.elastic.grow import read_hosts
+    path = tmp_path / "hosts"
+    assert read_hosts(path) is None  # not written yet: nothing to add
+    path.write_text("# returned\nnode7:4\n\nnode8  # one slot\n")
+    assert read_hosts(path) == "node7:4,node8"
+    path.write_text("node7:4\nnode8 slots=2\n")
+    with pytest.raises(ConfigError, match=r"hosts line 2: 'node8 slots=2' is not HOST\[:SLOTS\]"):
+        read_hosts(path)
+    path.write_text("node7:0\n")
+    with pytest.raises(ConfigError, match="line 1"):
+        read_hosts(path)
+
+
 def test_train_config_names_the_grow_retry_flag():
     from rtxmpi.train import TrainConfig
     with pytest.raises(ConfigError, match="--grow-retry-s must be > 0 seconds, got 0"):
