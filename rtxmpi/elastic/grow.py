@@ -21,8 +21,9 @@ import sys
 
 from mpi4py import MPI
 
+import numpy as np
+
 from ..comm import init, replace_world
-from ..control import agree_max
 from ..errors import ConfigError
 from .shrink import exchange_replica
 
@@ -96,23 +97,21 @@ def join(timeout_s=None):
     return replace_world(merged)
 
 
-def merge_world(merged):
-    """Survivors, after `spawn`: make the merged communicator the world. Returns it."""
-    return replace_world(merged)
+def agree_growth(world, full_size, old_size, state):
+    """What the new ranks learn from the survivors after a merge, agreed over `world` (one MAX
+    all_reduce; the new ranks pass 0, 0, None): (the launch's world size, the world size before
+    the merge, whether the survivors hand over a replica, the world size it was saved at).
+    Collective."""
+    values = np.array([full_size, old_size, state is not None,
+                       0 if state is None else state.world_size_saved], np.int64)
+    world.all_reduce(values, op="max")
+    return int(values[0]), int(values[1]), bool(values[2]), int(values[3])
 
 
-def agree_sizes(world, full_size, has_state):
-    """(full size, whether the survivors hand over a replica) agreed over `world` after a merge:
-    the new ranks pass (0, False) and learn the survivors' values. Collective."""
-    return agree_max(world, full_size), bool(agree_max(world, int(has_state)))
-
-
-def hand_over(world, state, old_size):
+def hand_over(world, state, saved_size):
     """Broadcast the survivors' ReplicaState `state` to every rank of `world` (the new ranks pass
-    None). Collective; call only when the survivors hold one (`agree_sizes`). Returns a
-    ReplicaState on every rank, None when no step was applied yet (start over)."""
+    None). Collective; call only when the survivors hold one (`agree_growth`). Returns a
+    ReplicaState on every rank."""
     applied = -1 if state is None else state.step
-    got = exchange_replica(world, applied, lambda: state.tensors, lambda: state.meta,
-                           agree_max(world, old_size))
-    return got if got.step >= 0 else None
+    return exchange_replica(world, applied, lambda: state.tensors, lambda: state.meta, saved_size)
 

@@ -31,13 +31,13 @@ from mpi4py import MPI
 
 from ..comm import progress, start_heartbeats
 from ..comm.failure import failed_ranks, is_process_failure, rank_failure, ulfm_enabled
-from ..control import agree, agree_max
+from ..control import agree
 from ..errors import ConfigError, RankFailure
 from . import exitreport
 from .evict import Processes, guard_resume
 from .fault import FaultPlan
-from .grow import (SpawnFailed, agree_sizes, hand_over, join, merge_world, read_hosts, spawn,
-                   spawned)
+from ..comm import replace_world
+from .grow import SpawnFailed, agree_growth, hand_over, join, read_hosts, spawn, spawned
 from .preempt import StopRequest
 from .shrink import exchange_pieces, exchange_replica, shrink_world
 
@@ -178,7 +178,10 @@ class Loop:
             self.faults.at(name, step)
         if self._grow_due and name == "forward":  # agreed at the last step's boundary
             self._grow_due = False
+            # the state first: a failure in this collective is recovered like any other
+            state = _state(self.world, self, self.world.world_size)
             if _try_spawn(self.world):
+                _config.recovered = state
                 raise _GrowNow()
 
     def _mark(self, step, record=None):
@@ -220,9 +223,9 @@ class Loop:
 
 def exit_after(main):
     """Run main() and exit the process with its status. After a shrink (or in a spawned
-    replacement), every rank first meets the others in a barrier, then leaves with os._exit: Open MPI 5's MPI_Finalize can abort or
-    hang once the failed rank was launch rank 0 (measured here), and the survivors' work is done
-    and flushed. Without a shrink: a normal exit (MPI_Finalize). Call it on every rank."""
+    replacement), every rank first meets the others in a barrier, then leaves with os._exit:
+    Open MPI 5's MPI_Finalize can abort or hang once the failed rank was launch rank 0 (measured
+    here), and the survivors' work is done and flushed. Without a shrink: a normal exit (MPI_Finalize). Call it on every rank."""
     exitreport.mark("start")  # for `rtxmpi run`: a 0 from mpiexec is done only if a rank says so
     try:
         main()
@@ -280,13 +283,9 @@ def run(fn, args):
                 _grow(args)
             return fn(args)
         except _GrowNow:  # replacements spawned at a step boundary of a shrunk attempt
-            loop, group = _config.current, world()
-            _config.attempts.append(loop)
-            _config.recovered = _state(group, loop, group.world_size)
-            _close(loop)
+            _config.attempts.append(_config.current)
+            _close(_config.current)
             _config.current, _config.grow_due = None, True
-            if getattr(args, "ckpt_dir", None):
-                args.resume = True
         except (RankFailure, MPI.Exception) as exc:
             group = world() if is_initialized() else None
             failure = _as_failure(exc, group)
@@ -335,26 +334,26 @@ def _grow(args):
     A failure here raises RankFailure and is recovered like any other. Collective."""
     from ..comm import world
 
-    if _config.joining:  # a spawned process: it has joined in run(); receive
+    state, group = _config.recovered, world()
+    old_size = 0 if _config.joining else group.world_size
+    if _config.joining:  # a spawned process, joined in run(): receive
         _config.joining = False
-        group, old_size, state = world(), 0, None
     else:
-        group = world()
+        _config.current = _Held(state)  # what a failure from here on hands to recover()
         if _config.merged is None and not _try_spawn(group):
+            _config.current = None
             return  # run shrunk; Loop.agree retries
         merged, _config.merged = _config.merged, None
-        old_size, state = group.world_size, _config.recovered
-        group = merge_world(merged)
-    _config.full_size, has_state = agree_sizes(group, _config.full_size or 0, state is not None)
-    old_size = agree_max(group, old_size)
-    # what a failure during the transfer hands to recover(): the survivors' replica
-    _config.current = _Held(state, has_state)
+        group = replace_world(merged)
+    _config.full_size, old_size, has_state, saved_size = agree_growth(
+        group, _config.full_size or 0, old_size, state)
+    if has_state and state is None:  # a new rank: hold nothing, but take part like a survivor
+        _config.current = _Held(None, tensors=True)
     if _config.faults is None:  # the launch's faults, in a launched process only
         _config.faults = FaultPlan(MPI.COMM_WORLD.Get_rank(), PHASES,
                                    spec="" if _config.joined else None)
     _config.faults.at("grow", -1 if state is None else state.step)
-    _config.recovered = (hand_over(group, state, state.world_size_saved if state else 0)
-                         if has_state else None)
+    _config.recovered = hand_over(group, state, saved_size) if has_state else None
     _config.current = None
     _config.grows.append((old_size, group.world_size))
     if getattr(args, "ckpt_dir", None):
@@ -368,11 +367,12 @@ def _grow(args):
 
 
 class _Held:
-    """The survivors' replica while it is handed over (what recover() takes from a Loop)."""
+    """A replica while it is handed over, as recover() reads a Loop: a survivor's ReplicaState
+    (`state`), or on a new rank none, yet `tensors` so that it takes part in the exchange."""
 
-    def __init__(self, state, has_state):
+    def __init__(self, state, tensors=False):
         self.applied_step = -1 if state is None else state.step
-        self._tensors = (lambda: state.tensors if state is not None else {}) if has_state else None
+        self._tensors = (lambda: state.tensors if state else {}) if state or tensors else None
         self._pieces, self._close = None, []
         self._applied_meta = None if state is None else state.meta
 

@@ -108,7 +108,7 @@ def test_a_host_that_comes_back_is_used_at_the_next_retry(tmp_path):
     hosts = tmp_path / "hosts"
     steps_seen = threading.Event()
 
-    def add_host():  # once the shrunk run logged step 6 (rank 0 stalls 4 s in step 9's forward)
+    def add_host():  # once step 6 is logged: rank 0 then stalls 3 s before step 7's spawn attempt
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and not steps_seen.is_set():
             if (tmp_path / "m.jsonl").exists() and len(records(tmp_path)) >= 6:
@@ -119,13 +119,14 @@ def test_a_host_that_comes_back_is_used_at_the_next_retry(tmp_path):
     writer = threading.Thread(target=add_host, daemon=True)
     writer.start()
     proc = train(tmp_path, "--elastic", "grow", "--grow-retry-s", "0.001", "--grow-hosts", hosts,
-                 slots=4, RTXMPI_FAULT="kill:3:4:backward:0.002,stall:0:9:forward:4")
+                 slots=4, RTXMPI_FAULT="kill:3:4:backward:0.002,stall:0:7:forward:3")
     steps_seen.set()
     writer.join()
-    assert not proc.outer_timeout and "done: 4 steps (steps 9-12: this attempt)" in proc.stdout, str(proc)
-    assert "cannot replace 1 lost rank" in proc.stderr
-    assert "grew the world 3 -> 4 ranks; continuing from rank 0's replica at step 8" in proc.stderr
+    assert not proc.outer_timeout and "done: 6 steps (steps 7-12: this attempt)" in proc.stdout, str(proc)
+    # at the shrink (step 4) and before steps 5 and 6: the file did not exist yet
+    assert proc.stderr.count("elastic: cannot replace 1 lost rank") == 3, str(proc)
+    assert "grew the world 3 -> 4 ranks; continuing from rank 0's replica at step 6" in proc.stderr
     got = records(tmp_path)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    assert [r["world_size"] for r in got] == [4] * 3 + [3] * 5 + [4] * 4
+    assert [r["world_size"] for r in got] == [4] * 3 + [3] * 3 + [4] * 6
     assert load_checkpoint(None, tmp_path / "ckpt", STEPS).world_size_saved == 4
