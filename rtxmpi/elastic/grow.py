@@ -19,18 +19,17 @@ attempt (`read_hosts`) and passed to the spawn as PMIX_ADD_HOST, which adds it t
 import re
 import sys
 
+import numpy as np
 from mpi4py import MPI
 
-import numpy as np
-
 from ..comm import init, replace_world
-from ..errors import ConfigError
+from ..errors import ConfigError, RtxmpiError
 from .shrink import exchange_replica
 
 HOST = re.compile(r"[A-Za-z0-9_.-]+(:[1-9][0-9]{0,5})?")
 
 
-class SpawnFailed(Exception):
+class SpawnFailed(RtxmpiError):
     """MPI_Comm_spawn could not start the replacements (no free slot, the program not found)."""
 
 
@@ -67,8 +66,8 @@ def spawn(world, count, info=None):
 
     info: {key: value} MPI_Info hints for MPI_Comm_spawn, read on rank 0 only (e.g.
     {"PMIX_ADD_HOST": "node7:4"}). Returns the merged intracommunicator (errors returned, not
-    fatal). Collective over `world`. Raises SpawnFailed on every rank when no process could be
-    started; RankFailure-class MPI errors (a failed process) pass through."""
+    fatal). Collective over `world`. Raises SpawnFailed on every rank when MPI_Comm_spawn fails
+    (also for a survivor that died during it: the next collective reports that one)."""
     mpi_info = MPI.Info.Create()
     for key, value in (info or {}).items():
         mpi_info.Set(str(key), str(value))

@@ -72,6 +72,24 @@ def test_replace_after_a_kill_is_bitwise_the_run_that_never_lost_a_rank(straight
     assert_bitwise(tmp_path, straight)
 
 
+def test_replace_in_a_tp2_dp2_layout_restores_the_layout_bitwise(tmp_path):
+    """The survivors rebuild the full model from the shards (the dead rank's tp peer in the other
+    replica holds its shard) and hand it over; the grown world runs tp 2 x dp 2 again."""
+    hybrid = ["--global-batch", "12", "--tp", "2", "--dp", "2"]
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    proc = train(straight, *hybrid)
+    assert proc.returncode == 0, str(proc)
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = train(run, *hybrid, "--elastic", "grow", RTXMPI_FAULT="kill:1:7:backward:0.002")
+    assert not proc.outer_timeout and proc.returncode == 0, str(proc)
+    assert "continuing from the shards of ranks" in proc.stderr, str(proc)
+    assert "grew the world 3 -> 4 ranks; continuing from rank 0's replica at step 6" in proc.stderr
+    assert [r["step"] for r in records(run)] == list(range(1, STEPS + 1))
+    assert_bitwise(run, straight)
+
+
 def test_a_rank_lost_during_the_handover_is_survived(straight, tmp_path):
     """Launch rank 1 dies in the 'grow' phase (after the merge, before the state transfer): the
     merged world shrinks again, spawns again, and the replica still comes from memory."""
