@@ -45,7 +45,7 @@ MPIEXEC = shutil.which("mpiexec", path=f"{BIN}{os.pathsep}{os.environ.get('PATH'
 MPIEXEC_ARGV = [MPIEXEC, "--oversubscribe", "--mca", "mpi_yield_when_idle", "1", "--bind-to", "none"]
 ULFM = ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "--mca",
         "mpi_ft_detector_period", "1", "--mca", "mpi_ft_detector_timeout", "10"]
-KILLED = re.compile(r"\[rtxmpi fault\] kill launch rank (\d+) step (\d+) phase \w+ t=([\d.]+)")
+KILLED = re.compile(r"\[rtxmpi fault\] kill launch rank (\d+) step (\d+) phase \w+ (?:pid=\d+ )?t=([\d.]+)")
 FIRST = re.compile(r"elastic: step (\d+) completed [\d.]+ s after the failure was seen \(t=([\d.]+)\)")
 REPLICA = re.compile(r"(?:replica|shards of ranks \[[\d, ]+\]) at step (\d+)")
 
