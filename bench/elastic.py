@@ -75,8 +75,8 @@ def step_times(folder, before):
 
 def shrink(args, folder, victim, step, policy="shrink"):
     recoverable = ["--prtemca", "state_base_recoverable", "1"] if policy == "grow" else []
-    command = MPIEXEC_ARGV[:1] + ULFM + recoverable + MPIEXEC_ARGV[1:] + ["-n", str(args.ranks)] + train_args(
-        args, folder) + ["--elastic", policy, "--ckpt-every", str(args.ckpt_every)]
+    command = (MPIEXEC_ARGV[:1] + ULFM + recoverable + MPIEXEC_ARGV[1:] + ["-n", str(args.ranks)]
+               + train_args(args, folder) + ["--elastic", policy, "--ckpt-every", str(args.ckpt_every)])
     done = subprocess.run(["timeout", "300"] + command, capture_output=True, text=True,
                           env=env(RTXMPI_FAULT=f"kill:{victim}:{step}:backward:0.002"))
     killed, first, replica = KILLED.search(done.stderr), FIRST.search(done.stdout), REPLICA.search(done.stderr)

@@ -6,5 +6,6 @@ from .loop import (PHASES, POLICIES, Loop, configure, exit_after, grows, recover
                    shrinks, stop_request)
 from .preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopRequest, requeue
 
-__all__ = ["Loop", "configure", "run", "exit_after", "recovered_state", "shrinks", "grows", "stop_request", "requeue", "StopRequest",
+__all__ = ["Loop", "configure", "run", "exit_after", "recovered_state", "shrinks", "grows",
+           "stop_request", "requeue", "StopRequest",
            "EXIT_PREEMPTED", "EXIT_INTERRUPTED", "PHASES", "POLICIES"]

@@ -225,7 +225,8 @@ def exit_after(main):
     """Run main() and exit the process with its status. After a shrink (or in a spawned
     replacement), every rank first meets the others in a barrier, then leaves with os._exit:
     Open MPI 5's MPI_Finalize can abort or hang once the failed rank was launch rank 0 (measured
-    here), and the survivors' work is done and flushed. Without a shrink: a normal exit (MPI_Finalize). Call it on every rank."""
+    here), and the survivors' work is done and flushed. Without a shrink: a normal exit
+    (MPI_Finalize). Call it on every rank."""
     exitreport.mark("start")  # for `rtxmpi run`: a 0 from mpiexec is done only if a rank says so
     try:
         main()
