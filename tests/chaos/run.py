@@ -152,7 +152,7 @@ def same_run(folder, reference):
 
 def scenario(kind, rng, folder):
     """Run one scenario; returns (description, None when it passed else what went wrong)."""
-    victim = rng.randrange(4 if kind in ("shrink", "stuck", "hybrid", "stopped") else 2)
+    victim = rng.randrange(4 if kind in ("shrink", "stuck", "hybrid", "stopped", "grow") else 2)
     step = rng.randrange(2, STEPS - 1)
     phase = rng.choice(["forward", "backward", "save"]) if kind != "stuck" else rng.choice(
         ["forward", "backward"])
@@ -268,6 +268,10 @@ def scenario(kind, rng, folder):
             return fault, "no growth reported"
         if "last committed checkpoint" in done.stderr:
             return fault, "reloaded a checkpoint although a complete copy was alive"
+        if "phase grow" in done.stderr:  # the second kill landed (the replica's step was as drawn)
+            fault += " (in the handover)"
+            if done.stderr.count("shrank the world 4 -> 3") != 2:
+                return fault, "the kill in the handover was not recovered by a second shrink"
         return fault, check_final(folder, 4) or same_run(folder, grow_reference(folder.parent))
     raise ValueError(kind)
 
