@@ -1,4 +1,4 @@
-"""Recovery time after a rank dies: shrink-and-continue (ULFM) against supervised restart, in one run.
+"""Recovery time after a rank dies: shrink-and-continue and replace (ULFM) against supervised restart.
 
     python bench/elastic.py [--model small] [--ranks 4] [--repeats 3] [--layout "--tp 2 --dp 2"] [--json FILE]
 
@@ -7,6 +7,9 @@
            rank SIGKILLed in the backward of a seeded random step (RTXMPI_FAULT); recovery = from
            the kill (the fault's own timestamp) to the first step completed after the shrink (the
            survivors' timestamp); lost = steps whose work was redone (the step in progress).
+  replace  the same with --elastic grow (and --prtemca state_base_recoverable 1): the survivors
+           shrink, spawn a replacement and hand it the replica; recovery = from the kill to the
+           first step completed at full size again.
   restart  rtxmpi run -n 4 -- python examples/train.py --ckpt-every K (no ULFM: the dead rank takes
            the job down, the supervisor relaunches it with --resume); recovery = from the kill to
            the first step of the relaunch appearing in the metrics file (polled every 5 ms);
@@ -14,7 +17,7 @@
 --layout: train.py layout flags for both (e.g. "--tp 2 --dp 2": the shrink then rebuilds the model
 from the survivors' tp shards and re-plans it for 3 ranks, docs/elastic.md "Hybrid layouts").
 Step time (the median before the kill) is shown for scale. Targets (reported, never asserted):
-shrink <= 2 s to the first step after recovery with <= 1 step lost; restart <= 30 s.
+shrink <= 2 s to the first step after recovery with <= 1 step lost; replace <= 5 s; restart <= 30 s.
 """
 import argparse
 import json
@@ -42,7 +45,7 @@ MPIEXEC = shutil.which("mpiexec", path=f"{BIN}{os.pathsep}{os.environ.get('PATH'
 MPIEXEC_ARGV = [MPIEXEC, "--oversubscribe", "--mca", "mpi_yield_when_idle", "1", "--bind-to", "none"]
 ULFM = ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "--mca",
         "mpi_ft_detector_period", "1", "--mca", "mpi_ft_detector_timeout", "10"]
-KILLED = re.compile(r"\[rtxmpi fault\] kill launch rank (\d+) step (\d+) phase \w+ t=([\d.]+)")
+KILLED = re.compile(r"\[rtxmpi fault\] kill launch rank (\d+) step (\d+) phase \w+ (?:pid=\d+ )?t=([\d.]+)")
 FIRST = re.compile(r"elastic: step (\d+) completed [\d.]+ s after the failure was seen \(t=([\d.]+)\)")
 REPLICA = re.compile(r"(?:replica|shards of ranks \[[\d, ]+\]) at step (\d+)")
 
@@ -70,14 +73,16 @@ def step_times(folder, before):
     return [r["step_time_ms"] for r in rows if r["step"] < before]
 
 
-def shrink(args, folder, victim, step):
-    command = MPIEXEC_ARGV[:1] + ULFM + MPIEXEC_ARGV[1:] + ["-n", str(args.ranks)] + train_args(args, folder) + [
-        "--elastic", "shrink", "--ckpt-every", str(args.ckpt_every)]
+def shrink(args, folder, victim, step, policy="shrink"):
+    recoverable = ["--prtemca", "state_base_recoverable", "1"] if policy == "grow" else []
+    command = (MPIEXEC_ARGV[:1] + ULFM + recoverable + MPIEXEC_ARGV[1:] + ["-n", str(args.ranks)]
+               + train_args(args, folder) + ["--elastic", policy, "--ckpt-every", str(args.ckpt_every)])
     done = subprocess.run(["timeout", "300"] + command, capture_output=True, text=True,
                           env=env(RTXMPI_FAULT=f"kill:{victim}:{step}:backward:0.002"))
     killed, first, replica = KILLED.search(done.stderr), FIRST.search(done.stdout), REPLICA.search(done.stderr)
-    if done.returncode or not (killed and first and replica):
-        raise RuntimeError(f"shrink run failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    grown = policy != "grow" or f"grew the world {args.ranks - 1} -> {args.ranks} ranks" in done.stderr
+    if done.returncode or not (killed and first and replica and grown):
+        raise RuntimeError(f"{policy} run failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
     return {"recovery_s": float(first.group(2)) - float(killed.group(3)),
             "lost_steps": step - int(replica.group(1)), "step_ms": statistics.median(step_times(folder, step))}
 
@@ -134,17 +139,18 @@ def main():
     args = p.parse_args()
     info = machine_info()
     rng = random.Random(args.seed)
-    results = {"shrink": [], "restart": []}
+    results = {"shrink": [], "replace": [], "restart": []}
     root = tempfile.mkdtemp(prefix="rtxmpi-bench-elastic-")
     os.environ.setdefault("RTXMPI_CACHE_DIR", os.path.join(root, "cache"))
     try:
         for rep in range(args.repeats):
             victim, step = rng.randrange(args.ranks), rng.randrange(args.ckpt_every + 2, args.steps - 2)
-            order = ["shrink", "restart"] if rep % 2 == 0 else ["restart", "shrink"]
+            order = ["shrink", "replace", "restart"][rep % 3:] + ["shrink", "replace", "restart"][:rep % 3]
             for kind in order:
                 folder = os.path.join(root, f"{rep}-{kind}")
                 os.makedirs(folder)
-                result = (shrink if kind == "shrink" else restart)(args, folder, victim, step)
+                result = (restart(args, folder, victim, step) if kind == "restart" else
+                          shrink(args, folder, victim, step, "grow" if kind == "replace" else "shrink"))
                 result.update(victim=victim, step=step)
                 results[kind].append(result)
                 progress(f"{kind} rep {rep}: kill rank {victim} at step {step}: "
@@ -152,8 +158,10 @@ def main():
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = []
-    for kind, target in (("shrink (ULFM, same processes)", 2.0), ("restart (rtxmpi run, from checkpoint)", 30.0)):
-        runs = results["shrink" if kind.startswith("shrink") else "restart"]
+    for kind, target in (("shrink (ULFM, same processes)", 2.0),
+                         ("replace (ULFM + spawn, back to full size)", 5.0),
+                         ("restart (rtxmpi run, from checkpoint)", 30.0)):
+        runs = results[kind.split()[0]]
         rec = [r["recovery_s"] for r in runs]
         rows.append([kind, fmt(statistics.median(rec), 3), f"{fmt(min(rec), 3)} - {fmt(max(rec), 3)}",
                      max(r["lost_steps"] for r in runs), fmt(statistics.median(r["step_ms"] for r in runs), 1),

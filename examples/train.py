@@ -195,8 +195,14 @@ def parse_args(argv=None):
     p.add_argument("--timeout-s", type=float, default=None, help="deadline of every collective wait")
     p.add_argument("--elastic", default="off", choices=elastic.POLICIES,
                    help="on a rank failure: off (exit non-zero), shrink (continue on the survivors; "
-                        "needs mpiexec --with-ft ulfm), restart (exit non-zero for `rtxmpi run`)")
+                        "needs mpiexec --with-ft ulfm), grow (shrink, then spawn replacements on "
+                        "free slots; docs/elastic.md), restart (exit non-zero for `rtxmpi run`)")
     p.add_argument("--min-ranks", type=int, default=1, help="--elastic shrink: fewest ranks to go on with")
+    p.add_argument("--grow-retry-s", type=float, default=30.0, metavar="S",
+                   help="--elastic grow: while no slot is free, retry spawning every S seconds")
+    p.add_argument("--grow-hosts", default=None, metavar="FILE",
+                   help="--elastic grow: HOST[:SLOTS] lines to add to the allocation, re-read "
+                        "at every attempt (capacity that comes back)")
     p.add_argument("--stuck-timeout-s", type=float, default=None, metavar="S",
                    help="heartbeats: a rank with no progress for S seconds is reported with its "
                         "phase and step and handled as failed (docs/elastic.md)")

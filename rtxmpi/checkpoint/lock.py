@@ -384,7 +384,8 @@ def lock_dir(group, ckpt_dir):
     ckpt_dir = os.path.abspath(ckpt_dir)
     previous = _held.get(ckpt_dir)
     if previous is not None and previous.owner and rank == 0:
-        outcome, fd = {"ok": True, "path": previous.path, "mode": previous.mode, "kept": True}, None
+        outcome, fd = {"ok": True, "path": previous.path, "mode": previous.mode, "kept": True,
+                       "holder": previous.holder}, None
     else:
         outcome, fd = {}, None
         if rank == 0:
@@ -393,8 +394,8 @@ def lock_dir(group, ckpt_dir):
             except (ConfigError, OSError, ValueError) as exc:
                 outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     outcome = _share(group, outcome)
-    if outcome.get("kept"):
-        return previous
+    if outcome.get("kept") and previous is not None:
+        return previous  # (a rank new to the job, spawned after a shrink, has none: made below)
     if not outcome["ok"]:
         if "error" in outcome:
             raise ConfigError(f"cannot lock checkpoint directory {ckpt_dir}: {outcome['error']}")

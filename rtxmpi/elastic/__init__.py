@@ -1,10 +1,11 @@
-"""Elasticity: pre-emption, failure detection, shrink-and-continue, supervised restart.
+"""Elasticity: pre-emption, failure detection, shrink-and-continue, replace, supervised restart.
 
 See docs/elastic.md. Layer "elastic" (docs/design.md): above state, below observe.
 """
-from .loop import (PHASES, POLICIES, Loop, configure, exit_after, recovered_state, run, shrinks,
-                   stop_request)
+from .loop import (PHASES, POLICIES, Loop, configure, exit_after, grows, recovered_state, run,
+                   shrinks, stop_request)
 from .preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopRequest, requeue
 
-__all__ = ["Loop", "configure", "run", "exit_after", "recovered_state", "shrinks", "stop_request", "requeue", "StopRequest",
+__all__ = ["Loop", "configure", "run", "exit_after", "recovered_state", "shrinks", "grows",
+           "stop_request", "requeue", "StopRequest",
            "EXIT_PREEMPTED", "EXIT_INTERRUPTED", "PHASES", "POLICIES"]

@@ -18,7 +18,9 @@
 `run` catches RankFailure (and ULFM's MPI errors) under policy "shrink": the survivors shrink the
 world (rtxmpi.elastic.shrink), exchange the newest replica's state when the loop tracked full
 tensors, and call the function again; its resume code then restores from `recovered_state()`
-(or, for sharded state, from the last committed checkpoint). Objects of the failed attempt are
+(or, for sharded state, from the last committed checkpoint). Policy "grow" also spawns
+replacements for the lost ranks before calling it again (rtxmpi.elastic.grow), and, while no slot
+is free, retries at a step boundary every `grow_retry_s` seconds. Objects of the failed attempt are
 kept alive (MPI may still own their buffers) and are released with the process.
 """
 import os
@@ -34,11 +36,13 @@ from ..errors import ConfigError, RankFailure
 from . import exitreport
 from .evict import Processes, guard_resume
 from .fault import FaultPlan
+from ..comm import replace_world
+from .grow import SpawnFailed, agree_growth, hand_over, join, read_hosts, spawn, spawned
 from .preempt import StopRequest
 from .shrink import exchange_pieces, exchange_replica, shrink_world
 
-PHASES = ("forward", "backward", "step", "save", "eval")
-POLICIES = ("off", "shrink", "restart")
+PHASES = ("forward", "backward", "step", "save", "eval", "grow")
+POLICIES = ("off", "shrink", "grow", "restart")
 
 
 class _Config:
@@ -51,16 +55,33 @@ class _Config:
     attempts = []  # Loop objects of failed attempts, kept alive
     shrinks = []  # (old world size, new world size) of each shrink
     current = None  # the Loop of the attempt in progress
-    processes = None  # evict.Processes of the attempt's world (policy "shrink")
+    processes = None  # evict.Processes of the attempt's world (policies "shrink", "grow")
+    grow_retry_s = 30.0
+    grow_hosts = None  # a file of hosts to add to the allocation, re-read at every spawn
+    full_size = None  # the world size before the first shrink: what "grow" restores
+    grow_due = False  # spawn replacements before the next attempt
+    next_grow = 0.0  # time.monotonic() of the next retry while running shrunk
+    merged = None  # the communicator of survivors and replacements, spawned at a step boundary
+    joined = False  # this process was spawned and has joined the world
+    joining = False  # ... and has not received the state yet
+    grows = []  # (old world size, new world size) of each growth
+    faults = None  # this process's FaultPlan for the "grow" phase
+
+
+class _GrowNow(Exception):
+    """Raised at a step boundary once replacements are spawned: leave the attempt and hand over."""
 
 
 _config = _Config()
 
 
-def configure(policy="off", min_ranks=1, stuck_timeout_s=None):
+def configure(policy="off", min_ranks=1, stuck_timeout_s=None, grow_retry_s=30.0, grow_hosts=None):
     """Choose what a rank failure does. policy: "off" (the job fails, non-zero exit), "shrink"
-    (survivors continue in the same processes while at least `min_ranks` remain) or "restart"
-    (the job fails; `rtxmpi run` relaunches it from the last committed checkpoint).
+    (survivors continue in the same processes while at least `min_ranks` remain), "grow" (shrink,
+    then spawn replacements back to the launch's world size; while no slot is free, run shrunk
+    and retry every `grow_retry_s` seconds; `grow_hosts`: a file of HOST[:SLOTS] lines re-read at
+    every attempt, hosts to add to the allocation) or "restart" (the job fails; `rtxmpi run`
+    relaunches it from the last committed checkpoint).
     stuck_timeout_s: with a number, control-plane heartbeats (rtxmpi.comm.heartbeat) report a
     rank that made no progress for that long, with its phase and step, as a RankFailure, and a
     shrink evicts it. Local; call it on every rank before `run`. Raises ConfigError."""
@@ -71,8 +92,16 @@ def configure(policy="off", min_ranks=1, stuck_timeout_s=None):
     if stuck_timeout_s is not None and not (isinstance(stuck_timeout_s, (int, float))
                                             and stuck_timeout_s > 0):
         raise ConfigError(f"stuck_timeout_s must be > 0 seconds, got {stuck_timeout_s!r}")
+    if isinstance(grow_retry_s, bool) or not (isinstance(grow_retry_s, (int, float))
+                                              and grow_retry_s > 0):
+        raise ConfigError(f"grow_retry_s must be > 0 seconds, got {grow_retry_s!r}")
     _config.policy, _config.min_ranks = policy, min_ranks
-    _config.stuck_timeout_s = stuck_timeout_s
+    _config.stuck_timeout_s, _config.grow_retry_s = stuck_timeout_s, float(grow_retry_s)
+    _config.grow_hosts = None if grow_hosts is None else os.fspath(grow_hosts)
+
+
+def _shrinking():
+    return _config.policy in ("shrink", "grow")
 
 
 def stop_request():
@@ -86,6 +115,12 @@ def shrinks():
     """The shrinks this process has gone through: a list of (old world size, new world size),
     empty in the first attempt. Local."""
     return list(_config.shrinks)
+
+
+def grows():
+    """The growths this process has gone through (policy "grow"): a list of (old world size, new
+    world size); a spawned process counts the one that started it. Local."""
+    return list(_config.grows)
 
 
 def recovered_state():
@@ -106,10 +141,11 @@ class Loop:
         self.world = world
         self.stop = stop_request()
         self.launch_rank = MPI.COMM_WORLD.Get_rank()
-        self.faults = FaultPlan(self.launch_rank, PHASES)
+        # a replacement's MPI_COMM_WORLD rank is not a launch rank: the faults are the launch's
+        self.faults = FaultPlan(self.launch_rank, PHASES, spec="" if _config.joined else None)
         if _config.stuck_timeout_s is not None and world.world_size > 1:
             start_heartbeats(_config.stuck_timeout_s)  # collective: every rank builds a Loop
-        if _config.policy == "shrink" and world.world_size > 1:  # to end a rank given up on
+        if _shrinking() and world.world_size > 1:  # to end a rank given up on
             _config.processes = Processes.exchange(world.backend.comm)
             if ulfm_enabled():
                 guard_resume(world.backend.comm)
@@ -117,6 +153,7 @@ class Loop:
         self._tensors = self._meta = self._pieces = None
         self._close = []
         self._applied_meta = None
+        self._grow_due = False
         _config.current = self
 
     def track(self, *, meta, tensors=None, pieces=None, close=(), step=None):
@@ -139,10 +176,17 @@ class Loop:
         progress(name, step)
         if self.faults.faults:
             self.faults.at(name, step)
+        if self._grow_due and name == "forward":  # agreed at the last step's boundary
+            self._grow_due = False
+            # the state first: a failure in this collective is recovered like any other
+            state = _state(self.world, self, self.world.world_size)
+            if _try_spawn(self.world):
+                _config.recovered = state
+                raise _GrowNow()
 
     def _mark(self, step, record=None):
         self.applied_step = step
-        if (self._meta is not None and _config.policy == "shrink"
+        if (self._meta is not None and _shrinking()
                 and (self._tensors is not None or self._pieces is not None)):
             self._applied_meta = self._meta()  # e.g. the data position as of this step
             if record is not None:
@@ -152,7 +196,15 @@ class Loop:
         """control.agree(world, **flags, stop=<a stop was requested on this rank>, preempt=<by a
         pre-emption signal>): the step boundary's one agreed reduction; `.stop` is True on every
         rank when any rank got a signal, `.preempt` when any got one that was not an interrupt
-        (Ctrl-C: stop and not preempt). Collective."""
+        (Ctrl-C: stop and not preempt). Collective. Under policy "grow", while the world is
+        smaller than at launch, also `grow`: rank 0's retry interval has passed, and the next
+        step's "forward" phase spawns replacements."""
+        if _config.policy == "grow" and (_config.full_size or 0) > self.world.world_size:
+            due = self.world.rank == 0 and time.monotonic() >= _config.next_grow
+            flags = agree(self.world, **flags, stop=self.stop.requested, preempt=self.stop.preempted,
+                          grow=due)
+            self._grow_due = flags.grow
+            return flags
         return agree(self.world, **flags, stop=self.stop.requested, preempt=self.stop.preempted)
 
     def applied(self, step, record=None):
@@ -170,10 +222,11 @@ class Loop:
 
 
 def exit_after(main):
-    """Run main() and exit the process with its status. After a shrink, every survivor first meets
-    the others in a barrier, then leaves with os._exit: Open MPI 5's MPI_Finalize can abort or
-    hang once the failed rank was launch rank 0 (measured here), and the survivors' work is done
-    and flushed. Without a shrink: a normal exit (MPI_Finalize). Call it on every rank."""
+    """Run main() and exit the process with its status. After a shrink (or in a spawned
+    replacement), every rank first meets the others in a barrier, then leaves with os._exit:
+    Open MPI 5's MPI_Finalize can abort or hang once the failed rank was launch rank 0 (measured
+    here), and the survivors' work is done and flushed. Without a shrink: a normal exit
+    (MPI_Finalize). Call it on every rank."""
     exitreport.mark("start")  # for `rtxmpi run`: a 0 from mpiexec is done only if a rank says so
     try:
         main()
@@ -183,7 +236,7 @@ def exit_after(main):
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
     exitreport.mark("exit", code)
-    if not _config.attempts:
+    if not _config.attempts and not _config.joined:
         sys.exit(code)
     from ..comm import world
 
@@ -193,7 +246,13 @@ def exit_after(main):
         world().barrier()
     except Exception as exc:  # noqa: BLE001 - leaving anyway; say why
         print(f"elastic: exit barrier failed: {exc}", file=sys.stderr, flush=True)
-        code = code or 1
+        os._exit(code or 1)
+    # every rank is done. A peer that leaves the second barrier first may be reported failed to
+    # one still completing it (ULFM): not an error; it only keeps the first from being cut short
+    try:
+        world().barrier()
+    except Exception:  # noqa: BLE001
+        pass
     os._exit(code)
 
 
@@ -208,23 +267,115 @@ def _as_failure(exc, world):
 def run(fn, args):
     """Call fn(args); under policy "shrink", after a RankFailure shrink the world and call it again
     (with args.resume = True when args.ckpt_dir is set): the survivors restore from
-    `recovered_state()`, or from the last committed checkpoint. Returns what fn returns. Raises RankFailure (policy "off"/"restart",
-    or fewer than min_ranks survive), and whatever fn raises otherwise.
+    `recovered_state()`, or from the last committed checkpoint. Under policy "grow" the survivors
+    first spawn replacements and hand them the state (a spawned process joins here, before its
+    first call). Returns what fn returns. Raises RankFailure (policy "off"/"restart", or fewer
+    than min_ranks survive), and whatever fn raises otherwise.
     """
     from ..comm import is_initialized, world
 
+    if _config.policy == "grow" and spawned() and not _config.joined:
+        join(getattr(args, "timeout_s", None))  # a failure here ends this process
+        _config.joined = _config.joining = _config.grow_due = True
     while True:
         try:
+            if _config.grow_due:
+                _config.grow_due = False
+                _grow(args)
             return fn(args)
+        except _GrowNow:  # replacements spawned at a step boundary of a shrunk attempt
+            _config.attempts.append(_config.current)
+            _close(_config.current)
+            _config.current, _config.grow_due = None, True
         except (RankFailure, MPI.Exception) as exc:
             group = world() if is_initialized() else None
             failure = _as_failure(exc, group)
-            if failure is None or _config.policy != "shrink" or group is None:
+            if failure is None or not _shrinking() or group is None:
                 raise
+            _config.merged = None  # a growth cut short: its spawned ranks are handled as lost
             recover(group, failure, _config.current)
             _config.current = None
+            _config.grow_due = _config.policy == "grow"
             if getattr(args, "ckpt_dir", None):
                 args.resume = True
+
+
+def _try_spawn(group):
+    """Survivors: spawn the ranks missing since the launch; keep the merged communicator for
+    `_grow`. On SpawnFailed schedule the next attempt; rank 0 says so. Returns whether it
+    spawned. Collective."""
+    missing = _config.full_size - group.world_size
+    start = time.monotonic()
+    info = {}
+    if group.rank == 0 and _config.grow_hosts:  # the spawn's root: the only rank that reads it
+        try:
+            hosts = read_hosts(_config.grow_hosts)
+        except ConfigError as exc:  # written while the job runs: say so and retry later
+            hosts = None
+            print(f"elastic: {exc}; spawning without it", file=sys.stderr, flush=True)
+        info = {"PMIX_ADD_HOST": hosts} if hosts else {}
+    try:
+        _config.merged = spawn(group, missing, info)
+    except SpawnFailed as exc:
+        _config.next_grow = time.monotonic() + _config.grow_retry_s
+        if group.rank == 0:
+            print(f"elastic: cannot replace {missing} lost rank{'s' * (missing > 1)} (spawn failed: "
+                  f"{exc}; no free slot?); continuing at {group.world_size} ranks, next attempt in "
+                  f"{_config.grow_retry_s:g} s", file=sys.stderr, flush=True)
+        return False
+    if group.rank == 0:
+        print(f"elastic: spawned {missing} replacement rank{'s' * (missing > 1)} in "
+              f"{(time.monotonic() - start) * 1e3:.0f} ms", file=sys.stderr, flush=True)
+    return True
+
+
+def _grow(args):
+    """Survivors: spawn replacements (unless a step boundary already did), make survivors and
+    replacements the world, and hand over the recovered state; a spawned process: receive it.
+    A failure here raises RankFailure and is recovered like any other. Collective."""
+    from ..comm import world
+
+    state, group = _config.recovered, world()
+    old_size = 0 if _config.joining else group.world_size
+    if _config.joining:  # a spawned process, joined in run(): receive
+        _config.joining = False
+    else:
+        _config.current = _Held(state)  # what a failure from here on hands to recover()
+        if _config.merged is None and not _try_spawn(group):
+            _config.current = None
+            return  # run shrunk; Loop.agree retries
+        merged, _config.merged = _config.merged, None
+        group = replace_world(merged)
+    _config.full_size, old_size, has_state, saved_size = agree_growth(
+        group, _config.full_size or 0, old_size, state)
+    if has_state and state is None:  # a new rank: hold nothing, but take part like a survivor
+        _config.current = _Held(None, tensors=True)
+    if _config.faults is None:  # the launch's faults, in a launched process only
+        _config.faults = FaultPlan(MPI.COMM_WORLD.Get_rank(), PHASES,
+                                   spec="" if _config.joined else None)
+    _config.faults.at("grow", -1 if state is None else state.step)
+    _config.recovered = hand_over(group, state, saved_size) if has_state else None
+    _config.current = None
+    _config.grows.append((old_size, group.world_size))
+    if getattr(args, "ckpt_dir", None):
+        args.resume = True
+    if group.rank == 0:
+        got = _config.recovered
+        print(f"elastic: grew the world {old_size} -> {group.world_size} ranks; continuing from "
+              + (f"rank 0's replica at step {got.step} (handed to the new ranks from memory)" if got
+                 else "the last committed checkpoint, or the start (no replica to hand over)"),
+              file=sys.stderr, flush=True)
+
+
+class _Held:
+    """A replica while it is handed over, as recover() reads a Loop: a survivor's ReplicaState
+    (`state`), or on a new rank none, yet `tensors` so that it takes part in the exchange."""
+
+    def __init__(self, state, tensors=False):
+        self.applied_step = -1 if state is None else state.step
+        self._tensors = (lambda: state.tensors if state else {}) if state or tensors else None
+        self._pieces, self._close = None, []
+        self._applied_meta = None if state is None else state.meta
 
 
 def _end_processes(group, processes, ranks, survivors):
@@ -290,6 +441,26 @@ def _lost_ranks(old, new):
     return sorted(set(range(old.Get_size())) - set(kept))
 
 
+def _state(group, loop, old_size):
+    """The newest replica the ranks of `group` hold (a ReplicaState), or None: no step applied
+    yet, sharded state, or no complete copy. Collective."""
+    applied = -1 if loop is None or loop.applied_step is None else loop.applied_step
+    if loop is not None and loop._tensors is not None:
+        state = exchange_replica(group, applied, loop._tensors, lambda: loop._applied_meta, old_size)
+        return state if state.step >= 0 else None  # no step applied anywhere yet: start over
+    if loop is not None and loop._pieces is not None:  # None: no complete copy survived
+        return exchange_pieces(group, applied, loop._pieces, lambda: loop._applied_meta, old_size)
+    return None
+
+
+def _close(loop):
+    for c in loop._close if loop is not None else ():
+        try:
+            c.close()
+        except Exception as exc:  # noqa: BLE001 - a broken file must not stop the recovery
+            print(f"elastic: closing {c!r} after the failure: {exc}", file=sys.stderr, flush=True)
+
+
 def recover(group, failure, loop):
     """Shrink after `failure` and prepare the next attempt's state (collective over survivors)."""
     _config.failure_time = seen = time.time()
@@ -309,21 +480,12 @@ def recover(group, failure, loop):
             exitreport.mark("evicted", pid=int(processes.table[r, 0]))
     _config.processes = None
     _config.shrinks.append((old_size, new.world_size))
+    if _config.full_size is None:
+        _config.full_size = old_size
     shrunk = time.time()
-    state = None
-    applied = -1 if loop is None or loop.applied_step is None else loop.applied_step
-    if loop is not None and loop._tensors is not None:
-        state = exchange_replica(new, applied, loop._tensors, lambda: loop._applied_meta, old_size)
-        if state.step < 0:
-            state = None  # no step applied anywhere yet: start over from the initial state
-    elif loop is not None and loop._pieces is not None:  # None: no complete copy survived
-        state = exchange_pieces(new, applied, loop._pieces, lambda: loop._applied_meta, old_size)
+    state = _state(new, loop, old_size)
     _config.recovered = state
-    for c in loop._close if loop is not None else ():
-        try:
-            c.close()
-        except Exception as exc:  # noqa: BLE001 - a broken file must not stop the recovery
-            print(f"elastic: closing {c!r} after the failure: {exc}", file=sys.stderr, flush=True)
+    _close(loop)
     if new.rank == 0:
         sources = getattr(state, "sources", None)
         where = (f"the shards of ranks {sources} at step {state.step} (a complete copy survived)"

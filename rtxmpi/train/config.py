@@ -35,8 +35,10 @@ class TrainConfig:
     metrics_jsonl: one JSON line per step (rank 0); run_dir: metrics.jsonl, timeline and report
     files for `rtxmpi report`; timeline, metrics_port, metrics_bind, metrics_textfile: the
     Observer's outputs (docs/observe.md). run_info: JSON-able dict stored in the run directory.
-    timeout_s: deadline of every collective wait. elastic: "off", "shrink" or "restart";
-    min_ranks: fewest ranks a shrink goes on with; stuck_timeout_s: heartbeat deadline.
+    timeout_s: deadline of every collective wait. elastic: "off", "shrink", "grow" or "restart";
+    min_ranks: fewest ranks a shrink goes on with; stuck_timeout_s: heartbeat deadline;
+    grow_retry_s: "grow" with no free slot: seconds between spawn attempts; grow_hosts: a file
+    of HOST[:SLOTS] lines, re-read at each attempt, added to the allocation.
     requeue: after a pre-emption, `scontrol requeue` the Slurm job (rank 0). progress: a
     progress bar on rank 0. log_every: rank 0 prints "step S loss L lr R T s" after every K-th
     step and the last (0: never).
@@ -72,6 +74,8 @@ class TrainConfig:
     elastic: str = "off"
     min_ranks: int = 1
     stuck_timeout_s: float = None
+    grow_retry_s: float = 30.0
+    grow_hosts: str = None
     requeue: bool = False
     progress: bool = True
     log_every: int = 0
@@ -151,6 +155,8 @@ class TrainConfig:
             raise ConfigError(f"{n('wal_every')} must be >= 1, got {self.wal_every}")
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise ConfigError(f"{n('timeout_s')} must be > 0 seconds, got {self.timeout_s}")
+        if not self.grow_retry_s > 0:
+            raise ConfigError(f"{n('grow_retry_s')} must be > 0 seconds, got {self.grow_retry_s}")
         if self.elastic not in POLICIES:
             raise ConfigError(f"{n('elastic')} {self.elastic!r}: use one of {', '.join(POLICIES)}")
 

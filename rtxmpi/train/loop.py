@@ -64,7 +64,8 @@ class Trainer:
             if config.timeout_s is not None and not config.timeout_s > 0:  # before rtxmpi.init
                 raise ConfigError(f"{config.name('timeout_s')} must be > 0 seconds, got {config.timeout_s}")
             elastic.configure(policy=config.elastic, min_ranks=config.min_ranks,
-                              stuck_timeout_s=config.stuck_timeout_s)
+                              stuck_timeout_s=config.stuck_timeout_s,
+                              grow_retry_s=config.grow_retry_s, grow_hosts=config.grow_hosts)
             return elastic.run(self.attempt, config)  # elastic.run sets config.resume after a shrink
         finally:
             release_all()  # the ckpt_dir lock, once the last checkpoint is committed
@@ -95,8 +96,8 @@ class Trainer:
         metrics = open(metrics_path, "a") if rank == 0 and metrics_path else None
         if rank == 0:
             print(task.describe(world, parts, config), flush=True)
-            if config.elastic == "shrink" and ulfm_enabled() is False:
-                print(f"warning: {config.name('elastic')} shrink without fault-tolerant MPI: a lost "
+            if config.elastic in ("shrink", "grow") and ulfm_enabled() is False:
+                print(f"warning: {config.name('elastic')} {config.elastic} without fault-tolerant MPI: a lost "
                       "rank ends the job (CollectiveTimeout) instead of shrinking; launch with "
                       "mpiexec --with-ft ulfm (docs/elastic.md)", file=sys.stderr, flush=True)
         if config.deterministic:

@@ -25,6 +25,11 @@ RTXMPI_FAULT (rtxmpi/elastic/fault.py) at a random step, phase, delay and victim
            it is reported with its phase and step and stopped heartbeats, SIGKILLed by its node's
            survivors, and the job finishes on 3 ranks (mpiexec exits: no rank left stopped).
            hybrid and stopped are not in the CI set (the first 5 kinds): --kinds hybrid,stopped.
+  grow     a rank is SIGKILLed under --elastic grow (--deterministic), and in half of the
+           scenarios a survivor too, while the replica is handed to the replacement: the job
+           must finish back at 4 ranks, every step once, from memory (no checkpoint reloaded),
+           with the losses and final state bitwise those of the run that lost no rank.
+           Not in the CI set either: --kinds grow.
 
 Prints one line per scenario and `chaos: N scenarios tried, M passed`; exits 1 if any failed.
 """
@@ -50,7 +55,8 @@ STEPS, CKPT_EVERY = 12, 4
 ARGS = ["--model", "tiny", "--global-batch", "12", "--seq-len", "32", "--eval-every", "0",
         "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--steps", str(STEPS),
         "--ckpt-every", str(CKPT_EVERY)]
-KINDS = ("shrink", "sigterm", "stuck", "restart", "crash", "shrink2", "hybrid", "stopped")
+KINDS = ("shrink", "sigterm", "stuck", "restart", "crash", "shrink2", "hybrid", "stopped", "grow")
+RECOVERABLE = ["--prtemca", "state_base_recoverable", "1"]  # the replacements' job (docs/elastic.md)
 HYBRID = (["--tp", "2", "--dp", "2"], ["--pp", "2", "--dp", "2", "--micro-batches", "2"],
           ["--pp", "2", "--tp", "2", "--micro-batches", "2"])
 OUTER_TIMEOUT_S = 120
@@ -113,15 +119,40 @@ def check_final(folder, world_size):
     return None
 
 
-def train_argv(folder, n, *extra, ulfm=False):
-    launch = LAUNCH[:1] + (ULFM if ulfm else []) + LAUNCH[1:]
+def train_argv(folder, n, *extra, ulfm=False, prte=()):
+    launch = LAUNCH[:1] + (ULFM if ulfm else []) + list(prte) + LAUNCH[1:]
     return launch + ["-n", n, sys.executable, TRAIN, *ARGS, "--ckpt-dir", folder / "ckpt",
                      "--metrics-jsonl", folder / "m.jsonl", *extra]
 
 
+def grow_reference(root):
+    """The uninterrupted deterministic 4-rank run the grow scenarios must equal (made once)."""
+    folder = root / "grow-reference"
+    if not (folder / "m.jsonl").exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        done, t = run(train_argv(folder, 4, "--deterministic", ulfm=True, prte=RECOVERABLE))
+        if done.returncode != 0:
+            raise RuntimeError(f"the grow reference run failed: {done.stderr[-600:]}")
+    return folder
+
+
+def same_run(folder, reference):
+    """None when the losses and the final checkpoint's state equal the reference's bit for bit."""
+    import numpy as np
+    from rtxmpi.checkpoint import load_checkpoint
+    if [r["loss"] for r in steps_logged(folder)] != [r["loss"] for r in steps_logged(reference)]:
+        return "losses differ from the run that lost no rank"
+    got, want = (load_checkpoint(None, f / "ckpt", STEPS) for f in (folder, reference))
+    for name in ("params", "adam.m", "adam.v", "adam.step"):
+        if not np.array_equal(got.read(name), want.read(name)):
+            return f"final {name} differs from the run that lost no rank"
+    return None
+
+
 def scenario(kind, rng, folder):
     """Run one scenario; returns (description, None when it passed else what went wrong)."""
-    victim = rng.randrange(4 if kind in ("shrink", "stuck", "hybrid", "stopped") else 2)
+    victim = rng.randrange(4 if kind in ("shrink", "stuck", "hybrid", "stopped", "grow") else 2)
     step = rng.randrange(2, STEPS - 1)
     phase = rng.choice(["forward", "backward", "save"]) if kind != "stuck" else rng.choice(
         ["forward", "backward"])
@@ -223,6 +254,25 @@ def scenario(kind, rng, folder):
         if "shrank the world 4 -> 3" not in done.stderr or "layout for 3 ranks" not in done.stdout:
             return what, "no shrink or no re-planned layout reported"
         return what, check_final(folder, 3)
+    if kind == "grow":
+        fault = f"kill:{victim}:{step}:{phase}:{delay}"
+        if rng.random() < 0.5:  # a survivor dies in the handover (at the state's step)
+            other = rng.choice([r for r in range(4) if r != victim])
+            applied = step if phase == "save" else step - 1
+            fault += f",kill:{other}:{applied}:grow:{round(rng.uniform(0, 0.005), 4)}"
+        done, t = run(train_argv(folder, 4, "--deterministic", "--elastic", "grow", ulfm=True,
+                                 prte=RECOVERABLE), RTXMPI_FAULT=fault)
+        if done.returncode != 0:
+            return fault, f"exit {done.returncode}: {done.stderr[-600:]}"
+        if "grew the world 3 -> 4" not in done.stderr:
+            return fault, "no growth reported"
+        if "last committed checkpoint" in done.stderr:
+            return fault, "reloaded a checkpoint although a complete copy was alive"
+        if "phase grow" in done.stderr:  # the second kill landed (the replica's step was as drawn)
+            fault += " (in the handover)"
+            if done.stderr.count("shrank the world 4 -> 3") != 2:
+                return fault, "the kill in the handover was not recovered by a second shrink"
+        return fault, check_final(folder, 4) or same_run(folder, grow_reference(folder.parent))
     raise ValueError(kind)
 
 

@@ -99,10 +99,38 @@ def test_requeue_outside_slurm_says_so_and_does_not_raise(monkeypatch):
 
 def test_configure_refuses_unknown_policy_and_bad_min_ranks():
     with pytest.raises(ConfigError, match="policy"):
-        configure("grow")
+        configure("expand")
     with pytest.raises(ConfigError, match="min_ranks"):
         configure("shrink", min_ranks=0)
     configure("off")
+
+
+@pytest.mark.parametrize("retry_s", [0, -1.0, "30", True, float("nan")])
+def test_configure_refuses_a_bad_grow_retry_interval(retry_s):
+    with pytest.raises(ConfigError, match="grow_retry_s must be > 0 seconds"):
+        configure("grow", grow_retry_s=retry_s)
+    configure("off")
+
+
+def test_grow_hosts_file_is_read_as_add_host_and_a_bad_line_is_named(tmp_path):
+    from rtxmpi.elastic.grow import read_hosts
+    path = tmp_path / "hosts"
+    assert read_hosts(path) is None  # not written yet: nothing to add
+    path.write_text("# returned\nnode7:4\n\nnode8  # one slot\n")
+    assert read_hosts(path) == "node7:4,node8"
+    path.write_text("node7:4\nnode8 slots=2\n")
+    with pytest.raises(ConfigError, match=r"hosts line 2: 'node8 slots=2' is not HOST\[:SLOTS\]"):
+        read_hosts(path)
+    path.write_text("node7:0\n")
+    with pytest.raises(ConfigError, match="line 1"):
+        read_hosts(path)
+
+
+def test_train_config_names_the_grow_retry_flag():
+    from rtxmpi.train import TrainConfig
+    with pytest.raises(ConfigError, match="--grow-retry-s must be > 0 seconds, got 0"):
+        TrainConfig(steps=1, elastic="grow", grow_retry_s=0,
+                    names={"grow_retry_s": "--grow-retry-s"}).validate(1)
 
 
 def test_hostfile_slots_and_launch_size(tmp_path):

@@ -19,8 +19,8 @@ def test_config_messages_name_the_field_or_the_mapped_flag():
         TrainConfig(steps=5, warmup_steps=9).validate(1)
     with pytest.raises(ConfigError, match=r"min_ranks 3 must be in \[1, world_size 2\]"):
         TrainConfig(min_ranks=3).validate(2)
-    with pytest.raises(ConfigError, match="elastic 'grow'"):
-        TrainConfig(elastic="grow").validate(1)
+    with pytest.raises(ConfigError, match="elastic 'expand'"):
+        TrainConfig(elastic="expand").validate(1)
     TrainConfig().validate(1)
 
 

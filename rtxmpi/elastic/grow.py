@@ -1,0 +1,116 @@
+"""Grow back after a shrink: spawn replacement ranks, merge them into the world, hand them the state.
+
+Survivors (`spawn`): `MPI_Comm_spawn` of the lost count of processes running this program with
+its arguments (`sys.executable` + `sys.argv`), on free slots of the job's allocation, then
+`MPI_Intercomm_merge` with the survivors first, so they keep ranks 0..k-1 and the new ranks take
+k..n-1. Spawned processes (`spawned()`: they have an MPI parent) start their own world with
+`rtxmpi.init()`, then `join` the merge. Both sides then make the merged communicator the world
+(`rtxmpi.comm.replace_world`) and `hand_over` the survivors' state: the newest replica, broadcast
+from memory (rtxmpi.elastic.shrink.exchange_replica), or nothing when the survivors reload a
+checkpoint (sharded state).
+
+Open MPI 5 (PRRTE): the spawned processes form a job of their own, which must be recoverable
+(`mpiexec --prtemca state_base_recoverable 1`), else one of them that fails, or exits without
+MPI_Finalize as survivors do (rtxmpi.elastic.exit_after), ends the whole job. A spawn that finds
+no free slot fails at once (MPI_ERR_SPAWN or MPI_ERR_UNKNOWN) and the survivors go on shrunk.
+Capacity that comes back (a node the scheduler returns) is named in a hosts file, re-read at every
+attempt (`read_hosts`) and passed to the spawn as PMIX_ADD_HOST, which adds it to the allocation.
+"""
+import re
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from ..comm import init, replace_world
+from ..errors import ConfigError, RtxmpiError
+from .shrink import exchange_replica
+
+HOST = re.compile(r"[A-Za-z0-9_.-]+(:[1-9][0-9]{0,5})?")
+
+
+class SpawnFailed(RtxmpiError):
+    """MPI_Comm_spawn could not start the replacements (no free slot, the program not found)."""
+
+
+def spawned():
+    """True in a process started by MPI_Comm_spawn (it has a parent communicator). Local."""
+    return MPI.Comm.Get_parent() != MPI.COMM_NULL
+
+
+def read_hosts(path):
+    """The hosts file `path` as PMIX_ADD_HOST's value ("node7:4,node8"), None when it is missing
+    or lists none. One HOST[:SLOTS] per line; blank lines and text after `#` are ignored.
+    Raises ConfigError naming the file and line of a bad entry."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read(1 << 20).splitlines()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"grow hosts file {path}: {exc.strerror}") from None
+    hosts = []
+    for number, line in enumerate(lines, 1):
+        entry = line.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        if not HOST.fullmatch(entry):
+            raise ConfigError(f"grow hosts file {path} line {number}: {entry[:80]!r} is not "
+                              f"HOST[:SLOTS] (e.g. node7:4)")
+        hosts.append(entry)
+    return ",".join(hosts) or None
+
+
+def spawn(world, count, info=None):
+    """Start `count` processes of this program and merge them after the ranks of `world`.
+
+    info: {key: value} MPI_Info hints for MPI_Comm_spawn, read on rank 0 only (e.g.
+    {"PMIX_ADD_HOST": "node7:4"}). Returns the merged intracommunicator (errors returned, not
+    fatal). Collective over `world`. Raises SpawnFailed on every rank when MPI_Comm_spawn fails
+    (also for a survivor that died during it: the next collective reports that one)."""
+    mpi_info = MPI.Info.Create()
+    for key, value in (info or {}).items():
+        mpi_info.Set(str(key), str(value))
+    try:
+        inter = world.backend.comm.Spawn(sys.executable, args=list(sys.argv), maxprocs=count,
+                                         info=mpi_info, root=0)
+    except MPI.Exception as exc:
+        raise SpawnFailed(exc.Get_error_string().strip()) from None
+    finally:
+        mpi_info.Free()
+    inter.Set_errhandler(MPI.ERRORS_RETURN)
+    merged = inter.Merge(high=False)
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    return merged
+
+
+def join(timeout_s=None):
+    """In a spawned process: start rtxmpi on the spawned processes, merge with the parent's ranks
+    (after them) and make the merged communicator the world. Returns the world ProcessGroup.
+    Collective over the spawned processes and the parent's `spawn`."""
+    init(timeout_s=timeout_s)
+    parent = MPI.Comm.Get_parent()
+    parent.Set_errhandler(MPI.ERRORS_RETURN)
+    merged = parent.Merge(high=True)
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    return replace_world(merged)
+
+
+def agree_growth(world, full_size, old_size, state):
+    """What the new ranks learn from the survivors after a merge, agreed over `world` (one MAX
+    all_reduce; the new ranks pass 0, 0, None): (the launch's world size, the world size before
+    the merge, whether the survivors hand over a replica, the world size it was saved at).
+    Collective."""
+    values = np.array([full_size, old_size, state is not None,
+                       0 if state is None else state.world_size_saved], np.int64)
+    world.all_reduce(values, op="max")
+    return int(values[0]), int(values[1]), bool(values[2]), int(values[3])
+
+
+def hand_over(world, state, saved_size):
+    """Broadcast the survivors' ReplicaState `state` to every rank of `world` (the new ranks pass
+    None). Collective; call only when the survivors hold one (`agree_growth`). Returns a
+    ReplicaState on every rank."""
+    applied = -1 if state is None else state.step
+    return exchange_replica(world, applied, lambda: state.tensors, lambda: state.meta, saved_size)
+
