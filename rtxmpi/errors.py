@@ -70,5 +70,9 @@ class RankFailure(RtxmpiError):
         self.ranks = list(ranks)
 
 
+class SpawnFailed(RtxmpiError):
+    """MPI_Comm_spawn could not start processes (no free slot, the program not found)."""
+
+
 class CheckpointError(RtxmpiError):
     """A checkpoint cannot be written or loaded safely; the message names the file and dataset."""

@@ -9,6 +9,7 @@ from .group import ProcessGroup, validate_timeout
 from .heartbeat import Heartbeat
 from .launch import check_launch, check_slurm_ranks
 from .monitor import Monitor, install_excepthook
+from .node import node_ranks
 from . import traced
 from . import shm
 from .nccl import DeviceGroup, agree_transport, make_world
@@ -58,9 +59,7 @@ def init(backend="auto", timeout_s=None, check=None):
     shm.configure(comm)  # RTXMPI_SHM*: rank 0's settings on every rank (or ConfigError everywhere)
     monitor = Monitor(comm)
     monitor.start_watchdog()
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    local_rank = node.Get_rank()
-    node.Free()
+    local_rank, _, _ = node_ranks(comm)
     try:  # srun tasks: SLURM_PROCID/LOCALID/STEP_NUM_TASKS must match MPI (ConfigError on every rank)
         check_slurm_ranks(rank, size, local_rank)
         slurm_error = None
@@ -115,9 +114,7 @@ def replace_world(comm):
     rank, size = comm.Get_rank(), comm.Get_size()
     monitor = Monitor(comm)
     monitor.start_watchdog()
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    local_rank = node.Get_rank()
-    node.Free()
+    local_rank, _, _ = node_ranks(comm)
     members = list(range(size))
     # the same device transport as before (a new NCCL communicator on first device collective)
     _world = make_world(getattr(old.backend, "transport", None), comm, monitor, members,

@@ -63,6 +63,41 @@ def failed_ranks(comm):
         failed.Free()
 
 
+MPIError = MPI.Exception  # what an MPI call raises under MPI_ERRORS_RETURN (ULFM's failures too)
+
+
+def revoke(comms):
+    """MPI_Comm_revoke each of `comms`, ignoring those already revoked or freed. Local."""
+    for c in comms:
+        try:
+            c.Revoke()
+        except MPI.Exception:
+            pass
+
+
+def poll(comm):
+    """Let MPI progress on `comm` (a nonblocking probe) so that a failure or a revoke still in
+    transit is delivered. Returns whether `comm` is revoked, None for an MPI without ULFM. Local."""
+    try:
+        comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
+        return bool(comm.Is_revoked())
+    except MPI.Exception as exc:
+        return exc.Get_error_class() == getattr(MPI, "ERR_REVOKED", None)
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def lost_ranks(old, new):
+    """Ranks of communicator `old` that are not in `new` (the ones a shrink left out). Local."""
+    old_group, new_group = old.Get_group(), new.Get_group()
+    try:
+        kept = MPI.Group.Translate_ranks(new_group, list(range(new_group.Get_size())), old_group)
+    finally:
+        old_group.Free()
+        new_group.Free()
+    return sorted(set(range(old.Get_size())) - set(kept))
+
+
 def rank_failure(exc, comm, *, op="", group="world"):
     """The RankFailure for a ULFM MPI.Exception `exc` raised on `comm` (ranks: comm ranks)."""
     ranks = failed_ranks(comm)

@@ -21,7 +21,9 @@ import signal
 import time
 
 import numpy as np
-from mpi4py import MPI
+
+from ..comm.failure import poll
+from ..comm.node import node_ranks
 
 FIELDS = ("pid", "start_ticks", "pid_ns", "node")
 
@@ -53,16 +55,12 @@ class Processes:
     @classmethod
     def exchange(cls, comm):
         """Gather the identities of `comm`'s rank processes. Collective over comm."""
-        rank = comm.Get_rank()
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-        lowest = np.array([rank], np.int64)
-        node.Allreduce(MPI.IN_PLACE, lowest, MPI.MIN)
-        node.Free()
+        _, _, lowest = node_ranks(comm)
         pid = os.getpid()
-        mine = np.array([pid, _start_ticks(pid), _pid_namespace(), lowest[0]], np.int64)
+        mine = np.array([pid, _start_ticks(pid), _pid_namespace(), lowest], np.int64)
         table = np.empty((comm.Get_size(), len(FIELDS)), np.int64)
         comm.Allgather(mine, table)
-        return cls(table, rank)
+        return cls(table, comm.Get_rank())
 
     def same_node(self, rank):
         """True when `rank`'s process can be signalled from here (same node, same pid namespace,
@@ -124,15 +122,9 @@ def revoked_while_away(comm, listen_s=RESUME_LISTEN_S):
     """True when `comm` is revoked, listening up to `listen_s` for a revoke still in transit."""
     deadline = time.monotonic() + listen_s
     while True:
-        try:
-            comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)  # progress: deliver a revoke
-            if comm.Is_revoked():
-                return True
-        except MPI.Exception as exc:
-            if exc.Get_error_class() == getattr(MPI, "ERR_REVOKED", None):
-                return True
-        except (AttributeError, NotImplementedError):
-            return False
+        revoked = poll(comm)  # progress: deliver a revoke
+        if revoked is not False:
+            return bool(revoked)
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.005)

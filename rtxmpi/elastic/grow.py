@@ -20,22 +20,15 @@ import re
 import sys
 
 import numpy as np
-from mpi4py import MPI
 
 from ..comm import init, replace_world
-from ..errors import ConfigError, RtxmpiError
+from ..comm.dynamic import merge_with_parent, spawn_merged, spawned
+from ..errors import ConfigError, SpawnFailed
 from .shrink import exchange_replica
 
+__all__ = ["spawned", "spawn", "join", "read_hosts", "agree_growth", "hand_over", "SpawnFailed"]
+
 HOST = re.compile(r"[A-Za-z0-9_.-]+(:[1-9][0-9]{0,5})?")
-
-
-class SpawnFailed(RtxmpiError):
-    """MPI_Comm_spawn could not start the replacements (no free slot, the program not found)."""
-
-
-def spawned():
-    """True in a process started by MPI_Comm_spawn (it has a parent communicator). Local."""
-    return MPI.Comm.Get_parent() != MPI.COMM_NULL
 
 
 def read_hosts(path):
@@ -68,20 +61,7 @@ def spawn(world, count, info=None):
     {"PMIX_ADD_HOST": "node7:4"}). Returns the merged intracommunicator (errors returned, not
     fatal). Collective over `world`. Raises SpawnFailed on every rank when MPI_Comm_spawn fails
     (also for a survivor that died during it: the next collective reports that one)."""
-    mpi_info = MPI.Info.Create()
-    for key, value in (info or {}).items():
-        mpi_info.Set(str(key), str(value))
-    try:
-        inter = world.backend.comm.Spawn(sys.executable, args=list(sys.argv), maxprocs=count,
-                                         info=mpi_info, root=0)
-    except MPI.Exception as exc:
-        raise SpawnFailed(exc.Get_error_string().strip()) from None
-    finally:
-        mpi_info.Free()
-    inter.Set_errhandler(MPI.ERRORS_RETURN)
-    merged = inter.Merge(high=False)
-    merged.Set_errhandler(MPI.ERRORS_RETURN)
-    return merged
+    return spawn_merged(world.backend.comm, count, sys.argv, info)
 
 
 def join(timeout_s=None):
@@ -89,11 +69,7 @@ def join(timeout_s=None):
     (after them) and make the merged communicator the world. Returns the world ProcessGroup.
     Collective over the spawned processes and the parent's `spawn`."""
     init(timeout_s=timeout_s)
-    parent = MPI.Comm.Get_parent()
-    parent.Set_errhandler(MPI.ERRORS_RETURN)
-    merged = parent.Merge(high=True)
-    merged.Set_errhandler(MPI.ERRORS_RETURN)
-    return replace_world(merged)
+    return replace_world(merge_with_parent())
 
 
 def agree_growth(world, full_size, old_size, state):

@@ -27,16 +27,14 @@ import os
 import sys
 import time
 
-from mpi4py import MPI
-
-from ..comm import progress, start_heartbeats
-from ..comm.failure import failed_ranks, is_process_failure, rank_failure, ulfm_enabled
+from ..comm import launch_rank, progress, replace_world, start_heartbeats
+from ..comm.failure import (MPIError, failed_ranks, is_process_failure, lost_ranks, poll,
+                            rank_failure, ulfm_enabled)
 from ..control import agree
 from ..errors import ConfigError, RankFailure
 from . import exitreport
 from .evict import Processes, guard_resume
 from .fault import FaultPlan
-from ..comm import replace_world
 from .grow import SpawnFailed, agree_growth, hand_over, join, read_hosts, spawn, spawned
 from .preempt import StopRequest
 from .shrink import exchange_pieces, exchange_replica, shrink_world
@@ -140,7 +138,7 @@ class Loop:
     def __init__(self, world):
         self.world = world
         self.stop = stop_request()
-        self.launch_rank = MPI.COMM_WORLD.Get_rank()
+        self.launch_rank = launch_rank()
         # a replacement's MPI_COMM_WORLD rank is not a launch rank: the faults are the launch's
         self.faults = FaultPlan(self.launch_rank, PHASES, spec="" if _config.joined else None)
         if _config.stuck_timeout_s is not None and world.world_size > 1:
@@ -287,7 +285,7 @@ def run(fn, args):
             _config.attempts.append(_config.current)
             _close(_config.current)
             _config.current, _config.grow_due = None, True
-        except (RankFailure, MPI.Exception) as exc:
+        except (RankFailure, MPIError) as exc:
             group = world() if is_initialized() else None
             failure = _as_failure(exc, group)
             if failure is None or not _shrinking() or group is None:
@@ -351,7 +349,7 @@ def _grow(args):
     if has_state and state is None:  # a new rank: hold nothing, but take part like a survivor
         _config.current = _Held(None, tensors=True)
     if _config.faults is None:  # the launch's faults, in a launched process only
-        _config.faults = FaultPlan(MPI.COMM_WORLD.Get_rank(), PHASES,
+        _config.faults = FaultPlan(launch_rank(), PHASES,
                                    spec="" if _config.joined else None)
     _config.faults.at("grow", -1 if state is None else state.step)
     _config.recovered = hand_over(group, state, saved_size) if has_state else None
@@ -418,27 +416,13 @@ def _evict(group, beat, processes, failure):
     deadline = time.monotonic() + wait_s
     while alive and time.monotonic() < deadline:
         time.sleep(0.002)
-        try:
-            comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)  # let MPI hear of the failure
-        except MPI.Exception:
-            pass
+        poll(comm)  # let MPI hear of the failure
         dead = set(failed_ranks(comm))
         alive = [r for r in alive if r not in dead]
     if alive:
         print(f"elastic: evicted ranks {alive} not yet reported failed after {wait_s:g} s",
               file=sys.stderr, flush=True)
     return named
-
-
-def _lost_ranks(old, new):
-    """Ranks of communicator `old` that are not in `new` (the ones a shrink left out)."""
-    old_group, new_group = old.Get_group(), new.Get_group()
-    try:
-        kept = MPI.Group.Translate_ranks(new_group, list(range(new_group.Get_size())), old_group)
-    finally:
-        old_group.Free()
-        new_group.Free()
-    return sorted(set(range(old.Get_size())) - set(kept))
 
 
 def _state(group, loop, old_size):
@@ -471,7 +455,7 @@ def recover(group, failure, loop):
     named = _evict(group, beat, processes, failure)
     old_comm = group.backend.comm
     new, old_size = shrink_world(group, _config.min_ranks)
-    lost = _lost_ranks(old_comm, new.backend.comm)
+    lost = lost_ranks(old_comm, new.backend.comm)
     survivors = [r for r in range(old_size) if r not in lost]
     # ULFM's detector may have declared a stopped process dead that still exists: end it too
     _end_processes(group, processes, [r for r in lost if r not in named], survivors)

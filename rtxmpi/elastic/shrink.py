@@ -15,10 +15,10 @@ last committed checkpoint at the new world size instead (`ReplicaState` is None)
 import json
 
 import numpy as np
-from mpi4py import MPI
 
 from ..backend import to_host
 from ..comm import replace_world
+from ..comm.failure import revoke
 from ..comm.group import subgroup_comms
 from ..errors import RankFailure
 
@@ -35,11 +35,7 @@ def shrink_world(world, min_ranks=1):
     old_size = comm.Get_size()
     # the sub-groups too: a survivor may be blocked in a transfer of a group without failed
     # members (a tp group) whose peer has already left for this shrink
-    for c in (*world.backend.comms(), monitor.ctl, *subgroup_comms(monitor)):
-        try:
-            c.Revoke()
-        except MPI.Exception:
-            pass  # already revoked by a peer, or freed
+    revoke((*world.backend.comms(), monitor.ctl, *subgroup_comms(monitor)))
     survivors = comm.Shrink()
     size = survivors.Get_size()
     if size < min_ranks:

@@ -76,6 +76,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from ..comm.node import launch_comm, library_version, node_ranks
 from ..errors import ConfigError
 from ..exchange import all_gather_json, broadcast_json
 
@@ -278,8 +279,6 @@ def _cores():
 
 
 def _machine_facts(group, nodes):
-    from mpi4py import MPI
-
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -291,7 +290,7 @@ def _machine_facts(group, nodes):
         pass
     return {"host": socket.gethostname(), "cpu": cpu, "cores_per_node": _cores(),
             "world_size": group.Get_size(), "nodes": nodes, "python": platform.python_version(),
-            "numpy": np.__version__, "mpi": MPI.Get_library_version().strip().splitlines()[0],
+            "numpy": np.__version__, "mpi": library_version(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
@@ -502,15 +501,11 @@ class ReferenceRun:
     machine load as the runs."""
 
     def __init__(self, group, cfg, micro_batch, comm=None):
-        from mpi4py import MPI
-
         from ..nn.gpt import GPT
 
         self.group, self.comm = group, _mpi_comm(group) if comm is None else comm
-        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.comm.Get_rank())
-        self.local_rank = node.Get_rank()
-        size = np.array([node.Get_size()], np.int64)
-        node.Free()
+        self.local_rank, on_node, _ = node_ranks(self.comm)
+        size = np.array([on_node], np.int64)
         group.all_reduce(size, op="max")
         self.ranks_per_node = int(size[0])
         self.model = GPT(cfg, seed=0)
@@ -613,8 +608,6 @@ def _sync_median(rounds, segment_s):
 
 def _sync_rounds(comm, group, ranks_of_node, cfg, segment_s, reps, rounds):
     """{str(n): [seconds, one per round]}: _measure_sync's rounds, before the median."""
-    from mpi4py import MPI
-
     C = cfg.n_embd
     rng = np.random.default_rng(2)
     a = rng.standard_normal((256, C)).astype(np.float32)
@@ -627,7 +620,7 @@ def _sync_rounds(comm, group, ranks_of_node, cfg, segment_s, reps, rounds):
     one = max(1e-5, float(np.median(ones)))
     loops = np.array([max(1, min(200, int(segment_s / one)))], np.int64)
     loops = int(group.broadcast(loops, src=0)[0])
-    flag = np.zeros(1, np.float64)
+    flag, total_flag = np.zeros(1, np.float64), np.zeros(1, np.float64)
     out = {}
     R = max(len(r) for r in ranks_of_node)
     rank = comm.Get_rank()
@@ -646,7 +639,7 @@ def _sync_rounds(comm, group, ranks_of_node, cfg, segment_s, reps, rounds):
                     for _ in range(loops):
                         a @ w
                     t = time.perf_counter()
-                    sub.Allreduce(MPI.IN_PLACE, flag)
+                    sub.Allreduce(flag, total_flag)
                     waited += time.perf_counter() - t
             total = group.all_reduce(np.array([waited], np.float64), op="sum")
             waits.append(float(total[0]) / (comm.Get_size() * reps * len(subs)))
@@ -772,9 +765,7 @@ def calibrate(group, cfg=None, micro_batch=None, sizes=None, reps=5):
 
 def _mpi_comm(group):
     """The MPI communicator under `group` (COMM_WORLD for a backend without one)."""
-    from mpi4py import MPI
-
-    return getattr(getattr(group, "backend", None), "comm", None) or MPI.COMM_WORLD
+    return getattr(getattr(group, "backend", None), "comm", None) or launch_comm()
 
 
 def _subgroup(group, comm, color, key):
@@ -787,13 +778,9 @@ def _subgroup(group, comm, color, key):
 
 
 def _calibrate(comm, group, cfg, micro_batch, sizes, reps):
-    from mpi4py import MPI
-
     t_start = time.perf_counter()
     rank, size = comm.Get_rank(), comm.Get_size()
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    local_rank = node.Get_rank()
-    node.Free()
+    local_rank, _, _ = node_ranks(comm)
     host_of = all_gather_json(group, socket.gethostname())
     names = sorted(set(host_of))
     ranks_of_node = [[r for r in range(size) if host_of[r] == h] for h in names]

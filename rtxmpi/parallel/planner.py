@@ -80,6 +80,7 @@ import copy
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from ..comm.node import launch_comm, node_ranks
 from ..data import batch_split, micro_batch_split
 from ..errors import ConfigError
 from ..exchange import broadcast_json
@@ -913,11 +914,7 @@ def node_memory_per_rank(comm):
     system does not say. Collective over `comm` (a shared-memory split)."""
     import os
 
-    from mpi4py import MPI
-
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    ranks = local.Get_size()
-    local.Free()
+    _, ranks, _ = node_ranks(comm)
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // ranks
     except (ValueError, OSError, AttributeError):
@@ -1068,9 +1065,8 @@ def main(args):
     import os
     import sys
 
-    from mpi4py import MPI
-
-    rank = MPI.COMM_WORLD.Get_rank()
+    launch = launch_comm()
+    rank = launch.Get_rank()
     try:
         for name in ("seq_len", "patch", "global_batch", "top", "max_micro_batches", "n_layer",
                      "n_head", "n_embd", "vocab_size"):
@@ -1078,7 +1074,7 @@ def main(args):
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
         if args.world_size is not None and args.world_size < 1:  # 0 is a bad flag, not "unset"
             raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
-        world_size = MPI.COMM_WORLD.Get_size() if args.world_size is None else args.world_size
+        world_size = launch.Get_size() if args.world_size is None else args.world_size
         if args.world_size is None and world_size == 1:
             raise ConfigError("--world-size is needed outside mpiexec (the ranks to plan for)")
         cfg, what = _cli_model(args)
@@ -1161,12 +1157,10 @@ def plan_for_job(group, cfg, global_batch, profile_path=None, mem_per_device=Non
     """
     import os
 
-    from mpi4py import MPI
-
     from .calibrate import calibrate
 
     # the group's communicator: after an elastic shrink COMM_WORLD still holds the failed ranks
-    comm = group.backend.comm if hasattr(getattr(group, "backend", None), "comm") else MPI.COMM_WORLD
+    comm = group.backend.comm if hasattr(getattr(group, "backend", None), "comm") else launch_comm()
     from .cluster_profile import is_cluster_profile
 
     if profile_path and is_cluster_profile(profile_path):

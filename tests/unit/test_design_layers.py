@@ -102,3 +102,26 @@ def test_the_check_sees_an_upward_import():
         "rtxmpi/train/loop.py", "rtxmpi/errors.py", "rtxmpi/observe/trace.py"]
     assert upward_imports([("rtxmpi/comm/group.py", source)], layers) == [
         "rtxmpi/comm/group.py:1 (comm) imports rtxmpi/train/loop.py (train)"]
+
+
+def mpi4py_importers(files):
+    """The files of `files` ([(path relative to ROOT, source)]) that import mpi4py."""
+    found = []
+    for rel, source in files:
+        for node in ast.walk(ast.parse(source, rel)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(n == "mpi4py" or n.startswith("mpi4py.") for n in names):
+                found.append(rel)
+                break
+    return found
+
+
+def test_only_comm_and_the_cli_import_mpi4py():
+    files = [(p.relative_to(ROOT).as_posix(), p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))]
+    others = [rel for rel in mpi4py_importers(files)
+              if not rel.startswith("rtxmpi/comm/") and rel != "rtxmpi/cli.py"]
+    assert others == []
+    assert mpi4py_importers([("rtxmpi/x.py", "def f():\n    from mpi4py import MPI\n"),
+                             ("rtxmpi/y.py", "import mpi4py.MPI as M\n"),
+                             ("rtxmpi/z.py", "import numpy\n")]) == ["rtxmpi/x.py", "rtxmpi/y.py"]
