@@ -18,7 +18,7 @@
 
 #if defined(__x86_64__) && defined(__has_attribute)
 #if __has_attribute(target_clones)
-#define KERNEL static __attribute__((target_clones("avx2", "default")))
+#define KERNEL static __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
 #endif
 #ifndef KERNEL

@@ -76,20 +76,44 @@ static inline T F(row_dot)(const T *x, const T *y, Py_ssize_t n)
     return s;
 }
 
+/* The row's max; a NaN is skipped here but makes every output of the row NaN through exp, as
+ * numpy's NaN max does */
 static inline T F(row_max)(const T *x, Py_ssize_t n)
 {
-    T m = x[0];
-    for (Py_ssize_t j = 1; j < n; j++)
-        m = (x[j] > m || x[j] != x[j]) ? x[j] : m;  /* a NaN wins, as numpy's max */
+    T acc[LANES];
+    for (int l = 0; l < LANES; l++)
+        acc[l] = -INFINITY;
+    Py_ssize_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++)
+            acc[l] = x[j + l] > acc[l] ? x[j + l] : acc[l];
+    T m = -INFINITY;
+    for (int l = 0; l < LANES; l++)
+        m = acc[l] > m ? acc[l] : m;
+    for (; j < n; j++)
+        m = x[j] > m ? x[j] : m;
     return m;
 }
 
-/* x[j] <- exp(x[j] - max) for j < n; returns the sum */
+/* x[j] <- exp(x[j] - m) for j < n; returns their sum */
 static inline T F(row_exp)(T *x, Py_ssize_t n, T m)
 {
-    for (Py_ssize_t j = 0; j < n; j++)
+    T acc[LANES] = {0};
+    Py_ssize_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) {
+            T e = EXP(x[j + l] - m);
+            x[j + l] = e;
+            acc[l] += e;
+        }
+    T s = 0;
+    for (int l = 0; l < LANES; l++)
+        s += acc[l];
+    for (; j < n; j++) {
         x[j] = EXP(x[j] - m);
-    return F(row_sum)(x, n);
+        s += x[j];
+    }
+    return s;
 }
 
 /* att <- softmax over rows of length T, in place; causal: row r is query r % T, keys after it get 0 */
