@@ -344,7 +344,8 @@ def residual_layernorm_forward(x, r, g, b, eps=LN_EPS):
 
     x, r: (..., C) same shape and dtype; g, b: (C,). Returns (s, y, mean, rstd): s and y x's
     shape; mean and rstd x.shape[:-1] (rstd = 1 / sqrt(var + eps)). On numpy, y equals
-    rtxmpi.nn.layers.layernorm_forward(x + r, g, b, eps) bit for bit (its cache's xhat is
+    rtxmpi.nn.layers.layernorm_forward(x + r, g, b, eps)'s numpy reference bit for bit (within
+    float rounding when that layer runs rtxmpi.fused) (its cache's xhat is
     (s - mean) * rstd); float32 cupy arrays run kernels/residual_layernorm.cu, one block per row,
     equal to float32 rounding. Local. Raises ValueError for mismatched shapes.
     """
