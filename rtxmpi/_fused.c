@@ -1,14 +1,16 @@
-/* CPU twins of the fused CUDA kernels (the .cu files of kernels/) and of the numpy references they replace on
- * the host: bias + GELU, softmax, residual + LayerNorm, cross-entropy, AdamW and the gradient
- * epilogue's scale-and-check, each one pass over memory, float32 and float64. rtxmpi/fused.py
- * is the only caller: it checks dtypes, shapes and contiguity, so the functions here trust the
- * sizes they are given beyond a check that every buffer is long enough. Every function releases
- * the GIL and runs on the calling thread (one thread per rank, as the BLAS).
+/* CPU twins of the fused CUDA kernels (the .cu files of kernels/) and of the numpy references
+ * they replace on the host: bias + GELU, softmax, residual + LayerNorm, cross-entropy, AdamW, the
+ * gradient epilogue's scale-and-check and the clipping norm's sum of squares, each one pass over
+ * memory, float32 and float64. rtxmpi/fused.py is the only caller: it checks dtypes, shapes and
+ * contiguity, so the functions here trust the sizes they are given beyond a check that every
+ * buffer is long enough. Every function releases the GIL and runs on the calling thread (one
+ * thread per rank, as the BLAS).
  *
  * Portability: built with the compiler's baseline (-O3, no -march); on x86-64 each kernel also
- * has an AVX2 clone picked at load time (GCC/clang target_clones). -ffp-contract=off keeps every
- * clone's rounding the reference's (AdamW and the epilogue are bit for bit); exp is Cephes' range
- * reduction and polynomial (float: ~1 ulp, double: ~1 ulp), written so it vectorizes.
+ * has AVX-512 and AVX2 clones, one picked at load time (GCC/clang target_clones).
+ * -ffp-contract=off keeps every clone's rounding the reference's (AdamW and the epilogue are bit
+ * for bit); exp is Cephes' range reduction and polynomial (float: ~1 ulp, double: ~1 ulp),
+ * written so it vectorizes.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -411,6 +413,26 @@ static PyObject *py_grad_scale(PyObject *self, PyObject *args)
     return PyBool_FromLong(bad);
 }
 
+static PyObject *py_sum_squares(PyObject *self, PyObject *args)
+{
+    Bufs B = {.n = 1};
+    Py_ssize_t n;
+    int dbl;
+    double total;
+    if (!PyArg_ParseTuple(args, "y*np", &B.b[0], &n, &dbl))
+        return NULL;
+    Py_ssize_t need[] = {n};
+    if (check_sizes(&B, need, ITEM(dbl)) < 0) {
+        release(&B);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    total = dbl ? sum_squares_f64(B.b[0].buf, n) : sum_squares_f32(B.b[0].buf, n);
+    Py_END_ALLOW_THREADS
+    release(&B);
+    return PyFloat_FromDouble(total);
+}
+
 static PyMethodDef methods[] = {
     {"bias_gelu_forward", py_bias_gelu_forward, METH_VARARGS,
      "bias_gelu_forward(h, b, y, rows, C, dbl): h <- h + b, y <- GELU(h)"},
@@ -432,6 +454,8 @@ static PyMethodDef methods[] = {
      "adamw(p, g, m, v, mask_or_None, n, b1, b2, decay, lrwd, eps_term, step_size, mode, dbl)"},
     {"grad_scale", py_grad_scale, METH_VARARGS,
      "grad_scale(g, n, scale, dbl) -> True when a scaled value is not finite"},
+    {"sum_squares", py_sum_squares, METH_VARARGS,
+     "sum_squares(g, n, dbl) -> the sum of g^2 in double"},
     {NULL, NULL, 0, NULL},
 };
 

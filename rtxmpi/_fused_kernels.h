@@ -267,3 +267,19 @@ KERNEL int F(grad_scale)(T *g, Py_ssize_t n, double scale)
     }
     return bad != 0;
 }
+
+/* sum of g^2, accumulated in double (rtxmpi.nn.optim.grad_norm_sq) */
+KERNEL double F(sum_squares)(const T *g, Py_ssize_t n)
+{
+    double acc[LANES] = {0};
+    Py_ssize_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++)
+            acc[l] += (double)g[i + l] * (double)g[i + l];
+    double s = 0;
+    for (int l = 0; l < LANES; l++)
+        s += acc[l];
+    for (; i < n; i++)
+        s += (double)g[i] * (double)g[i];
+    return s;
+}

@@ -1,16 +1,18 @@
 """CPU fused kernels: the host twins of kernels/*.cu, one pass over memory per operation.
 
 The compiled extension `rtxmpi._fused` (rtxmpi/_fused.c, built at install; optional) runs, on
-numpy arrays, what rtxmpi.nn.layers and rtxmpi.kernels otherwise compute with several numpy
-passes and temporaries: bias + GELU forward and backward, softmax (causal or not) forward and
-backward, (residual +) LayerNorm forward and backward, cross-entropy forward and backward, the
-AdamW update and the gradient epilogue's scale-and-check. The numpy code in those modules stays
-the reference and the fallback: each caller asks `usable(arrays...)` and runs its reference when
-the answer is no (no extension, fused path turned off, cupy arrays, other dtypes or layouts).
+numpy arrays, what rtxmpi.nn.layers, rtxmpi.kernels and rtxmpi.nn.optim otherwise compute with
+several numpy passes and temporaries: bias + GELU forward and backward, softmax (causal or not)
+forward and backward, (residual +) LayerNorm forward and backward, cross-entropy forward and
+backward, the AdamW update, the gradient epilogue's scale-and-check and the clipping norm's sum
+of squares. The numpy code in those modules stays the reference and the fallback: each caller
+asks `usable(arrays...)` and runs its reference when the answer is no (no extension, fused path
+turned off, cupy arrays, other dtypes or layouts).
 
 | operation | versus the numpy reference |
 |---|---|
 | `adamw`, `grad_scale` | bit for bit (same operations and order, no contraction) |
+| `sum_squares` | float64 rounding (8-lane float64 sums instead of BLAS's ddot) |
 | `bias_gelu_*` | a few ulp (the gate as 1 / (1 + exp(-2z)), equal to 0.5 (1 + tanh z)) |
 | `softmax_*`, `layernorm_*`, `crossentropy_*` | float rounding (8-lane row sums, ~1-ulp exp) |
 
@@ -194,3 +196,8 @@ def grad_scale(grad, scale):
     """grad *= scale (rounded to grad's dtype) in place. Returns True when any scaled value is
     inf or NaN."""
     return _ext.grad_scale(grad, grad.size, float(scale), _is64(grad))
+
+
+def sum_squares(grad):
+    """The sum of grad's squares, accumulated in float64, as a Python float."""
+    return _ext.sum_squares(grad, grad.size, _is64(grad))
