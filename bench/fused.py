@@ -1,14 +1,16 @@
 """The CPU fused kernels (rtxmpi.fused) against the numpy references they replace.
 
-Three tables, each alternating the two paths (the machine is shared: interleaved medians):
+Three tables, each alternating the two paths (the machine is shared: interleaved medians). Times
+in this process are CPU time (process_time: one BLAS thread, so the work done, which other jobs
+on the same cores inflate far less than wall time), with wall time beside the step's:
 1. per operation, at the GPT's shapes (--model, --global-batch, --seq-len): reference and fused
    median time and their ratio;
 2. the GPT's training step in this process (forward, backward, clip, AdamW; one BLAS thread):
    median step time per path, and the share of the step outside the matrix products, from a
-   cProfile of the same steps (matrix time = time inside linear_forward/_backward and
+   CPU-time cProfile of the same steps (matrix time = time inside linear_forward/_backward and
    attention_core_forward/_backward, whose own work is their matmuls);
 3. with --train: examples/train.py end to end at 1 (and --ranks) rank(s), RTXMPI_FUSED=0 and 1
-   alternated: the median step and tokens/s it reports.
+   alternated: the median step (wall) and tokens/s it reports.
 
     python bench/fused.py --model base [--train] [--ranks 1,2] [--json FILE]
 
@@ -39,17 +41,17 @@ MATRIX_FUNCTIONS = ("linear_forward", "linear_backward", "attention_core_forward
                     "attention_core_backward")
 
 
-def _alternate(variants, repeats):
-    """{name: [seconds]}: each variant's callable timed `repeats` times, the variants alternated;
-    each callable gets a fresh setup (not timed)."""
+def _alternate(variants, repeats, clock=time.process_time):
+    """{name: [seconds]}: each variant's callable timed `repeats` times on `clock`, the variants
+    alternated; each callable gets a fresh setup (not timed)."""
     times = {name: [] for name in variants}
     for _ in range(repeats):
         for name, (setup, run) in variants.items():
             fused.set_enabled(name == "fused")
             args = setup()
-            t0 = time.perf_counter()
+            t0 = clock()
             run(*args)
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     fused.set_enabled(True)
     return times
 
@@ -110,29 +112,32 @@ def _step_fn(model, opt, idx, tgt):
 
 
 def step_table(cfg, batch, steps):
-    """The training step in-process per path: {path: (median ms, matrix ms, non-matrix share)}."""
+    """The training step in-process per path: {path: (median CPU ms, median wall ms, matrix CPU
+    ms, non-matrix share)}."""
     rng = np.random.default_rng(0)
     model = GPT(cfg, seed=0)
     opt = AdamW(model.flat_data, lr=1e-4, decay_mask=decay_mask(model.params))
     idx = rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len))
     step = _step_fn(model, opt, idx, np.roll(idx, -1, axis=1))
     step()  # warm-up: first-touch page faults, imports
-    times = _alternate({"reference": (tuple, step), "fused": (tuple, step)}, steps)
+    both = {"reference": (tuple, step), "fused": (tuple, step)}
+    times = _alternate(both, steps)
+    walls = _alternate(both, steps, time.perf_counter)
     out = {}
     for path in ("reference", "fused"):
         fused.set_enabled(path == "fused")
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.process_time)
         prof.enable()
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for _ in range(2):
             step()
-        total = (time.perf_counter() - t0) / 2
+        total = (time.process_time() - t0) / 2
         prof.disable()
         stats = pstats.Stats(prof).stats
         matrix = sum(tt for (file, _, func), (_, _, tt, _, _) in stats.items()
                      if func in MATRIX_FUNCTIONS and file.endswith(os.path.join("nn", "layers.py"))) / 2
-        median = statistics.median(times[path]) * 1e3
-        out[path] = (median, matrix * 1e3, 1.0 - matrix / total)
+        out[path] = (statistics.median(times[path]) * 1e3, statistics.median(walls[path]) * 1e3,
+                     matrix * 1e3, 1.0 - matrix / total)
     fused.set_enabled(True)
     return out
 
@@ -154,7 +159,8 @@ def train_table(model, ranks, steps, repeats):
                        "--sample-tokens", "0", "--run-dir", f"/tmp/rtxmpi-bench-fused-{os.getpid()}"]
                 if n > 1:
                     cmd = ["mpiexec", "--oversubscribe", "--bind-to", "none", "-n", str(n)] + cmd
-                print(f"  train.py {model} ranks={n} RTXMPI_FUSED={path}", file=sys.stderr)
+                print(f"  train.py {model} ranks={n} RTXMPI_FUSED={path}, load average "
+                      f"{os.getloadavg()[0]:.1f}", file=sys.stderr)
                 text = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
                 step, done = _STEP.search(text), _DONE.search(text)
                 results.setdefault((n, path), []).append(
@@ -185,15 +191,15 @@ def main(argv=None):
     print(machine_line(info) + "\n")
     print(f"command: python bench/fused.py {' '.join(sys.argv[1:] if argv is None else argv)}\n")
     ops = op_table(cfg, args.global_batch, args.repeats)
-    print("| operation | reference ms | fused ms | speed-up |\n|---|---:|---:|---:|")
+    print("| operation (CPU time) | reference ms | fused ms | speed-up |\n|---|---:|---:|---:|")
     for name, ref, fus in ops:
         print(f"| {name} | {ref:.2f} | {fus:.2f} | {ref / fus:.1f}x |")
     steps = step_table(cfg, args.global_batch, args.steps)
-    print("\n| training step (in-process, 1 rank) | median ms | matrix products ms | outside them |"
-          "\n|---|---:|---:|---:|")
-    for path, (median, matrix, share) in steps.items():
-        print(f"| {path} | {median:.0f} | {matrix:.0f} | {share:.0%} |")
-    print(f"\nstep speed-up: {steps['reference'][0] / steps['fused'][0]:.2f}x")
+    print("\n| training step (in-process, 1 rank) | CPU ms | wall ms | matrix products CPU ms "
+          "| outside them |\n|---|---:|---:|---:|---:|")
+    for path, (cpu, wall, matrix, share) in steps.items():
+        print(f"| {path} | {cpu:.0f} | {wall:.0f} | {matrix:.0f} | {share:.0%} |")
+    print(f"\nstep speed-up (CPU time): {steps['reference'][0] / steps['fused'][0]:.2f}x")
     train = []
     if args.train:
         ranks = [int(x) for x in args.ranks.split(",")]
