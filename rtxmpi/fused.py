@@ -140,6 +140,8 @@ def layernorm_forward(x, g, b, eps, residual=None):
     """LayerNorm over the last dim (biased variance); with `residual`, x += residual first, in
     place (the residual add of a pre-LN block). x: (..., C), writable when residual is given;
     g, b: (C,); residual: None or (..., C). Returns y, xhat (x's shape), rstd (..., 1)."""
+    if residual is not None and not x.flags.writeable:
+        raise ValueError("layernorm_forward: x must be writable to take the residual add")
     rows, C = _rows(x)
     y, xhat = _empty(x.shape, x.dtype), _empty(x.shape, x.dtype)
     rstd = _empty(x.shape[:-1] + (1,), x.dtype)

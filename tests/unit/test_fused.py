@@ -270,6 +270,16 @@ def test_bad_environment_variable_raises_config_error(monkeypatch):
 
 
 @built
+def test_read_only_residual_stream_is_refused():
+    x = np.zeros((2, 4), np.float32)
+    x.flags.writeable = False
+    ones = np.ones(4, np.float32)
+    with pytest.raises(ValueError, match="writable"):
+        fused.layernorm_forward(x, ones, ones, 1e-5, residual=np.ones((2, 4), np.float32))
+    assert not x.any()
+
+
+@built
 def test_short_buffer_raises_instead_of_reading_past_it():
     with pytest.raises(ValueError, match="buffer 1"):
         fused._ext.bias_gelu_forward(np.zeros(6, np.float32), np.zeros(2, np.float32),
