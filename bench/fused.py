@@ -8,7 +8,8 @@ on the same cores inflate far less than wall time), with wall time beside the st
 2. the GPT's training step in this process (forward, backward, clip, AdamW; one BLAS thread):
    median step time per path, and the share of the step outside the matrix products, from a
    CPU-time cProfile of the same steps (matrix time = time inside linear_forward/_backward and
-   attention_core_forward/_backward, whose own work is their matmuls);
+   attention_core_forward/_backward, whose own work is their matmuls, with the linears' bias add
+   and bias-gradient sum and the attention's scaled copy of q: 1-2 % of the step);
 3. with --train: examples/train.py end to end at 1 (and --ranks) rank(s), RTXMPI_FUSED=0 and 1
    alternated: the median step (wall) and tokens/s it reports.
 

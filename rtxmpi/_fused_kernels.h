@@ -2,7 +2,7 @@
  *   T      the element type (float or double)
  *   F(n)   the function name for this type (n ## _f32 or n ## _f64)
  *   EXP    a vectorizable exp for T;  LOG, SQRT  libm's log and sqrt for T
- *   NBITS / INT / EXP_MASK  the bit pattern's integer type and exponent mask (finite check)
+ *   NBITS / EXP_MASK  the bit pattern's unsigned integer type and exponent mask (finite check)
  * Shape legend as rtxmpi.nn.layers: rows = product of the leading dims, C (or T, V) the last dim.
  * Every reduction over a row keeps LANES partial sums (vectorizable without reassociating
  * floats); reductions over rows add one row at a time, as numpy's sum(axis=0) does.
