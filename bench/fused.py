@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine_info, machine_line  # noqa: E402
 
 from rtxmpi import fused, kernels  # noqa: E402
+from rtxmpi.backend import tune_host_allocator  # noqa: E402
 from rtxmpi.nn import GPT, AdamW, GPTConfig, clip_grad_norm, decay_mask, layers  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -186,6 +187,7 @@ def main(argv=None):
     if not fused.available():
         sys.exit("error: rtxmpi._fused is not built (pip install -e . builds it)")
     cfg = GPTConfig.named(args.model, seq_len=args.seq_len)
+    tune_host_allocator()  # as rtxmpi.init() does in training: no page faults on every temporary
     info = machine_info()
     print(f"# rtxmpi.fused vs the numpy references, {args.model} (L={cfg.n_layer}, C={cfg.n_embd}, "
           f"H={cfg.n_head}), batch {args.global_batch} x {args.seq_len}, float32\n")
