@@ -20,7 +20,6 @@ Prints tables on stdout, progress on stderr. Local: no MPI except the launched t
 import argparse
 import cProfile
 import json
-import math
 import os
 import pstats
 import re

@@ -56,9 +56,9 @@ def enabled():
 
 def set_enabled(flag):
     """Turn the fused path on (True) or off (False: every caller runs its numpy reference) for
-    this process, over RTXMPI_FUSED. Returns the previous setting (a bool)."""
+    this process, over RTXMPI_FUSED. Returns whether it ran before (`enabled()`)."""
     global _enabled
-    previous = enabled() if _ext is not None else bool(_enabled)
+    previous = enabled()
     _enabled = bool(flag)
     return previous
 
