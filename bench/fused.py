@@ -26,6 +26,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -157,12 +158,14 @@ def train_table(model, ranks, steps, repeats):
                            OPENBLAS_NUM_THREADS="1")
                 cmd = [sys.executable, os.path.join(ROOT, "examples", "train.py"), "--model", model,
                        "--steps", str(steps), "--eval-every", "0", "--eval-batches", "1",
-                       "--sample-tokens", "0", "--run-dir", f"/tmp/rtxmpi-bench-fused-{os.getpid()}"]
+                       "--sample-tokens", "0"]
                 if n > 1:
                     cmd = ["mpiexec", "--oversubscribe", "--bind-to", "none", "-n", str(n)] + cmd
                 print(f"  train.py {model} ranks={n} RTXMPI_FUSED={path}, load average "
                       f"{os.getloadavg()[0]:.1f}", file=sys.stderr)
-                text = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+                with tempfile.TemporaryDirectory() as run_dir:
+                    text = subprocess.run(cmd + ["--run-dir", run_dir], env=env, capture_output=True,
+                                          text=True, check=True).stdout
                 step, done = _STEP.search(text), _DONE.search(text)
                 results.setdefault((n, path), []).append(
                     (float(step.group(1)), float(step.group(2)), float(done.group(1))))
