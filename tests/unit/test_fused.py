@@ -36,7 +36,7 @@ def test_without_the_extension_the_layers_run_the_reference(monkeypatch):
     h, b = np.ones((2, 3)), np.ones(3)
     y, cache = layers.bias_gelu_forward(h, b)
     assert cache[1] is not None  # the reference's cache (x, gate)
-    np.testing.assert_array_equal(layers.bias_gelu_backward(np.ones((2, 3)), cache)[1].shape, (3,))
+    assert layers.bias_gelu_backward(np.ones((2, 3)), cache)[1].shape == (3,)
 
 
 class _Spy:
@@ -82,6 +82,7 @@ def both(fn, *args):
 
 def close(got, want, dtype):
     rtol, atol = TOL[dtype]
+    assert len(got) == len(want)
     for g, w in zip(got, want):
         g, w = np.asarray(g), np.asarray(w)
         assert g.dtype == w.dtype and g.shape == w.shape
