@@ -4,8 +4,9 @@
     python bench/commits.py --old 521f0ce --ranks 2 --runs 5 --steps 30 -- --model small --tp 2
     python bench/commits.py --old HEAD~3 --script examples/train_vit.py --steps 40 -- --zero-stage 3
 
-Each commit is exported (`git archive`) into a temporary directory and its compiled mailbox is
-built there, so the old code runs as it was, with the same Python, MPI and packages. Then
+Each commit is exported (`git archive`) into a temporary directory and its C extensions (its
+pyproject.toml's ext-modules: the mailbox, the CPU fused kernels) are built there, so the old
+code runs as it was, with the same Python, MPI and packages. Then
 --runs rounds each run the job once per commit, in ABBA order (old, new; new, old; ...) so a
 drift of the machine's load falls on both alike: `mpiexec -n RANKS python SCRIPT ARGS --steps N
 --metrics-jsonl F --no-progress` with the commit's directory first on PYTHONPATH. A run's figure
@@ -28,6 +29,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import tomllib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -71,17 +73,24 @@ def resolve(revision):
 
 
 def export(commit, into):
-    """The tree of `commit` in directory `into`, with its mailbox extension built in place."""
+    """The tree of `commit` in directory `into`, with its C extensions built in place: those its
+    pyproject.toml lists (ext-modules, with their extra-compile-args), else its mailbox."""
     os.makedirs(into)
     archive = subprocess.Popen(["git", "-C", ROOT, "archive", commit], stdout=subprocess.PIPE)
     subprocess.run(["tar", "-x", "-C", into], stdin=archive.stdout, check=True)
     if archive.wait() != 0:
         sys.exit(f"error: git archive {commit} failed")
-    source = os.path.join(into, "rtxmpi", "comm", "_mailbox.c")
-    if os.path.exists(source):
-        target = os.path.join(into, "rtxmpi", "comm", "_mailbox" + sysconfig.get_config_var("EXT_SUFFIX"))
-        subprocess.run(["cc", "-O3", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
-                        source, "-o", target], check=True)
+    with open(os.path.join(into, "pyproject.toml"), "rb") as f:
+        extensions = tomllib.load(f).get("tool", {}).get("setuptools", {}).get("ext-modules", [])
+    if not extensions and os.path.exists(os.path.join(into, "rtxmpi", "comm", "_mailbox.c")):
+        extensions = [{"name": "rtxmpi.comm._mailbox", "sources": ["rtxmpi/comm/_mailbox.c"],
+                       "extra-compile-args": ["-O3"]}]
+    for ext in extensions:
+        target = os.path.join(into, *ext["name"].split(".")) + sysconfig.get_config_var("EXT_SUFFIX")
+        subprocess.run(["cc", *ext.get("extra-compile-args", []), "-shared", "-fPIC",
+                        f"-I{sysconfig.get_paths()['include']}",
+                        *(os.path.join(into, source) for source in ext["sources"]), "-o", target],
+                       check=True)
 
 
 def step_times(path, warmup):

@@ -84,6 +84,17 @@ def _all_reduce_paths(group):
     return text
 
 
+def _cpu_kernels():
+    """Which path the CPU layers run (rtxmpi.fused), for `info`."""
+    from . import fused
+    from .errors import ConfigError
+
+    try:
+        return fused.describe()
+    except ConfigError as exc:
+        return f"not known: {exc}"
+
+
 def cmd_info(args):
     """Print versions, the MPI library and thread level, world size, hosts, local ranks, GPUs."""
     from mpi4py import MPI
@@ -125,6 +136,7 @@ def cmd_info(args):
         print(f"{key:<14} {value}")
     print(f"{'thread level':<14} {_thread_level()}")
     print(f"{'all_reduce':<14} {shm_text}")
+    print(f"{'CPU kernels':<14} {_cpu_kernels()}")
     print(f"{'world_size':<14} {size}")
     hosts = sorted({r[1] for r in rows})
     print(f"{'hosts':<14} {len(hosts)}: {', '.join(hosts)}")

@@ -2,9 +2,11 @@
 
 Every public function here takes numpy or cupy arrays and dispatches on `xp_of`:
 
-- numpy arrays run the reference, written with whole-array operations in a fixed order. The CPU
-  training path calls these references (AdamW in `rtxmpi.nn.optim`, the data-parallel epilogue in
-  `rtxmpi.parallel.data`), so the parity tests of those layers exercise them.
+- numpy arrays run the reference, written with whole-array operations in a fixed order, or its
+  one-pass CPU twin in `rtxmpi.fused` (bit for bit for AdamW and the epilogue's scale) when
+  `fused.usable` accepts the arrays. The CPU training path calls these (AdamW in
+  `rtxmpi.nn.optim`, the data-parallel epilogue in `rtxmpi.parallel.data`), so the parity tests
+  of those layers exercise them.
 - cupy float32 arrays (contiguous) run the CUDA kernel, compiled on first use with
   `cupy.RawModule` (NVRTC) for the current device and cached per device. Other dtypes and
   layouts run the same reference on cupy (correct, not fused).
@@ -30,6 +32,7 @@ import threading
 
 import numpy as np
 
+from . import fused
 from .backend import bfloat16, cupy_module, xp_of
 
 GELU_K = math.sqrt(2.0 / math.pi)  # tanh-approximation constant, as rtxmpi.nn.layers
@@ -131,6 +134,8 @@ def grad_epilogue(grad, scale, cast=None):
         raise TypeError(f"grad_epilogue: grad must be a floating array, got {grad.dtype}")
     if xp is not np and _fused_ok(grad):
         return _grad_epilogue_gpu(xp, grad, scale, cast)
+    if cast is None and fused.usable(grad):
+        return grad, np.asarray(fused.grad_scale(grad, scale), dtype=bool)
     grad *= grad.dtype.type(scale)
     nonfinite = not _all_finite(xp, grad)
     out = grad
@@ -235,6 +240,9 @@ def adamw_step(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step, decay_m
                               np.float32(lr * wd), np.float32(eps_term), np.float32(step_size),
                               np.int32(decay_mode)))
         return p
+    if fused.usable(p, g, m, v) and (decay_mode != 2 or fused.usable(p, decay_mask)):
+        return fused.adamw(p, g, m, v, decay_mask, b1, b2, 1.0 - lr * wd, lr * wd, eps_term,
+                           step_size, decay_mode)
     if tmp is None:
         tmp = xp.empty_like(p)
     m -= g  # m = b1 m + (1 - b1) g  =  b1 (m - g) + g, without a temporary
@@ -336,7 +344,8 @@ def residual_layernorm_forward(x, r, g, b, eps=LN_EPS):
 
     x, r: (..., C) same shape and dtype; g, b: (C,). Returns (s, y, mean, rstd): s and y x's
     shape; mean and rstd x.shape[:-1] (rstd = 1 / sqrt(var + eps)). On numpy, y equals
-    rtxmpi.nn.layers.layernorm_forward(x + r, g, b, eps) bit for bit (its cache's xhat is
+    rtxmpi.nn.layers.layernorm_forward(x + r, g, b, eps)'s numpy reference bit for bit (within
+    float rounding when that layer runs rtxmpi.fused) (its cache's xhat is
     (s - mean) * rstd); float32 cupy arrays run kernels/residual_layernorm.cu, one block per row,
     equal to float32 rounding. Local. Raises ValueError for mismatched shapes.
     """

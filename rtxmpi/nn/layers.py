@@ -17,10 +17,16 @@ Conventions shared by every pair:
   numpy and cupy both provide; the array module comes from `xp_of`.
 
 Inputs are not validated here (this is the inner loop); models validate once, at the edge.
+
+On numpy the elementwise and row-wise layers (bias + GELU, softmax, LayerNorm, cross-entropy) run
+rtxmpi.fused's one-pass CPU kernels when `fused.usable` accepts their arrays (float32 or float64,
+C-contiguous), else the numpy code below, which is their reference (RTXMPI_FUSED=0 forces it).
 """
 import math
 
-from rtxmpi import kernels
+import numpy as np
+
+from rtxmpi import fused, kernels
 from rtxmpi.backend import is_device_array, xp_of
 from rtxmpi.kernels import LN_EPS, layernorm_reference
 
@@ -185,7 +191,10 @@ def layernorm_forward(x, g, b, eps=LN_EPS):
     x: (..., C); g, b: (C,). y = (x - mean) / sqrt(var + eps) * g + b, biased variance.
     Returns y: (..., C), cache.
     """
-    y, xhat, _, rstd = layernorm_reference(x, g, b, eps)
+    if fused.usable(x, g, b):
+        y, xhat, rstd = fused.layernorm_forward(x, g, b, eps)
+    else:
+        y, xhat, _, rstd = layernorm_reference(x, g, b, eps)
     return y, (xhat, rstd, g)
 
 
@@ -195,7 +204,7 @@ def residual_layernorm_forward(a, x, g, b, eps=LN_EPS):
     a, x: (..., C) (a, the branch output, is updated in place to x1 on numpy); g, b: (C,).
     Returns x1, h: (..., C), cache (layernorm_forward's: `layernorm_backward` takes it). On cupy
     one fused kernel (rtxmpi.kernels.residual_layernorm_forward), and the cache's xhat is built
-    from its mean and rstd; numpy adds in place then calls layernorm_forward (unfused, as before).
+    from its mean and rstd; numpy adds in place then normalizes, in one pass with rtxmpi.fused.
     """
     if is_device_array(x):
         x1, h, mean, rstd = kernels.residual_layernorm_forward(a, x, g, b, eps)
@@ -203,6 +212,9 @@ def residual_layernorm_forward(a, x, g, b, eps=LN_EPS):
         xhat = x1 - mean[..., None]
         xhat *= rstd
         return x1, h, (xhat, rstd, g)
+    if a.flags.writeable and fused.usable(a, x, g, b):
+        h, xhat, rstd = fused.layernorm_forward(a, g, b, eps, residual=x)
+        return a, h, (xhat, rstd, g)
     a += x
     h, cache = layernorm_forward(a, g, b, eps)
     return a, h, cache
@@ -214,6 +226,9 @@ def layernorm_backward(dy, cache, dg_out=None, db_out=None):
     dy: (..., C). Returns dx: (..., C), dg: (C,), db: (C,), added into dg_out / db_out when given.
     """
     xhat, rstd, g = cache
+    if fused.usable(dy, xhat, rstd, g):
+        dx, dg, db = fused.layernorm_backward(dy, xhat, rstd, g)
+        return dx, _accumulate(dg, dg_out), _accumulate(db, db_out)
     xp = xp_of(dy)
     C = g.shape[0]
     dyx = dy * xhat
@@ -272,11 +287,14 @@ def bias_gelu_forward(h, b):
     h: (..., F) (updated in place to h + b on numpy); b: (F,). Returns y: (..., F), cache. On
     cupy one fused kernel (rtxmpi.kernels.bias_gelu_forward; the cache keeps u = h + b and the
     backward recomputes the gate); on numpy the in-place add then `gelu_forward`, the same
-    operations as `linear_forward(x, w, b)` then `gelu_forward` (bit for bit).
+    operations as `linear_forward(x, w, b)` then `gelu_forward` (bit for bit), or one pass of
+    rtxmpi.fused (the cache as cupy's).
     """
     if is_device_array(h):
         u, y = kernels.bias_gelu_forward(h, b)
         return y, (u, None)
+    if fused.usable(h, b):
+        return fused.bias_gelu_forward(h, b), (h, None)
     h += b
     return gelu_forward(h)
 
@@ -284,7 +302,9 @@ def bias_gelu_forward(h, b):
 def bias_gelu_backward(dy, cache, db_out=None):
     """Gradients of `bias_gelu_forward`. dy: (..., F). Returns dh: (..., F) (= d(h + b)) and
     db: (F,), added into db_out when given. cupy: one fused kernel, then the bias-gradient sum."""
-    if cache[1] is None:
+    if cache[1] is None and fused.usable(dy, cache[0]):
+        dh, db = fused.bias_gelu_backward(dy, cache[0])
+    elif cache[1] is None:
         dh, db = kernels.bias_gelu_backward(dy, cache[0])
     else:
         dh = gelu_backward(dy, cache)
@@ -331,6 +351,8 @@ def masked_softmax_forward(att, causal=True):
     """The attention probabilities from the scores, in place: att <- softmax(att [+ causal
     mask]) over the last dim. att: (..., T, T) scores (query rows, key columns); causal: mask
     the keys after each query. Returns att."""
+    if fused.usable(att) and att.ndim >= 2 and (not causal or att.shape[-2] == att.shape[-1]):
+        return fused.softmax_forward(att, causal)
     if causal:
         att += _causal_bias(xp_of(att), att.shape[-1], att.dtype)
     return _softmax_inplace(att)
@@ -338,7 +360,10 @@ def masked_softmax_forward(att, causal=True):
 
 def softmax_backward(datt, att):
     """Gradient of a softmax over the last dim from its output: ds = att * (datt - sum(datt *
-    att, -1)). datt, att: (..., T); datt is overwritten (scratch). Returns ds, a new array."""
+    att, -1)). datt, att: (..., T); datt is overwritten (scratch). Returns ds: a new array, or
+    datt itself (rtxmpi.fused)."""
+    if datt.shape == att.shape and fused.usable(datt, att):
+        return fused.softmax_backward(datt, att)
     xp = xp_of(att)
     ds = datt * att
     row = ds.sum(axis=-1, keepdims=True)
@@ -540,6 +565,10 @@ def crossentropy_forward(logits, targets):
     xp = xp_of(logits)
     V = logits.shape[-1]
     l2 = logits.reshape(-1, V)
+    if fused.usable(l2):
+        tgt = fused.targets_int64(targets)
+        probs, nll = fused.crossentropy_forward(l2, tgt)
+        return nll.mean(), (probs, tgt, logits.shape)
     tgt = targets.reshape(-1)
     rows = xp.arange(l2.shape[0])
     m = l2.max(axis=1, keepdims=True)
@@ -560,9 +589,11 @@ def crossentropy_backward(dloss, cache):
     micro-batches). Returns dlogits, shaped as the logits, = dloss * (softmax - onehot(targets)) / N.
     """
     probs, tgt, shape = cache
-    xp = xp_of(probs)
     N = probs.shape[0]
     c = float(dloss) / N
+    if fused.usable(probs) and tgt.dtype == np.int64 and tgt.flags.c_contiguous:
+        return fused.crossentropy_backward(probs, tgt, c).reshape(shape)
+    xp = xp_of(probs)
     dlogits = probs * c
     dlogits[xp.arange(N), tgt] -= c
     return dlogits.reshape(shape)

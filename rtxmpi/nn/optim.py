@@ -5,6 +5,7 @@ place with a fixed number of full-buffer array operations per step and no per-pa
 """
 import math
 
+from rtxmpi import fused
 from rtxmpi.backend import xp_of
 from rtxmpi.errors import ConfigError
 from rtxmpi.kernels import adamw_step
@@ -96,6 +97,8 @@ def grad_norm_sq(grad):
     """
     xp = xp_of(grad)
     g = grad.reshape(-1)
+    if fused.usable(g):  # one pass, no float64 copy
+        return fused.sum_squares(g)
     g = g.astype(xp.float64, copy=False)
     return float(xp.dot(g, g))
 

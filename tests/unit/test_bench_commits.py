@@ -1,9 +1,11 @@
 """bench/commits.py: two commits' step times, alternated, from git exports of this repository."""
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
@@ -11,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(ROOT, "bench", "commits.py")
 
 needs_git = pytest.mark.skipif(
-    shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git")),
+    shutil.which("git") is None or not os.path.exists(os.path.join(ROOT, ".git")),
     reason="needs git and this repository's history")
 
 
@@ -46,3 +48,18 @@ def test_bad_revision_and_counts_are_refused():
     assert "is not a commit" in _run("--old", "no-such-revision-x").stderr
     assert "--warmup must be in" in _run("--old", "HEAD", "--steps", "3", "--warmup", "3").stderr
     assert "--runs must be >= 1" in _run("--old", "HEAD", "--runs", "0").stderr
+
+
+@needs_git
+def test_export_builds_every_extension_the_commit_lists(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_commits", SCRIPT)
+    commits = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    try:
+        spec.loader.exec_module(commits)
+    finally:
+        sys.path.remove(os.path.dirname(SCRIPT))
+    commits.export("HEAD", str(tmp_path / "head"))
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    assert (tmp_path / "head" / "rtxmpi" / "comm" / f"_mailbox{suffix}").exists()
+    assert (tmp_path / "head" / "rtxmpi" / f"_fused{suffix}").exists()

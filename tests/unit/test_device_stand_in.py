@@ -12,7 +12,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import devicesim  # noqa: E402
 
-from rtxmpi import kernels  # noqa: E402
+from rtxmpi import fused, kernels  # noqa: E402
 from rtxmpi.backend import is_device_array, xp_of  # noqa: E402
 from rtxmpi.checkpoint import Shard  # noqa: E402
 from rtxmpi.checkpoint import format as fmt  # noqa: E402
@@ -85,13 +85,18 @@ def test_kernel_launch_is_checked_against_the_cuda_signature(sim):
 def test_model_on_device_runs_the_fused_kernels_and_matches_numpy_bitwise(sim):
     """cupy path: bias+GELU (forward, backward) and residual+LayerNorm through rtxmpi.kernels,
     one launch per block and pass; the stand-in runs the kernels' numpy references, so loss and
-    every gradient equal the numpy model's bit for bit (which takes the unfused path)."""
+    every gradient equal the numpy model's bit for bit on its numpy references (rtxmpi.fused
+    off: the unfused path)."""
     cfg = GPTConfig.named("tiny", seq_len=16)
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, 256, (2, 16)), rng.integers(0, 256, (2, 16))
     host, device = GPT(cfg, seed=1), GPT(cfg, seed=1, xp=sim)
-    loss, cache = host.forward(x, y)
-    host.backward(cache)
+    previous = fused.set_enabled(False)
+    try:
+        loss, cache = host.forward(x, y)
+        host.backward(cache)
+    finally:
+        fused.set_enabled(previous)
     assert devicesim.launches == {}  # numpy never launches
     dloss, dcache = device.forward(x, y)
     device.backward(dcache)
