@@ -21,11 +21,9 @@ on), or in code by `set_enabled(False)`. Functions here take the arrays `usable`
 (numpy, float32 or float64, one dtype, C-contiguous, aligned) and do not check again; they are
 local (no collective) and release the GIL.
 """
-import os
-
 import numpy as np
 
-from .errors import ConfigError
+from .backend import env_flag
 
 try:  # built at install (pyproject.toml ext-modules, optional); the numpy references without it
     from . import _fused as _ext
@@ -43,14 +41,10 @@ def available():
 
 def enabled():
     """True when the fused path runs: the extension is built and not turned off (RTXMPI_FUSED,
-    `set_enabled`). Raises ConfigError when RTXMPI_FUSED is neither 0 nor 1."""
+    `set_enabled`). Raises ConfigError when RTXMPI_FUSED is not a boolean (backend.env_flag)."""
     global _enabled
     if _enabled is None:
-        value = os.environ.get(_ENV, "1").strip()
-        if value not in ("0", "1"):
-            raise ConfigError(f"{_ENV} must be 0 (the numpy references) or 1 (the fused CPU "
-                              f"kernels), got {value!r}")
-        _enabled = value == "1"
+        _enabled = env_flag(_ENV, default=True)
     return _enabled and _ext is not None
 
 

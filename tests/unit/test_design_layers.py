@@ -53,9 +53,11 @@ def imported_modules(rel, source):
                 module = base + ("." + node.module if node.module else "")
             else:
                 module = node.module or ""
-            # `from pkg import name`: the submodule `name` when there is one, else pkg itself
+            # `from pkg import name`: the submodule `name` when there is one, nothing for a compiled
+            # extension (its C source beside), else pkg itself
             targets = [f"{module}.{a.name}" if module_path(f"{module}.{a.name}") else module
-                       for a in node.names]
+                       for a in node.names
+                       if not (ROOT / (module + "." + a.name).replace(".", "/")).with_suffix(".c").is_file()]
         else:
             continue
         for target in targets:
@@ -85,7 +87,7 @@ def upward_imports(files, layers):
         own = layer_of(rel, layers)
         for line, target in imported_modules(rel, source):
             theirs = layer_of(target, layers)
-            if theirs is not None and theirs > own:
+            if own is not None and theirs is not None and theirs > own:
                 upward.append(f"{rel}:{line} ({layers[own][0]}) imports {target} ({layers[theirs][0]})")
     return upward
 

@@ -255,7 +255,7 @@ def test_turned_off_runs_the_reference(spy):
 
 
 @built
-@pytest.mark.parametrize("value, on", (("0", False), ("1", True), (" 1 ", True)))
+@pytest.mark.parametrize("value, on", (("0", False), ("1", True), (" 1 ", True), ("off", False), ("", True)))
 def test_environment_variable_turns_the_path_off(monkeypatch, value, on):
     monkeypatch.setenv("RTXMPI_FUSED", value)
     monkeypatch.setattr(fused, "_enabled", None)
@@ -264,9 +264,9 @@ def test_environment_variable_turns_the_path_off(monkeypatch, value, on):
 
 
 def test_bad_environment_variable_raises_config_error(monkeypatch):
-    monkeypatch.setenv("RTXMPI_FUSED", "yes")
+    monkeypatch.setenv("RTXMPI_FUSED", "2")
     monkeypatch.setattr(fused, "_enabled", None)
-    with pytest.raises(ConfigError, match="RTXMPI_FUSED must be 0"):
+    with pytest.raises(ConfigError, match="RTXMPI_FUSED='2': use 1"):
         fused.usable(np.zeros(3))
 
 
