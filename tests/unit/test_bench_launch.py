@@ -122,7 +122,7 @@ def test_splice_replaces_the_block_keeps_prose_and_appends_new_sections():
 def test_run_all_table_order_and_dry_run():
     run_all = load_run_all()
     names = [row[0] for row in run_all.BENCHES]
-    assert names[:4] == ["collectives", "scaling", "memory", "checkpoint"]
+    assert names[:5] == ["collectives", "scaling", "peers", "memory", "checkpoint"]
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run_all.py"), "--dry-run",
                            "--only", "checkpoint,elastic"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
