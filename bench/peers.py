@@ -169,7 +169,8 @@ def job_flags(args, model):
 def job_env():
     """One BLAS thread per rank, checking mode off, root allowed (Open MPI) as root."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               RTXMPI_CHECK="0", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+               RTXMPI_CHECK="0",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     return env
@@ -243,8 +244,13 @@ def measure(args):
 
 
 def summarize(row, args):
-    """Median step time (s) over every round's steps after --warmup, per side, and the rest."""
-    out = {}
+    """Per side: the median step time (s) over every round's steps after --warmup, and the rest;
+    round_ratios: each round's rtxmpi/torch ratio of its two jobs' medians."""
+    def median_s(run):
+        return statistics.median(run["step_time_ms"][args.warmup:]) / 1e3
+
+    out = {"round_ratios": [median_s(a) / median_s(b)
+                            for a, b in zip(row["runs"]["rtxmpi"], row["runs"]["torch"])]}
     for side in SIDES:
         runs = row["runs"][side]
         step_s = statistics.median(t for run in runs for t in run["step_time_ms"][args.warmup:]) / 1e3
@@ -257,12 +263,13 @@ def summarize(row, args):
 
 def report(rows, args, info, elapsed_s):
     """The markdown on stdout."""
-    print(f"### The main job against PyTorch DDP (gloo), float32, one thread per rank\n")
+    print("### The main job against PyTorch DDP (gloo), float32, one thread per rank\n")
     print(f"machine: {machine_line(info)}\n")
     print(f"command: `python bench/peers.py {shlex.join(sys.argv[1:])}` ({elapsed_s:.0f} s)\n")
     print(f"Global batch {args.global_batch} x {args.seq_len} tokens, {args.steps} steps (the first "
           f"{args.warmup} untimed), {args.rounds} round(s) of one job a side, alternating which goes "
-          f"first; both from rtxmpi's initial weights (seed {args.seed}) on the same batches; "
+          f"first (each round's ratio: its two jobs' medians, the spread that the machine's load "
+          f"makes); both from rtxmpi's initial weights (seed {args.seed}) on the same batches; "
           f"lr {args.lr:g} -> {args.min_lr:g}, {args.warmup_steps} warm-up step(s), AdamW "
           f"(0.9, 0.95) weight decay {args.weight_decay:g}, clip {args.grad_clip:g}. Step time: "
           f"rank 0's median; validation loss after the run ({args.eval_batches} global batches).\n")
@@ -271,7 +278,8 @@ def report(rows, args, info, elapsed_s):
         s = summarize(row, args)
         ours, peer = s["rtxmpi"], s["torch"]
         table.append([row["model"], row["ranks"], fmt(ours["step_s"] * 1e3, 1), fmt(peer["step_s"] * 1e3, 1),
-                      fmt(ours["step_s"] / peer["step_s"]), fmt(ours["tokens_per_s"]),
+                      fmt(ours["step_s"] / peer["step_s"]), ", ".join(fmt(r) for r in s["round_ratios"]),
+                      fmt(ours["tokens_per_s"]),
                       fmt(peer["tokens_per_s"]), f"{ours['first_loss']:.4f} / {peer['first_loss']:.4f}",
                       f"{ours['val_loss']:.4f} / {peer['val_loss']:.4f}"])
         sgemm = row["sgemm_gflops"]
@@ -281,8 +289,8 @@ def report(rows, args, info, elapsed_s):
                       fmt(peer["gflops_per_rank"] / sgemm["torch"])])
         row["summary"] = s
     print(markdown_table(["model", "ranks", "rtxmpi step (ms)", "torch step (ms)", "rtxmpi/torch step time",
-                          "rtxmpi tokens/s", "torch tokens/s", "step-1 loss rtxmpi / torch",
-                          "val loss rtxmpi / torch"], table))
+                          "each round's ratio", "rtxmpi tokens/s", "torch tokens/s",
+                          "step-1 loss rtxmpi / torch", "val loss rtxmpi / torch"], table))
     print("\nCompute rate: model FLOPs per step (6 N + 12 L T C a token) / step time / ranks, against "
           "one thread's float32 matmul on the model's weight shapes at the per-rank batch, measured "
           "in this run.\n")
@@ -318,7 +326,8 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="write every number and the machine facts here")
     p.add_argument("--worker", choices=("torch", "sgemm"), default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or sys.argv[1:]) if a.startswith("--")}
+    given = {a.split("=")[0].lstrip("-").replace("-", "_")
+             for a in (sys.argv[1:] if argv is None else argv) if a.startswith("--")}
     if args.quick:
         for key, value in QUICK.items():
             if key not in given:
@@ -371,8 +380,7 @@ def main(argv=None):
     rows = measure(args)
     report(rows, args, info, time.perf_counter() - t0)
     if args.json:
-        write_json(args.json, {"machine": info, "args": {k: v for k, v in vars(args).items()},
-                               "rows": rows})
+        write_json(args.json, {"machine": info, "args": vars(args), "rows": rows})
     return 0
 
 
