@@ -1,6 +1,6 @@
 """The main job against PyTorch: examples/train.py against the same GPT in PyTorch DDP over gloo.
 
-    python bench/peers.py            # small and base, 1 and 2 ranks, 2 rounds: ~10-15 min on 2 cores
+    python bench/peers.py            # small and base, 1 and 2 ranks, 2 rounds: ~20 min on 2 busy cores
     python bench/peers.py --quick    # small, 1 and 2 ranks, 10 steps, 1 round: ~2 min
     python bench/peers.py --models base --ranks 2 --steps 40 --warmup 5 --rounds 3 --json out.json
 
@@ -16,7 +16,7 @@ the run (the same tokens on both: the same steps of the same global batch).
 
 Compute rate: model FLOPs per step over the step time, per rank, against the machine's float32
 matmul rate at one thread, numpy's and torch's, measured in this run on the model's weight
-matmuls (forward shapes at the per-rank batch, each layer's count; best of 5, the two libraries
+matmuls (forward shapes at the per-rank batch, each layer's count; best of 6, the two libraries
 alternating). FLOPs per token = 6 N + 12 L T C with N = 12 L C^2 + V C, the weights of the
 matmuls (the tied head included, embeddings lookups and biases not), and attention over the full
 T x T (PaLM's count, Chowdhery et al. 2022, appendix B).
@@ -83,7 +83,7 @@ def sgemm_worker(args):
         calls = {"numpy": lambda: np.matmul(a, b, out=c), "torch": lambda: torch.mm(ta, tb, out=tc)}
         iters = max(1, int(2.5e9 / (2 * m * k * n)))  # about 0.05 s a timing at 50 GFLOP/s
         best = {name: math.inf for name in calls}
-        for _ in range(6):  # the first round warms up
+        for _ in range(6):
             for name, call in calls.items():
                 t0 = time.perf_counter()
                 for _ in range(iters):
@@ -340,7 +340,7 @@ def parse_args(argv=None):
         args.models = [m for m in str(args.models).split(",") if m]
         unknown = [m for m in args.models if m not in MODEL_SIZES]
         if unknown or not args.models:
-            p.error(f"--models {args.models}: choose from {', '.join(MODEL_SIZES)}")
+            p.error(f"--models {','.join(args.models)}: choose from {', '.join(MODEL_SIZES)}")
         try:
             args.ranks = [int(n) for n in str(args.ranks).split(",") if n]
         except ValueError:
