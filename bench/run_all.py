@@ -11,7 +11,8 @@ with `--json`. Its stdout (markdown tables, the command, the machine line) and J
 section, and one section per benchmark in the order of BENCHES, each its title, the first
 paragraph of the benchmark's docstring, and its latest output (between `<!-- run_all:NAME begin -->`
 and `<!-- run_all:NAME end -->`). The output of a benchmark not run this time (`--only`, `--skip`,
-missing file, failure) is carried over from the previous RESULTS.md; one never measured says how
+missing file, failure, a benchmark whose output starts with a `skipped:` line
+(peers.py without torch)) is carried over from the previous RESULTS.md; one never measured says how
 to measure it. Nothing else in the file is kept: it holds the current tables only (history is in
 git log). A failed benchmark makes the exit status 1.
 """
@@ -39,6 +40,7 @@ BENCHES = (
     ("convergence", "Training to a target", (), ()),
     ("collectives", "Collectives", (2, 4), ()),
     ("scaling", "Data-parallel scaling", (), ()),
+    ("peers", "The main job against PyTorch", (), ()),
     ("memory", "Memory", (), ()),
     ("checkpoint", "Checkpoint I/O", (1, 2, 4), ()),
     ("tensor_parallel", "Tensor and sequence parallelism", (2, 4), ()),
@@ -108,14 +110,15 @@ def render(bodies, machine):
 
 
 def run_one(name, n, extra, args, out_dir):
-    """Run one benchmark invocation; returns (ok, markdown body, seconds)."""
+    """Run one benchmark invocation; returns (ok, markdown body, seconds, whether it skipped itself:
+    its output starts with `skipped:`)."""
     stem = os.path.join(out_dir, f"{name}_n{n}" if n else name)
     argv, _ = bench_launch.command(name, n or 1, list(extra) + ["--json", stem + ".json"],
                                    launcher=args.mpiexec)
     label = f"rtxmpi bench {name}" + (f" -n {n}" if n else "")
     progress(f"[run_all] {label}: {' '.join(argv)}")
     if args.dry_run:
-        return True, "", 0.0
+        return True, "", 0.0, False
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(argv, env=bench_launch.environment(), stdout=subprocess.PIPE,
@@ -127,9 +130,10 @@ def run_one(name, n, extra, args, out_dir):
         ok, out = False, exc.stdout or ""
         progress(f"[run_all] {label} FAILED: over --timeout-s {args.timeout_s}")
     elapsed = time.perf_counter() - t0
+    out = out if isinstance(out, str) else out.decode(errors="replace")
     with open(stem + ".md", "w") as f:
-        f.write(out if isinstance(out, str) else out.decode(errors="replace"))
-    return ok, f"#### `{label}`\n\n{out.strip()}\n", elapsed
+        f.write(out)
+    return ok, f"#### `{label}`\n\n{out.strip()}\n", elapsed, out.lstrip().startswith("skipped:")
 
 
 def parse_args(argv=None):
@@ -163,7 +167,7 @@ def main(argv=None):
             bodies = previous_blocks(f.read())
     except FileNotFoundError:
         bodies = {}
-    failed, done, skipped = [], [], []
+    failed, done, skipped, unavailable = [], [], [], []
     for name, title, sizes, extra in BENCHES:
         if name not in only or name in args.skip.split(","):
             continue
@@ -174,16 +178,21 @@ def main(argv=None):
             continue
         mode = bench_launch.launch_mode(path)
         runs = [None] if mode == "self" or not sizes else list(sizes)
-        parts, ok_all, seconds = [], True, 0.0
+        parts, ok_all, seconds, skipped_itself = [], True, 0.0, False
         for n in runs:
-            ok, body, elapsed = run_one(name, n, extra, args, out_dir)
+            ok, body, elapsed, skip = run_one(name, n, extra, args, out_dir)
             ok_all &= ok
+            skipped_itself |= skip
             seconds += elapsed
             parts.append(body)
         if args.dry_run:
             continue
         if not ok_all:
             failed.append(name)
+            continue
+        if skipped_itself:
+            progress(f"[run_all] {name} skipped itself; its section is left as it is")
+            unavailable.append(name)
             continue
         when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         header = f"Measured {when}, commit {commit}, {seconds:.0f} s."
@@ -195,6 +204,7 @@ def main(argv=None):
                f"benchmarks {', '.join(done) or 'none'}"
                + (f"; failed {', '.join(failed)}" if failed else "")
                + (f"; not in this checkout {', '.join(skipped)}" if skipped else "")
+               + (f"; skipped by themselves {', '.join(unavailable)}" if unavailable else "")
                + f".\n\nmachine: {machine_line(info)}\n\nThe machine may be shared with other "
                "work: each run's machine line gives the load average at its start.")
     with open(args.results, "w") as f:

@@ -114,7 +114,7 @@ def test_results_are_written_whole_from_the_latest_outputs(tmp_path, monkeypatch
                        "<!-- run_all:checkpoint end -->\n")
     outcome = {"checkpoint": True, "timeline": False}
     monkeypatch.setattr(run_all, "run_one", lambda name, n, extra, args, out_dir:
-                        (outcome[name], f"new {name} at {n} ranks", 1.0))
+                        (outcome[name], f"new {name} at {n} ranks", 1.0, False))
     status = run_all.main(["--only", "checkpoint,timeline", "--results", str(results),
                            "--out-dir", str(tmp_path / "out")])
     text = results.read_text()
@@ -133,7 +133,7 @@ def test_results_are_written_whole_from_the_latest_outputs(tmp_path, monkeypatch
 def test_run_all_table_order_and_dry_run():
     run_all = load_run_all()
     names = [row[0] for row in run_all.BENCHES]
-    assert names[:5] == ["convergence", "collectives", "scaling", "memory", "checkpoint"]
+    assert names[:6] == ["convergence", "collectives", "scaling", "peers", "memory", "checkpoint"]
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run_all.py"), "--dry-run",
                            "--only", "checkpoint,elastic"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
