@@ -29,24 +29,10 @@ import os
 import sys
 from dataclasses import asdict, fields, replace
 
+import rtxmpi  # before numpy: it sets each rank's BLAS threads (rtxmpi.threads)
 
-def _default_blas_threads():
-    """Unless OMP_NUM_THREADS is set: give each rank its share of the cores (cores // ranks on this
-    node, at least 1), before numpy loads its BLAS. N ranks that each start an all-core BLAS pool
-    starve each other (5x slower measured with 2 ranks on 2 cores). Local sizes from Open MPI or
-    MPICH's launcher; without them nothing changes."""
-    local = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or os.environ.get("MPI_LOCALNRANKS")
-    if "OMP_NUM_THREADS" in os.environ or not (local or "").isdigit() or int(local) < 1:
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (cores or 1) // int(local)))
+import numpy as np
 
-
-_default_blas_threads()
-
-import numpy as np  # noqa: E402  (after the BLAS thread default)
-
-import rtxmpi
 from rtxmpi import elastic
 from rtxmpi.backend import array_module, to_host
 from rtxmpi.control import agree

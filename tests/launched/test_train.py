@@ -1,5 +1,6 @@
 """The main job, examples/train.py, launched as users launch it: under its own mpiexec."""
 import json
+import os
 import sys
 
 import pytest
@@ -120,6 +121,21 @@ def test_readme_loops_run_and_differ_in_at_most_10_lines(tmp_path):
     proc = mpiexec(2, "loop_dp.py", [], 120, tmp_path)
     assert proc.returncode == 0, str(proc)
     assert proc.stdout.count("step 20 loss") == 1  # rank 0 prints
+
+
+def test_loop_dp_gives_each_rank_its_share_of_the_cores_for_blas(tmp_path):
+    cores = len(os.sched_getaffinity(0))
+    if cores < 2:
+        pytest.skip("one core: every rank gets one BLAS thread either way")
+    report = tmp_path / "report.py"  # loop_dp.py as launched, then its BLAS pool's size
+    report.write_text(f"import runpy\nrunpy.run_path({str(EXAMPLES / 'loop_dp.py')!r})\n"
+                      "from threadpoolctl import threadpool_info\n"
+                      "print('blas threads', [p['num_threads'] for p in threadpool_info()])\n")
+    env = {k: v for k, v in launch_env(RTXMPI_CACHE_DIR=tmp_path / "cache").items()
+           if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    proc = run_command(mpiexec_argv(2) + [sys.executable, report], outer_timeout_s=120, env=env)
+    assert proc.returncode == 0, str(proc)
+    assert proc.lines("blas threads") == [f"blas threads [{cores // 2}]"] * 2, str(proc)
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3])
