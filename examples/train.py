@@ -167,6 +167,9 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest committed checkpoint in --ckpt-dir that verifies "
                         "(a corrupt newer one is skipped with a warning; none: start fresh)")
+    p.add_argument("--keep-last", type=int, default=None, metavar="K",
+                   help="after each checkpoint, remove this run's older committed ones but the K "
+                        "newest (never the one resumed from, nor another run's; default: keep all)")
     p.add_argument("--resume-strict", action="store_true",
                    help="with --resume: refuse (exit 3) when the newest committed checkpoint does "
                         "not verify, instead of falling back to an older one")

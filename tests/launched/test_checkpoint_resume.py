@@ -132,6 +132,21 @@ def test_zero_stage_2_checkpoint_resumes_with_plain_data_parallel(tmp_path):
     assert sorted(records(metrics)) == list(range(7, 13))
 
 
+def test_keep_last_keeps_the_newest_the_resumed_and_another_runs_checkpoints(tmp_path):
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    proc = train(2, tmp_path, ckpt, "--ckpt-every", "1", "--keep-last", "2", "--stop-after-step", "4")
+    assert proc.returncode == 0, str(proc)
+    assert proc.lines("checkpoint: removed step 2 (--keep-last 2)"), str(proc)
+    assert [c.step for c in list_checkpoints(ckpt)] == [3, 4]
+    assert train(2, tmp_path, other, "--stop-after-step", "2").returncode == 0
+    shutil.copytree(other / "step_00000002", ckpt / "step_00000002")  # another run's checkpoint
+    proc = train(2, tmp_path, ckpt, "--ckpt-every", "1", "--keep-last", "2", "--resume")
+    assert proc.returncode == 0 and "continuing at step 5" in proc.stdout, str(proc)
+    left = [c for c in list_checkpoints(ckpt)]
+    assert [c.step for c in left] == [2, 4, 11, 12] and all(c.committed for c in left)
+    assert load_checkpoint(None, ckpt, 2).metadata["run_id"] != load_checkpoint(None, ckpt, 12).metadata["run_id"]
+
+
 def test_ckpt_ls_verify_inspect_and_a_flipped_byte(reference, tmp_path, capsys):
     """`rtxmpi ckpt` through rtxmpi.cli.main in this process; the failing verify, the one whose
     exit status matters to scripts, as its own process."""

@@ -47,6 +47,8 @@ BAD_FLAGS = [  # each refused on every one of 4 ranks, in one launch (tests/laun
     (["--offload", "cpu"], "--offload cpu needs --zero-stage 1, 2 or 3"),
     (["--stop-after-step", "5"], "error: --stop-after-step needs --ckpt-dir DIR"),
     (["--ckpt-every", "3"], "error: --ckpt-every needs --ckpt-dir DIR"),
+    (["--keep-last", "0"], "--keep-last must be an integer >= 1 (the committed checkpoints to keep), got 0"),
+    (["--keep-last", "2"], "error: --keep-last needs --ckpt-dir DIR"),
     (["--plan", "auto", "--micro-batches", "2"], "--plan auto chooses the layout; drop --micro-batches"),
     (["--seq-len", "100000"], "GiB per rank (estimate), over this node's"),  # not a MemoryError later
     (["--lr", "inf"], "--lr must be finite and > 0, got inf"),
