@@ -4,8 +4,8 @@ from .threads import default_blas_threads
 default_blas_threads()  # before numpy loads: each rank its share of the node's cores
 
 from .comm import ProcessGroup, Work, init, is_initialized, shared_zeros, world  # noqa: E402
-from .errors import (  # noqa: E402CheckpointError, CollectiveError, CollectiveMismatch, CollectiveTimeout,
-                     ConfigError, RankFailure, RtxmpiError)
+from .errors import (CheckpointError, CollectiveError, CollectiveMismatch,  # noqa: E402
+                     CollectiveTimeout, ConfigError, RankFailure, RtxmpiError)
 
 __version__ = "0.1.0"
 
