@@ -26,6 +26,7 @@ import numpy as np
 from ..backend import LOW_PRECISION, SUPPORTED_DTYPES, dtype_name, is_device_array, xp_of
 from ..errors import CollectiveMismatch, ConfigError
 from . import fingerprint
+from .arrays import accepts_dlpack
 from .fingerprint import ARG_SHIFT as _ARG_SHIFT, OP_CODES as _OP_CODES, REDUCE_CODES as _REDUCE_CODES
 from .fingerprint import counts_crc as _counts_crc, dtype_code as _dtype_code
 from .fingerprint import dtype_from_code as _dtype_from_code
@@ -227,6 +228,7 @@ class ProcessGroup:
         return result if result.dtype == dtype else result.astype(dtype)
 
     # -- collectives ----------------------------------------------------------------------------
+    @accepts_dlpack
     def all_reduce(self, x, op="sum", *, async_op=False, stream=None):
         """Reduce `x` over the group, in place, and return it.
 
@@ -294,6 +296,7 @@ class ProcessGroup:
         return self._run("all_reduce", seq, arrived,
                          lambda nb: self.backend.all_reduce(buf, mpi_op, nb), finish, async_op)
 
+    @accepts_dlpack
     @_host_staged
     def reduce_scatter(self, x, op="sum", *, counts=None, async_op=False, stream=None):
         """Reduce `x` over the group and return this rank's shard of rows.
@@ -366,6 +369,7 @@ class ProcessGroup:
                              f"{tuple(x.shape)} is {x.shape[0]}")
         return values
 
+    @accepts_dlpack
     @_host_staged
     def all_gather(self, x, *, async_op=False, stream=None):
         """Gather `x` from every rank, concatenated along dim 0 in group-rank order.
@@ -384,6 +388,7 @@ class ProcessGroup:
         return self._run("all_gather", seq, arrived,
                          lambda nb: self.backend.all_gather(buf, out, nb), lambda: out, async_op)
 
+    @accepts_dlpack
     @_host_staged
     def broadcast(self, x, src=0, *, async_op=False, stream=None):
         """Copy `x` from group rank `src` to every rank, in place; returns x (or a Work).
@@ -406,6 +411,7 @@ class ProcessGroup:
         return self._run("broadcast", seq, arrived,
                          lambda nb: self.backend.broadcast(buf, src, nb), finish, async_op)
 
+    @accepts_dlpack
     @_host_staged
     def all_to_all(self, x, *, async_op=False, stream=None):
         """Exchange equal chunks: rank i's chunk j goes to rank j, landing as chunk i.
@@ -436,6 +442,7 @@ class ProcessGroup:
             self.backend.arrive("barrier", seq, self.timeout_s)
 
     # -- point to point -------------------------------------------------------------------------
+    @accepts_dlpack
     @_host_staged
     def send(self, x, dst, tag=0, *, async_op=False, stream=None):
         """Send `x` to group rank `dst`; the matching recv must have the same element count and
@@ -455,6 +462,7 @@ class ProcessGroup:
                     self.backend.check_sent, keep=buf)
         return work if async_op else work.wait()
 
+    @accepts_dlpack
     @_host_staged
     def recv(self, x, src, tag=0, *, async_op=False, stream=None):
         """Receive into `x` (in place) from group rank `src`; returns x (or a Work).
