@@ -44,3 +44,26 @@ def test_results_go_back_to_the_framework_of_the_input():
     out = to_kind(np.arange(2), t, view)
     assert isinstance(out, torch.Tensor) and out.tolist() == [0, 1]
     assert to_kind(None, t, view) is None
+
+
+class Exported:
+    """A CPU DLPack object over a numpy buffer (another framework's array, without torch)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_a_checkpoint_shard_takes_a_dlpack_array_without_a_copy(tmp_path):
+    from rtxmpi.checkpoint import Shard, load_checkpoint, save_checkpoint
+
+    buf = np.arange(6.0)
+    shard = Shard(Exported(buf), 0, 6)
+    assert type(shard.data) is np.ndarray and np.shares_memory(shard.data, buf)
+    save_checkpoint(None, tmp_path, 1, {"w": shard})
+    assert load_checkpoint(None, tmp_path).read("w").tolist() == buf.tolist()
