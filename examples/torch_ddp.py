@@ -148,7 +148,7 @@ def main(argv=None):
     start = 0
     if args.resume and latest_step(args.ckpt_dir):
         start = load(world, args.ckpt_dir, model, optimizer)
-        print(f"resumed from step {start} (saved by any world size)") if world.rank == 0 else None
+        print(f"resumed from step {start}") if world.rank == 0 else None
     for step in range(start + 1, args.steps + 1):
         x, y = batch(step, args.global_batch, args.seed, world.rank, world.world_size)
         loss = torch.nn.functional.cross_entropy(model(x), y)
