@@ -85,7 +85,7 @@ def accepts_dlpack(method):
     def wrapper(self, x, *args, **kwargs):
         if type(x) is np.ndarray or not is_foreign(x):  # the common case first: one type check
             return method(self, x, *args, **kwargs)
-        array = as_array(x, method.__name__)
+        array = as_array(x, method.__name__.lstrip("_"))
         result = method(self, array, *args, **kwargs)
         if isinstance(result, Work):
             return result.then(lambda value: to_kind(value, x, array))

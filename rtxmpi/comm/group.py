@@ -228,7 +228,6 @@ class ProcessGroup:
         return result if result.dtype == dtype else result.astype(dtype)
 
     # -- collectives ----------------------------------------------------------------------------
-    @accepts_dlpack
     def all_reduce(self, x, op="sum", *, async_op=False, stream=None):
         """Reduce `x` over the group, in place, and return it.
 
@@ -267,6 +266,7 @@ class ProcessGroup:
             return x
         return finish
 
+    @accepts_dlpack  # here, not on all_reduce: the fast path above pays nothing for it
     @_host_staged
     def _all_reduce(self, x, op, *, async_op=False, stream=None):
         """all_reduce for every case: any layout, dtype and array module, async, checking mode."""
