@@ -11,13 +11,12 @@ import sys
 LOCAL_SIZE_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
 
 
-def default_blas_threads(environ=None):
+def default_blas_threads():
     """Unless OMP_NUM_THREADS is set, or numpy is already loaded (its BLAS pool then exists), set
     OMP_NUM_THREADS to this node's cores // ranks on this node (at least 1), the local rank count
     read from the launcher (LOCAL_SIZE_VARIABLES); without a launcher nothing changes. A malformed
-    launcher value is ignored. environ: the mapping to read and write (default os.environ).
-    Returns the value set, or None."""
-    env = os.environ if environ is None else environ
+    launcher value is ignored. Returns the value set, or None."""
+    env = os.environ
     if "OMP_NUM_THREADS" in env or "numpy" in sys.modules:
         return None
     local = next((env[name] for name in LOCAL_SIZE_VARIABLES if name in env), "")

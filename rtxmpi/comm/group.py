@@ -94,6 +94,9 @@ class ProcessGroup:
     timeout_s (float, default deadline of every wait), check (bool, checking mode), members (list of
     world ranks, indexed by group rank), backend.
 
+    Every collective's x may also be any DLPack array (a PyTorch tensor, a JAX array): viewed
+    without a copy, results returned as the caller's kind (rtxmpi.comm.arrays, docs/interop.md).
+
     Errors common to every collective: CollectiveTimeout (a wait passed `timeout_s`; raised on every
     waiting rank), CollectiveMismatch (ranks disagree on op, element count, dtype or reduce op /
     src / counts, and in checking mode on shape; raised on every rank, nothing moved),

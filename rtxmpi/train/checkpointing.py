@@ -136,7 +136,7 @@ class Checkpoints:
                 removed = prune(self.config.ckpt_dir, self.config.keep_last, self.run_id, protect)
             except CheckpointError as exc:
                 error = exc
-        raise_if_any_failed(self.world, error, f"{self.config.name('keep_last')}")
+        raise_if_any_failed(self.world, error, self.config.name("keep_last"))
         if removed:
             print(f"checkpoint: removed step{'s' if len(removed) > 1 else ''} "
                   f"{', '.join(map(str, removed))} ({self.config.name('keep_last')} "
