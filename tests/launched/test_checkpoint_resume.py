@@ -142,9 +142,10 @@ def test_keep_last_keeps_the_newest_the_resumed_and_another_runs_checkpoints(tmp
     shutil.copytree(other / "step_00000002", ckpt / "step_00000002")  # another run's checkpoint
     proc = train(2, tmp_path, ckpt, "--ckpt-every", "1", "--keep-last", "2", "--resume")
     assert proc.returncode == 0 and "continuing at step 5" in proc.stdout, str(proc)
-    left = [c for c in list_checkpoints(ckpt)]
+    left = list_checkpoints(ckpt)
     assert [c.step for c in left] == [2, 4, 11, 12] and all(c.committed for c in left)
-    assert load_checkpoint(None, ckpt, 2).metadata["run_id"] != load_checkpoint(None, ckpt, 12).metadata["run_id"]
+    run_ids = [load_checkpoint(None, ckpt, step).metadata["run_id"] for step in (2, 12)]
+    assert run_ids[0] != run_ids[1]
 
 
 def test_ckpt_ls_verify_inspect_and_a_flipped_byte(reference, tmp_path, capsys):
