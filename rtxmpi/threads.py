@@ -7,8 +7,9 @@ numpy. Standard library only: this module must not load numpy.
 import os
 import sys
 
-#: the launchers' count of ranks on this node (Open MPI, MPICH/Hydra, Slurm's srun)
-LOCAL_SIZE_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+#: the count of ranks on this node that Open MPI and MPICH (Hydra) give each rank they start
+#: (not Slurm's per-node counts: a batch script's own python process sees those too)
+LOCAL_SIZE_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 
 
 def default_blas_threads():
