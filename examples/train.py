@@ -469,7 +469,7 @@ class GPTTask(Task):
         full = parts.engine.full_params()  # every rank: a gather at ZeRO stage 3
         if world.rank != 0:
             return
-        prompt, offset = sample_prompt(self.corpus.val, args.seed, min(32, args.seq_len // 2))
+        prompt, offset = sample_prompt(self.corpus.val, args.seed, max(1, min(32, args.seq_len // 2)))
         sampler_model = GPT(self.cfg, seed=args.seed)  # a plain local copy: generation talks to no one
         sampler_model.load_flat(full)
         out = sampler_model.generate(prompt[None, :].astype(np.int64), args.sample_tokens,
