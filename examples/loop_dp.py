@@ -1,4 +1,4 @@
-import rtxmpi
+import rtxmpi                                            # first: each rank's BLAS threads
 from rtxmpi.data import BatchSampler, load_corpus
 from rtxmpi.nn import GPT, AdamW, GPTConfig, decay_mask
 from rtxmpi.parallel.data import DataParallel

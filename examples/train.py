@@ -7,7 +7,8 @@
 Every rank reads its slice of the same global batch (chosen from the seed and the global sample
 index, so the run is the same at any world size), gradients are averaged with bucketed all_reduce
 overlapping backward, and rank 0 shows progress, writes one JSON line per step to --metrics-jsonl,
-evaluates the validation loss every --eval-every steps and prints a generated sample at the end.
+evaluates the validation loss every --eval-every steps and prints a generated sample at the end
+(its prompt drawn from the validation text).
 With --ckpt-dir and --ckpt-every K a sharded checkpoint is committed after every step S with
 S % K == 0 and at the end; --resume continues from the latest committed one at step S + 1, at any
 world size (docs/checkpoint.md). Rank 0 logs every step to CKPT/wal.h5 (the write-ahead log);
@@ -29,24 +30,10 @@ import os
 import sys
 from dataclasses import asdict, fields, replace
 
+import rtxmpi  # before numpy: it sets each rank's BLAS threads (rtxmpi.threads)
 
-def _default_blas_threads():
-    """Unless OMP_NUM_THREADS is set: give each rank its share of the cores (cores // ranks on this
-    node, at least 1), before numpy loads its BLAS. N ranks that each start an all-core BLAS pool
-    starve each other (5x slower measured with 2 ranks on 2 cores). Local sizes from Open MPI or
-    MPICH's launcher; without them nothing changes."""
-    local = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or os.environ.get("MPI_LOCALNRANKS")
-    if "OMP_NUM_THREADS" in os.environ or not (local or "").isdigit() or int(local) < 1:
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (cores or 1) // int(local)))
+import numpy as np
 
-
-_default_blas_threads()
-
-import numpy as np  # noqa: E402  (after the BLAS thread default)
-
-import rtxmpi
 from rtxmpi import elastic
 from rtxmpi.backend import array_module, to_host
 from rtxmpi.control import agree
@@ -73,6 +60,20 @@ def printable(text):
     drive the terminal) shown as U+FFFD, like the invalid UTF-8 that decode() already replaced."""
     return "".join(c if c in "\n\t" or c.isprintable() else "\ufffd"
                    for c in text)
+
+
+def sample_prompt(val, seed, length):
+    """The generated sample's prompt: up to `length` bytes of held-out text, from the first
+    non-empty line that starts within 256 bytes after an offset drawn from `seed` (the offset
+    itself when none does). val: the validation tokens (1-D uint8). Returns (tokens (n,) uint8,
+    offset), or (a newline, None) when val is empty."""
+    if val.size == 0:
+        return encode("\n"), None
+    offset = int(np.random.default_rng(seed).integers(0, max(1, val.size - length)))
+    window = np.asarray(val[offset:offset + 256])
+    starts = np.flatnonzero((window[:-1] == ord("\n")) & (window[1:] != ord("\n"))) + 1
+    offset += int(starts[0]) if starts.size else 0
+    return np.array(val[offset:offset + length], np.uint8), offset
 
 
 class _Parser(argparse.ArgumentParser):
@@ -171,7 +172,8 @@ def parse_args(argv=None):
     p.add_argument("--run-dir", default=None, metavar="DIR",
                    help="write metrics.jsonl, timeline.json, breakdown, bottleneck and memory "
                         "for `rtxmpi report DIR`")
-    p.add_argument("--sample-tokens", type=int, default=200, help="bytes to generate at the end (0: none)")
+    p.add_argument("--sample-tokens", type=int, default=200,
+                   help="bytes to generate at the end, after a prompt from the validation text (0: none)")
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (sharded HDF5, docs/checkpoint.md)")
     p.add_argument("--ckpt-every", type=int, default=0,
                    help="checkpoint after every K-th step and at the end (0: only at the end)")
@@ -181,6 +183,9 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest committed checkpoint in --ckpt-dir that verifies "
                         "(a corrupt newer one is skipped with a warning; none: start fresh)")
+    p.add_argument("--keep-last", type=int, default=None, metavar="K",
+                   help="after each checkpoint, remove this run's older committed ones but the K "
+                        "newest (never the one resumed from, nor another run's; default: keep all)")
     p.add_argument("--resume-strict", action="store_true",
                    help="with --resume: refuse (exit 3) when the newest committed checkpoint does "
                         "not verify, instead of falling back to an older one")
@@ -462,18 +467,22 @@ class GPTTask(Task):
                                   f"another --ckpt-dir")
 
     def finish(self, world, parts, config, record):
-        """--sample-tokens N: rank 0 prints N bytes generated from the trained model."""
+        """--sample-tokens N: rank 0 prints N bytes the trained model generates after a prompt from
+        the validation text (sample_prompt)."""
         args = self.args
         if not args.sample_tokens:
             return
         full = parts.engine.full_params()  # every rank: a gather at ZeRO stage 3
         if world.rank != 0:
             return
-        prompt = encode("def ")[None, :].astype(np.int64)
+        prompt, offset = sample_prompt(self.corpus.val, args.seed, max(1, min(32, args.seq_len // 2)))
         sampler_model = GPT(self.cfg, seed=args.seed)  # a plain local copy: generation talks to no one
         sampler_model.load_flat(full)
-        out = sampler_model.generate(prompt, args.sample_tokens, temperature=0.8, top_k=40,
-                                     rng=np.random.default_rng(args.seed))
+        out = sampler_model.generate(prompt[None, :].astype(np.int64), args.sample_tokens,
+                                     temperature=0.8, top_k=40, rng=np.random.default_rng(args.seed))
+        where = "a newline (no validation text)" if offset is None else \
+            f"{prompt.size} bytes of the validation text at byte {offset}"
+        print(f"sample: the prompt is {where}, then {args.sample_tokens} generated bytes")
         print("---- sample ----\n" + printable(decode(to_host(out[0]))) + "\n----------------", flush=True)
 
 

@@ -1,7 +1,11 @@
 """rtxmpi: a distributed-training runtime launched with mpiexec or srun."""
-from .comm import ProcessGroup, Work, init, is_initialized, shared_zeros, world
-from .errors import (CheckpointError, CollectiveError, CollectiveMismatch, CollectiveTimeout,
-                     ConfigError, RankFailure, RtxmpiError)
+from .threads import default_blas_threads
+
+default_blas_threads()  # before numpy loads: each rank its share of the node's cores
+
+from .comm import ProcessGroup, Work, init, is_initialized, shared_zeros, world  # noqa: E402
+from .errors import (CheckpointError, CollectiveError, CollectiveMismatch,  # noqa: E402
+                     CollectiveTimeout, ConfigError, RankFailure, RtxmpiError)
 
 __version__ = "0.1.0"
 

@@ -5,7 +5,7 @@
     mpiexec -n 4 rtxmpi info --calibrate   ... with measured bandwidth/latency between ranks
     rtxmpi ckpt ls DIR                checkpoints in DIR: step, committed, world size, size, latest
     rtxmpi ckpt verify DIR [--step S] metadata, every file and dataset, checksums (exit 1 if bad)
-    rtxmpi ckpt inspect DIR [--step S] the tensor table (name, dtype, shape, pieces) and the meta
+    rtxmpi ckpt inspect DIR [--step S] [--all]  a summary of the tensors and the meta (--all: all of it)
     rtxmpi run -n N [--min-ranks K] [--max-restarts R] -- python train.py ...
                                       supervise: forward signals, relaunch after a failure
     rtxmpi plan --model small --world-size 4 [--profile F]   ranked layouts and why the first
@@ -208,8 +208,25 @@ def cmd_ckpt_verify(args):
     return 0
 
 
+INSPECT_TENSORS = 20  # tensors the summary lists before "... N more"
+INSPECT_VALUE_CHARS = 100  # a meta value longer than this (as JSON) is summarized
+
+
+def _meta_summary(key, value):
+    """One line for a meta entry: its JSON when short, else its kind and size."""
+    import json
+
+    text = json.dumps(value, sort_keys=True)
+    if len(text) <= INSPECT_VALUE_CHARS:
+        return f"  {key}: {text}"
+    size = f"{len(value)} {'keys' if isinstance(value, dict) else 'items'}" \
+        if isinstance(value, (dict, list)) else f"{len(text)} characters"
+    return f"  {key}: {type(value).__name__} of {size}"
+
+
 def cmd_ckpt_inspect(args):
-    """The tensor table and the meta of a committed checkpoint (metadata.json only; no data read)."""
+    """A committed checkpoint from its metadata.json (no data read): a summary (tensors with their
+    piece counts, the meta's short values), or with --all every tensor's pieces and the whole meta."""
     import json
 
     from .checkpoint import load_checkpoint
@@ -223,15 +240,26 @@ def cmd_ckpt_inspect(args):
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    tensors = list(ckpt.tensors.items())
+    nbytes = sum(info["global_size"] * np.dtype(info["dtype"]).itemsize for _, info in tensors)
     print(f"{ckpt.path}: step {ckpt.step}, saved by {ckpt.world_size_saved} "
-          f"rank{'' if ckpt.world_size_saved == 1 else 's'}")
-    print(f"{'tensor':<24} {'dtype':<8} {'global shape':<14} pieces (file [offset, offset+length))")
-    for name, info in ckpt.tensors.items():
+          f"rank{'' if ckpt.world_size_saved == 1 else 's'}, {len(tensors)} tensor"
+          f"{'' if len(tensors) == 1 else 's'}, {_human_bytes(nbytes)}")
+    shown = tensors if args.all else tensors[:INSPECT_TENSORS]
+    where = "pieces (file [offset, offset+length))" if args.all else "pieces"
+    print(f"{'tensor':<24} {'dtype':<8} {'global shape':<14} {where}")
+    for name, info in shown:
         pieces = ", ".join(f"{p['file']} [{p['offset']}, {p['offset'] + p['length']})"
-                           for p in info["pieces"])
+                           for p in info["pieces"]) if args.all else len(info["pieces"])
         print(f"{name:<24} {np.dtype(info['dtype']).name:<8} {str((info['global_size'],)):<14} {pieces}")
+    if len(shown) < len(tensors):
+        print(f"... {len(tensors) - len(shown)} more tensors (--all lists every one)")
     print("meta:")
-    print(json.dumps(ckpt.meta, indent=1, sort_keys=True))
+    if args.all:
+        print(json.dumps(ckpt.meta, indent=1, sort_keys=True))
+    else:
+        print("\n".join(_meta_summary(k, v) for k, v in sorted(ckpt.meta.items())))
+        print("(--all: every tensor's pieces and the whole meta)")
     return 0
 
 
@@ -326,11 +354,14 @@ def build_parser():
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
     for name, func, text in (("ls", cmd_ckpt_ls, "step dirs, committed or not, and which is latest"),
                              ("verify", cmd_ckpt_verify, "sizes and checksums of every dataset"),
-                             ("inspect", cmd_ckpt_inspect, "tensor table and meta")):
+                             ("inspect", cmd_ckpt_inspect, "summary of the tensors and meta")):
         cmd = ckpt_sub.add_parser(name, help=text)
         cmd.add_argument("dir", help="checkpoint directory (holds step_XXXXXXXX/ and latest)")
         if name != "ls":
             cmd.add_argument("--step", type=int, default=None, help="step (default: the latest committed)")
+        if name == "inspect":
+            cmd.add_argument("--all", action="store_true",
+                             help="every tensor with its pieces and the whole meta (default: a summary)")
         cmd.set_defaults(func=func)
     run = sub.add_parser("run", help="supervise an MPI job: forward signals, relaunch after a failure",
                          description="Exit status: 0 done, 75 pre-empted, 130 interrupted by Ctrl-C, "

@@ -62,7 +62,7 @@ def resolve_degrees(world_size, dp=None, tp=1, pp=1, sp=1, what="DeviceMesh"):
     """The degrees against a world size, nothing created (pure, local). dp=None means
     world_size // (tp * pp * sp). Returns (dp, tp, pp, sp). Raises ConfigError when a degree is
     not an integer >= 1 or dp * tp * pp * sp != world_size; the message names every factor, e.g.
-    "dp(2) * tp(2) * pp(1) * sp(1) = 4 != world_size(8); set dp=2 or use 4 ranks"."""
+    "dp(2) * tp(2) * pp(1) * sp(1) = 4 != world_size(8); set dp=4 or use 4 ranks"."""
     dp, problems = degree_problems(world_size, dp, tp, pp, sp)
     if problems:
         raise ConfigError(f"{what}: " + "; ".join(problems))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: one-process tests, tests that launch their own mpiexec, then the MPI tests
-# at -n 1, 2 and 4 (oversubscribed on small machines). Exits non-zero if anything failed.
+# at -n 1, 2 and 4 (oversubscribed on small machines). Prints each phase's duration and a summary;
+# the ranks' logs live in a temporary folder removed at the end. Exits non-zero if anything failed.
 set -u
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
@@ -8,12 +9,29 @@ export RTXMPI_CHECK=1 RTXMPI_TIMEOUT_S=${RTXMPI_TIMEOUT_S:-120}
 if [ "$(id -u)" = 0 ]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
+RTXMPI_TEST_LOG_DIR=$(mktemp -d "${TMPDIR:-/tmp}/rtxmpi-test-logs.XXXXXX") || exit 1
+export RTXMPI_TEST_LOG_DIR  # ranks other than 0 log here (tests/mpi_pytest.py)
+trap 'rm -rf "$RTXMPI_TEST_LOG_DIR"' EXIT
 MPIEXEC="mpiexec --oversubscribe --mca mpi_yield_when_idle 1 --bind-to none"
 status=0
-echo "== one-process tests and launched-job tests"
-python -m pytest -q --color=no tests/unit tests/launched "$@" || status=1
+summary=()
+suite_start=$SECONDS
+
+phase() {  # phase NAME COMMAND...: run it, print its duration and verdict
+  local name=$1 start=$SECONDS verdict=ok
+  shift
+  echo "== $name"
+  "$@" || { verdict=FAILED; status=1; }
+  local took=$((SECONDS - start))
+  echo "== $name: $verdict in ${took} s"
+  summary+=("$(printf '%-40s %-6s %5d s' "$name" "$verdict" "$took")")
+}
+
+phase "one-process tests and launched-job tests" python -m pytest -q --color=no tests/unit tests/launched "$@"
 for n in 1 2 4; do
-  echo "== MPI tests at -n $n"
-  timeout 900 $MPIEXEC -n "$n" python tests/mpi_pytest.py -q --color=no tests/mpi "$@" || status=1
+  phase "MPI tests at -n $n" timeout 900 $MPIEXEC -n "$n" python tests/mpi_pytest.py -q --color=no tests/mpi "$@"
 done
+echo "== summary"
+printf '%s\n' "${summary[@]}"
+printf '%-40s %-6s %5d s\n' "whole suite" "$([ $status = 0 ] && echo ok || echo FAILED)" $((SECONDS - suite_start))
 exit $status

@@ -1,6 +1,7 @@
 """`Shard`: the piece of a global 1-D tensor that one rank owns and writes."""
 from dataclasses import dataclass
 
+from rtxmpi.comm.arrays import as_array, is_foreign
 from rtxmpi.errors import CheckpointError
 from rtxmpi.parallel.zero import even_range
 
@@ -9,7 +10,8 @@ from rtxmpi.parallel.zero import even_range
 class Shard:
     """Elements [global_offset, global_offset + data.size) of a global 1-D tensor of global_size.
 
-    data: 1-D numpy or cupy array (contiguous or not; cupy is copied to the host when written).
+    data: 1-D numpy or cupy array (contiguous or not; cupy is copied to the host when written),
+    or any DLPack array (a torch tensor: viewed as numpy/cupy without a copy, rtxmpi.comm.arrays).
     Raises CheckpointError when data is not 1-D or the range falls outside the tensor.
     """
 
@@ -18,6 +20,8 @@ class Shard:
     global_size: int
 
     def __post_init__(self):
+        if is_foreign(self.data):
+            object.__setattr__(self, "data", as_array(self.data, "Shard"))
         shape = getattr(self.data, "shape", None)
         if shape is None or len(shape) != 1:
             raise CheckpointError(f"Shard data must be a 1-D array, got shape {shape}")

@@ -26,6 +26,7 @@ import numpy as np
 from ..backend import LOW_PRECISION, SUPPORTED_DTYPES, dtype_name, is_device_array, xp_of
 from ..errors import CollectiveMismatch, ConfigError
 from . import fingerprint
+from .arrays import accepts_dlpack
 from .fingerprint import ARG_SHIFT as _ARG_SHIFT, OP_CODES as _OP_CODES, REDUCE_CODES as _REDUCE_CODES
 from .fingerprint import counts_crc as _counts_crc, dtype_code as _dtype_code
 from .fingerprint import dtype_from_code as _dtype_from_code
@@ -92,6 +93,9 @@ class ProcessGroup:
     local_rank (int, rank among processes on this host), device ("cpu" or "cuda:i"), name (str),
     timeout_s (float, default deadline of every wait), check (bool, checking mode), members (list of
     world ranks, indexed by group rank), backend.
+
+    Every collective's x may also be any DLPack array (a PyTorch tensor, a JAX array): viewed
+    without a copy, results returned as the caller's kind (rtxmpi.comm.arrays, docs/interop.md).
 
     Errors common to every collective: CollectiveTimeout (a wait passed `timeout_s`; raised on every
     waiting rank), CollectiveMismatch (ranks disagree on op, element count, dtype or reduce op /
@@ -265,6 +269,7 @@ class ProcessGroup:
             return x
         return finish
 
+    @accepts_dlpack  # here, not on all_reduce: the fast path above pays nothing for it
     @_host_staged
     def _all_reduce(self, x, op, *, async_op=False, stream=None):
         """all_reduce for every case: any layout, dtype and array module, async, checking mode."""
@@ -294,6 +299,7 @@ class ProcessGroup:
         return self._run("all_reduce", seq, arrived,
                          lambda nb: self.backend.all_reduce(buf, mpi_op, nb), finish, async_op)
 
+    @accepts_dlpack
     @_host_staged
     def reduce_scatter(self, x, op="sum", *, counts=None, async_op=False, stream=None):
         """Reduce `x` over the group and return this rank's shard of rows.
@@ -366,6 +372,7 @@ class ProcessGroup:
                              f"{tuple(x.shape)} is {x.shape[0]}")
         return values
 
+    @accepts_dlpack
     @_host_staged
     def all_gather(self, x, *, async_op=False, stream=None):
         """Gather `x` from every rank, concatenated along dim 0 in group-rank order.
@@ -384,6 +391,7 @@ class ProcessGroup:
         return self._run("all_gather", seq, arrived,
                          lambda nb: self.backend.all_gather(buf, out, nb), lambda: out, async_op)
 
+    @accepts_dlpack
     @_host_staged
     def broadcast(self, x, src=0, *, async_op=False, stream=None):
         """Copy `x` from group rank `src` to every rank, in place; returns x (or a Work).
@@ -406,6 +414,7 @@ class ProcessGroup:
         return self._run("broadcast", seq, arrived,
                          lambda nb: self.backend.broadcast(buf, src, nb), finish, async_op)
 
+    @accepts_dlpack
     @_host_staged
     def all_to_all(self, x, *, async_op=False, stream=None):
         """Exchange equal chunks: rank i's chunk j goes to rank j, landing as chunk i.
@@ -436,6 +445,7 @@ class ProcessGroup:
             self.backend.arrive("barrier", seq, self.timeout_s)
 
     # -- point to point -------------------------------------------------------------------------
+    @accepts_dlpack
     @_host_staged
     def send(self, x, dst, tag=0, *, async_op=False, stream=None):
         """Send `x` to group rank `dst`; the matching recv must have the same element count and
@@ -455,6 +465,7 @@ class ProcessGroup:
                     self.backend.check_sent, keep=buf)
         return work if async_op else work.wait()
 
+    @accepts_dlpack
     @_host_staged
     def recv(self, x, src, tag=0, *, async_op=False, stream=None):
         """Receive into `x` (in place) from group rank `src`; returns x (or a Work).

@@ -41,6 +41,7 @@ from ..backend import cupy_module, env_flag, is_device_array
 from ..errors import CollectiveError, CollectiveTimeout, ConfigError, RankFailure
 from .group import (_REDUCE_CODES, _counts_crc, _ARG_SHIFT, ProcessGroup, _parent_ranks,
                     register_subgroup)
+from .arrays import accepts_dlpack
 from .mpi import BOOL_OPS, REDUCE_OPS, MPIBackend
 from .work import Work
 
@@ -355,6 +356,7 @@ class DeviceGroup(ProcessGroup):
         return stream if stream is not None else cp.cuda.get_current_stream()
 
     # -- collectives ----------------------------------------------------------------------------
+    @accepts_dlpack
     def all_reduce(self, x, op="sum", *, async_op=False, stream=None):
         if not is_device_array(x):
             return super().all_reduce(x, op, async_op=async_op, stream=stream)
@@ -382,6 +384,7 @@ class DeviceGroup(ProcessGroup):
 
         return self._device_run("all_reduce", seq, start, finish, async_op, stream)
 
+    @accepts_dlpack
     def reduce_scatter(self, x, op="sum", *, counts=None, async_op=False, stream=None):
         if not is_device_array(x):
             return super().reduce_scatter(x, op, counts=counts, async_op=async_op, stream=stream)
@@ -433,6 +436,7 @@ class DeviceGroup(ProcessGroup):
 
         return self._device_run("reduce_scatter", seq, start, finish, async_op, stream)
 
+    @accepts_dlpack
     def all_gather(self, x, *, async_op=False, stream=None):
         if not is_device_array(x):
             return super().all_gather(x, async_op=async_op, stream=stream)
@@ -454,6 +458,7 @@ class DeviceGroup(ProcessGroup):
 
         return self._device_run("all_gather", seq, start, lambda: out, async_op, stream)
 
+    @accepts_dlpack
     def broadcast(self, x, src=0, *, async_op=False, stream=None):
         if not is_device_array(x):
             return super().broadcast(x, src, async_op=async_op, stream=stream)
@@ -481,6 +486,7 @@ class DeviceGroup(ProcessGroup):
 
         return self._device_run("broadcast", seq, start, finish, async_op, stream)
 
+    @accepts_dlpack
     def all_to_all(self, x, *, async_op=False, stream=None):
         if not is_device_array(x):
             return super().all_to_all(x, async_op=async_op, stream=stream)
@@ -575,6 +581,7 @@ class DeviceGroup(ProcessGroup):
         work = Work(self, "send_recv", seq, pending, finish, keep=pending)
         return work if async_op else work.wait()
 
+    @accepts_dlpack
     def send(self, x, dst, tag=0, *, async_op=False, stream=None):
         if not is_device_array(x) or self.backend.transport != "nccl":
             if is_device_array(x):  # CUDA-aware MPI: the stream must have produced x first
@@ -585,6 +592,7 @@ class DeviceGroup(ProcessGroup):
         self._p2p_seq += 1
         return self._grouped_p2p([(x, dst)], [], async_op, stream, None)
 
+    @accepts_dlpack
     def recv(self, x, src, tag=0, *, async_op=False, stream=None):
         if not is_device_array(x) or self.backend.transport != "nccl":
             if is_device_array(x):

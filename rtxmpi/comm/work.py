@@ -61,6 +61,15 @@ class Work:
     def is_completed(self):
         return self._done
 
+    def then(self, fn):
+        """Make the result fn(result): at completion, or now when already done. Returns self."""
+        if self._done:
+            self._result = fn(self._result)
+        else:
+            finish = self._finish
+            self._finish = lambda: fn(finish())
+        return self
+
     @property
     def result(self):
         """The result once completed (None before)."""

@@ -734,7 +734,7 @@ def _fit(points, op, n):
     return [float(max(alpha, 1e-7)), float(1.0 / inv_bw)]
 
 
-def calibrate(group, cfg=None, micro_batch=None, sizes=None, reps=5):
+def calibrate(group, cfg=None, micro_batch=None, sizes=None, reps=5, progress=None):
     """Measure this machine's HardwareProfile. Collective: every rank of `group` must call it.
 
     group: a ProcessGroup (rtxmpi.init()); a duplicate of its MPI communicator runs the
@@ -743,7 +743,9 @@ def calibrate(group, cfg=None, micro_batch=None, sizes=None, reps=5):
     run at its shapes and one forward + backward of it is the reference run. micro_batch:
     sequences of the reference run (default: enough for about 1024 tokens). sizes: message sizes
     in bytes for the alpha-beta fits (default 4 KiB, 256 KiB, 4 MiB). reps: repetitions per
-    measurement (medians). Takes 5-15 s at 4 ranks on 2 cores.
+    measurement (medians). progress: None, or a callable given one line (str) at the start and
+    after each phase, on every rank. Takes about 25 s at 4 ranks on 2 idle cores (December 2026),
+    minutes on a loaded machine.
     Returns the same HardwareProfile on every rank. Raises ConfigError on bad arguments.
     """
     from ..nn.gpt import GPTConfig
@@ -758,7 +760,8 @@ def calibrate(group, cfg=None, micro_batch=None, sizes=None, reps=5):
                           f"{micro_batch!r}, {reps!r}")
     comm = _mpi_comm(group).Dup()
     try:
-        return _calibrate(comm, group, cfg, micro_batch, sizes or [4096, 1 << 18, 1 << 22], reps)
+        return _calibrate(comm, group, cfg, micro_batch, sizes or [4096, 1 << 18, 1 << 22], reps,
+                          progress or (lambda line: None))
     finally:
         comm.Free()
 
@@ -777,18 +780,33 @@ def _subgroup(group, comm, color, key):
     return sub.backend.comm, sub
 
 
-def _calibrate(comm, group, cfg, micro_batch, sizes, reps):
+def _calibrate(comm, group, cfg, micro_batch, sizes, reps, progress):
     t_start = time.perf_counter()
     rank, size = comm.Get_rank(), comm.Get_size()
+    done = []  # the phases measured so far
+
+    def phase_done(name):
+        done.append(name)
+        progress(f"calibrate: [{len(done)}/{phases}] {name} measured "
+                 f"({time.perf_counter() - t_start:.0f} s so far)")
+
     local_rank, _, _ = node_ranks(comm)
     host_of = all_gather_json(group, socket.gethostname())
     names = sorted(set(host_of))
     ranks_of_node = [[r for r in range(size) if host_of[r] == h] for h in names]
     ranks_per_node = max(len(r) for r in ranks_of_node)
+    link_sizes = [n for n in sorted({2, 4, ranks_per_node}) if _pairs_within(ranks_of_node, n)]
+    inter = len(names) > 1 and all(len(r) == ranks_per_node for r in ranks_of_node)
+    phases = 2 + len(link_sizes) + inter
+    progress(f"calibrate: measuring this machine at {size} ranks in {phases} phases (compute, "
+             f"links at {', '.join(map(str, link_sizes)) or 'no'} ranks, "
+             f"{'inter-node links, ' if inter else ''}sync); about 25 s at 4 ranks on 2 idle "
+             f"cores, minutes on a loaded machine")
     cores = int(group.all_reduce(np.array([_cores()], np.int64), op="min")[0])
     rates, busy_ms = _measure_compute(comm, group, local_rank, ranks_per_node, cfg, micro_batch,
                                       reps)
     ref_ms = rates.pop("ref_cpu_ms")  # the work of the reference run (CPU time, k = 1)
+    phase_done("compute")
     effective, wait_weight = fit_sharing(busy_ms, ranks_per_node, cores, work_ms=ref_ms)
     notes = []
     if ranks_per_node == 1:
@@ -809,10 +827,8 @@ def _calibrate(comm, group, cfg, micro_batch, sizes, reps):
 
     sample_sync()
     links = {"intra": {}, "inter": {}}
-    for n in sorted({2, 4, ranks_per_node}):
-        groups = _pairs_within(ranks_of_node, n) if n <= ranks_per_node else None
-        if not groups:
-            continue
+    for n in link_sizes:
+        groups = _pairs_within(ranks_of_node, n)
         color = next(i for i, g in enumerate(groups) if rank in g)
         sub, sub_group = _subgroup(group, comm, color, rank)
         for op in OPS:
@@ -821,7 +837,8 @@ def _calibrate(comm, group, cfg, micro_batch, sizes, reps):
             links["intra"].setdefault(op, {})[str(n)] = _fit(
                 _measure_op(sub, op, sizes, reps, sub_group), op, n)
             sample_sync()
-    if len(names) > 1 and all(len(r) == ranks_per_node for r in ranks_of_node):
+        phase_done(f"links at {n} ranks")
+    if inter:
         # one rank per node per group: local rank i of every node together
         sub, sub_group = _subgroup(group, comm,
                                    ranks_of_node[names.index(host_of[rank])].index(rank), rank)
@@ -831,6 +848,7 @@ def _calibrate(comm, group, cfg, micro_batch, sizes, reps):
                 continue
             links["inter"].setdefault(op, {})[str(n)] = _fit(
                 _measure_op(sub, op, sizes, reps, sub_group), op, n)
+        phase_done("inter-node links")
     else:
         links["inter"] = default_profile().links["inter"]
         notes.append("inter-node links not measured (one node): the default profile's are used")
@@ -839,6 +857,7 @@ def _calibrate(comm, group, cfg, micro_batch, sizes, reps):
         notes.append("intra-node links not measured (one rank per node): defaults used")
     sample_sync(SYNC_ROUNDS)
     sync = _sync_median(sync_rounds, segment)
+    phase_done("sync")
     notes.append(f"calibration took {time.perf_counter() - t_start:.1f} s")
     facts = broadcast_json(group, _machine_facts(comm, len(names)) if rank == 0 else None)
     profile = HardwareProfile(

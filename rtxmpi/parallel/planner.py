@@ -78,6 +78,7 @@ Pure: nothing here communicates.
 """
 import copy
 import math
+import sys
 from dataclasses import asdict, dataclass, field, replace
 
 from ..comm.node import launch_comm, node_ranks
@@ -997,6 +998,11 @@ def add_arguments(parser):
                         help="also write the ranked estimates and rejections as JSON")
 
 
+def _progress_on_rank_0(group):
+    """calibrate's progress lines, printed by rank 0 to stderr (stdout keeps the plan)."""
+    return lambda line: print(line, file=sys.stderr, flush=True) if group.rank == 0 else None
+
+
 def load_or_calibrate(args, group=None, cfg=None):
     """The HardwareProfile for `args` (--profile FILE, --calibrate, or the default). With
     --calibrate: collective over `group` (default: rtxmpi.init())."""
@@ -1013,7 +1019,7 @@ def load_or_calibrate(args, group=None, cfg=None):
         from .calibrate import calibrate
 
         group = group or init()
-        profile = calibrate(group, cfg=cfg)
+        profile = calibrate(group, cfg=cfg, progress=_progress_on_rank_0(group))
         if args.save_profile and group.rank == 0:
             profile.save(args.save_profile)
         return profile
@@ -1178,7 +1184,7 @@ def plan_for_job(group, cfg, global_batch, profile_path=None, mem_per_device=Non
             raise ConfigError(error)
         profile = HardwareProfile.from_dict(data, what=profile_path)
     else:
-        profile = calibrate(group, cfg=calibration_config(cfg))
+        profile = calibrate(group, cfg=calibration_config(cfg), progress=_progress_on_rank_0(group))
         if profile_path and group.rank == 0:
             profile.save(profile_path)
     if mem_per_device is None:

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from rtxmpi.checkpoint import Shard, latest_step, latest_valid, load_checkpoint, save_checkpoint
+from rtxmpi.checkpoint import Shard, latest_step, latest_valid, load_checkpoint, prune, save_checkpoint
 from rtxmpi.checkpoint.agree import raise_if_any_failed
 from rtxmpi.checkpoint.lock import lock_dir
 from rtxmpi.errors import CheckpointError, ConfigError
@@ -72,11 +72,12 @@ class Checkpoints:
     per-rank generator `rng` and the task's description of the model. Every rank holds one and
     calls each method together (they are collective). run_id: the lineage written into every
     checkpoint (a resume takes its checkpoint's). loss: the loss of the checkpoint resumed from
-    (None: none, or not stored), which the write-ahead log checks."""
+    (None: none, or not stored), which the write-ahead log checks. resumed_step: the step resumed
+    from (None: none), which config.keep_last never removes."""
 
     def __init__(self, world, config, task, parts, rng, run_id):
         self.world, self.config, self.task, self.parts, self.rng = world, config, task, parts, rng
-        self.run_id, self.loss, self.pending = run_id, None, None
+        self.run_id, self.loss, self.pending, self.resumed_step = run_id, None, None, None
 
     def meta(self, loss=None):
         """What a resume needs besides the flat tensors (JSON, stored in metadata.json). loss: the
@@ -108,7 +109,9 @@ class Checkpoints:
             self.finish()
 
     def finish(self):
-        """Commit a save in flight (CheckpointError on every rank) and report it (rank 0)."""
+        """Commit a save in flight (CheckpointError on every rank) and report it (rank 0); with
+        config.keep_last, rank 0 then removes this run's older checkpoints (`prune`; a failure is
+        a CheckpointError on every rank)."""
         if self.pending is None:
             return
         (handle, t0), self.pending = self.pending, None
@@ -121,6 +124,23 @@ class Checkpoints:
                   f"{size} rank file{'s' if size > 1 else ''}, {time.perf_counter() - t0:.2f} s"
                   f"{'' if isinstance(handle, str) else ' to commit, written in the background'})",
                   flush=True)
+        if self.config.keep_last:
+            self.prune()
+
+    def prune(self):
+        """config.keep_last: remove this run's older committed checkpoints (rank 0; collective)."""
+        error, removed = None, []
+        if self.world.rank == 0:
+            protect = () if self.resumed_step is None else (self.resumed_step,)
+            try:
+                removed = prune(self.config.ckpt_dir, self.config.keep_last, self.run_id, protect)
+            except CheckpointError as exc:
+                error = exc
+        raise_if_any_failed(self.world, error, self.config.name("keep_last"))
+        if removed:
+            print(f"checkpoint: removed step{'s' if len(removed) > 1 else ''} "
+                  f"{', '.join(map(str, removed))} ({self.config.name('keep_last')} "
+                  f"{self.config.keep_last})", flush=True)
 
     def resume(self, dir_existed=True):
         """With config.resume: load the newest committed checkpoint that verifies (latest_valid;
@@ -155,7 +175,8 @@ class Checkpoints:
             return 0
         ckpt = load_checkpoint(world, config.ckpt_dir, step=step)
         self.run_id = ckpt.metadata.get("run_id") or self.run_id
-        return self.restore(ckpt)
+        self.resumed_step = self.restore(ckpt)
+        return self.resumed_step
 
     def restore(self, ckpt):
         """Load `ckpt` (a loaded checkpoint, or the surviving replica's state after an elastic

@@ -10,6 +10,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field, fields
 
+from rtxmpi.checkpoint.prune import check_keep_last
 from rtxmpi.elastic import POLICIES
 from rtxmpi.errors import ConfigError
 
@@ -28,7 +29,9 @@ class TrainConfig:
     ckpt_dir: sharded checkpoints (docs/checkpoint.md), locked for the run; ckpt_every: after
     every K-th step and at the end (0: only at the end); async_save: written in the background,
     committed at the next checkpoint or the end; resume: continue from the newest committed
-    checkpoint that verifies (resume_strict: refuse when the newest does not);
+    checkpoint that verifies (resume_strict: refuse when the newest does not); keep_last: after
+    each commit remove this run's committed checkpoints but the K newest, never the one resumed
+    from nor another run's (None: keep all; rtxmpi.checkpoint.prune);
     stop_after_step: end after that step with a checkpoint, as if pre-empted.
     wal_every: the write-ahead log ckpt_dir/wal.h5 is made durable with a parameter digest every
     K steps; deterministic: a resume re-runs the logged steps and checks them bit for bit.
@@ -60,6 +63,7 @@ class TrainConfig:
     async_save: bool = False
     resume: bool = False
     resume_strict: bool = False
+    keep_last: int = None
     stop_after_step: int = None
     wal_every: int = 10
     deterministic: bool = False
@@ -137,12 +141,14 @@ class TrainConfig:
             raise ConfigError(f"{n('ckpt_every')} must be >= 0, got {self.ckpt_every}")
         if self.ckpt_dir is not None:
             check_ckpt_dir(self.ckpt_dir, n("ckpt_dir"))
+        check_keep_last(self.keep_last, n("keep_last"))
         if self.resume_strict and not self.resume:
             raise ConfigError(f"{n('resume_strict')} needs {n('resume')}")
         if self.ckpt_dir is None and (self.ckpt_every or self.resume or self.stop_after_step
-                                      or self.async_save):
+                                      or self.async_save or self.keep_last):
             key = ("ckpt_every" if self.ckpt_every else "resume" if self.resume else
-                   "async_save" if self.async_save else "stop_after_step")
+                   "async_save" if self.async_save else "keep_last" if self.keep_last else
+                   "stop_after_step")
             raise ConfigError(f"{n(key)} needs {n('ckpt_dir')} DIR")
         if self.stop_after_step is not None and not 1 <= self.stop_after_step <= self.steps:
             raise ConfigError(f"{n('stop_after_step')} {self.stop_after_step} must be in [1, "

@@ -132,6 +132,22 @@ def test_zero_stage_2_checkpoint_resumes_with_plain_data_parallel(tmp_path):
     assert sorted(records(metrics)) == list(range(7, 13))
 
 
+def test_keep_last_keeps_the_newest_the_resumed_and_another_runs_checkpoints(tmp_path):
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    proc = train(2, tmp_path, ckpt, "--ckpt-every", "1", "--keep-last", "2", "--stop-after-step", "4")
+    assert proc.returncode == 0, str(proc)
+    assert proc.lines("checkpoint: removed step 2 (--keep-last 2)"), str(proc)
+    assert [c.step for c in list_checkpoints(ckpt)] == [3, 4]
+    assert train(2, tmp_path, other, "--stop-after-step", "2").returncode == 0
+    shutil.copytree(other / "step_00000002", ckpt / "step_00000002")  # another run's checkpoint
+    proc = train(2, tmp_path, ckpt, "--ckpt-every", "1", "--keep-last", "2", "--resume")
+    assert proc.returncode == 0 and "continuing at step 5" in proc.stdout, str(proc)
+    left = list_checkpoints(ckpt)
+    assert [c.step for c in left] == [2, 4, 11, 12] and all(c.committed for c in left)
+    run_ids = [load_checkpoint(None, ckpt, step).metadata["run_id"] for step in (2, 12)]
+    assert run_ids[0] != run_ids[1]
+
+
 def test_ckpt_ls_verify_inspect_and_a_flipped_byte(reference, tmp_path, capsys):
     """`rtxmpi ckpt` through rtxmpi.cli.main in this process; the failing verify, the one whose
     exit status matters to scripts, as its own process."""
@@ -145,7 +161,10 @@ def test_ckpt_ls_verify_inspect_and_a_flipped_byte(reference, tmp_path, capsys):
     code, out = cli("ls", ckpt)
     latest = [line for line in out.splitlines() if line.startswith("        12")]
     assert code == 0 and "<- latest" in latest[0], out
-    code, out = cli("inspect", ckpt, "--step", "6")
+    code, out = cli("inspect", ckpt, "--step", "6")  # a summary: no piece ranges, short meta values
+    assert code == 0 and len(out.splitlines()) < 30 and "rank_00001.h5 [" not in out, out
+    assert "  optimizer_step: 6" in out and "  param_layout: list of " in out
+    code, out = cli("inspect", ckpt, "--step", "6", "--all")
     assert code == 0 and "rank_00001.h5 [" in out and '"optimizer_step": 6' in out
     code, out = cli("verify", ckpt)
     assert code == 0 and out.startswith("ok: "), out

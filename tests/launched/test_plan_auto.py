@@ -71,6 +71,11 @@ def test_calibrate_under_mpiexec_saves_a_profile_the_cli_reuses(tmp_path):
         outer_timeout_s=180, env=launch_env())
     assert proc.returncode == 0, str(proc)
     assert "Chosen: " in proc.stdout and "calibrated on" in proc.stdout
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("calibrate: ")]
+    assert progress[0].startswith("calibrate: measuring this machine at 2 ranks in 3 phases") and \
+        "about 25 s at 4 ranks" in progress[0], str(proc)  # rank 0 alone, the expected duration first
+    assert [line.split(" measured")[0] for line in progress[1:]] == [
+        "calibrate: [1/3] compute", "calibrate: [2/3] links at 2 ranks", "calibrate: [3/3] sync"]
     profile = HardwareProfile.load(str(saved))
     assert profile.source.startswith("calibrated") and profile.ranks_per_node == 2
     assert profile.dense_flops > 1e8 and profile.ref_ms > 0

@@ -149,6 +149,23 @@ def test_ckpt_ls_marks_a_committed_step_whose_metadata_fails_its_checks(tmp_path
     assert "--resume skips a checkpoint that does not verify" in out
 
 
+def test_ckpt_inspect_prints_a_summary_and_everything_with_all(tmp_path, capsys):
+    shards = {f"t{i:02d}": Shard(np.arange(4, dtype=np.float32), 0, 4) for i in range(25)}
+    from rtxmpi.cli import main as cli_main
+    save_checkpoint(None, tmp_path, 3, shards, meta={"layout": [[f"p{i}", [4, 4], 16 * i]
+                                                                for i in range(40)], "seed": 7})
+    assert cli_main(["ckpt", "inspect", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("step 3, saved by 1 rank, 25 tensors, 400 B")
+    assert lines[2].split() == ["t00", "float32", "(4,)", "1"]  # name, dtype, shape, pieces
+    assert "... 5 more tensors (--all lists every one)" in lines
+    assert "  layout: list of 40 items" in lines and "  seed: 7" in lines
+    assert len(lines) == 27  # 2 header lines, 20 tensors, 1 more, meta: 2 values and a hint
+    assert cli_main(["ckpt", "inspect", str(tmp_path), "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "t24 " in out and "rank_00000.h5 [0, 4)" in out and '"p39",' in out
+
+
 def test_next_save_of_an_uncommitted_step_replaces_it(tmp_path):
     step_dir = tmp_path / "step_00000003"
     step_dir.mkdir(parents=True)
