@@ -187,10 +187,19 @@ def cmd_ckpt_ls(args):
     return 0
 
 
+def _committed_steps(ckpt_dir):
+    """' (committed steps in DIR: 25, 30)' for an error about a step the user named."""
+    from .checkpoint import list_checkpoints
+
+    steps = [str(c.step) for c in list_checkpoints(ckpt_dir) if c.committed] \
+        if os.path.isdir(ckpt_dir) else []
+    return f" (committed steps in {ckpt_dir}: {', '.join(steps) or 'none'})"
+
+
 def cmd_ckpt_verify(args):
     """Check a committed checkpoint as a resume would: metadata.json, every file and dataset
     (structure, sizes, checksums). The same reader as `load_checkpoint` and `latest_valid`."""
-    from .checkpoint import verify_checkpoint
+    from .checkpoint import latest_step, verify_checkpoint
     from .errors import CheckpointError
 
     if args.step is not None and args.step < 0:
@@ -200,11 +209,14 @@ def cmd_ckpt_verify(args):
     try:
         checked = verify_checkpoint(args.dir, args.step, warnings)
     except CheckpointError as exc:
-        print(f"FAILED: {exc}", file=sys.stderr)
+        print(f"FAILED: {exc}" + (_committed_steps(args.dir) if args.step is not None else ""),
+              file=sys.stderr)
         return 1
     for text in warnings:
         print(f"warning: {text}", file=sys.stderr)
-    print(f"ok: {len(checked)} dataset{'' if len(checked) == 1 else 's'} verified (sizes and checksums)")
+    step = f"step {args.step}" if args.step is not None else f"step {latest_step(args.dir)} (latest)"
+    print(f"ok: {step}: {len(checked)} dataset{'' if len(checked) == 1 else 's'} verified "
+          f"(sizes and checksums)")
     return 0
 
 
@@ -238,7 +250,8 @@ def cmd_ckpt_inspect(args):
     try:
         ckpt = load_checkpoint(None, args.dir, args.step)
     except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc}" + (_committed_steps(args.dir) if args.step is not None else ""),
+              file=sys.stderr)
         return 1
     tensors = list(ckpt.tensors.items())
     nbytes = sum(info["global_size"] * np.dtype(info["dtype"]).itemsize for _, info in tensors)

@@ -101,6 +101,8 @@ def read_metadata(step_dir):
     """
     path = os.path.join(step_dir, fmt.METADATA)
     if not os.path.lexists(path):
+        if not os.path.isdir(step_dir):
+            raise CheckpointError(f"{step_dir}: no such checkpoint")
         raise CheckpointError(f"{step_dir}: no {fmt.METADATA}: the checkpoint was never committed")
     try:
         fd, size = fmt.open_regular(path)

@@ -135,6 +135,21 @@ def test_directory_without_metadata_is_uncommitted_and_ignored(tmp_path):
         load_checkpoint(None, tmp_path, step=2)
 
 
+def test_a_step_that_does_not_exist_is_named_so_with_the_committed_ones(tmp_path, capsys):
+    from rtxmpi.cli import main
+    save(tmp_path, 1)
+    save(tmp_path, 3)
+    with pytest.raises(CheckpointError, match="step_00000002: no such checkpoint"):
+        load_checkpoint(None, tmp_path, step=2)
+    for command in (["ckpt", "verify", str(tmp_path), "--step", "2"],
+                    ["ckpt", "inspect", str(tmp_path), "--step", "2"]):
+        assert main(command) == 1
+        err = capsys.readouterr().err
+        assert "no such checkpoint" in err and f"(committed steps in {tmp_path}: 1, 3)" in err, err
+    assert main(["ckpt", "verify", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("ok: step 3 (latest): ")
+
+
 def test_ckpt_ls_marks_a_committed_step_whose_metadata_fails_its_checks(tmp_path, capsys):
     from rtxmpi.cli import main
     save(tmp_path, 1)
