@@ -530,6 +530,12 @@ class ClusterPlan:
     def reason(self):
         """One paragraph: why the first choice, against the best layout of other degrees."""
         p = self.profile
+        if not self.considered:
+            n = self.inputs["devices"]
+            return (f"No layout of {n} devices: no dp x tp x pp = {n} passes the layout rules (tp "
+                    f"divides the heads and at most {p.devices_per_node} devices per node, pp "
+                    f"divides the blocks, dp the global batch {self.inputs['global_batch']}; "
+                    f"with pp > 1 at least pp micro-batches). Profile: {p.name}.")
         if not self.ranked:
             extra = ""
             if self.best_rejected is not None:
@@ -620,6 +626,14 @@ def _estimate_json(e):
             "mfu": e.mfu}
 
 
+def _count(n):
+    """1.01T, 175.0B, 6.6M, 202.2K: a parameter count in the unit that suits it."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit in 'TB' else 1}f}{unit}"
+    return str(n)
+
+
 def run_cli(args, model, what, devices, profile):
     """`rtxmpi plan --profile CLUSTER_PROFILE`: print the ranked table and the reason; return
     the exit status (0 planned, 1 nothing fits). Raises ConfigError for bad flags (the caller
@@ -655,7 +669,7 @@ def run_cli(args, model, what, devices, profile):
     nodes = math.ceil(devices / profile.devices_per_node)
     c = model_costs(model)
     print(f"plan: {what} ({c.n_layer} layers, {c.n_head} heads, n_embd {c.n_embd}, "
-          f"{c.num_params / 1e9:.2f}B parameters), global batch {args.global_batch} x "
+          f"{_count(c.num_params)} parameters), global batch {args.global_batch} x "
           f"{c.seq_len} positions, {devices} devices ({nodes} node{'s' if nodes > 1 else ''} of "
           f"{profile.devices_per_node}), {plan.inputs['dtype']}")
     print(f"profile: {profile.name} ({profile.path}): {profile.source}")

@@ -222,8 +222,9 @@ def shipped_profiles():
 
 
 def is_cluster_profile(path):
-    """True when `path` names a shipped profile or a JSON file whose "format" is FORMAT (an
-    unreadable file is not: the CPU profile loader reports it)."""
+    """True when `path` names a shipped profile or a JSON file whose "format" is FORMAT, or that
+    has no "format" but a cluster profile's "device" or "network" section (its loader then names
+    the missing field). An unreadable file is not: the CPU profile loader reports it."""
     if not os.path.exists(path):
         return path in shipped_profiles()
     try:
@@ -231,7 +232,8 @@ def is_cluster_profile(path):
             data = json.load(f)
     except (OSError, ValueError):
         return False
-    return isinstance(data, dict) and data.get("format") == FORMAT
+    return isinstance(data, dict) and (data.get("format") == FORMAT or (
+        "format" not in data and bool({"device", "network"} & set(data))))
 
 
 def load_cluster_profile(name_or_path):

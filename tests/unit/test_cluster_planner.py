@@ -209,6 +209,15 @@ def test_plan_with_a_cluster_profile_and_no_fitting_layout_exits_1(capsys):
     assert "No layout fits" in capsys.readouterr().out
 
 
+def test_a_device_count_no_layout_splits_is_named_as_such(capsys):
+    code = cli.main(["plan", "--profile", "dgx-a100", *GPT_1T, "--global-batch", "3072",
+                     "--world-size", "30"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "No layout of 30 devices: no dp x tp x pp = 30 passes the layout rules" in out
+    assert "No layout fits" not in out
+
+
 @pytest.mark.parametrize("extra", [["--show-rejected"], ["--ranks-per-node", "4"],
                                    ["--recompute", "some"], ["--calibrate"]])
 def test_plan_cluster_flag_mistakes_exit_2_with_one_error_line(capsys, extra):

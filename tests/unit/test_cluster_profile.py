@@ -71,6 +71,15 @@ def test_a_cpu_profile_is_not_a_cluster_profile(tmp_path):
     assert is_cluster_profile("dgx-h100")
 
 
+def test_a_cluster_profile_without_its_format_field_is_told_so(tmp_path):
+    data = {k: v for k, v in _good().items() if k != "format"}
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(data))
+    assert is_cluster_profile(str(path))
+    with pytest.raises(ProfileError, match="format: must be 'rtxmpi-cluster-profile'"):
+        load_cluster_profile(str(path))
+
+
 def test_efficiency_curve_interpolates_log_linearly_and_holds_beyond_its_ends():
     p = parse_cluster_profile({**_good(), "collectives": {
         "intra_efficiency": [[1024, 0.2], [1024 * 1024, 0.8]]}})
