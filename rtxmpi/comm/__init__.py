@@ -3,6 +3,7 @@ import os
 
 from mpi4py import MPI
 
+from .. import fused
 from ..backend import env_flag, select_device, tune_host_allocator
 from ..errors import ConfigError, RankFailure
 from .group import ProcessGroup, validate_timeout
@@ -32,7 +33,7 @@ def init(backend="auto", timeout_s=None, check=None):
     check: checking mode, a fingerprint exchange before every collective (default $RTXMPI_CHECK).
     Collective: every process of the MPI job must call it once, first; later calls return the same
     group. Raises ConfigError (bad arguments; a Slurm launch without an MPI launcher; a bad
-    RTXMPI_TIMEOUT_S, RTXMPI_CHECK, RTXMPI_HOST_MALLOC or SLURM_*/launcher count on any rank:
+    RTXMPI_TIMEOUT_S, RTXMPI_CHECK, RTXMPI_FUSED, RTXMPI_HOST_MALLOC or SLURM_*/launcher count on any rank:
     raised on every rank).
     """
     global _world
@@ -49,6 +50,7 @@ def init(backend="auto", timeout_s=None, check=None):
                                          "RTXMPI_TIMEOUT_S")
         timeout_s = validate_timeout(timeout_s)
         check = env_flag("RTXMPI_CHECK") if check is None else bool(check)
+        fused.enabled()  # RTXMPI_FUSED
         tune_host_allocator()  # numpy's freed temporaries stay in the process (backend.py)
         env_error = None
     except ConfigError as exc:

@@ -181,6 +181,7 @@ def test_singleton_starts_when_slurm_agrees_or_is_overridden(run_python, env):
 
 @pytest.mark.parametrize("variable, value", [("RTXMPI_CHECK", "2"),
                                              ("RTXMPI_HOST_MALLOC", "banana"),
+                                             ("RTXMPI_FUSED", "maybe"),
                                              ("RTXMPI_TIMEOUT_S", "soon"),
                                              ("SLURM_NTASKS", "four")])
 def test_a_bad_environment_value_on_one_rank_is_a_config_error_on_every_rank(run_mpi, variable,
