@@ -67,8 +67,9 @@ rank, V the head's width, r its rows (n for a language-model head, b for a class
   a machine without contention this gives the textbook (p - 1) / (m + p - 1).
   memory per rank (memory_breakdown), bytes, float32: params 4 P, grads 4 P, AdamW 16 P (m, v,
   decay mask, scratch); ZeRO and offload as zero.py's memory_bytes counts them, plus transients;
-  activations per block and micro-batch 4 (4 n C + 17 n C / tp + S) bytes (the caches of
-  rtxmpi.nn.layers), head 8 r V / tp; in flight: GPipe m micro-batches, 1F1B min(m, pp - stage).
+  activations per block and micro-batch 4 (4 n C + 13 n C / tp + S) bytes (the caches of
+  rtxmpi.nn.layers; 17 n C / tp with the numpy references, whose GELU keeps its tanh too:
+  RTXMPI_FUSED=0 or no compiled rtxmpi._fused), head 8 r V / tp; in flight: GPipe m micro-batches, 1F1B min(m, pp - stage).
   recompute "blocks" (Chen et al. 2016; the job's --recompute): each block
   keeps its input, 4 n C bytes, and one block's activations are rebuilt at a time in backward;
   each block's backward pays its forward again (compute and its tp/sp collectives).
@@ -81,6 +82,7 @@ import math
 import sys
 from dataclasses import asdict, dataclass, field, replace
 
+from .. import fused
 from ..comm.node import launch_comm, node_ranks
 from ..data import batch_split, micro_batch_split
 from ..errors import ConfigError
@@ -637,7 +639,8 @@ def activation_bytes(model, layout, global_batch):
     S = b * c.n_head / (L.tp * L.sp) * c.seq_len * c.seq_len
     C = c.n_embd
     head = 8 * _head_rows(c, b, L) * c.head_width / (L.tp if c.head_vocab else 1)
-    return 4 * (4 * n * C + 17 * n * C / L.tp + S), head
+    mlp = 13 if fused.enabled() else 17  # the references' GELU keeps tanh(.) beside its input
+    return 4 * (4 * n * C + mlp * n * C / L.tp + S), head
 
 
 def _block_input_bytes(c, layout, global_batch):

@@ -3,7 +3,8 @@ that numpy refuses, kernels emulated by their numpy references, host-staged coll
 the same run with --device cpu: DP buckets, ZeRO 1-3, CPU and NVMe offload, checkpoints
 (device-to-host streaming) and resume, tensor / Megatron-sequence / Ulysses / pipeline
 parallelism. The stand-in computes with numpy underneath (the model is bit for bit the numpy
-model, tests/unit/test_device_stand_in.py), so a run must equal the CPU run: bit for bit for data
+model, tests/unit/test_device_stand_in.py), so a run must equal the CPU run on the same numpy
+references (rtxmpi.fused off on both sides): bit for bit for data
 parallelism (loss, validation loss, checkpoint checksums), and within 1e-6 relative elsewhere,
 since host staging runs an async reduce_scatter synchronously, which may sum in another order
 (seen at 4 ranks with ZeRO-3). The CPU runs are held to the one-process reference by the other
@@ -24,6 +25,7 @@ from mpi4py import MPI
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import devicesim  # noqa: E402
 
+from rtxmpi import fused  # noqa: E402
 from rtxmpi.elastic import loop as elastic_loop  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -68,6 +70,7 @@ def run(train_example, workdir, device, flags):
     flags = [f.replace("{dir}", os.path.join(workdir, device)) for f in flags]
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fused, "_enabled", False)  # the stand-in's kernels are the numpy references
         mp.setattr(elastic_loop._config, "stop", None)  # train() installs SIGTERM handlers...
         if device == "cuda":
             devicesim.install(mp)
