@@ -25,7 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from _common import fmt, machine_info, machine_line, markdown_table, mpi_job, progress, write_json  # noqa: E402
+from _common import (fmt, machine_info, machine_line, markdown_table, mpi_job, progress,  # noqa: E402
+                     write_json)
 
 GPT_TARGET = 1.6  # nats/byte
 VIT_TARGET = 0.90  # held-out accuracy
@@ -57,8 +58,8 @@ def gpt(args, tmp):
                 rows.append({"step": record["step"], "val_loss": record["val_loss"],
                              "train_s": elapsed_ms / 1e3})
     reached = next((r for r in rows if r["val_loss"] < GPT_TARGET), None)
-    return {"command": "python " + " ".join(map(str, shown)), "ranks": args.ranks, "evals": rows, "wall_s": wall,
-            "target": GPT_TARGET, "reached": reached}
+    return {"command": "python " + " ".join(map(str, shown)), "ranks": args.ranks, "evals": rows,
+            "wall_s": wall, "target": GPT_TARGET, "reached": reached}
 
 
 def vit(args):

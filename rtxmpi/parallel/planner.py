@@ -69,7 +69,8 @@ rank, V the head's width, r its rows (n for a language-model head, b for a class
   decay mask, scratch); ZeRO and offload as zero.py's memory_bytes counts them, plus transients;
   activations per block and micro-batch 4 (4 n C + 13 n C / tp + S) bytes (the caches of
   rtxmpi.nn.layers; 17 n C / tp with the numpy references, whose GELU keeps its tanh too:
-  RTXMPI_FUSED=0 or no compiled rtxmpi._fused), head 8 r V / tp; in flight: GPipe m micro-batches, 1F1B min(m, pp - stage).
+  RTXMPI_FUSED=0 or no compiled rtxmpi._fused), head 8 r V / tp; in flight: GPipe m
+  micro-batches, 1F1B min(m, pp - stage).
   recompute "blocks" (Chen et al. 2016; the job's --recompute): each block
   keeps its input, 4 n C bytes, and one block's activations are rebuilt at a time in backward;
   each block's backward pays its forward again (compute and its tp/sp collectives).

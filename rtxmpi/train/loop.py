@@ -128,7 +128,7 @@ class Trainer:
         loop = elastic.Loop(world)  # pre-emption, phases, what survivors hand over (docs/elastic.md)
         loop.track(meta=ckpts.meta, tensors=engine.pieces if parts.replica == "tensors" else None,
                    pieces=(lambda: replica_pieces(engine)) if parts.replica == "pieces" else None,
-                   close=(log, metrics), step=start_step - 1)
+                   close=(log, metrics, bar), step=start_step - 1)  # the next attempt's bar starts afresh
         for step in range(start_step, last_step + 1):
             obs.begin_step(step)
             t0 = time.perf_counter()

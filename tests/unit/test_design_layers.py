@@ -26,7 +26,8 @@ def layer_of(path, layers):
     best, best_len = None, -1
     for index, (_, prefixes) in enumerate(layers):
         for prefix in prefixes:
-            if (path == prefix or (prefix.endswith("/") and path.startswith(prefix))) and len(prefix) > best_len:
+            names = path == prefix or (prefix.endswith("/") and path.startswith(prefix))
+            if names and len(prefix) > best_len:
                 best, best_len = index, len(prefix)
     return best
 
