@@ -113,16 +113,6 @@ class HybridParallel:
         self.ddp.zero_grad()
 
 
-def check_layout(world_size, *, dp=None, tp=1, pp=1, sp=1, seq_len, zero_stage=0,
-                 sequence_parallel=False):
-    """The degrees, sequence length, ZeRO stage and Megatron sequence parallelism of a job,
-    checked by rtxmpi.parallel.layout.Layout before anything is built (pure, local, the same
-    verdict on every rank). Returns dp. Raises ConfigError naming every problem."""
-    layout = Layout(dp, tp, pp, sp, zero_stage=zero_stage, sequence_parallel=sequence_parallel,
-                    schedule="gpipe" if pp != 1 else "none")  # the pipeline's own: check_pipeline
-    return layout.check(world_size, seq_len=seq_len).dp
-
-
 def build_hybrid(cfg, group, *, dp=None, tp=1, sp=1, seed=0, dtype=np.float32,
                  sequence_parallel=False, bucket_bytes=DEFAULT_BUCKET_BYTES, optimizer=None,
                  xp=np, zero_stage=0, offload=None, offload_dir=None):
@@ -145,4 +135,4 @@ def build_hybrid(cfg, group, *, dp=None, tp=1, sp=1, seed=0, dtype=np.float32,
     return HybridParallel(model, bucket_bytes=bucket_bytes, optimizer=optimizer)
 
 
-__all__ = ["ParallelGPT", "TensorParallelModel", "HybridParallel", "check_layout", "build_hybrid"]
+__all__ = ["ParallelGPT", "TensorParallelModel", "HybridParallel", "build_hybrid"]

@@ -1305,25 +1305,12 @@ def _pipeline_layout(pp, micro_batches, schedule, zero_stage, offload, virtual_s
                   virtual_stages=virtual_stages)
 
 
-def check_pipeline(*, pp, micro_batches, schedule, n_layer, zero_stage=0, offload="none",
-                   virtual_stages=1):
-    """A job's pipeline settings, checked by rtxmpi.parallel.layout.Layout before anything is
-    built (pure, local, the same verdict on every rank). Raises ConfigError naming every problem:
-    pp (x virtual_stages) > n_layer, an impossible schedule (unknown, micro_batches < 1, 1F1B
-    with micro_batches < pp; the schedule is built and simulated), offload with pp > 1 (ZeRO
-    stages 1-3 shard each stage over its replicas: rtxmpi.parallel.pipeline_zero)."""
-    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
-        raise ConfigError(f"--pp must be >= 1, got {pp}")
-    _pipeline_layout(pp, micro_batches, schedule, zero_stage, offload, virtual_stages).check(
-        pp, ModelFacts(n_units=n_layer))
-
-
 def auto_micro_batches(*, pp, per_rank_batch, schedule, n_layer, zero_stage=0, offload="none",
                        virtual_stages=1):
     """`--micro-batches auto` (rtxmpi.parallel.layout.auto_micro_batches) for these pipeline
     settings: 1 with pp == 1; else the smallest multiple of pp dividing per_rank_batch, else the
-    smallest divisor the schedule accepts. Raises ConfigError as check_pipeline, or naming the
-    per-rank batch."""
+    smallest divisor the schedule accepts. Raises ConfigError naming every problem of these
+    settings (Layout.check), or naming the per-rank batch."""
     layout = _pipeline_layout(pp, 1, schedule, zero_stage, offload, virtual_stages)
     return layout_auto_micro_batches(layout, max(pp, 1), ModelFacts(n_units=n_layer),
                                      per_rank_batch)

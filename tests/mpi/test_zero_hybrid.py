@@ -13,7 +13,8 @@ from rtxmpi.checkpoint import Shard, load_checkpoint, save_checkpoint
 from rtxmpi.errors import ConfigError, RtxmpiError
 from rtxmpi.mesh import DeviceMesh
 from rtxmpi.nn import GPT, AdamW, GPTConfig, clip_grad_norm, decay_mask
-from rtxmpi.parallel.hybrid import HybridParallel, ParallelGPT, check_layout
+from rtxmpi.parallel.hybrid import HybridParallel, ParallelGPT
+from rtxmpi.parallel.layout import Layout
 from rtxmpi.parallel.zero import zero_state_bytes
 from rtxmpi.parallel.zero_hybrid import ZeroHybridParallel
 
@@ -231,10 +232,10 @@ def test_model_state_per_rank_is_the_planners_estimate_and_shrinks_with_the_zero
 
 
 def test_zero_with_tp_and_sp_passes_the_layout_check_and_bad_stage_raises():
-    assert check_layout(4, tp=2, seq_len=16, zero_stage=3) == 2
-    assert check_layout(4, sp=2, seq_len=16, zero_stage=2) == 2
+    assert Layout(None, 2, zero_stage=3).check(4, seq_len=16).dp == 2
+    assert Layout(None, 1, 1, 2, zero_stage=2).check(4, seq_len=16).dp == 2
     with pytest.raises(ConfigError, match="ZeRO stage must be"):
-        check_layout(4, tp=2, seq_len=16, zero_stage=4)
+        Layout(None, 2, zero_stage=4).check(4, seq_len=16)
 
 
 def shared_dir(world, path):

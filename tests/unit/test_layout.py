@@ -8,10 +8,8 @@ import pytest
 from rtxmpi.errors import ConfigError
 from rtxmpi.nn import GPT, GPTConfig, ViT, ViTConfig, gpt_units
 from rtxmpi.parallel import pipeline_zero, schedule, zero
-from rtxmpi.parallel.hybrid import check_layout as hybrid_check
 from rtxmpi.parallel.layout import (PIPELINE_ZERO_STAGES, SCHEDULES, ZERO_STAGES, Layout,
                                     ModelFacts, auto_micro_batches, model_facts, resolve_degrees)
-from rtxmpi.parallel.pipeline import check_pipeline
 from rtxmpi.parallel.planner import check_layout as planner_check
 from rtxmpi.parallel.planner import make_plan
 
@@ -155,16 +153,15 @@ def test_vit_units_refuse_megatron_sequence_parallelism_but_take_tp_and_sp():
     assert rules(Layout(1, 2, sequence_parallel=True), 2, units, None) == ["sequence"]
 
 
-# -- the checks that ask it ----------------------------------------------------------------------
-def test_the_engines_checks_report_every_problem():
+# -- the check the engines ask -------------------------------------------------------------------
+def test_the_check_reports_every_problem():
     with pytest.raises(ConfigError, match=r"2 problems: \(1\) dp\(2\) \* tp\(1\).*\(2\) Megatron"):
-        hybrid_check(2, dp=2, tp=1, sp=2, seq_len=8, sequence_parallel=True)
-    assert hybrid_check(4, tp=2, seq_len=16, zero_stage=3) == 2
+        Layout(2, 1, 1, 2, sequence_parallel=True).check(2, seq_len=8)
+    assert Layout(None, 2, zero_stage=3).check(4, seq_len=16).dp == 2
     with pytest.raises(ConfigError, match=r"2 problems: .*--pp 8 > n_layer 4.*"
                                           r"--offload nvme with --pp 8"):
-        check_pipeline(pp=8, micro_batches=8, schedule="1f1b", n_layer=4, zero_stage=3,
-                       offload="nvme")
-    check_pipeline(pp=2, micro_batches=2, schedule="1f1b", n_layer=4, zero_stage=3)
+        Layout(1, 1, 8, 1, 8, 3, "1f1b", "nvme").check(8, ModelFacts(n_units=4))
+    Layout(1, 1, 2, 1, 2, 3, "1f1b").check(2, ModelFacts(n_units=4))
 
 
 def test_auto_micro_batches_asks_the_layout():

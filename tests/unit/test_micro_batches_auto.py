@@ -10,7 +10,8 @@ import pytest
 from rtxmpi.elastic.replan import replan
 from rtxmpi.errors import ConfigError
 from rtxmpi.nn import GPTConfig
-from rtxmpi.parallel.pipeline import auto_micro_batches, check_pipeline
+from rtxmpi.parallel.layout import Layout, ModelFacts
+from rtxmpi.parallel.pipeline import auto_micro_batches
 from rtxmpi.parallel.schedule import build_schedule
 
 
@@ -27,7 +28,7 @@ def test_auto_micro_batches_picks_the_smallest_count_the_schedule_and_batch_allo
     got = auto_micro_batches(pp=pp, per_rank_batch=batch, schedule=schedule, n_layer=4,
                              virtual_stages=virtual)
     assert got == want and batch % got == 0
-    check_pipeline(pp=pp, micro_batches=got, schedule=schedule, n_layer=4, virtual_stages=virtual)
+    Layout(1, 1, pp, 1, got, 0, schedule, virtual_stages=virtual).check(pp, ModelFacts(n_units=4))
     smaller = [m for m in range(1, got) if batch % m == 0]
     for m in smaller:  # every smaller divisor is refused by the schedule, or is not a multiple of pp
         try:

@@ -391,29 +391,6 @@ def test_enumeration_has_zero_stages_and_offload_only_with_zero():
     assert Layout(4, 1, 1, 1, 1, 3, "none", "nvme").flags().endswith("--zero-stage 3 --offload nvme")
 
 
-def test_zero_with_model_parallelism_follows_the_runtime_checks():
-    """The planner has no ZeRO rule of its own for tp/pp/sp: it proposes what the runtime's
-    checks (hybrid.check_layout, pipeline.check_pipeline) accept, whatever version is installed."""
-    from rtxmpi.errors import ConfigError as Refused
-    from rtxmpi.parallel.hybrid import check_layout as runtime_layout
-    from rtxmpi.parallel.pipeline import check_pipeline
-
-    for dp, tp, pp, sp in TARGETS:
-        for z in (1, 2, 3):
-            if dp * sp == 1:
-                continue
-            m, sched = (4, "1f1b") if pp > 1 else (1, "none")
-            try:
-                runtime_layout(4, dp=dp, tp=tp, pp=pp, sp=sp, seq_len=128, zero_stage=z)
-                if pp > 1:
-                    check_pipeline(pp=pp, micro_batches=m, schedule=sched, n_layer=4, zero_stage=z)
-                runs = True
-            except Refused:
-                runs = False
-            why = check_layout(CFG, Layout(dp, tp, pp, sp, m, z, sched), 32, 4)
-            assert (why is None) == runs, (dp, tp, pp, sp, z, why)
-
-
 def test_memory_model_matches_zero_memory_bytes_table():
     """docs/zero.md's memory_bytes table for GPT small at W = 4 (params / grads / optimizer,
     MiB), which tests/mpi/test_zero.py checks against the real engine."""
