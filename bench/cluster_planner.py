@@ -37,8 +37,9 @@ def rows():
             yield st, dict(zip(st["columns"], row))
 
 
-def check(st, r):
-    profile = load_cluster_profile(st["profile"])
+def published_setup(st, r):
+    """(GPTConfig, ClusterLayout, Options) of published row `r` of set `st` (vocabulary 51,200,
+    sequence 2,048, as every row of the data file); tests/unit/test_cluster_planner.py uses it too."""
     cfg = GPTConfig(vocab_size=51200, seq_len=2048, n_layer=r["n_layer"], n_head=r["n_head"],
                     n_embd=r["n_embd"])
     lay, tp, pp = st["layout"], r["tp"], r["pp"]
@@ -46,7 +47,12 @@ def check(st, r):
     L = ClusterLayout(dp, tp, pp, lay["micro_batch"], r["global_batch"] // (dp * lay["micro_batch"]),
                       lay["schedule"] if pp > 1 else "none", 1, lay["zero_stage"], lay["recompute"],
                       lay["sequence_parallel"] and tp > 1)
-    opt = Options(**st["options"])
+    return cfg, L, Options(**st["options"])
+
+
+def check(st, r):
+    profile = load_cluster_profile(st["profile"])
+    cfg, L, opt = published_setup(st, r)
     e = cluster_estimate(cfg, L, r["global_batch"], profile, opt)
     if st["metric"] == "tflops_per_gpu":
         published, predicted = r["tflops_per_gpu"], e.tflops_per_device

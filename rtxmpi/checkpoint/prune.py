@@ -31,10 +31,14 @@ def prune(ckpt_dir, keep_last, run_id, protect=()):
     `latest`'s step nor a step in `protect` (those count towards the newest K when they are the
     run's). Single process: call it on one rank while holding the directory's lock
     (rtxmpi.checkpoint.lock). Returns the removed steps, oldest first. Raises ConfigError for a bad
-    keep_last, CheckpointError naming the directory when a removal fails."""
+    keep_last, CheckpointError naming the directory when listing it or a removal fails."""
     check_keep_last(keep_last)
+    try:
+        found = list_checkpoints(ckpt_dir)
+    except OSError as exc:  # a CheckpointError, which the training loop agrees on over the ranks
+        raise CheckpointError(f"{ckpt_dir}: cannot list its checkpoints to prune: {exc}") from None
     own = []
-    for info in list_checkpoints(ckpt_dir):
+    for info in found:
         if not info.committed or info.problem is not None:
             continue
         try:

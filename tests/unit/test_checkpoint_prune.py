@@ -1,4 +1,5 @@
 """rtxmpi.checkpoint.prune: the run's older committed checkpoints go, nothing else does."""
+import importlib
 import shutil
 
 import numpy as np
@@ -10,6 +11,9 @@ from rtxmpi.errors import CheckpointError, ConfigError
 
 def save(ckpt_dir, step, run_id):
     save_checkpoint(None, ckpt_dir, step, {"params": Shard(np.arange(4.0), 0, 4)}, run_id=run_id)
+
+
+prune_module = importlib.import_module("rtxmpi.checkpoint.prune")  # the package exports the function
 
 
 def steps(ckpt_dir):
@@ -51,3 +55,11 @@ def test_a_failed_removal_is_a_checkpoint_error_and_leaves_the_step_uncommitted(
     with pytest.raises(CheckpointError, match=r"could not remove the old checkpoint .*step_00000001"):
         prune(tmp_path, 1, "mine")
     assert steps(tmp_path) == [(1, False), (2, True)]  # de-committed first: loads ignore it
+
+
+def test_a_directory_that_cannot_be_listed_is_a_checkpoint_error(tmp_path, monkeypatch):
+    def fail(path):
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(prune_module, "list_checkpoints", fail)
+    with pytest.raises(CheckpointError, match="cannot list its checkpoints to prune"):
+        prune_module.prune(str(tmp_path), 2, "run")

@@ -1,5 +1,6 @@
 """The cluster planner (rtxmpi.parallel.cluster): its costs against published formulas and runs,
 its search, and `rtxmpi plan --profile CLUSTER_PROFILE`."""
+import importlib.util
 import json
 import os
 
@@ -28,16 +29,15 @@ def _rows():
             for st in _sets() for row in st["rows"]]
 
 
-def _published(st, r):
-    """(config, layout, options) of a published row."""
-    cfg = GPTConfig(vocab_size=V, seq_len=S, n_layer=r["n_layer"], n_head=r["n_head"],
-                    n_embd=r["n_embd"])
-    lay, tp, pp = st["layout"], r["tp"], r["pp"]
-    dp = r["gpus"] // (tp * pp)
-    L = ClusterLayout(dp, tp, pp, lay["micro_batch"], r["global_batch"] // (dp * lay["micro_batch"]),
-                      lay["schedule"] if pp > 1 else "none", 1, lay["zero_stage"], lay["recompute"],
-                      lay["sequence_parallel"] and tp > 1)
-    return cfg, L, Options(**st["options"])
+def _load_bench():
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "cluster_planner.py")
+    spec = importlib.util.spec_from_file_location("cluster_planner_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_published = _load_bench().published_setup  # (config, layout, options) of a published row
 
 
 # ------------------------------------------------------------------ the published table
