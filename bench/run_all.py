@@ -41,6 +41,7 @@ BENCHES = (
     ("collectives", "Collectives", (2, 4), ()),
     ("scaling", "Data-parallel scaling", (), ()),
     ("peers", "The main job against PyTorch", (), ()),
+    ("fused", "Fused CPU operations", (), ()),
     ("memory", "Memory", (), ()),
     ("checkpoint", "Checkpoint I/O", (1, 2, 4), ()),
     ("tensor_parallel", "Tensor and sequence parallelism", (2, 4), ()),
@@ -48,6 +49,7 @@ BENCHES = (
     ("elastic", "Elastic recovery", (), ()),
     ("timeline", "Timeline overhead", (1, 2), ()),
     ("planner", "Planner", (), ()),
+    ("cluster_planner", "Planner at cluster scale", (), ()),
 )
 
 

@@ -133,7 +133,7 @@ def test_results_are_written_whole_from_the_latest_outputs(tmp_path, monkeypatch
 def test_run_all_table_order_and_dry_run():
     run_all = load_run_all()
     names = [row[0] for row in run_all.BENCHES]
-    assert names[:6] == ["convergence", "collectives", "scaling", "peers", "memory", "checkpoint"]
+    assert names[:7] == ["convergence", "collectives", "scaling", "peers", "fused", "memory", "checkpoint"]
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run_all.py"), "--dry-run",
                            "--only", "checkpoint,elastic"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
