@@ -1,6 +1,8 @@
-"""Recovery time after a rank dies: shrink-and-continue and replace (ULFM) against supervised restart.
+"""Recovery time after a rank dies: shrink-and-continue and replace (ULFM) against supervised restart;
+and the time a join takes.
 
-    python bench/elastic.py [--model small] [--ranks 4] [--repeats 3] [--layout "--tp 2 --dp 2"] [--json FILE]
+    python bench/elastic.py [--model small] [--ranks 4] [--repeats 3] [--layout "--tp 2 --dp 2"]
+                            [--kinds shrink,replace,restart,join] [--json FILE]
 
 (a driver: it launches the jobs itself). Each repetition, in a rotating order:
   shrink   mpiexec --with-ft ulfm -n 4 python examples/train.py --elastic shrink, a seeded random
@@ -14,10 +16,15 @@
            the job down, the supervisor relaunches it with --resume); recovery = from the kill to
            the first step of the relaunch appearing in the metrics file (polled every 5 ms);
            lost = steps redone from the last checkpoint.
+  join     mpiexec --with-ft ulfm -n R/2 ... --elastic grow, and at a seeded random step a join
+           request for the other R - R/2 ranks (as `rtxmpi join` writes it); time = from the
+           request written to the first step completed at R ranks (rank 0's timestamp); no step
+           is lost, so the "steps lost" column shows 0.
 --layout: train.py layout flags for both (e.g. "--tp 2 --dp 2": the shrink then rebuilds the model
 from the survivors' tp shards and re-plans it for 3 ranks, docs/elastic.md "Hybrid layouts").
 Step time (the median before the kill) is shown for scale. Targets (reported, never asserted):
-shrink <= 2 s to the first step after recovery with <= 1 step lost; replace <= 5 s; restart <= 30 s.
+shrink <= 2 s to the first step after recovery with <= 1 step lost; replace <= 5 s; restart <= 30 s;
+join <= 5 s.
 """
 import argparse
 import json
@@ -46,6 +53,8 @@ MPIEXEC_ARGV = [MPIEXEC, "--oversubscribe", "--mca", "mpi_yield_when_idle", "1",
 ULFM = ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "--mca",
         "mpi_ft_detector_period", "1", "--mca", "mpi_ft_detector_timeout", "10"]
 KILLED = re.compile(r"\[rtxmpi fault\] kill launch rank (\d+) step (\d+) phase \w+ (?:pid=\d+ )?t=([\d.]+)")
+JOINED = re.compile(r"elastic: step (\d+) completed at (\d+) ranks [\d.]+ s after the join was agreed "
+                    r"\(t=([\d.]+)\)")
 FIRST = re.compile(r"elastic: step (\d+) completed [\d.]+ s after the failure was seen \(t=([\d.]+)\)")
 REPLICA = re.compile(r"(?:replica|shards of ranks \[[\d, ]+\]) at step (\d+)")
 
@@ -126,6 +135,38 @@ def restart(args, folder, victim, step):
             "step_ms": statistics.median(step_times(folder, step))}
 
 
+def join(args, folder, step):
+    """A job of R/2 ranks joined by R - R/2 once `step` is logged; seconds from the request to the
+    first step completed at R ranks."""
+    sys.path.insert(0, REPO)
+    from rtxmpi.elastic import admit
+
+    start_ranks = args.ranks // 2
+    metrics, ckpt, asked = os.path.join(folder, "m.jsonl"), os.path.join(folder, "ckpt"), []
+
+    def ask():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= step:
+                admit.write_request(ckpt, args.ranks - start_ranks, timeout_s=300)
+                asked.append(time.time())
+                return
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    command = (MPIEXEC_ARGV[:1] + ULFM + ["--prtemca", "state_base_recoverable", "1"]
+               + MPIEXEC_ARGV[1:] + ["-n", str(start_ranks)] + train_args(args, folder)
+               + ["--elastic", "grow", "--ckpt-every", str(args.ckpt_every)])
+    done = subprocess.run(["timeout", "300"] + command, capture_output=True, text=True, env=env())
+    thread.join(5)
+    first = JOINED.search(done.stdout)
+    if done.returncode or not (asked and first and int(first.group(2)) == args.ranks):
+        raise RuntimeError(f"join run failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+    return {"recovery_s": float(first.group(3)) - asked[0], "lost_steps": 0,
+            "step_ms": statistics.median(step_times(folder, step))}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small")
@@ -135,33 +176,45 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layout", default="", help='train.py layout flags, e.g. "--tp 2 --dp 2"')
+    p.add_argument("--kinds", default="shrink,replace,restart,join",
+                   help="comma-separated subset of shrink, replace, restart, join")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    kinds = [k for k in ("shrink", "replace", "restart", "join") if k in args.kinds.split(",")]
+    if not kinds or set(args.kinds.split(",")) - set(kinds):
+        p.error(f"--kinds {args.kinds!r}: a comma-separated subset of shrink, replace, restart, join")
     info = machine_info()
     rng = random.Random(args.seed)
-    results = {"shrink": [], "replace": [], "restart": []}
+    results = {kind: [] for kind in kinds}
     root = tempfile.mkdtemp(prefix="rtxmpi-bench-elastic-")
     os.environ.setdefault("RTXMPI_CACHE_DIR", os.path.join(root, "cache"))
     try:
         for rep in range(args.repeats):
             victim, step = rng.randrange(args.ranks), rng.randrange(args.ckpt_every + 2, args.steps - 2)
-            order = ["shrink", "replace", "restart"][rep % 3:] + ["shrink", "replace", "restart"][:rep % 3]
+            order = kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]
             for kind in order:
                 folder = os.path.join(root, f"{rep}-{kind}")
                 os.makedirs(folder)
                 result = (restart(args, folder, victim, step) if kind == "restart" else
+                          join(args, folder, step) if kind == "join" else
                           shrink(args, folder, victim, step, "grow" if kind == "replace" else "shrink"))
                 result.update(victim=victim, step=step)
                 results[kind].append(result)
-                progress(f"{kind} rep {rep}: kill rank {victim} at step {step}: "
+                what = (f"join at step {step}" if kind == "join" else
+                        f"kill rank {victim} at step {step}")
+                progress(f"{kind} rep {rep}: {what}: "
                          f"{result['recovery_s']:.3f} s, {result['lost_steps']} steps lost")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = []
     for kind, target in (("shrink (ULFM, same processes)", 2.0),
                          ("replace (ULFM + spawn, back to full size)", 5.0),
-                         ("restart (rtxmpi run, from checkpoint)", 30.0)):
-        runs = results[kind.split()[0]]
+                         ("restart (rtxmpi run, from checkpoint)", 30.0),
+                         (f"join {args.ranks // 2} -> {args.ranks} (request -> first step at "
+                          f"{args.ranks} ranks)", 5.0)):
+        runs = results.get(kind.split()[0])
+        if not runs:
+            continue
         rec = [r["recovery_s"] for r in runs]
         rows.append([kind, fmt(statistics.median(rec), 3), f"{fmt(min(rec), 3)} - {fmt(max(rec), 3)}",
                      max(r["lost_steps"] for r in runs), fmt(statistics.median(r["step_ms"] for r in runs), 1),
@@ -174,8 +227,9 @@ def main():
     print(markdown_table(["recovery", "median s (kill -> first step)", "range s", "max steps lost",
                           "step ms", "target", "met"], rows))
     layout = f' --layout "{args.layout}"' if args.layout else ""
+    some = "" if len(kinds) == 4 else f" --kinds {','.join(kinds)}"
     print(f"\ncommand: python bench/elastic.py --model {args.model} --ranks {args.ranks} "
-          f"--repeats {args.repeats} --seed {args.seed}{layout}")
+          f"--repeats {args.repeats} --seed {args.seed}{layout}{some}")
     if args.json:
         write_json(args.json, {"machine": info, "args": vars(args), "results": results})
 

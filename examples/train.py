@@ -208,6 +208,9 @@ def parse_args(argv=None):
     p.add_argument("--grow-hosts", default=None, metavar="FILE",
                    help="--elastic grow: HOST[:SLOTS] lines to add to the allocation, re-read "
                         "at every attempt (capacity that comes back)")
+    p.add_argument("--max-ranks", type=int, default=None, metavar="N",
+                   help="--elastic grow: the most ranks `rtxmpi join --job CKPT_DIR -n K` may grow "
+                        "the job to (default: 4 x the launch's ranks; docs/elastic.md, \"Join\")")
     p.add_argument("--stuck-timeout-s", type=float, default=None, metavar="S",
                    help="heartbeats: a rank with no progress for S seconds is reported with its "
                         "phase and step and handled as failed (docs/elastic.md)")
@@ -326,7 +329,8 @@ def relaunched():
 
 
 def replan_layout(world, args):
-    """After an elastic shrink, or in a relaunch by `rtxmpi run` on the ranks still available: keep
+    """After an elastic shrink or growth (replacements, `rtxmpi join`), or in a relaunch by
+    `rtxmpi run` on the ranks still available: keep
     the user's --tp/--pp/--sp when they fit this world, else take the first that fits in
     rtxmpi.elastic.replan's fixed order (dp fills the rest); rank 0 prints the old and the new
     layout when they differ. Pure data parallelism is left as it is (dp follows the world size).
@@ -338,9 +342,9 @@ def replan_layout(world, args):
         args.dp = None  # data parallelism only: dp follows the world (a --dp N no longer fits)
         return
     size, model = world.world_size, args.tp * args.pp * args.sp
-    shrinks = elastic.shrinks()
+    resizes = elastic.resizes()  # shrinks and growths (replacements, a join)
     given = (args.dp, args.tp, args.pp, args.sp)
-    old = (describe(shrinks[-1][0] // model, args.tp, args.pp, args.sp) if shrinks else
+    old = (describe(resizes[-1][0] // model, args.tp, args.pp, args.sp) if resizes else
            " ".join(f"--{axis} {n}" for axis, n in zip(("dp", "tp", "pp", "sp"), given)
                     if n is not None))
     tp, pp, sp, micro_batches, sequence_parallel, virtual_stages = user
@@ -351,7 +355,7 @@ def replan_layout(world, args):
     args.dp, args.tp, args.pp, args.sp = layout.degrees
     args.micro_batches = layout.micro_batches
     args.virtual_stages = virtual_stages if layout.pp > 1 else 1
-    if not shrinks and (why == "" and given[0] in (None, layout.dp)):
+    if not resizes and (why == "" and given[0] in (None, layout.dp)):
         return  # a relaunch that fits the flags as given: nothing to say
     if world.rank == 0:
         micro = (f", micro-batches {layout.micro_batches}"
@@ -388,7 +392,7 @@ class GPTTask(Task):
         args = self.args
         if args.plan:  # --plan auto: every rank runs the layout rank 0 planned (docs/planner.md)
             apply_plan(world, args)
-        elif elastic.shrinks() or relaunched():  # the layout for the survivors (docs/elastic.md)
+        elif elastic.resizes() or relaunched():  # the layout for the new world size (docs/elastic.md)
             replan_layout(world, args)
         check_args(args, world.world_size)
         self.cfg = GPTConfig.named(args.model, seq_len=args.seq_len)

@@ -8,6 +8,8 @@
     rtxmpi ckpt inspect DIR [--step S] [--all]  a summary of the tensors and the meta (--all: all of it)
     rtxmpi run -n N [--min-ranks K] [--max-restarts R] -- python train.py ...
                                       supervise: forward signals, relaunch after a failure
+    rtxmpi join --job CKPT_DIR -n K   admit K more ranks into the running --elastic grow job whose
+                                      --ckpt-dir is CKPT_DIR, at its next step boundary
     rtxmpi plan --model small --world-size 4 [--profile F]   ranked layouts and why the first
     mpiexec -n 4 rtxmpi plan --calibrate --save-profile F  ... measuring this machine first
     rtxmpi report RUN_DIR [RUN_DIR ...] [--out DIR] [--last N]   summary, bottleneck and PNG plots
@@ -298,6 +300,18 @@ def cmd_run(args):
         return 2
 
 
+def cmd_join(args):
+    """Ask the running job at --job DIR to admit -n more ranks (rtxmpi.elastic.admit)."""
+    from .elastic.admit import client
+    from .errors import ConfigError
+
+    try:
+        return client(args.job, args.n, timeout_s=args.timeout_s)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
 def cmd_plan(args):
     """Rank parallel layouts by predicted step time (rtxmpi/parallel/planner.py, docs/planner.md)."""
     from .parallel import planner
@@ -403,6 +417,17 @@ def build_parser():
                      help="wait B s after an early failure, doubling each time in a row (at most 60)")
     run.add_argument("job", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     run.set_defaults(func=cmd_run)
+    join = sub.add_parser("join", help="admit more ranks into a running --elastic grow job",
+                          description="Writes a join request into the job's --ckpt-dir; the job "
+                                      "spawns the ranks at its next step boundary and re-plans "
+                                      "its layout (docs/elastic.md, \"Join\"). Exit status: 0 "
+                                      "admitted, 1 refused or no answer in time, 2 bad arguments "
+                                      "or no running job at DIR.")
+    join.add_argument("--job", required=True, metavar="DIR", help="the job's --ckpt-dir")
+    join.add_argument("-n", type=int, required=True, metavar="K", help="ranks to add")
+    join.add_argument("--timeout-s", type=float, default=300.0, metavar="S",
+                      help="give up (and withdraw the request) after S seconds without an answer")
+    join.set_defaults(func=cmd_join)
     plan = sub.add_parser("plan", help="rank (dp, tp, pp, sp) layouts by predicted step time",
                           description="Exit status: 0 planned, 1 no layout fits, 2 bad flags. "
                                       "See docs/planner.md.")

@@ -20,12 +20,16 @@ world (rtxmpi.elastic.shrink), exchange the newest replica's state when the loop
 tensors, and call the function again; its resume code then restores from `recovered_state()`
 (or, for sharded state, from the last committed checkpoint). Policy "grow" also spawns
 replacements for the lost ranks before calling it again (rtxmpi.elastic.grow), and, while no slot
-is free, retries at a step boundary every `grow_retry_s` seconds. Objects of the failed attempt are
-kept alive (MPI may still own their buffers) and are released with the process.
+is free, retries at a step boundary every `grow_retry_s` seconds. It also admits new ranks that
+`rtxmpi join` asks for (rtxmpi.elastic.admit): rank 0 finds the request at a step boundary, the
+agreement carries it, and the next step spawns them as it spawns replacements. Objects of the
+failed attempt are kept alive (MPI may still own their buffers) and are released with the process.
 """
 import os
 import sys
 import time
+
+import numpy as np
 
 from ..comm import launch_rank, progress, replace_world, start_heartbeats
 from ..comm.failure import (MPIError, failed_ranks, is_process_failure, lost_ranks, poll,
@@ -33,6 +37,7 @@ from ..comm.failure import (MPIError, failed_ranks, is_process_failure, lost_ran
 from ..control import agree
 from ..errors import ConfigError, RankFailure
 from . import exitreport
+from .admit import parse_request, take_request, write_answer
 from .evict import Processes, guard_resume
 from .fault import FaultPlan
 from .grow import SpawnFailed, agree_growth, hand_over, join, read_hosts, spawn, spawned
@@ -64,6 +69,12 @@ class _Config:
     joining = False  # ... and has not received the state yet
     grows = []  # (old world size, new world size) of each growth
     faults = None  # this process's FaultPlan for the "grow" phase
+    join_dir = None  # where rank 0 looks for `rtxmpi join` requests (the job's --ckpt-dir)
+    max_ranks = None  # the most ranks a join may grow the world to (None: 4 x the first world)
+    first_size = None  # the world size of this process's first attempt
+    join = None  # the agreed join in progress: (request id, ranks, world size before, time agreed)
+    join_time = None  # time.time() of the last join's agreement, until its first step at the new size
+    resizes = []  # (old world size, new world size) of every shrink and growth, in order
 
 
 class _GrowNow(Exception):
@@ -73,7 +84,8 @@ class _GrowNow(Exception):
 _config = _Config()
 
 
-def configure(policy="off", min_ranks=1, stuck_timeout_s=None, grow_retry_s=30.0, grow_hosts=None):
+def configure(policy="off", min_ranks=1, stuck_timeout_s=None, grow_retry_s=30.0, grow_hosts=None,
+              join_dir=None, max_ranks=None):
     """Choose what a rank failure does. policy: "off" (the job fails, non-zero exit), "shrink"
     (survivors continue in the same processes while at least `min_ranks` remain), "grow" (shrink,
     then spawn replacements back to the launch's world size; while no slot is free, run shrunk
@@ -82,7 +94,10 @@ def configure(policy="off", min_ranks=1, stuck_timeout_s=None, grow_retry_s=30.0
     relaunches it from the last committed checkpoint).
     stuck_timeout_s: with a number, control-plane heartbeats (rtxmpi.comm.heartbeat) report a
     rank that made no progress for that long, with its phase and step, as a RankFailure, and a
-    shrink evicts it. Local; call it on every rank before `run`. Raises ConfigError."""
+    shrink evicts it. join_dir: the job's directory (its --ckpt-dir), where rank 0 looks for
+    `rtxmpi join` requests at every step boundary (admitted under "grow", refused otherwise);
+    max_ranks: the most ranks a join may grow the world to (None: 4 x the first attempt's world
+    size). Local; call it on every rank before `run`. Raises ConfigError."""
     if policy not in POLICIES:
         raise ConfigError(f"elastic policy must be one of {POLICIES}, got {policy!r}")
     if not isinstance(min_ranks, int) or min_ranks < 1:
@@ -96,6 +111,11 @@ def configure(policy="off", min_ranks=1, stuck_timeout_s=None, grow_retry_s=30.0
     _config.policy, _config.min_ranks = policy, min_ranks
     _config.stuck_timeout_s, _config.grow_retry_s = stuck_timeout_s, float(grow_retry_s)
     _config.grow_hosts = None if grow_hosts is None else os.fspath(grow_hosts)
+    if max_ranks is not None and (isinstance(max_ranks, bool) or not isinstance(max_ranks, int)
+                                  or max_ranks < 1):
+        raise ConfigError(f"max_ranks must be an int >= 1, got {max_ranks!r}")
+    _config.join_dir = None if join_dir is None else os.fspath(join_dir)
+    _config.max_ranks = max_ranks
 
 
 def _shrinking():
@@ -119,6 +139,13 @@ def grows():
     """The growths this process has gone through (policy "grow"): a list of (old world size, new
     world size); a spawned process counts the one that started it. Local."""
     return list(_config.grows)
+
+
+def resizes():
+    """Every change of this process's world size, in order: a list of (old, new) for each shrink
+    and growth (replacements or a join); a spawned process counts the growth that started it.
+    Local."""
+    return list(_config.resizes)
 
 
 def recovered_state():
@@ -152,6 +179,8 @@ class Loop:
         self._close = []
         self._applied_meta = None
         self._grow_due = False
+        if _config.first_size is None:
+            _config.first_size = world.world_size
         _config.current = self
 
     def track(self, *, meta, tensors=None, pieces=None, close=(), step=None):
@@ -196,14 +225,20 @@ class Loop:
         rank when any rank got a signal, `.preempt` when any got one that was not an interrupt
         (Ctrl-C: stop and not preempt). Collective. Under policy "grow", while the world is
         smaller than at launch, also `grow`: rank 0's retry interval has passed, and the next
-        step's "forward" phase spawns replacements."""
-        if _config.policy == "grow" and (_config.full_size or 0) > self.world.world_size:
-            due = self.world.rank == 0 and time.monotonic() >= _config.next_grow
-            flags = agree(self.world, **flags, stop=self.stop.requested, preempt=self.stop.preempted,
-                          grow=due)
-            self._grow_due = flags.grow
-            return flags
-        return agree(self.world, **flags, stop=self.stop.requested, preempt=self.stop.preempted)
+        step's "forward" phase spawns replacements. With a join directory, rank 0 also looks for
+        a join request (one stat); under "grow" a valid one sets `join` and the next step's
+        "forward" phase spawns the new ranks (one more small all_reduce carries the request)."""
+        world, extra, asked = self.world, {}, None
+        if _config.policy == "grow" and (_config.full_size or 0) > world.world_size:
+            extra["grow"] = world.rank == 0 and time.monotonic() >= _config.next_grow
+        if world.rank == 0 and _config.join_dir and _config.join is None:
+            asked = _join_request(world)
+        if _config.policy == "grow" and _config.join_dir:
+            extra["join"] = asked is not None
+        flags = agree(world, **flags, stop=self.stop.requested, preempt=self.stop.preempted, **extra)
+        joins = "join" in extra and flags.join and _agree_join(world, asked, flags.stop)
+        self._grow_due = bool(getattr(flags, "grow", False) or joins)
+        return flags
 
     def applied(self, step, record=None):
         """This rank applied (or agreed to skip) the update of `step`. record: a JSON-able dict
@@ -217,6 +252,12 @@ class Loop:
             if self.world.rank == 0:
                 print(f"elastic: step {step} completed {elapsed:.3f} s after the failure was seen "
                       f"(t={time.time():.6f})", flush=True)
+        if _config.join_time is not None:
+            elapsed = time.time() - _config.join_time
+            _config.join_time = None
+            if self.world.rank == 0:
+                print(f"elastic: step {step} completed at {self.world.world_size} ranks "
+                      f"{elapsed:.3f} s after the join was agreed (t={time.time():.6f})", flush=True)
 
 
 def exit_after(main):
@@ -275,6 +316,18 @@ def run(fn, args):
     if _config.policy == "grow" and spawned() and not _config.joined:
         join(getattr(args, "timeout_s", None))  # a failure here ends this process
         _config.joined = _config.joining = _config.grow_due = True
+    try:
+        return _run(fn, args)
+    finally:  # a join agreed but not done: the job ended (or failed) before its next step
+        if _config.join is not None:
+            _answer_join(world().rank if is_initialized() else -1, False,
+                         reason="the job ended (finished, stopped or failed) before the next step "
+                                "boundary, where the new ranks would have started")
+
+
+def _run(fn, args):
+    from ..comm import is_initialized, world
+
     while True:
         try:
             if _config.grow_due:
@@ -303,6 +356,7 @@ def _try_spawn(group):
     `_grow`. On SpawnFailed schedule the next attempt; rank 0 says so. Returns whether it
     spawned. Collective."""
     missing = _config.full_size - group.world_size
+    joining = _config.join[1] if _config.join else 0
     start = time.monotonic()
     info = {}
     if group.rank == 0 and _config.grow_hosts:  # the spawn's root: the only rank that reads it
@@ -316,15 +370,93 @@ def _try_spawn(group):
         _config.merged = spawn(group, missing, info)
     except SpawnFailed as exc:
         _config.next_grow = time.monotonic() + _config.grow_retry_s
-        if group.rank == 0:
-            print(f"elastic: cannot replace {missing} lost rank{'s' * (missing > 1)} (spawn failed: "
+        lost = missing - joining
+        if joining:  # the join is refused; lost ranks (if any) are retried as before
+            _config.full_size -= joining
+            _answer_join(group.rank, False, reason=f"no free slot (spawn of {missing} "
+                         f"rank{'s' * (missing > 1)} failed: {exc}); the job continues at "
+                         f"{group.world_size} ranks")
+            if group.rank == 0:
+                print(f"elastic: cannot admit {joining} joining rank{'s' * (joining > 1)} (spawn "
+                      f"failed: {exc}; no free slot?); join refused, continuing at "
+                      f"{group.world_size} ranks", file=sys.stderr, flush=True)
+        if lost and group.rank == 0:
+            print(f"elastic: cannot replace {lost} lost rank{'s' * (lost > 1)} (spawn failed: "
                   f"{exc}; no free slot?); continuing at {group.world_size} ranks, next attempt in "
                   f"{_config.grow_retry_s:g} s", file=sys.stderr, flush=True)
         return False
     if group.rank == 0:
-        print(f"elastic: spawned {missing} replacement rank{'s' * (missing > 1)} in "
+        what = ("replacement" if not joining else "joining" if joining == missing else
+                f"new ({missing - joining} replacing lost ones, {joining} joining)")
+        print(f"elastic: spawned {missing} {what} rank{'s' * (missing > 1)} in "
               f"{(time.monotonic() - start) * 1e3:.0f} ms", file=sys.stderr, flush=True)
     return True
+
+
+def _join_request(world):
+    """Rank 0: the pending join request as (id, ranks) when there is a valid one and the policy
+    is "grow"; a bad one, or any under another policy, is answered (refused) here. Local."""
+    raw = take_request(_config.join_dir)
+    if raw is None:
+        return None
+    limit = _config.max_ranks or 4 * (_config.first_size or world.world_size)
+    try:
+        ident, ranks = parse_request(raw, max(_config.full_size or 0, world.world_size), limit)
+    except ConfigError as exc:
+        ident, reason = exc.request_id, str(exc)
+    else:
+        if _config.policy == "grow":
+            return ident, ranks
+        reason = (f"this job runs with --elastic {_config.policy}; joining needs --elastic grow "
+                  "(and mpiexec --with-ft ulfm --prtemca state_base_recoverable 1)")
+    print(f"elastic: join request refused: {reason}", file=sys.stderr, flush=True)
+    write_answer(_config.join_dir, ident, False, reason=reason)
+    return None
+
+
+def _agree_join(world, asked, stopping):
+    """After an agreement that carried `join`: every rank learns rank 0's request (id, ranks) and
+    raises the world size grow restores by its ranks; refused when the job stops after this step.
+    Returns whether the next step spawns. Collective."""
+    values = np.array(asked or (0, 0), np.int64)
+    world.all_reduce(values, op="max")
+    ident, ranks = int(values[0]), int(values[1])
+    if stopping:
+        if world.rank == 0:
+            write_answer(_config.join_dir, ident, False,
+                         reason="the job stops after this step (a stop signal arrived)")
+        return False
+    _config.join = (ident, ranks, world.world_size, time.time())
+    _config.full_size = max(_config.full_size or 0, world.world_size) + ranks
+    if world.rank == 0:
+        print(f"elastic: join of {ranks} rank{'s' * (ranks > 1)} agreed at step "
+              f"{_config.current.step if _config.current else '?'}; spawning at the next step "
+              f"boundary", file=sys.stderr, flush=True)
+    return True
+
+
+def _sync_join(group):
+    """After a shrink under "grow": the survivors agree on the join in progress (a failure may
+    have cut the all_reduce that carried it short on some of them) and on the world size growth
+    restores. One MAX all_reduce of 4 int64. Collective."""
+    join = _config.join or (0, 0, 0, 0.0)
+    values = np.array([_config.full_size or 0, join[0], join[1], join[2]], np.int64)
+    group.all_reduce(values, op="max")
+    full, ident, ranks, before = (int(v) for v in values)
+    _config.full_size = full or None
+    if ranks and _config.join is None:
+        _config.join = (ident, ranks, before, time.time())
+
+
+def _answer_join(rank, admitted, **fields):
+    """Answer the join in progress (rank 0 writes the file) and forget it. Local."""
+    join, _config.join = _config.join, None
+    if join is None:
+        return
+    if admitted:
+        _config.join_time = join[3]
+    if rank == 0:
+        write_answer(_config.join_dir, join[0], admitted, **fields)
 
 
 def _grow(args):
@@ -355,6 +487,7 @@ def _grow(args):
     _config.recovered = hand_over(group, state, saved_size) if has_state else None
     _config.current = None
     _config.grows.append((old_size, group.world_size))
+    _config.resizes.append((old_size, group.world_size))
     if getattr(args, "ckpt_dir", None):
         args.resume = True
     if group.rank == 0:
@@ -363,6 +496,11 @@ def _grow(args):
               + (f"rank 0's replica at step {got.step} (handed to the new ranks from memory)" if got
                  else "the last committed checkpoint, or the start (no replica to hand over)"),
               file=sys.stderr, flush=True)
+    if _config.join is not None and group.world_size >= _config.full_size:
+        got = _config.recovered
+        _answer_join(group.rank, True, step=got.step if got else None,
+                     old_world_size=_config.join[2], world_size=group.world_size,
+                     **({} if got else {"note": "continuing from the last committed checkpoint"}))
 
 
 class _Held:
@@ -455,6 +593,8 @@ def recover(group, failure, loop):
     named = _evict(group, beat, processes, failure)
     old_comm = group.backend.comm
     new, old_size = shrink_world(group, _config.min_ranks)
+    if _config.policy == "grow":
+        _sync_join(new)
     lost = lost_ranks(old_comm, new.backend.comm)
     survivors = [r for r in range(old_size) if r not in lost]
     # ULFM's detector may have declared a stopped process dead that still exists: end it too
@@ -464,6 +604,7 @@ def recover(group, failure, loop):
             exitreport.mark("evicted", pid=int(processes.table[r, 0]))
     _config.processes = None
     _config.shrinks.append((old_size, new.world_size))
+    _config.resizes.append((old_size, new.world_size))
     if _config.full_size is None:
         _config.full_size = old_size
     shrunk = time.time()

@@ -41,7 +41,9 @@ class TrainConfig:
     timeout_s: deadline of every collective wait. elastic: "off", "shrink", "grow" or "restart";
     min_ranks: fewest ranks a shrink goes on with; stuck_timeout_s: heartbeat deadline;
     grow_retry_s: "grow" with no free slot: seconds between spawn attempts; grow_hosts: a file
-    of HOST[:SLOTS] lines, re-read at each attempt, added to the allocation.
+    of HOST[:SLOTS] lines, re-read at each attempt, added to the allocation. max_ranks: the most
+    ranks `rtxmpi join` may grow the job to (None: 4 x the launch's world size); join requests
+    are read from ckpt_dir (docs/elastic.md, "Join").
     requeue: after a pre-emption, `scontrol requeue` the Slurm job (rank 0). progress: a
     progress bar on rank 0. log_every: rank 0 prints "step S loss L lr R T s" after every K-th
     step and the last (0: never).
@@ -80,6 +82,7 @@ class TrainConfig:
     stuck_timeout_s: float = None
     grow_retry_s: float = 30.0
     grow_hosts: str = None
+    max_ranks: int = None
     requeue: bool = False
     progress: bool = True
     log_every: int = 0
@@ -163,6 +166,11 @@ class TrainConfig:
             raise ConfigError(f"{n('timeout_s')} must be > 0 seconds, got {self.timeout_s}")
         if not self.grow_retry_s > 0:
             raise ConfigError(f"{n('grow_retry_s')} must be > 0 seconds, got {self.grow_retry_s}")
+        if self.max_ranks is not None and (isinstance(self.max_ranks, bool)
+                                           or not isinstance(self.max_ranks, int)
+                                           or self.max_ranks < world_size):
+            raise ConfigError(f"{n('max_ranks')} {self.max_ranks} must be an int >= world_size "
+                              f"{world_size}")
         if self.elastic not in POLICIES:
             raise ConfigError(f"{n('elastic')} {self.elastic!r}: use one of {', '.join(POLICIES)}")
 

@@ -65,7 +65,8 @@ class Trainer:
                 raise ConfigError(f"{config.name('timeout_s')} must be > 0 seconds, got {config.timeout_s}")
             elastic.configure(policy=config.elastic, min_ranks=config.min_ranks,
                               stuck_timeout_s=config.stuck_timeout_s,
-                              grow_retry_s=config.grow_retry_s, grow_hosts=config.grow_hosts)
+                              grow_retry_s=config.grow_retry_s, grow_hosts=config.grow_hosts,
+                              join_dir=config.ckpt_dir, max_ranks=config.max_ranks)
             return elastic.run(self.attempt, config)  # elastic.run sets config.resume after a shrink
         finally:
             release_all()  # the ckpt_dir lock, once the last checkpoint is committed
@@ -110,7 +111,7 @@ class Trainer:
         last_step = config.last_step
         if replica is not None:  # the failure may have cut the tail of that step short
             self._finish_recovered_step(world, config, replica, metrics, last_step, ckpts)
-        elif (elastic.shrinks() or config.resume) and metrics is not None:  # steps after it re-run
+        elif (elastic.resizes() or config.resume) and metrics is not None:  # steps after it re-run
             drop_metrics_after(metrics_path, start_step - 1)
         if start_step > last_step:
             if rank == 0:
@@ -218,7 +219,7 @@ class Trainer:
         """Rank 0: the run's closing lines."""
         steps_run = last_step - start_step + 1
         val = f", val_loss {record['val_loss']:.3f}" if "val_loss" in record else ""
-        since = f" (steps {start_step}-{last_step}: this attempt)" if elastic.shrinks() else ""
+        since = f" (steps {start_step}-{last_step}: this attempt)" if elastic.resizes() else ""
         print(f"done: {count(steps_run, 'step')}{since} in {elapsed:.1f} s, "
               f"{steps_run * parts.tokens_per_step / elapsed:.0f} {parts.unit}/s, "
               f"final loss {record['loss']:.3f}{val}{parts.loss_unit}", flush=True)

@@ -30,6 +30,12 @@ RTXMPI_FAULT (rtxmpi/elastic/fault.py) at a random step, phase, delay and victim
            must finish back at 4 ranks, every step once, from memory (no checkpoint reloaded),
            with the losses and final state bitwise those of the run that lost no rank.
            Not in the CI set either: --kinds grow.
+  join     a 2-rank --elastic grow job is asked (rtxmpi.elastic.admit, as `rtxmpi join` does) for
+           1 or 2 more ranks during a stall of rank 0 at a random step; in a third of the
+           scenarios a member is killed while the state is handed to the new ranks, in another
+           third a member dies two steps after the join: the job must answer "admitted", finish
+           at 2 + K ranks with every step once (steps up to the join at 2 ranks, the rest at
+           2 + K) and never reload a checkpoint. --kinds join.
 
 Prints one line per scenario and `chaos: N scenarios tried, M passed`; exits 1 if any failed.
 """
@@ -41,6 +47,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -55,7 +62,8 @@ STEPS, CKPT_EVERY = 12, 4
 ARGS = ["--model", "tiny", "--global-batch", "12", "--seq-len", "32", "--eval-every", "0",
         "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--steps", str(STEPS),
         "--ckpt-every", str(CKPT_EVERY)]
-KINDS = ("shrink", "sigterm", "stuck", "restart", "crash", "shrink2", "hybrid", "stopped", "grow")
+KINDS = ("shrink", "sigterm", "stuck", "restart", "crash", "shrink2", "hybrid", "stopped", "grow",
+         "join")
 RECOVERABLE = ["--prtemca", "state_base_recoverable", "1"]  # the replacements' job (docs/elastic.md)
 HYBRID = (["--tp", "2", "--dp", "2"], ["--pp", "2", "--dp", "2", "--micro-batches", "2"],
           ["--pp", "2", "--tp", "2", "--micro-batches", "2"])
@@ -273,7 +281,53 @@ def scenario(kind, rng, folder):
             if done.stderr.count("shrank the world 4 -> 3") != 2:
                 return fault, "the kill in the handover was not recovered by a second shrink"
         return fault, check_final(folder, 4) or same_run(folder, grow_reference(folder.parent))
+    if kind == "join":
+        return join_scenario(rng, folder)
     raise ValueError(kind)
+
+
+def join_scenario(rng, folder):
+    """The `join` kind (module doc). Returns (description, None or what went wrong)."""
+    from rtxmpi.elastic import admit
+    ranks, step = rng.choice([1, 2]), rng.randrange(2, STEPS - 3)
+    fault, what = f"stall:0:{step}:forward:3", rng.choice(["none", "grow", "later"])
+    victim = rng.randrange(2)
+    if what == "grow":  # while the state of step S is handed over (S: the join's boundary)
+        fault += f",kill:{victim}:{step}:grow:{round(rng.uniform(0, 0.005), 4)}"
+    elif what == "later":
+        fault += f",kill:{victim}:{step + 2}:backward:{round(rng.uniform(0, 0.01), 4)}"
+    ckpt, asked = folder / "ckpt", []
+
+    def ask():  # once step S-1 is logged: rank 0 then stalls 3 s in step S
+        deadline = time.monotonic() + OUTER_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if any(r["step"] >= step - 1 for r in steps_logged(folder)):
+                asked.append(admit.write_request(ckpt, ranks, timeout_s=OUTER_TIMEOUT_S))
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    done, t = run(train_argv(folder, 2, "--elastic", "grow", ulfm=True, prte=RECOVERABLE),
+                  RTXMPI_FAULT=fault)
+    thread.join(5)
+    desc = f"+{ranks} {fault}"
+    if done.returncode != 0:
+        return desc, f"exit {done.returncode}: {done.stderr[-600:]}"
+    answer = admit.read_answer(ckpt, asked[0]) if asked else None
+    if not answer or not answer.get("admitted"):
+        return desc, f"not admitted: {answer}"
+    joined = answer["step"]
+    if "[rtxmpi fault] kill" in done.stderr:
+        desc += " (landed)"
+        if "shrank the world" not in done.stderr:
+            return desc, "the kill was not recovered by a shrink"
+    if "last committed checkpoint" in done.stderr:
+        return desc, "reloaded a checkpoint although a complete copy was alive"
+    sizes = [r["world_size"] for r in steps_logged(folder)]
+    if sizes != [2] * joined + [2 + ranks] * (STEPS - joined):
+        return desc, f"world sizes per step {sizes} (joined at step {joined})"
+    return desc, check_final(folder, 2 + ranks)
 
 
 def main(argv=None):

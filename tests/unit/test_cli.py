@@ -80,7 +80,7 @@ def test_help_summary_lists_every_subcommand(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
-    assert set(sub.choices) == {"info", "ckpt", "run", "plan", "report", "bench"}
+    assert set(sub.choices) == {"info", "ckpt", "run", "join", "plan", "report", "bench"}
     for name in sub.choices:
         assert f"rtxmpi {name} " in out, name
 
