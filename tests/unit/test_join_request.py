@@ -155,3 +155,29 @@ def test_bad_arguments_or_no_job_exit_2_without_a_traceback(tmp_path, capsys, ar
     err = capsys.readouterr().err
     assert why in err and "Traceback" not in err
     assert not (tmp_path / admit.REQUEST).exists()
+
+
+@pytest.mark.parametrize("policy, ranks, why", [
+    ("shrink", 1, "this job runs with --elastic shrink; joining needs --elastic grow"),
+    ("grow", 3, "1 + 3 ranks is over this job's limit of 2"),
+])
+def test_a_one_process_job_refuses_at_its_step_boundary_and_goes_on(tmp_path, capsys, policy, ranks, why):
+    """fit() in one process: rank 0 takes the request at step 1's boundary, answers it (refused:
+    the policy, or over max_ranks) and trains on; TrainConfig checks max_ranks."""
+    pytest.importorskip("sklearn")
+    from test_train_loop import Digits
+
+    from rtxmpi.train import TrainConfig, fit
+
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    ident = admit.write_request(ckpt, ranks, timeout_s=60)
+    record = fit(Digits(), TrainConfig(steps=2, global_batch=16, ckpt_dir=str(ckpt), progress=False,
+                                       elastic=policy, max_ranks=2))
+    assert record["step"] == 2
+    answer = admit.read_answer(ckpt, ident)
+    assert answer is not None and not answer["admitted"] and why in answer["reason"], answer
+    assert f"elastic: join request refused: {why}" in capsys.readouterr().err
+    assert not (ckpt / admit.REQUEST).exists()
+    with pytest.raises(ConfigError, match="max_ranks 1 must be an int >= world_size 2"):
+        TrainConfig(max_ranks=1).validate(2)
