@@ -110,13 +110,20 @@ def write_request(job_dir, ranks, timeout_s):
     return ident
 
 
+_stuck = set()  # identities of entries taken once that could not be removed (a directory)
+
+
 def take_request(job_dir):
     """Rank 0 of the job: the pending request's bytes, removed from `job_dir`, or None (one stat
-    when there is none). At most REQUEST_BYTES + 1 bytes are read; a link is not followed."""
+    when there is none). At most REQUEST_BYTES + 1 bytes are read; a link is not followed. An
+    entry that cannot be removed (a directory) is returned once, then ignored."""
     path = os.path.join(job_dir, REQUEST)
     try:
-        os.stat(path, follow_symlinks=False)
+        st = os.stat(path, follow_symlinks=False)
     except OSError:
+        return None
+    identity = (st.st_dev, st.st_ino, st.st_mtime_ns)
+    if identity in _stuck:
         return None
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
@@ -129,7 +136,7 @@ def take_request(job_dir):
     try:
         os.unlink(path)
     except OSError:
-        pass
+        _stuck.add(identity)
     return raw
 
 

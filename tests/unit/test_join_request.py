@@ -83,6 +83,17 @@ def test_a_link_in_place_of_the_request_is_not_followed(tmp_path):
     assert secret.exists() and not os.path.lexists(tmp_path / admit.REQUEST)
 
 
+def test_a_directory_or_a_fifo_in_place_of_the_request_is_refused_once(tmp_path):
+    os.mkfifo(tmp_path / admit.REQUEST)
+    with pytest.raises(ConfigError, match="not a JSON object"):
+        admit.parse_request(admit.take_request(tmp_path), world_size=2, limit=8)
+    assert not os.path.lexists(tmp_path / admit.REQUEST)
+    (tmp_path / admit.REQUEST).mkdir()
+    with pytest.raises(ConfigError, match="not a JSON object"):
+        admit.parse_request(admit.take_request(tmp_path), world_size=2, limit=8)
+    assert admit.take_request(tmp_path) is None  # not answered again at every step
+
+
 def test_no_job_at_the_directory(tmp_path):
     with pytest.raises(ConfigError, match="not a directory"):
         admit.job_holder(tmp_path / "missing")
