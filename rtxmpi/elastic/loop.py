@@ -476,6 +476,7 @@ def _grow(args):
             return  # run shrunk; Loop.agree retries
         merged, _config.merged = _config.merged, None
         group = replace_world(merged)
+        _config.processes = None  # the table of the world before the merge (a join keeps it)
     _config.full_size, old_size, has_state, saved_size = agree_growth(
         group, _config.full_size or 0, old_size, state)
     if has_state and state is None:  # a new rank: hold nothing, but take part like a survivor
