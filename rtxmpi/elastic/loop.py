@@ -486,7 +486,7 @@ def _grow(args):
                                    spec="" if _config.joined else None)
     _config.faults.at("grow", -1 if state is None else state.step)
     _config.recovered = hand_over(group, state, saved_size) if has_state else None
-    _config.current = None
+    _config.current = _Held(_config.recovered)  # until the next attempt's Loop: what a failure hands over
     _config.grows.append((old_size, group.world_size))
     _config.resizes.append((old_size, group.world_size))
     if getattr(args, "ckpt_dir", None):
@@ -566,12 +566,22 @@ def _evict(group, beat, processes, failure):
 
 def _state(group, loop, old_size):
     """The newest replica the ranks of `group` hold (a ReplicaState), or None: no step applied
-    yet, sharded state, or no complete copy. Collective."""
+    yet, sharded state, or no complete copy. The ranks first agree on what they hold (one MAX
+    all_reduce of 3 bytes): a failure during a growth can leave some between attempts (a held
+    replica) and others in the next one, and all must take part in the same exchange; a rank
+    without a replica takes part in the tensors' exchange with none. Collective."""
     applied = -1 if loop is None or loop.applied_step is None else loop.applied_step
-    if loop is not None and loop._tensors is not None:
-        state = exchange_replica(group, applied, loop._tensors, lambda: loop._applied_meta, old_size)
+    has_tensors = loop is not None and loop._tensors is not None
+    has_pieces = loop is not None and loop._pieces is not None
+    kinds = np.array([has_tensors, has_pieces, not has_pieces], np.uint8)
+    group.all_reduce(kinds, op="max")
+    any_tensors, any_pieces, any_without_pieces = (bool(v) for v in kinds)
+    if any_tensors and not any_pieces:
+        tensors = loop._tensors if has_tensors else (lambda: {})
+        meta = (lambda: loop._applied_meta) if loop is not None else (lambda: None)
+        state = exchange_replica(group, applied if has_tensors else -1, tensors, meta, old_size)
         return state if state.step >= 0 else None  # no step applied anywhere yet: start over
-    if loop is not None and loop._pieces is not None:  # None: no complete copy survived
+    if any_pieces and not any_without_pieces and not any_tensors:  # None: no complete copy survived
         return exchange_pieces(group, applied, loop._pieces, lambda: loop._applied_meta, old_size)
     return None
 
