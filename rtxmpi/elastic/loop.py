@@ -356,7 +356,7 @@ def _try_spawn(group):
     `_grow`. On SpawnFailed schedule the next attempt; rank 0 says so. Returns whether it
     spawned. Collective."""
     missing = _config.full_size - group.world_size
-    joining = _config.join[1] if _config.join else 0
+    joining = min(_config.join[1], missing) if _config.join else 0  # the part not yet placed
     start = time.monotonic()
     info = {}
     if group.rank == 0 and _config.grow_hosts:  # the spawn's root: the only rank that reads it
@@ -386,10 +386,12 @@ def _try_spawn(group):
                   f"{_config.grow_retry_s:g} s", file=sys.stderr, flush=True)
         return False
     if group.rank == 0:
-        what = ("replacement" if not joining else "joining" if joining == missing else
-                f"new ({missing - joining} replacing lost ones, {joining} joining)")
-        print(f"elastic: spawned {missing} {what} rank{'s' * (missing > 1)} in "
-              f"{(time.monotonic() - start) * 1e3:.0f} ms", file=sys.stderr, flush=True)
+        ranks = f"{missing} rank{'s' * (missing > 1)}"
+        what = (f"{missing} replacement rank{'s' * (missing > 1)}" if not _config.join else
+                f"{missing} joining rank{'s' * (missing > 1)}" if missing == _config.join[1] else
+                f"{ranks} (a join of {_config.join[1]} and lost ranks replaced)")
+        print(f"elastic: spawned {what} in {(time.monotonic() - start) * 1e3:.0f} ms",
+              file=sys.stderr, flush=True)
     return True
 
 
