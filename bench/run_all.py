@@ -38,16 +38,16 @@ from rtxmpi import bench_launch  # noqa: E402
 # own jobs), extra arguments. The order of this table is the order of the sections.
 BENCHES = (
     ("convergence", "Training to a target", (), ()),
-    ("collectives", "Collectives", (2, 4), ()),
+    ("collectives", "Collectives", (2,), ("--sizes", "8,4K,64K,1M,16M,256M")),
     ("scaling", "Data-parallel scaling", (), ()),
     ("peers", "The main job against PyTorch", (), ()),
     ("fused", "Fused CPU operations", (), ()),
     ("memory", "Memory", (), ()),
-    ("checkpoint", "Checkpoint I/O", (1, 2, 4), ()),
+    ("checkpoint", "Checkpoint I/O", (2, 4), ()),
     ("tensor_parallel", "Tensor and sequence parallelism", (2, 4), ()),
     ("pipeline", "Pipeline parallelism", (), ()),
     ("elastic", "Elastic recovery", (), ()),
-    ("timeline", "Timeline overhead", (1, 2), ()),
+    ("timeline", "Timeline overhead", (2,), ()),
     ("planner", "Planner", (), ()),
     ("cluster_planner", "Planner at cluster scale", (), ()),
 )

@@ -137,4 +137,4 @@ def test_run_all_table_order_and_dry_run():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run_all.py"), "--dry-run",
                            "--only", "checkpoint,elastic"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.count("rtxmpi bench checkpoint -n") == 3
+    assert proc.stderr.count("rtxmpi bench checkpoint -n") == 2
