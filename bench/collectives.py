@@ -324,12 +324,6 @@ def summary(cells, ops, nonblocking=False):
                                      TARGET_SHM_FROM_BYTES),
                                     ("all_reduce_never_slower", TARGET_NEVER_SLOWER, 0)):
         ratio_target(verdicts, lines, key, "raw", raw, target, from_bytes)
-    if ar:
-        worst = min(ar, key=lambda c: c["busbw_ratio_rtxmpi_raw"])
-        lines.append("all_reduce rtxmpi/raw busbw at every size: " + ", ".join(
-            f"{format_bytes(c['size_bytes'])} {c['busbw_ratio_rtxmpi_raw']:.2f}" for c in ar)
-            + f" (worst {worst['busbw_ratio_rtxmpi_raw']:.2f} at "
-              f"{format_bytes(worst['size_bytes'])})")
     gloo = {c["size_bytes"]: c["impls"]["gloo"]["median_us"] / c["impls"]["rtxmpi"]["median_us"]
             for c in ar if "gloo" in c["impls"]}
     ratio_target(verdicts, lines, "all_reduce_gloo_busbw_ratio", "PyTorch gloo", gloo,

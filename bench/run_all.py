@@ -101,11 +101,21 @@ def summary(name):
     return " ".join(doc.split("\n\n")[0].split())
 
 
+SINGLE_RUN = re.compile(r"\A(Measured [^\n]*)\.\n\n#### `(rtxmpi bench [^`\n]*)`\n\n")
+
+
+def one_heading(body):
+    """A body of one run: its `#### rtxmpi bench NAME` heading folded into the Measured line."""
+    if body.count("\n#### `rtxmpi bench ") == 1:
+        return SINGLE_RUN.sub(r"\1: `\2`.\n\n", body, count=1)
+    return body
+
+
 def render(bodies, machine):
     """The whole RESULTS.md from {name: generated body} and the Machine section's body."""
-    parts = [HEADER, "## Machine", block("machine", machine)]
+    parts = [HEADER.strip(), "## Machine", block("machine", machine)]
     for name, title, sizes, _ in BENCHES:
-        body = bodies.get(name)
+        body = bodies.get(name) and one_heading(bodies[name])
         parts += [f"## {title}", summary(name),
                   block(name, body) if body else f"Not measured yet: `rtxmpi bench {name}`."]
     return "\n\n".join(p for p in parts if p) + "\n"
