@@ -14,12 +14,17 @@ within 15%, the pick predicted no slower than the published layout, the 1T plan 
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
+
+from _common import machine_info, machine_line  # noqa: E402
 
 from rtxmpi.nn.gpt import GPTConfig  # noqa: E402
 from rtxmpi.parallel.cluster import (ClusterLayout, Options, cluster_estimate,  # noqa: E402
@@ -75,6 +80,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    info = machine_info()
     out = [check(st, r) for st, r in rows()]
     print("| set | model | published layout | published | predicted | ratio | admitted (GiB) | "
           "planner's pick | pick / published speed | search s |")
@@ -97,10 +103,12 @@ def main():
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     wall = time.perf_counter() - start
     print(f"rtxmpi plan, 1T GPT on 3,072 A100s (process, imports included): {wall:.2f} s, exit "
-          f"{proc.returncode}")
+          f"{proc.returncode}: `rtxmpi {shlex.join(cmd[3:])}`")
+    print(f"\nmachine: {machine_line(info)}")
+    print(f"command: python bench/cluster_planner.py {shlex.join(sys.argv[1:])}".rstrip())
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": out, "plan_1t_wall_s": wall}, f, indent=1)
+            json.dump({"machine": info, "rows": out, "plan_1t_wall_s": wall}, f, indent=1)
 
 
 if __name__ == "__main__":

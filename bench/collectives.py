@@ -324,12 +324,6 @@ def summary(cells, ops, nonblocking=False):
                                      TARGET_SHM_FROM_BYTES),
                                     ("all_reduce_never_slower", TARGET_NEVER_SLOWER, 0)):
         ratio_target(verdicts, lines, key, "raw", raw, target, from_bytes)
-    if ar:
-        worst = min(ar, key=lambda c: c["busbw_ratio_rtxmpi_raw"])
-        lines.append("all_reduce rtxmpi/raw busbw at every size: " + ", ".join(
-            f"{format_bytes(c['size_bytes'])} {c['busbw_ratio_rtxmpi_raw']:.2f}" for c in ar)
-            + f" (worst {worst['busbw_ratio_rtxmpi_raw']:.2f} at "
-              f"{format_bytes(worst['size_bytes'])})")
     gloo = {c["size_bytes"]: c["impls"]["gloo"]["median_us"] / c["impls"]["rtxmpi"]["median_us"]
             for c in ar if "gloo" in c["impls"]}
     ratio_target(verdicts, lines, "all_reduce_gloo_busbw_ratio", "PyTorch gloo", gloo,
@@ -417,21 +411,6 @@ def op_path(g, op, size_bytes, nonblocking=False, shared=False, counts=None):
     if op == "all_gather" and cma and engine.nodes == 1 and size_bytes >= threshold * ALL_GATHER_FACTOR:
         return "shm (cma)"
     return "MPI"
-
-
-def side_by_side(cells, g, nonblocking=False, shared=False):
-    """size | rtxmpi, raw, gloo busbw | rtxmpi/raw | rtxmpi/gloo | path (mailbox, shm or MPI)."""
-    rows = []
-    for c in cells:
-        r, w, gl = c["impls"]["rtxmpi"], c["impls"]["raw"], c["impls"].get("gloo")
-        path = op_path(g, "all_reduce", c["size_bytes"], nonblocking, shared,
-                       c.get("cross_algorithms"))
-        rows.append([format_bytes(c["size_bytes"]), fmt(r["busbw_gbps"], 3), fmt(w["busbw_gbps"], 3),
-                     fmt(gl["busbw_gbps"], 3) if gl else "n/a",
-                     fmt(c["busbw_ratio_rtxmpi_raw"], 2),
-                     fmt(gl["median_us"] / r["median_us"], 2) if gl else "n/a", path])
-    return markdown_table(["size", "rtxmpi busbw", "raw busbw", "gloo busbw", "rtxmpi/raw",
-                           "rtxmpi/gloo", "rtxmpi path"], rows)
 
 
 def shm_line(g):
@@ -636,10 +615,6 @@ def main(argv=None):
                   "bandwidths in GB/s)", "",
                   op_table([c for c in cells if c["op"] == op], "gloo" in impls, g, nb,
                            args.shared), ""]
-    if "all_reduce" in args.ops:
-        lines += ["#### all_reduce busbw side by side (GB/s; ratios of busbw; path: what rtxmpi ran)",
-                  "", side_by_side([c for c in cells if c["op"] == "all_reduce"], g, nb,
-                                   args.shared), ""]
     summary_lines, overhead, verdicts = summary(cells, args.ops, nb)
     lines += [f"- {line}" for line in summary_lines]
     lines += ["", f"Total run time {time.perf_counter() - started:.1f} s."]

@@ -281,11 +281,6 @@ def main():
                           "transient", "model state",
                           "ratio to DP" if args.tp * args.sp == 1 else "ratio to stage 0",
                           "peak RSS"], rows))
-    print("\nModel state per rank (MiB) and ratio to DP at the same world size, side by side:\n")
-    side = [[s] + [f"{mib(results[(n, s)]['model_state_bytes'])} ({results[(n, s)]['ratio_to_dp']:.3f})"
-                   if results[(n, s)]["ratio_to_dp"] is not None else mib(results[(n, s)]["model_state_bytes"])
-                   for n in ranks] for s in stages]
-    print(markdown_table(["stage"] + [f"{n} rank{'s' if n > 1 else ''}" for n in ranks], side))
     print()
     layer = first["layer_bytes"]
     if 4 in dp and args.tp * args.sp == 1:  # the target is against plain DP

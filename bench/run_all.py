@@ -38,16 +38,16 @@ from rtxmpi import bench_launch  # noqa: E402
 # own jobs), extra arguments. The order of this table is the order of the sections.
 BENCHES = (
     ("convergence", "Training to a target", (), ()),
-    ("collectives", "Collectives", (2, 4), ()),
+    ("collectives", "Collectives", (2,), ("--sizes", "8,4K,64K,1M,16M,256M")),
     ("scaling", "Data-parallel scaling", (), ()),
     ("peers", "The main job against PyTorch", (), ()),
     ("fused", "Fused CPU operations", (), ()),
     ("memory", "Memory", (), ()),
-    ("checkpoint", "Checkpoint I/O", (1, 2, 4), ()),
+    ("checkpoint", "Checkpoint I/O", (2, 4), ()),
     ("tensor_parallel", "Tensor and sequence parallelism", (2, 4), ()),
     ("pipeline", "Pipeline parallelism", (), ()),
     ("elastic", "Elastic recovery", (), ()),
-    ("timeline", "Timeline overhead", (1, 2), ()),
+    ("timeline", "Timeline overhead", (2,), ()),
     ("planner", "Planner", (), ()),
     ("cluster_planner", "Planner at cluster scale", (), ()),
 )
@@ -101,11 +101,21 @@ def summary(name):
     return " ".join(doc.split("\n\n")[0].split())
 
 
+SINGLE_RUN = re.compile(r"\A(Measured [^\n]*)\.\n\n#### `(rtxmpi bench [^`\n]*)`\n\n")
+
+
+def one_heading(body):
+    """A body of one run: its `#### rtxmpi bench NAME` heading folded into the Measured line."""
+    if body.count("\n#### `rtxmpi bench ") == 1:
+        return SINGLE_RUN.sub(r"\1: `\2`.\n\n", body, count=1)
+    return body
+
+
 def render(bodies, machine):
     """The whole RESULTS.md from {name: generated body} and the Machine section's body."""
-    parts = [HEADER, "## Machine", block("machine", machine)]
+    parts = [HEADER.strip(), "## Machine", block("machine", machine)]
     for name, title, sizes, _ in BENCHES:
-        body = bodies.get(name)
+        body = bodies.get(name) and one_heading(bodies[name])
         parts += [f"## {title}", summary(name),
                   block(name, body) if body else f"Not measured yet: `rtxmpi bench {name}`."]
     return "\n\n".join(p for p in parts if p) + "\n"

@@ -2,7 +2,7 @@
 
     python examples/torch_ddp.py                                   # one process
     mpiexec -n 2 python examples/torch_ddp.py --ckpt-dir ck        # 2 ranks, a checkpoint at the end
-    mpiexec -n 4 python examples/torch_ddp.py --ckpt-dir ck --resume --steps 40   # any world size
+    mpiexec --oversubscribe -n 4 python examples/torch_ddp.py --ckpt-dir ck --resume --steps 40  # any world size
 
 The model is a torch.nn MLP classifier; the data a fixed teacher's labels on random inputs (no
 download), each step's global batch drawn from (seed, step) and split evenly over the ranks, so

@@ -16,7 +16,7 @@ world size (docs/checkpoint.md). Rank 0 logs every step to CKPT/wal.h5 (the writ
 bit against the log (docs/wal.md). --stop-after-step S ends the run early as if pre-empted.
 SIGTERM or SIGUSR1 to any rank stops every rank after the same step with a committed checkpoint
 and exit code 75 (--requeue: and requeues the Slurm job); SIGINT (Ctrl-C) does the same with exit
-code 130 (under mpiexec: launch with `rtxmpi run`, README); --elastic shrink continues on the
+code 130 (under mpiexec: launch with `rtxmpi run`, docs/usage.md); --elastic shrink continues on the
 surviving ranks after a rank dies (ULFM; docs/elastic.md). --ckpt-dir is locked for the run: a
 second job on it exits 2 naming the holder (docs/checkpoint.md).
 A bad flag or data path gives a one-line error and exit code 2 on every rank; a run whose steps

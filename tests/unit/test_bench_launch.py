@@ -137,4 +137,14 @@ def test_run_all_table_order_and_dry_run():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run_all.py"), "--dry-run",
                            "--only", "checkpoint,elastic"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.count("rtxmpi bench checkpoint -n") == 3
+    assert proc.stderr.count("rtxmpi bench checkpoint -n") == 2
+
+
+def test_one_run_section_folds_its_heading():
+    run_all = load_run_all()
+    one = "Measured 2026-12-04 09:00 UTC, commit abc, 5 s.\n\n#### `rtxmpi bench memory`\n\n| a |\n"
+    assert run_all.one_heading(one) == ("Measured 2026-12-04 09:00 UTC, commit abc, 5 s: "
+                                        "`rtxmpi bench memory`.\n\n| a |\n")
+    two = ("Measured 2026-12-04 09:00 UTC, commit abc, 5 s.\n\n#### `rtxmpi bench checkpoint -n 2`"
+           "\n\n| a |\n\n#### `rtxmpi bench checkpoint -n 4`\n\n| b |\n")
+    assert run_all.one_heading(two) == two
