@@ -5,8 +5,9 @@
     python bench/commits.py --old HEAD~3 --script examples/train_vit.py --steps 40 -- --zero-stage 3
 
 Each commit is exported (`git archive`) into a temporary directory and its C extensions (its
-pyproject.toml's ext-modules: the mailbox, the CPU fused kernels) are built there, so the old
-code runs as it was, with the same Python, MPI and packages. Then
+pyproject.toml's ext-modules: the mailbox, the CPU fused kernels) are built there (a commit
+compared with itself: built once, copied), so the old code runs as it was, with the same
+Python, MPI and packages. Then
 --runs rounds each run the job once per commit, in ABBA order (old, new; new, old; ...) so a
 drift of the machine's load falls on both alike: `mpiexec -n RANKS python SCRIPT ARGS --steps N
 --metrics-jsonl F --no-progress` with the commit's directory first on PYTHONPATH. A run's figure
@@ -135,9 +136,16 @@ def main(argv=None):
     runs = {"old": [], "new": []}
     work = tempfile.mkdtemp(prefix="rtxmpi-commits-")
     try:
+        exported = {}  # commit -> its directory: a commit compared with itself is built once
         for label, commit in commits.items():
-            progress(f"exporting {label} {commit[:10]}")
-            export(commit, os.path.join(work, label))
+            into = os.path.join(work, label)
+            if commit in exported:
+                progress(f"copying {label} {commit[:10]} from {os.path.basename(exported[commit])}")
+                shutil.copytree(exported[commit], into, symlinks=True)
+            else:
+                progress(f"exporting {label} {commit[:10]}")
+                export(commit, into)
+            exported.setdefault(commit, into)
         order = []
         for r in range(args.runs):  # ABBA: old new, new old, ...
             order += ["old", "new"] if r % 2 == 0 else ["new", "old"]

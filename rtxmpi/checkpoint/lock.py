@@ -20,6 +20,9 @@ its mtime is more than stale_s old (RTXMPI_CKPT_LEASE_S, default LEASE_STALE_S; 
 must agree with the file server's to well within it). Takeovers are serialized by an O_EXCL
 CKPT/rtxmpi.lease.takeover file, so two jobs never both take over one stale lease.
 
+Either mode: a holder writes its record just after taking the lock; a job refused in between
+waits up to RECORD_WAIT_S for it, so the refusal names the holder.
+
 Either mode: a lock held by an earlier attempt of the same job (same job id, lower attempt: a
 relaunch by `rtxmpi run`, a Slurm requeue) is taken over; in flock mode after waiting up to
 RELAUNCH_WAIT_S for that attempt's processes to exit. The job id is $RTXMPI_JOB_ID (`rtxmpi
@@ -51,6 +54,7 @@ RELAUNCH_WAIT_S = 30.0  # flock: how long a relaunch waits for its earlier attem
 TAKEOVER_STALE_S = 30.0  # a takeover file this old was left by a taker that died
 NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
 RECORD_BYTES = 4096  # the agreed outcome, broadcast from rank 0
+RECORD_WAIT_S = 1.0  # how long a refused job waits for a new holder to write its record
 
 _held = {}  # abs ckpt dir -> DirLock of this process (kept across elastic re-entries)
 
@@ -122,6 +126,17 @@ def _parse(raw):
     except ValueError:
         return None
     return holder if isinstance(holder, dict) else None
+
+
+def _until_readable(read, done):
+    """read() again until done(its result) or RECORD_WAIT_S passed; the last result. A holder
+    writes its record just after taking the lock: a job refused in between should name it."""
+    deadline = time.monotonic() + RECORD_WAIT_S
+    seen = read()
+    while not done(seen) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        seen = read()
+    return seen
 
 
 def _earlier_attempt(holder, me):
@@ -230,7 +245,9 @@ def _flock(path, me, previous_record):
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                holder = _parse(os.pread(fd, RECORD_BYTES, 0).decode("utf-8", "replace"))
+                holder = _until_readable(
+                    lambda: _parse(os.pread(fd, RECORD_BYTES, 0).decode("utf-8", "replace")),
+                    lambda holder: holder is not None)
                 ours = holder is not None and (_earlier_attempt(holder, me)
                                                or _same_holder(holder, previous_record))
                 deadline = deadline or time.monotonic() + RELAUNCH_WAIT_S
@@ -313,7 +330,8 @@ def _lease(path, me, previous_record, stale_s):
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
-            seen = _read_lease(path)
+            seen = _until_readable(lambda: _read_lease(path),
+                                   lambda seen: seen is None or seen[1] is not None)
             if seen is None:
                 continue
             why = _stale(seen[1], seen[2], me, previous_record, stale_s)

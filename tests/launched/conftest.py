@@ -45,8 +45,11 @@ class Launch:
 
 def launch_env(**extra):
     """A clean environment for a child job: no launcher, Slurm or rtxmpi variables inherited,
-    root allowed, one thread per rank, unbuffered output, the repository importable."""
+    root allowed, one thread per rank, unbuffered output, the repository importable, Open MPI's
+    btl/ofi left out unless $OMPI_MCA_btl says otherwise (closed unused, it sleeps 1 s in every
+    MPI_Init; one node needs only shared memory, and the multi-node tests pass their own btl)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
+    env.update(OMPI_MCA_btl=os.environ.get("OMPI_MCA_btl", "^ofi"))
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
                OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))

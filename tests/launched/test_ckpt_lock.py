@@ -4,7 +4,9 @@ every checkpoint in the directory is its own; jobs started at the same moment: e
 Both lock modes (flock; the O_EXCL lease file forced with RTXMPI_CKPT_LOCK=lease). After an
 elastic shrink that lost rank 0, the new rank 0 holds the job's lease."""
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -19,20 +21,56 @@ TRAIN = REPO / "examples" / "train.py"
 ARGS = ["--model", "tiny", "--global-batch", "8", "--seq-len", "32", "--eval-every", "0",
         "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--ckpt-every", "5"]
 MODES = {"flock": LOCK_FILE, "lease": LEASE_FILE}
-STALL_S = 12
+HELD = "[rtxmpi fault] stop launch rank 0 step 7 phase forward"
 
 
 def start(tmp_path, ckpt, steps, mode, name):
-    """A 2-rank job that holds still for STALL_S seconds in step 7 (so a second job started
-    meanwhile finds it running, however slowly the machine starts processes)."""
+    """A 2-rank job whose rank 0 stops itself (SIGSTOP) in step 7, holding the lock until the test
+    resumes it (resume_stopped), so a second job started meanwhile finds it running, however
+    slowly the machine starts processes."""
     argv = mpiexec_argv(2) + [sys.executable, TRAIN, *ARGS, "--steps", steps, "--ckpt-dir", ckpt,
                               "--metrics-jsonl", tmp_path / f"{name}.jsonl"]
     env = launch_env(RTXMPI_CACHE_DIR=tmp_path.parent / "cache", RTXMPI_JOB_ID=name,
-                     RTXMPI_FAULT=f"stall:0:7:forward:{STALL_S}", RTXMPI_TIMEOUT_S=60,
+                     RTXMPI_FAULT="stop:0:7:forward", RTXMPI_TIMEOUT_S=60,
                      **({"RTXMPI_CKPT_LOCK": "lease"} if mode == "lease" else {}))
     return subprocess.Popen(["timeout", "--kill-after=5", "120"] + [str(a) for a in argv],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
+
+
+def stopped_pids(job):
+    """The stopped processes of a job started by start() (its own session)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # not a process, or gone meanwhile
+            continue
+        if fields[0] == "T" and int(fields[3]) == job.pid:
+            pids.append(int(entry))
+    return pids
+
+
+def resume_stopped(jobs, timeout_s=60):
+    """Wait until every job still running has a stopped process (its rank 0 in step 7), then
+    continue them all (SIGCONT)."""
+    deadline = time.monotonic() + timeout_s
+    waiting = [job for job in jobs if job.poll() is None]
+    while waiting and time.monotonic() < deadline:
+        for job in list(waiting):
+            pids = stopped_pids(job)
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+            if pids or job.poll() is not None:
+                waiting.remove(job)
+        time.sleep(0.05)
+
+
+def wait_for_one_exit(jobs, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and all(job.poll() is None for job in jobs):
+        time.sleep(0.05)
 
 
 def refusal_lines(stderr):
@@ -51,8 +89,10 @@ def test_second_job_on_a_locked_dir_exits_2_naming_the_holder_on_every_rank(tmp_
     holder = json.loads(lock_file.read_text())
     second = start(tmp_path, ckpt, 20, mode, "job-b")
     out_b, err_b = second.communicate(timeout=130)
+    resume_stopped([first])
     out_a, err_a = first.communicate(timeout=130)
     assert first.returncode == 0, out_a + err_a
+    assert HELD in err_a, err_a  # held in step 7 until the second job had been refused
     assert second.returncode == 2, out_b + err_b
     lines = refusal_lines(err_b)
     assert sorted(line.split(":")[0:2] for line in lines) == [["error", " rank 0"], ["error", " rank 1"]]
@@ -71,6 +111,8 @@ def test_second_job_on_a_locked_dir_exits_2_naming_the_holder_on_every_rank(tmp_
 def test_jobs_started_at_the_same_moment_one_runs_one_is_refused(tmp_path, mode):
     ckpt = tmp_path / "ckpt"
     jobs = [start(tmp_path, ckpt, 20, mode, name) for name in ("job-a", "job-b")]
+    wait_for_one_exit(jobs)  # the refused one, while the other is held in step 7
+    resume_stopped(jobs)
     results = [(job.communicate(timeout=130), job.returncode) for job in jobs]
     codes = sorted(code for _, code in results)
     assert codes == [0, 2], results
@@ -81,6 +123,7 @@ def test_jobs_started_at_the_same_moment_one_runs_one_is_refused(tmp_path, mode)
     assert [c.step for c in list_checkpoints(ckpt) if c.committed] == [5, 10, 15, 20]
     assert len({load_checkpoint(None, ckpt, s).metadata["run_id"] for s in (5, 10, 15, 20)}) == 1
     assert re.search(r"done: 20 steps", results[("job-a", "job-b").index(winner)][0][0])
+    assert HELD in results[("job-a", "job-b").index(winner)][0][1]
 
 
 def test_after_a_shrink_that_lost_rank_0_the_new_rank_0_holds_the_lease(tmp_path):

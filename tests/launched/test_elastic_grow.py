@@ -106,7 +106,7 @@ def test_no_free_slot_keeps_running_shrunk_and_retries(tmp_path):
     """Four slots for four ranks: PRRTE does not give the dead rank's slot back, so every spawn
     fails at once; the survivors finish at 3 ranks and rank 0 reports each attempt."""
     proc = train(tmp_path, "--elastic", "grow", "--grow-retry-s", "0.001", slots=4,
-                 RTXMPI_FAULT="kill:3:4:backward:0.002")
+                 RTXMPI_FAULT="kill:3:4:backward")
     # every rank exits 0; prterun itself exits 213 once a spawn of the job has failed (measured,
     # Open MPI 5.0.11; docs/elastic.md), so the outcome is read from the ranks' output
     assert not proc.outer_timeout and "done: 9 steps (steps 4-12: this attempt)" in proc.stdout, str(proc)
@@ -137,7 +137,7 @@ def test_a_host_that_comes_back_is_used_at_the_next_retry(tmp_path):
     writer = threading.Thread(target=add_host, daemon=True)
     writer.start()
     proc = train(tmp_path, "--elastic", "grow", "--grow-retry-s", "0.001", "--grow-hosts", hosts,
-                 slots=4, RTXMPI_FAULT="kill:3:4:backward:0.002,stall:0:7:forward:3")
+                 slots=4, RTXMPI_FAULT="kill:3:4:backward,stall:0:7:forward:3")
     steps_seen.set()
     writer.join()
     assert not proc.outer_timeout and "done: 6 steps (steps 7-12: this attempt)" in proc.stdout, str(proc)

@@ -32,6 +32,7 @@ def test_two_runs_of_head_give_a_table_and_a_ratio(tmp_path):
     assert "| old" in done.stdout and "| new" in done.stdout and "new/old step time:" in done.stdout
     record = json.loads(out.read_text())
     assert record["commits"]["old"] == record["commits"]["new"]
+    assert "copying new" in done.stderr and done.stderr.count("exporting") == 1  # one build of HEAD
     assert len(record["runs_ms"]["old"]) == len(record["runs_ms"]["new"]) == 1
     assert all(v > 0 for v in record["runs_ms"]["old"] + record["runs_ms"]["new"])
 

@@ -2,11 +2,13 @@
 other processes: flock and lease modes, dead and stale holders, relaunches, and the run id rule
 of save_checkpoint(overwrite=True)."""
 import errno
+import fcntl
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -202,6 +204,28 @@ def test_unreadable_holder_record_still_refuses(tmp_path, monkeypatch):
     (tmp_path / LEASE_FILE).write_bytes(b"\xff\xfe\0garbage{")
     with pytest.raises(DirectoryLocked, match="a job that left no readable record"):
         lock_dir(None, tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["flock", "lease"])
+def test_a_job_refused_before_the_holder_wrote_its_record_still_names_it(tmp_path, monkeypatch, mode):
+    """The holder has the lock (flock taken, lease file created) but writes its record 0.3 s
+    later: the refused job waits for it instead of reporting a job without a record."""
+    record = {"job_id": "job-late", "host": "elsewhere", "pid": 4242, "start_unix": 1.0e9,
+              "attempt": [0, 0]}
+    if mode == "lease":
+        monkeypatch.setenv("RTXMPI_CKPT_LOCK", "lease")
+    path = tmp_path / (LEASE_FILE if mode == "lease" else LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    if mode == "flock":
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another open file: conflicts in-process too
+    writer = threading.Timer(0.3, os.pwrite, args=(fd, json.dumps(record).encode(), 0))
+    writer.start()
+    try:
+        with pytest.raises(DirectoryLocked, match="in use by job job-late \\(host elsewhere, pid 4242"):
+            lock_dir(None, tmp_path)
+    finally:
+        writer.join()
+        os.close(fd)
 
 
 def shards(seed):

@@ -43,6 +43,7 @@ def test_each_phase_prints_its_verdict_and_duration_and_the_logs_are_removed(tmp
         assert re.search(rf"^{name} +{verdict} +\d+ s$", out, re.M), out  # the summary's row
     assert re.search(r"^whole suite +FAILED +\d+ s$", out, re.M), out
     assert "ran: tests/mpi_pytest.py -q --color=no tests/mpi -k x" in out  # the arguments passed on
+    assert "ran: -m pytest -q --color=no --durations=15 tests/unit tests/launched -k x" in out  # slowest shown
     assert not list(tmp_path.glob("rtxmpi-test-logs.*"))  # written during the run, removed at its end
 
 
