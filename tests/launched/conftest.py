@@ -19,6 +19,11 @@ import pytest
 BIN = Path(sys.executable).parent
 MPIEXEC = shutil.which("mpiexec", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
 REPO = Path(__file__).resolve().parents[2]
+# under --elastic grow: the spawned ranks form a job of their own, recoverable, so that one failing
+# (or leaving without MPI_Finalize, as every rank does after a shrink) does not end the whole job
+ULFM_RECOVERABLE = ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "--mca",
+                    "mpi_ft_detector_period", "1", "--mca", "mpi_ft_detector_timeout", "10",
+                    "--prtemca", "state_base_recoverable", "1"]
 OUTER_TIMEOUT_RC = 124  # coreutils `timeout` exit status when it had to stop the command
 LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_", "RTXMPI_")
 

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import MPIEXEC, REPO, launch_env, run_command
+from conftest import MPIEXEC, REPO, ULFM_RECOVERABLE as ULFM, launch_env, run_command
 
 from rtxmpi.checkpoint import load_checkpoint
 
@@ -21,10 +21,6 @@ STEPS = 12
 ARGS = ["--model", "tiny", "--global-batch", "8", "--seq-len", "32", "--eval-every", "0",
         "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--deterministic",
         "--steps", str(STEPS), "--ckpt-every", "4"]
-# the spawned ranks form a job of their own: recoverable, so that one failing (or leaving without
-# MPI_Finalize, as every rank does after a shrink) does not end the whole job
-ULFM = ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_period",
-        "1", "--mca", "mpi_ft_detector_timeout", "10", "--prtemca", "state_base_recoverable", "1"]
 
 
 def train(tmp, *extra, slots=None, outer_timeout_s=120, **env):
