@@ -9,6 +9,8 @@ slurm_cluster.py), submitted with the scripts in examples/slurm/ as users submit
   into USR1) commits a checkpoint and requeues itself within KillWait, before the SIGKILL;
 - under srun every rank's SLURM_PROCID/STEP_NUM_TASKS match MPI (`rtxmpi info`), and plain
   `srun -n 2` (singletons) is refused with exit 2;
+- in a 4-task allocation, mpiexec starts 2 ranks of an `--elastic grow` job and `rtxmpi join -n 2`,
+  a second step of the same allocation (`srun --overlap`), has it spawn 2 ranks on the free slots;
 - a second cluster runs beside the first (as two checkouts' test runs would), picking its ports
   again when one was taken between the pick and the bind.
 
@@ -27,9 +29,9 @@ import threading
 import time
 
 import pytest
-from conftest import BIN, MPIEXEC, REPO, launch_env
+from conftest import BIN, MPIEXEC, REPO, ULFM_RECOVERABLE, launch_env
 
-from rtxmpi.checkpoint import latest_step, verify_checkpoint
+from rtxmpi.checkpoint import latest_step, load_checkpoint, verify_checkpoint
 
 import slurm_cluster
 
@@ -212,6 +214,36 @@ def test_srun_ranks_match_slurm_and_singletons_are_refused(cluster, tmp_path):
     assert "SLURM_PROCID == rank and SLURM_STEP_NUM_TASKS == world_size on every rank" in text
     assert "info exit 0" in text and "singletons exit 2" in text, text
     assert "Slurm started 2 tasks but MPI sees a world of 1" in text
+
+
+def test_join_from_a_second_step_grows_mpiexec_ranks_into_the_allocation(cluster, tmp_path):
+    """sbatch -n 4 (--overcommit: the test node may have one CPU): mpiexec takes 4 slots from
+    Slurm and starts 2 ranks; once step 3 is logged `srun -n 1 --overlap rtxmpi join -n 2` asks
+    for 2 more while rank 0 stalls in step 4, and the job grows to 4 ranks without
+    --oversubscribe and finishes every step."""
+    ckpt, metrics, out = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "out"
+    args = [*ARGS, "--steps", "12", "--ckpt-every", "4"]
+    env = launch_env(**cluster.env, OPAL_PREFIX=BIN.parent, PMIX_MCA_psec="native",
+                     RTXMPI_CACHE_DIR=tmp_path.parent / "cache", RTXMPI_TIMEOUT_S=30,
+                     RTXMPI_FAULT="stall:0:4:forward:5",
+                     PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    wrap = (f"{MPIEXEC} {' '.join(ULFM_RECOVERABLE)} -n 2 --mca mpi_yield_when_idle 1 "
+            f"--bind-to none {sys.executable} {REPO / 'examples' / 'train.py'} {' '.join(args)} "
+            f"--ckpt-dir {ckpt} --metrics-jsonl {metrics} --elastic grow & pid=$!; "
+            f"until grep -qs '\"step\": 3' {metrics} || ! kill -0 $pid; do sleep 0.1; done; "
+            f"srun -n 1 --overlap {BIN / 'rtxmpi'} join --job {ckpt} -n 2 --timeout-s 60; "
+            f"echo join exit $?; wait $pid; echo train.py exit $?")
+    job_id = cluster.run(["sbatch", "--parsable", "-n", "4", "--overcommit", "-o", str(out),
+                          "-D", str(REPO), "--wrap", wrap], env=env).stdout.strip()
+    info = cluster.wait_job(job_id, DONE, 90)
+    text = out.read_text(errors="replace")
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-4000:]
+    assert "join exit 0" in text and "train.py exit 0" in text, text[-4000:]
+    assert "rtxmpi join: admitted 2 ranks: the world grew 2 -> 4 ranks" in text, text[-4000:]
+    got = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in got] == list(range(1, 13))
+    assert [r["world_size"] for r in got] == [2] * 4 + [4] * 8
+    assert load_checkpoint(None, ckpt, 12).world_size_saved == 4
 
 
 def test_a_second_cluster_runs_beside_it_and_repicks_a_port_taken_meanwhile(cluster, monkeypatch):
