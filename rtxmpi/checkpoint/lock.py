@@ -172,6 +172,32 @@ def _pid_gone(holder):
     return False
 
 
+def running_holder(job_dir):
+    """The running job that holds `job_dir`'s checkpoint lock (flock or lease file), described in
+    one phrase (`describe`), as `rtxmpi join` names the job it asks. Local. Raises ConfigError
+    when there is none: no such directory, no lock file, a lock released (empty),
+    or held by a process of this host that is gone."""
+    if not os.path.isdir(job_dir):
+        raise ConfigError(f"no job at {job_dir}: not a directory (give the job's --ckpt-dir)")
+    for name in (LOCK_FILE, LEASE_FILE):
+        try:
+            raw = _read_text(os.path.join(job_dir, name)).strip()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise ConfigError(f"{job_dir}/{name}: {exc.strerror}") from None
+        if not raw:
+            continue  # released by a job that ended
+        holder = _parse(raw)
+        if holder is None:
+            raise ConfigError(f"no job at {job_dir}: its lock {name} is unreadable")
+        if _pid_gone(holder):
+            raise ConfigError(f"no job at {job_dir}: the last one, {describe(holder)}, is gone")
+        return describe(holder)
+    raise ConfigError(f"no job running at {job_dir}: its checkpoint lock is not held (is this the "
+                      "job's --ckpt-dir, and is the job running?)")
+
+
 class DirLock:
     """The lock of one checkpoint directory, held by rank 0 of the group that took it.
 

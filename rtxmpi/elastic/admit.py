@@ -24,7 +24,7 @@ import socket
 import sys
 import time
 
-from ..checkpoint.lock import LEASE_FILE, LOCK_FILE, _parse, _pid_gone, describe
+from ..checkpoint.lock import running_holder as job_holder
 from ..errors import ConfigError
 
 REQUEST, ANSWER = "join.request", "join.answer"
@@ -61,32 +61,6 @@ def check_timeout(timeout_s):
     """Raise ConfigError unless `timeout_s` is a number of seconds in (0, 1e6)."""
     if isinstance(timeout_s, bool) or not (isinstance(timeout_s, (int, float)) and 0 < timeout_s < 1e6):
         raise ConfigError(f"--timeout-s must be > 0 seconds (and < 1e6), got {timeout_s!r}")
-
-
-def job_holder(job_dir):
-    """The running job that holds `job_dir`'s checkpoint lock, described in one phrase. Raises
-    ConfigError when there is none: no such directory, no lock file, a lock released (empty),
-    or held by a process of this host that is gone."""
-    if not os.path.isdir(job_dir):
-        raise ConfigError(f"no job at {job_dir}: not a directory (give the job's --ckpt-dir)")
-    for name in (LOCK_FILE, LEASE_FILE):
-        try:
-            with open(os.path.join(job_dir, name), "rb") as f:
-                raw = f.read(REQUEST_BYTES).decode("utf-8", "replace").strip()
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise ConfigError(f"{job_dir}/{name}: {exc.strerror}") from None
-        if not raw:
-            continue  # released by a job that ended
-        holder = _parse(raw)
-        if holder is None:
-            raise ConfigError(f"no job at {job_dir}: its lock {name} is unreadable")
-        if _pid_gone(holder):
-            raise ConfigError(f"no job at {job_dir}: the last one, {describe(holder)}, is gone")
-        return describe(holder)
-    raise ConfigError(f"no job running at {job_dir}: its checkpoint lock is not held (is this the "
-                      "job's --ckpt-dir, and is the job running?)")
 
 
 def write_request(job_dir, ranks, timeout_s):
