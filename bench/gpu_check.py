@@ -24,6 +24,10 @@ Steps, each reported PASS/FAIL with its numbers:
 7. train_zero: examples/train.py --device cuda with --zero-stage 2 (checkpoint, then --resume),
    --zero-stage 3, and --offload cpu / nvme, each against the same run on the CPU: final loss
    within 1e-3 relative.
+8. layouts: `mpiexec -n 2 examples/train.py --device cuda` with both ranks on the one GPU (cupy
+   arrays then travel host-staged or over CUDA-aware MPI: NCCL takes one GPU per rank) for data
+   parallelism, ZeRO-1/3, --tp 2 (--sequence-parallel), --pp 2 and --sp 2, each against the same
+   2-rank run on the CPU: final loss within 1e-3 relative. Skipped without mpiexec.
 
 Never hangs: every subprocess has a timeout, and each in-process step a watchdog
 (faulthandler) that ends the process with its stack after --step-timeout-s; all of them are cut
@@ -311,16 +315,23 @@ def run_gpu_pytests(timeout_s):
     return result.returncode == 0, " ".join(tail)
 
 
-def train_rows(device, flags, timeout_s):
-    """Run `examples/train.py --device DEVICE FLAGS` (one process); returns its --metrics-jsonl
-    rows. Raises RuntimeError (exit status, output tail) on failure, TimeoutExpired past
-    timeout_s (the process is killed)."""
+def train_rows(device, flags, timeout_s, ranks=1):
+    """Run `examples/train.py --device DEVICE FLAGS` (one process, or an mpiexec job of `ranks`);
+    returns its --metrics-jsonl rows. Raises RuntimeError (exit status, output tail) on failure,
+    TimeoutExpired past timeout_s (the process is killed)."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
-        cmd = [sys.executable, "examples/train.py", "--device", device, "--eval-every", "0",
-               "--eval-batches", "1", "--sample-tokens", "0", "--no-progress",
-               "--metrics-jsonl", metrics] + [f.replace("{tmp}", tmp) for f in flags]
-        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        argv = ["examples/train.py", "--device", device, "--eval-every", "0",
+                "--eval-batches", "1", "--sample-tokens", "0", "--no-progress",
+                "--metrics-jsonl", metrics] + [f.replace("{tmp}", tmp) for f in flags]
+        cmd, env = [sys.executable] + argv, None
+        if ranks > 1:
+            sys.path.insert(0, os.path.join(ROOT, "bench"))
+            from _common import mpi_job
+
+            cmd, env = mpi_job(ranks, argv)
+        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=timeout_s)
         rows = []
         if os.path.exists(metrics):
             with open(metrics) as f:
@@ -356,18 +367,35 @@ ZERO_RUNS = (
 ZERO_BASE = ["--model", "tiny", "--seq-len", "64", "--global-batch", "8"]
 
 
-def check_zero_runs(timeout_s, runs=ZERO_RUNS):
-    """Each run of ZERO_RUNS on cupy and on the CPU; returns (failures, {name: losses}).
-    timeout_s() -> seconds allowed for the next run."""
+# two ranks on one GPU: (name, flags) run on cupy and on the CPU by check_zero_runs(ranks=2)
+LAYOUT_RUNS = (
+    ("dp", ["--steps", "4"]),
+    ("zero1", ["--zero-stage", "1", "--steps", "4"]),
+    ("zero3", ["--zero-stage", "3", "--steps", "4"]),
+    ("tp2 + sequence parallel", ["--tp", "2", "--sequence-parallel", "--steps", "4"]),
+    ("pp2 1f1b", ["--pp", "2", "--micro-batches", "4", "--steps", "4"]),
+    ("sp2", ["--sp", "2", "--steps", "4"]),
+)
+
+
+def check_zero_runs(timeout_s, runs=ZERO_RUNS, ranks=1):
+    """Each run of `runs` on cupy and on the CPU (`ranks` processes); returns (failures,
+    {name: losses}). timeout_s() -> seconds allowed for the next run."""
     failures, table = [], {}
     with tempfile.TemporaryDirectory() as ckpt_root:
         for name, flags in runs:
             losses = {}
             for device in ("cuda", "cpu"):
                 ckpt = os.path.join(ckpt_root, device)
-                rows = train_rows(device, ZERO_BASE + [f.replace("{ckpt}", ckpt) for f in flags],
-                                  timeout_s())
+                try:
+                    rows = train_rows(device, ZERO_BASE + [f.replace("{ckpt}", ckpt) for f in flags],
+                                      timeout_s(), ranks=ranks)
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the next run still runs
+                    failures.append(f"{name} on {device}: {str(exc)[-1500:]}")
+                    break
                 losses[device] = rows[-1]["loss"]
+            if len(losses) < 2:
+                continue
             table[name] = losses
             gpu, cpu = losses["cuda"], losses["cpu"]
             if not (np.isfinite(gpu) and abs(gpu - cpu) <= 1e-3 * abs(cpu)):
@@ -375,7 +403,7 @@ def check_zero_runs(timeout_s, runs=ZERO_RUNS):
     return failures, table
 
 
-STEPS = ("kernels", "bandwidth", "nccl", "model", "pytest", "train", "train_zero")
+STEPS = ("kernels", "bandwidth", "nccl", "model", "pytest", "train", "train_zero", "layouts")
 
 
 def main(argv=None):
@@ -512,10 +540,24 @@ def main(argv=None):
         return not failures, ("ZeRO 2/3, checkpoint + resume, offload cpu/nvme on cupy match the "
                               "CPU" if not failures else "; ".join(failures))
 
+    def do_layouts():
+        import shutil
+
+        if shutil.which("mpiexec") is None:
+            return None, "no mpiexec on PATH: two-rank layouts not checked"
+        failures, table = check_zero_runs(timeout_s=lambda: left(90), runs=LAYOUT_RUNS, ranks=2)
+        report["layouts"] = table
+        for name, losses in table.items():
+            print(f"  2 ranks, {name}: loss {losses['cuda']:.6f} on cupy, {losses['cpu']:.6f} on "
+                  "the CPU")
+        return not failures, ("two ranks on one GPU match the CPU in every layout"
+                              if not failures else "; ".join(failures))
+
     for name, fn, in_process in (("kernels", do_kernels, True), ("bandwidth", do_bandwidth, True),
                                  ("nccl", do_nccl, True), ("model", do_model, True),
                                  ("pytest", do_pytest, False), ("train", do_train, False),
-                                 ("train_zero", do_train_zero, False)):
+                                 ("train_zero", do_train_zero, False),
+                                 ("layouts", do_layouts, False)):
         step(name, fn, in_process)
     report["total_s"] = time.monotonic() - started
     report["pass"] = ok

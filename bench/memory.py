@@ -4,6 +4,7 @@
     python bench/memory.py --ranks 1,2,4 --model small --local-batch 16 --json memory.json
     python bench/memory.py --ranks 2,4 --tp 2                # ZeRO on each tp slice (zero_hybrid)
     python bench/memory.py --recompute                       # activation recomputation, one process
+    python bench/memory.py --device cuda --ranks 2 --model gpt2-small   # ranks sharing one GPU
 
 One mpiexec job per (world size, stage), so each job's peak RSS is that configuration's own. Each
 job builds the model, the engine (stage 0: DataParallel + AdamW with the decay mask, as train.py;
@@ -15,7 +16,9 @@ views and parameter buffers not counted), model state = params + grads + optimiz
 process's peak RSS; "transient" is the peak of buffers the engine allocates and frees within a
 step when it tracks them (ZeRO-3: gathered units and unit gradients), not part of model state.
 Tables show the largest value over ranks (shards can be uneven). Stage 3 is
-measured when rtxmpi.parallel.zero.STAGES has it.
+measured when rtxmpi.parallel.zero.STAGES has it. --device cuda: the model on cupy, and "peak
+device" is each rank's CuPy memory pool at the end (the bytes it ever held: the pool keeps what it
+allocates), with its ratio to stage 0's.
 
 --recompute: instead, for each model of --recompute-models (GPT small and base) in one process,
 with recompute "none" and "blocks" (rtxmpi.nn.Model.recompute) side by side: the activations one
@@ -61,8 +64,11 @@ def largest_layer_bytes(model):
 
 
 def worker(args):
+    import numpy as np
+
     import rtxmpi
     from rtxmpi.data import BatchSampler, load_corpus
+    from rtxmpi.backend import array_module
     from rtxmpi.nn import GPT, AdamW, GPTConfig, decay_mask
     from rtxmpi.observe.memory import gather_reports, report
     from rtxmpi.parallel.data import DataParallel
@@ -75,7 +81,8 @@ def worker(args):
         return mesh_worker(args, world, corpus, cfg)
     sampler = BatchSampler(corpus.train, args.seq_len, args.local_batch * world.world_size, seed=0,
                            dp_rank=world.rank, dp_size=world.world_size)
-    model = GPT(cfg, seed=0)
+    xp = array_module(args.device)
+    model = GPT(cfg, seed=0, xp=xp)
     optimizer = None
     if args.stage == 0:
         engine = DataParallel(model, world)
@@ -93,12 +100,15 @@ def worker(args):
     x, y = sampler.next_batch()
     _, cache = engine.forward(x, y)
     reports = gather_reports(world, report(engine, model=model, optimizer=optimizer, cache=cache))
+    pool = xp.get_default_memory_pool().total_bytes() if args.device == "cuda" else 0
+    device_peaks = world.all_gather(np.array([pool], dtype=np.int64)).reshape(-1).tolist()
     if world.rank == 0:
         print("RESULT " + json.dumps({
             "ranks": world.world_size, "stage": args.stage, "params": model.num_params,
             "layer_bytes": largest_layer_bytes(model),
             # stage 3: the most bytes of gathered units (and their gradients) held at once
             "gathered_peak_bytes": getattr(getattr(engine, "provider", None), "peak_bytes", None),
+            "device_peak_bytes": device_peaks,
             "per_rank": [r.as_dict() for r in reports]}), flush=True)
 
 
@@ -132,6 +142,7 @@ def mesh_worker(args, world, corpus, cfg):
             "ranks": world.world_size, "stage": args.stage, "params": model.full_num_params,
             "layer_bytes": largest_layer_bytes(model),
             "gathered_peak_bytes": getattr(getattr(engine, "provider", None), "peak_bytes", None),
+            "device_peak_bytes": [0],  # --device cuda measures plain DP and ZeRO only
             "per_rank": [r.as_dict() for r in reports]}), flush=True)
 
 
@@ -220,10 +231,11 @@ def available_stages():
 def launch(args, ranks, stage):
     result = run_worker_job("memory", ranks, __file__, ["--stage", str(stage), "--model", args.model, "--local-batch", str(args.local_batch),
            "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--tp", str(args.tp),
-           "--sp", str(args.sp)], timeout=300)
+           "--sp", str(args.sp), "--device", args.device], timeout=300)
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
                 "model_state_bytes", "peak_rss_bytes", "rss_bytes", "transient_peak_bytes"):
         result[key] = max(r[key] for r in result["per_rank"])
+    result["device_peak_bytes"] = max(result["device_peak_bytes"])
     return result
 
 
@@ -248,6 +260,8 @@ def main():
                    "(activation bytes, step time) in this process instead of the ZeRO table")
     p.add_argument("--recompute-models", default="small,base", help="--recompute: the GPT sizes")
     p.add_argument("--repeats", type=int, default=5, help="--recompute: timed steps per policy")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the model lives (cuda: cupy; ranks may share one GPU)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -259,6 +273,8 @@ def main():
     ranks = [int(n) for n in args.ranks.split(",")]
     results = {(n, s): launch(args, n, s) for s in stages for n in ranks}
     dp = {n: results[(n, 0)]["model_state_bytes"] for n in ranks if (n, 0) in results}
+    dp_device = {n: results[(n, 0)]["device_peak_bytes"] for n in ranks if (n, 0) in results}
+    on_device = args.device == "cuda"
     first = next(iter(results.values()))
     rows = []
     for s in stages:
@@ -270,6 +286,11 @@ def main():
                          mib(r["optimizer_bytes"]), mib(r["activations_bytes"]),
                          mib(r["transient_peak_bytes"]), mib(r["model_state_bytes"]), ratio,
                          mib(r["peak_rss_bytes"])])
+            if on_device:
+                r["device_ratio_to_dp"] = (r["device_peak_bytes"] / dp_device[n]
+                                           if dp_device.get(n) else None)
+                rows[-1] += [mib(r["device_peak_bytes"]),
+                             "-" if r["device_ratio_to_dp"] is None else f"{r['device_ratio_to_dp']:.3f}"]
     info = machine_info()
     print(f"Per-rank memory (MiB, largest over ranks), model {args.model} "
           f"({first['params'] / 1e6:.2f} M params, float32), activations of one micro-batch of "
@@ -280,7 +301,8 @@ def main():
     print(markdown_table(["stage", "ranks", "params", "grads", "optimizer", "activations",
                           "transient", "model state",
                           "ratio to DP" if args.tp * args.sp == 1 else "ratio to stage 0",
-                          "peak RSS"], rows))
+                          "peak RSS"] + (["peak device", "device ratio to DP"] if on_device else []),
+                         rows))
     print()
     layer = first["layer_bytes"]
     if 4 in dp and args.tp * args.sp == 1:  # the target is against plain DP

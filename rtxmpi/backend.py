@@ -6,6 +6,7 @@ CPU-only install never pays for it.
 """
 import ctypes
 import os
+import socket
 
 import numpy as np
 
@@ -102,6 +103,20 @@ def copy_to_host(x, out):
         x.get(out=out)
     else:
         out[...] = to_host(x)
+
+
+def device_identity(local_rank):
+    """(host name, PCI bus id) of the GPU select_device(local_rank) binds, or None without a
+    GPU: ranks with equal identities share one GPU (CUDA_VISIBLE_DEVICES taken into account)."""
+    n = gpu_count()
+    if n == 0:
+        return None
+    index = local_rank % n
+    try:
+        bus = cupy_module().cuda.Device(index).pci_bus_id
+    except Exception:  # no bus id from this cupy or driver: the index among the visible devices
+        bus = f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}:{index}"
+    return (socket.gethostname(), bus)
 
 
 def select_device(local_rank):

@@ -4,7 +4,7 @@ import os
 from mpi4py import MPI
 
 from .. import fused
-from ..backend import env_flag, select_device, tune_host_allocator
+from ..backend import device_identity, env_flag, select_device, tune_host_allocator
 from ..errors import ConfigError, RankFailure
 from .group import ProcessGroup, validate_timeout
 from .heartbeat import Heartbeat
@@ -74,7 +74,7 @@ def init(backend="auto", timeout_s=None, check=None):
         install_excepthook(rank)
     members = list(range(size))
     # cupy arrays: NCCL, else CUDA-aware MPI, else host staging (agreed by every rank)
-    transport = agree_transport(comm, backend)
+    transport = agree_transport(comm, backend, device_identity(local_rank))
     _world = make_world(transport, comm, monitor, members, select_device(local_rank),
                         name="world", rank=rank, world_size=size, local_rank=local_rank,
                         timeout_s=timeout_s, check=check)

@@ -32,6 +32,7 @@ calls, ncclCommAbort/ncclCommGetAsyncError); cupyx.distributed's NCCL backend.
 """
 import os
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -87,11 +88,11 @@ def cuda_aware_mpi():
     return False
 
 
-def choose_transport(requested):
+def choose_transport(requested, allow_nccl=True):
     """The device transport for init(backend=...): "nccl", "cuda-aware-mpi" or None (host staging).
 
     "nccl" requires NCCL and a GPU (ConfigError naming what is missing otherwise); "auto" takes
-    NCCL when present, else CUDA-aware MPI, else None; "mpi" is always None."""
+    NCCL when present (and `allow_nccl`), else CUDA-aware MPI, else None; "mpi" is always None."""
     from ..backend import gpu_count
 
     if requested == "mpi":
@@ -110,7 +111,7 @@ def choose_transport(requested):
         return "nccl"
     if not has_gpu:
         return None
-    if nccl_module() is not None:
+    if allow_nccl and nccl_module() is not None:
         return "nccl"
     return "cuda-aware-mpi" if cuda_aware_mpi() else None
 
@@ -118,20 +119,46 @@ def choose_transport(requested):
 _STRENGTH = {None: 0, "cuda-aware-mpi": 1, "nccl": 2}
 
 
-def agree_transport(comm, requested):
+def agree_transport(comm, requested, device=None):
     """choose_transport on every rank, agreed over `comm` (lowercase allgather, once at init):
     ConfigError on EVERY rank when any rank cannot honour backend="nccl" (naming the ranks);
-    otherwise the weakest transport any rank has, so all ranks take the same path. Collective."""
+    otherwise the weakest transport any rank has, so all ranks take the same path.
+
+    device: this rank's GPU as (host name, PCI bus id) (backend.device_identity), or None. NCCL
+    refuses two ranks of one communicator on one GPU, so when ranks share a GPU "auto" takes the
+    best transport without NCCL and "nccl" is a ConfigError on every rank naming them. Collective."""
     try:
         mine, error = choose_transport(requested), None
+        without_nccl = choose_transport(requested, allow_nccl=False)
     except ConfigError as exc:
-        mine, error = None, str(exc)
-    table = comm.allgather((mine, error))
-    failed = [(r, e) for r, (_, e) in enumerate(table) if e]
+        mine, without_nccl, error = None, None, str(exc)
+    table = comm.allgather((mine, without_nccl, error, device))
+    failed = [(r, e) for r, (_, _, e, _) in enumerate(table) if e]
     if failed:
         ranks = [r for r, _ in failed]
         raise ConfigError(f"ranks {ranks} cannot use backend={requested!r}: {failed[0][1]}")
-    return min((t for t, _ in table), key=_STRENGTH.__getitem__)
+    sharing = shared_devices([row[3] for row in table])
+    if sharing and any(row[0] == "nccl" for row in table):
+        (host, bus), ranks = next(iter(sharing.items()))
+        what = f"ranks {ranks} share the GPU {bus} on {host}"
+        if requested == "nccl":
+            raise ConfigError(f"backend='nccl': {what}, and NCCL needs one GPU per rank: launch at "
+                              "most one rank per GPU, or use backend='mpi'")
+        if comm.Get_rank() == 0:
+            print(f"rtxmpi: {what}: cupy arrays travel without NCCL (one GPU per rank for NCCL)",
+                  file=sys.stderr, flush=True)
+        return min((row[1] for row in table), key=_STRENGTH.__getitem__)
+    return min((row[0] for row in table), key=_STRENGTH.__getitem__)
+
+
+def shared_devices(devices):
+    """{device: [ranks]} for each device (any hashable; None = no GPU) that two or more of the
+    ranks `devices[r]` use, in rank order."""
+    ranks = {}
+    for rank, device in enumerate(devices):
+        if device is not None:
+            ranks.setdefault(tuple(device), []).append(rank)
+    return {device: members for device, members in ranks.items() if len(members) > 1}
 
 
 def make_world(transport, comm, monitor, members, device, **group_kwargs):

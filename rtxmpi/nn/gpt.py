@@ -48,6 +48,7 @@ MODEL_SIZES = {
     "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64},
     "small": {"n_layer": 4, "n_head": 4, "n_embd": 128},
     "base": {"n_layer": 6, "n_head": 8, "n_embd": 256},
+    "gpt2-small": {"n_layer": 12, "n_head": 12, "n_embd": 768},  # GPT-2 small's shape, bytes in
 }
 
 
@@ -77,7 +78,7 @@ class GPTConfig:
 
     @classmethod
     def named(cls, name, **overrides):
-        """Config for a named size in MODEL_SIZES ("tiny", "small", "base"), with overrides
+        """Config for a named size in MODEL_SIZES ("tiny", "small", "base", "gpt2-small"), with overrides
         (e.g. seq_len=256). Raises ConfigError for an unknown name or field."""
         if name not in MODEL_SIZES:
             raise ConfigError(

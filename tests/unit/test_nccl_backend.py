@@ -44,19 +44,64 @@ def test_auto_prefers_nccl_then_cuda_aware_mpi(monkeypatch):
     assert nccl.choose_transport("auto") is None
 
 
+class _Comm:
+    """allgather answers a fixed table of (transport, without NCCL, error, device) rows."""
+
+    def __init__(self, table, rank=0):
+        self.table, self.rank = table, rank
+
+    def allgather(self, mine):
+        return self.table
+
+    def Get_rank(self):
+        return self.rank
+
+
 def test_ranks_agree_on_the_weakest_transport_and_all_refuse_together():
-    class Comm:
-        def __init__(self, table):
-            self.table = table
-
-        def allgather(self, mine):
-            return self.table
-
-    assert nccl.agree_transport(Comm([("nccl", None), ("cuda-aware-mpi", None)]), "auto") == \
+    assert nccl.agree_transport(_Comm([("nccl", None, None, None),
+                                       ("cuda-aware-mpi", None, None, None)]), "auto") == \
         "cuda-aware-mpi"
-    assert nccl.agree_transport(Comm([("nccl", None), (None, None)]), "auto") is None
+    assert nccl.agree_transport(_Comm([("nccl", None, None, None), (None, None, None, None)]),
+                                "auto") is None
     with pytest.raises(ConfigError, match=r"ranks \[1\] cannot use backend='nccl'"):
-        nccl.agree_transport(Comm([("nccl", None), (None, "no CUDA device")]), "nccl")
+        nccl.agree_transport(_Comm([("nccl", None, None, None), (None, None, "no CUDA device", None)]),
+                             "nccl")
+
+
+def test_ranks_sharing_a_gpu_never_get_nccl(capsys):
+    gpu0, gpu1 = ("node1", "0000:19:00.0"), ("node1", "0000:3b:00.0")
+    # one GPU per rank: NCCL
+    rows = [("nccl", "cuda-aware-mpi", None, gpu0), ("nccl", "cuda-aware-mpi", None, gpu1)]
+    assert nccl.agree_transport(_Comm(rows), "auto") == "nccl"
+    # ranks 1 and 2 on one GPU: auto takes the best transport without NCCL, and says why once
+    rows = [("nccl", "cuda-aware-mpi", None, gpu0), ("nccl", "cuda-aware-mpi", None, gpu1),
+            ("nccl", "cuda-aware-mpi", None, gpu1)]
+    assert nccl.agree_transport(_Comm(rows), "auto") == "cuda-aware-mpi"
+    assert "ranks [1, 2] share the GPU 0000:3b:00.0 on node1" in capsys.readouterr().err
+    assert nccl.agree_transport(_Comm(rows, rank=1), "auto") == "cuda-aware-mpi"
+    assert capsys.readouterr().err == ""
+    rows = [(r[0], None, None, r[3]) for r in rows]
+    assert nccl.agree_transport(_Comm(rows), "auto") is None
+    # backend="nccl" refuses on every rank, naming them
+    for rank in (0, 1, 2):
+        with pytest.raises(ConfigError, match=r"ranks \[1, 2\] share the GPU .* one GPU per rank"):
+            nccl.agree_transport(_Comm(rows, rank=rank), "nccl")
+    # the same bus id on two hosts is two GPUs
+    rows = [("nccl", None, None, ("a", "0000:19:00.0")), ("nccl", None, None, ("b", "0000:19:00.0"))]
+    assert nccl.agree_transport(_Comm(rows), "nccl") == "nccl"
+
+
+def test_device_identity_is_the_bound_gpus_bus_id(monkeypatch):
+    from rtxmpi import backend
+
+    monkeypatch.setattr(backend, "gpu_count", lambda: 0)
+    assert backend.device_identity(3) is None
+    buses = ["0000:19:00.0", "0000:3b:00.0"]
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=lambda i: types.SimpleNamespace(pci_bus_id=buses[i])))
+    monkeypatch.setattr(backend, "gpu_count", lambda: 2)
+    monkeypatch.setattr(backend, "cupy_module", lambda: fake)
+    assert [backend.device_identity(r)[1] for r in range(4)] == buses * 2
 
 
 def test_importing_rtxmpi_does_not_import_cupy():
