@@ -55,7 +55,7 @@ from rtxmpi.backend import cupy_module  # noqa: E402
 from rtxmpi.comm.nccl import nccl_module  # noqa: E402
 
 MEMORY_BOUND = ("grad_epilogue", "adamw", "residual_layernorm", "bias_gelu_forward",
-                "bias_gelu_backward")
+                "bias_gelu_backward", "layernorm_backward", "softmax_forward", "softmax_backward")
 TARGET_COPY_FRACTION = 0.80
 
 
@@ -82,12 +82,14 @@ SIZES = {
                           (0, 0, None)),
              "adamw": ((1 << 20, False), (1000003, True)),
              "bias_gelu": ((4096, 3072), (37, 129)),
-             "layernorm": ((8192, 768), (33, 4099), (5, 7))},
+             "layernorm": ((8192, 768), (33, 4099), (5, 7)),
+             "softmax": ((2, 3, 1024), (1, 2, 129), (3, 1, 1))},
     "small": {"epilogue": ((1 << 12, 0, None), (4003, 0, "float16"), (4099, 1, "bfloat16"),
                            (0, 0, None)),
               "adamw": ((1 << 12, False), (4003, True)),
               "bias_gelu": ((64, 256), (37, 129)),
-              "layernorm": ((64, 768), (33, 4099), (5, 7))},
+              "layernorm": ((64, 768), (33, 4099), (5, 7)),
+              "softmax": ((1, 2, 256), (1, 2, 129), (3, 1, 1))},
 }
 
 
@@ -171,6 +173,35 @@ def check_all_kernels(cp, seed=0, sizes="full"):
             ok = _same_bits(cp.asnumpy(d), w) if name == "s" else _close(cp.asnumpy(d), w, *tol)
             if not ok:
                 fail("residual_layernorm", f"{rows}x{C}: {name} differs from the reference")
+
+    # (e) LayerNorm backward and the column sums behind it
+    for rows, C in size["layernorm"]:
+        dy, xhat = (rng.standard_normal((rows, C)).astype(np.float32) for _ in range(2))
+        rstd = rng.random((rows, 1)).astype(np.float32) + 0.5
+        g = rng.standard_normal(C).astype(np.float32)
+        _poison_pool(cp, dy.nbytes)
+        got = kernels.layernorm_backward(*(cp.asarray(a) for a in (dy, xhat, rstd, g)))
+        want = kernels.layernorm_backward(dy, xhat, rstd, g)
+        for name, d, w, tol in zip(("dx", "dg", "db"), got, want,
+                                   ((1e-4, 1e-5), (1e-4, 1e-3), (1e-4, 1e-3))):
+            if not _close(cp.asnumpy(d), w, *tol):
+                fail("layernorm_backward", f"{rows}x{C}: {name} differs from the reference")
+
+    # (f) attention softmax, causal and not, forward (in place) and backward
+    for batch, heads, T in size["softmax"]:
+        scores = rng.standard_normal((batch, heads, T, T)).astype(np.float32) * 4
+        datt = rng.standard_normal(scores.shape).astype(np.float32)
+        for causal in (True, False):
+            want = kernels.softmax_forward(scores.copy(), causal)
+            got = kernels.softmax_forward(cp.asarray(scores), causal)
+            if not _close(cp.asnumpy(got), want, 1e-5, 1e-7):
+                fail("softmax_forward", f"{scores.shape} causal={causal}: differs from the reference")
+            if causal and bool((cp.asnumpy(got)[..., np.triu(np.ones((T, T), bool), 1)] != 0).any()):
+                fail("softmax_forward", f"{scores.shape}: a masked (future) key is not 0")
+            dwant = kernels.softmax_backward(datt.copy(), want)
+            dgot = kernels.softmax_backward(cp.asarray(datt), got)
+            if not _close(cp.asnumpy(dgot), dwant, 1e-4, 1e-6):
+                fail("softmax_backward", f"{scores.shape} causal={causal}: differs from the reference")
     return failures
 
 
@@ -222,6 +253,12 @@ def kernel_bandwidths(cp, n=1 << 26):
     # backward: dy, u read and du written by the kernel, du read again by the bias-gradient sum
     record("bias_gelu_backward", lambda: kernels.bias_gelu_backward(x2, u), 16 * n)
     record("residual_layernorm", lambda: kernels.residual_layernorm_forward(x2, r2, b, b), 16 * n)
+    rstd = cp.ones((x2.shape[0], 1), cp.float32)
+    # dy, xhat read by the row kernel and again by the column sums, dx written
+    record("layernorm_backward", lambda: kernels.layernorm_backward(x2, r2, rstd, b), 20 * n)
+    att = g.reshape(-1, 1024)  # rows of 1024 keys, not causal: every element read and written
+    record("softmax_forward", lambda: kernels.softmax_forward(att), 8 * n)
+    record("softmax_backward", lambda: kernels.softmax_backward(m.reshape(-1, 1024), att), 12 * n)
     return results
 
 

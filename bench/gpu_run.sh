@@ -11,14 +11,14 @@
 # model, GPU tests, train.py on cupy, ZeRO/offload, two ranks on the GPU in every layout);
 # gpu_train = bench/gpu_train.py (throughput against PyTorch eager and torch.compile, MFU);
 # memory = bench/memory.py --device cuda (ZeRO stages 0-3, two ranks on the GPU, peak device
-# memory). Files: OUTDIR/gpu_run.log (everything printed), gpu_check.json, gpu_train.json,
-# memory.json.
+# memory); breakdown = bench/gpu_train.py --breakdown (where rtxmpi's step goes, per function).
+# Files: OUTDIR/gpu_run.log (everything printed), gpu_check.json, gpu_train.json, memory.json.
 set -u
 OUT=$(mkdir -p "${1:?usage: bash bench/gpu_run.sh OUTDIR}" && cd "$1" && pwd) || exit 2
 cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-python3}
 LOG="$OUT/gpu_run.log"
-STEPS=${STEPS:-gpu_check gpu_train memory}
+STEPS=${STEPS:-gpu_check gpu_train memory breakdown}
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 OMPI_MCA_btl='^ofi'
 if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 export PATH="$($PY -c 'import os, sys; print(os.path.join(sys.prefix, "bin"))'):$PATH"  # mpiexec
@@ -50,4 +50,6 @@ step gpu_train "${GPU_TRAIN_S:-170}" $PY bench/gpu_train.py --shapes gpt2-small,
     --timeout-s 75 --json "$OUT/gpu_train.json"
 step memory "${MEMORY_S:-120}" $PY bench/memory.py --device cuda --ranks 2 --model gpt2-small \
     --local-batch 4 --seq-len 128 --steps 1 --json "$OUT/memory.json"
+step breakdown "${BREAKDOWN_S:-60}" $PY bench/gpu_train.py --breakdown --shapes gpt2-small \
+    --steps 5 --warmup 2
 echo "=== gpu_run: done; files in $OUT" | tee -a "$LOG"

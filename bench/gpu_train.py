@@ -111,10 +111,119 @@ def worker_torch(args, cfg, compile_model):
     return seconds, torch.cuda.max_memory_reserved()
 
 
+def breakdown(args, cfg):
+    """Where rtxmpi's step goes on the GPU: every function of rtxmpi.nn.layers and
+    rtxmpi.kernels, AdamW.step, clip_grad_norm and zero_grad timed with the device synchronized
+    around each call (self time: a function's nested timed calls are subtracted), over --steps
+    steps after --warmup; then the matrix products of one block in cupy and torch side by side.
+    Prints tables; the synchronizations make the step a little slower than unmeasured."""
+    import cupy as cp
+
+    from _common import markdown_table
+    from rtxmpi import kernels
+    from rtxmpi.nn import GPT, AdamW, clip_grad_norm, decay_mask, layers
+
+    sync = cp.cuda.Device().synchronize
+    own, calls, stack = {}, {}, []
+
+    def wrap(owner, name, label):
+        fn = getattr(owner, name)
+
+        def timed(*a, **k):
+            sync()
+            t0 = time.perf_counter()
+            stack.append(0.0)
+            try:
+                return fn(*a, **k)
+            finally:
+                sync()
+                dt = time.perf_counter() - t0
+                own[label] = own.get(label, 0.0) + dt - stack.pop()
+                calls[label] = calls.get(label, 0) + 1
+                if stack:
+                    stack[-1] += dt
+        setattr(owner, name, timed)
+        return fn
+
+    model = GPT(cfg, seed=0, xp=cp)
+    opt = AdamW(model.flat_data, lr=3e-4, weight_decay=0.1, decay_mask=decay_mask(model.params))
+    x, y = _batch(args, cfg)
+    clip = clip_grad_norm
+
+    def step():
+        _, cache = model.forward(x, y)
+        model.backward(cache)
+        clip(model.flat_grad, 1.0)
+        opt.step(model.flat_grad)
+        model.zero_grad()
+
+    plain = _timed(step, sync, args.warmup, args.steps)
+    for module in (layers, kernels):
+        for name, fn in list(vars(module).items()):
+            if callable(fn) and getattr(fn, "__module__", None) == module.__name__ \
+                    and not isinstance(fn, type) and name != "_kernel":
+                wrap(module, name, f"{module.__name__.rsplit('.', 1)[-1]}.{name}")
+    wrap(opt, "step", "AdamW.step")
+    wrap(model, "zero_grad", "zero_grad")
+    clip_fn = clip
+
+    def clip(*a, **k):  # noqa: F811 - the timed clip_grad_norm
+        stack.append(0.0)
+        sync()
+        t0 = time.perf_counter()
+        try:
+            return clip_fn(*a, **k)
+        finally:
+            sync()
+            dt = time.perf_counter() - t0
+            own["clip_grad_norm"] = own.get("clip_grad_norm", 0.0) + dt - stack.pop()
+            calls["clip_grad_norm"] = calls.get("clip_grad_norm", 0) + 1
+    measured = _timed(step, sync, 1, args.steps)
+    n = args.steps + 1
+    rows = sorted(own.items(), key=lambda kv: -kv[1])
+    total = sum(own.values()) / n
+    table = [[label, calls[label] // n, f"{t / n * 1e3:.2f}", f"{100 * t / n / measured:.1f}%"]
+             for label, t in rows if t / n >= 1e-4]
+    table.append(["(outside the timed functions)", "", f"{(measured - total) * 1e3:.2f}",
+                  f"{100 * (measured - total) / measured:.1f}%"])
+    print(f"Step {plain * 1e3:.1f} ms unmeasured, {measured * 1e3:.1f} ms with every timed "
+          f"function synchronized; self time per step:")
+    print(markdown_table(["function", "calls/step", "ms", "of step"], table))
+    gemm_table(args, cfg)
+
+
+def gemm_table(args, cfg):
+    """One block's matrix products (forward and both backward products), cupy against torch."""
+    import cupy as cp
+    import torch
+
+    from _common import markdown_table
+
+    N, C = args.batch * cfg.seq_len, cfg.n_embd
+    rows = []
+    for name, (m, k, n) in (("qkv", (N, C, 3 * C)), ("attn proj", (N, C, C)),
+                            ("fc", (N, C, 4 * C)), ("mlp proj", (N, 4 * C, C))):
+        a, w, dy = (cp.random.standard_normal(s, dtype=cp.float32) for s in ((m, k), (k, n), (m, n)))
+        ta, tw, tdy = (torch.as_tensor(v, device="cuda") for v in (a, w, dy))
+        cases = {"x @ w": (lambda: a @ w, lambda: ta @ tw),
+                 "dy @ w.T": (lambda: dy @ w.T, lambda: tdy @ tw.T),
+                 "x.T @ dy": (lambda: a.T @ dy, lambda: ta.T @ tdy)}
+        for what, (c_fn, t_fn) in cases.items():
+            c_s = _timed(c_fn, cp.cuda.Device().synchronize, 3, 20)
+            t_s = _timed(t_fn, torch.cuda.synchronize, 3, 20)
+            flops = 2.0 * m * k * n
+            rows.append([name, what, f"{flops / c_s / 1e12:.1f}", f"{flops / t_s / 1e12:.1f}",
+                         f"{t_s / c_s:.2f}"])
+    print(f"\nMatrix products of one block, float32, N = {N} rows (TFLOP/s):")
+    print(markdown_table(["layer", "product", "cupy", "torch", "cupy / torch speed"], rows))
+
+
 def worker(args):
     from rtxmpi.nn import GPTConfig
 
     cfg = GPTConfig.named(args.shapes, seq_len=args.seq_len)
+    if args.breakdown:
+        return breakdown(args, cfg)
     if args.worker == "rtxmpi":
         seconds, peak = worker_rtxmpi(args, cfg)
     else:
@@ -205,9 +314,13 @@ def main():
                    help="the device's dense float32 peak, for MFU (H100/H200 SXM: 67)")
     p.add_argument("--timeout-s", type=float, default=180.0, help="per row")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--breakdown", action="store_true",
+                   help="instead: where rtxmpi's step goes on the GPU, for the first of --shapes")
     p.add_argument("--worker", default=None, choices=FRAMEWORKS, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.worker:
+    if args.breakdown:
+        args.shapes = args.shapes.split(",")[0]
+    if args.worker or args.breakdown:
         return worker(args)
     from _common import machine_info, machine_line, markdown_table
     from rtxmpi.backend import gpu_count
@@ -234,7 +347,7 @@ def main():
                                    "tokens_per_s": tokens / seconds,
                                    "mfu": flops_per_token(cfg) * tokens / seconds / (args.peak_tflops * 1e12)}
                 print(f"[gpu_train] {shape} {framework}: {tokens / seconds:.0f} tokens/s, "
-                      f"{seconds * 1e3:.1f} ms/step, peak {peak and peak / MIB:.0f} MiB",
+                      f"{seconds * 1e3:.1f} ms/step" + (f", peak {peak / MIB:.0f} MiB" if peak else ""),
                       file=sys.stderr, flush=True)
             except RuntimeError as exc:
                 rows[framework] = {"error": str(exc)}

@@ -42,3 +42,23 @@ __device__ __forceinline__ float rtx_block_sum(float v, float* shared) {
     __syncthreads();
     return shared[0];
 }
+
+// Maximum of `v` over the thread block (NaN ignored, as fmaxf); every thread gets it. As
+// rtx_block_sum; `shared` holds 32 floats.
+__device__ __forceinline__ float rtx_block_max(float v, float* shared) {
+    const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    for (int offset = 16; offset > 0; offset >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    __syncthreads();
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    const unsigned nwarps = (blockDim.x + 31u) >> 5;
+    v = (threadIdx.x < nwarps) ? shared[threadIdx.x] : -__int_as_float(0x7f800000);
+    if (warp == 0) {
+        for (int offset = 16; offset > 0; offset >>= 1)
+            v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+        if (lane == 0) shared[0] = v;
+    }
+    __syncthreads();
+    return shared[0];
+}

@@ -17,13 +17,15 @@ Every public function here takes numpy or cupy arrays and dispatches on `xp_of`:
 | `adamw_step` | adamw.cu | bit for bit in float32 (no FMA, IEEE sqrt and divide) |
 | `bias_gelu_forward` / `_backward` | bias_gelu.cu | a few ulp (CUDA tanhf vs libm tanh) |
 | `residual_layernorm_forward` | residual_layernorm.cu | float32 rounding (tree-ordered sums) |
+| `softmax_forward` / `_backward` | softmax.cu | float32 rounding (expf, tree-ordered sums) |
+| `layernorm_backward`, `column_sums` | layernorm_backward.cu | float32 rounding (sums in a fixed order: deterministic) |
 
 The kernel sources are compiled by the test suite with `nvcc -arch=sm_80` and `sm_90` and with
 NVRTC (tests/unit/test_kernels_compile.py), so a kernel that does not compile never lands. Where
 the kernels live: `$RTXMPI_KERNEL_DIR`, else `kernels/` next to the `rtxmpi` package.
 
 Sources: AdamW (Loshchilov & Hutter 2019; Kingma & Ba 2015), GELU tanh approximation (Hendrycks &
-Gimpel 2016), LayerNorm (Ba, Kiros & Hinton 2016); mixed-precision loss scaling's non-finite
+Gimpel 2016), LayerNorm (Ba, Kiros & Hinton 2016), attention softmax (Vaswani et al. 2017); mixed-precision loss scaling's non-finite
 check (Micikevicius et al. 2018).
 """
 import math
@@ -45,6 +47,8 @@ KERNEL_FUNCTIONS = {
     "adamw": ("adamw_f32", "adamw_f32x4"),
     "bias_gelu": ("bias_gelu_forward_f32", "bias_gelu_backward_f32"),
     "residual_layernorm": ("residual_layernorm_forward_f32",),
+    "softmax": ("softmax_forward_f32", "softmax_backward_f32"),
+    "layernorm_backward": ("layernorm_backward_dx_f32", "column_sums_f32"),
 }
 KERNEL_FILES = tuple(KERNEL_FUNCTIONS)
 THREADS = 256
@@ -103,6 +107,11 @@ def _fused_ok(*arrays):
     """True when every array is a C-contiguous float32 cupy array (the kernels' only layout)."""
     return all(a is not None and not isinstance(a, np.ndarray) and a.dtype == np.float32
                and a.flags.c_contiguous for a in arrays)
+
+
+def _row_threads(C):
+    """Threads per block of the one-row-per-block kernels: about 4 columns each, 32 to 1024."""
+    return min(1024, max(32, 32 * -(-min(C, 1024) // 128)))
 
 
 def _aligned16(*arrays):
@@ -329,7 +338,7 @@ def bias_gelu_backward(dy, u):
         du += 1.0
         du *= a
         du *= dy
-    return du, du.reshape(-1, C).sum(axis=0)
+    return du, column_sums(du.reshape(-1, C))[0]
 
 
 def _check_bias(h, b):
@@ -361,9 +370,8 @@ def residual_layernorm_forward(x, r, g, b, eps=LN_EPS):
         s, y = xp.empty_like(x), xp.empty_like(x)
         mean, rstd = xp.empty(x.shape[:-1], xp.float32), xp.empty(x.shape[:-1], xp.float32)
         if rows:
-            threads = min(1024, max(32, 32 * -(-min(C, 1024) // 128)))  # ~4 columns per thread
             _kernel("residual_layernorm", "residual_layernorm_forward_f32")(
-                (rows,), (threads,), (x, r, g, b, s, y, mean, rstd, np.int32(C), np.float32(eps)))
+                (rows,), (_row_threads(C),), (x, r, g, b, s, y, mean, rstd, np.int32(C), np.float32(eps)))
         return s, y, mean, rstd
     s = x + r
     y, _, mean, rstd = layernorm_reference(s, g, b, eps)
@@ -387,6 +395,120 @@ def layernorm_reference(x, g, b, eps=LN_EPS):
     y = xhat * g
     y += b
     return y, xhat, mean, rstd
+
+
+# ------------------------------------------------------------------------------ (e) softmax
+_MAX_ROWS = 2**31 - 1  # grid.x limit of the one-row-per-block kernels
+
+
+def softmax_forward(att, causal=False):
+    """att <- softmax(att [+ causal mask]) over the last dim, in place, max subtracted first.
+
+    att: (..., T) float; causal: att holds (..., T, T) scores (query rows, key columns) and row i
+    of each (T, T) block keeps keys 0..i (the others become 0). Returns att. Float32 cupy arrays
+    run kernels/softmax.cu (float32 rounding: expf, tree-ordered sums); others the reference,
+    whole-array operations. Local. Raises ValueError when causal and the last two dims differ.
+    """
+    if causal and (att.ndim < 2 or att.shape[-2] != att.shape[-1]):
+        raise ValueError(f"softmax_forward: a causal mask needs (..., T, T) scores, got "
+                         f"{tuple(att.shape)}")
+    xp = xp_of(att)
+    T = att.shape[-1] if att.ndim else 0
+    if xp is not np and _fused_ok(att) and T and att.size // T <= _MAX_ROWS:
+        rows = att.size // T
+        if rows:
+            _kernel("softmax", "softmax_forward_f32")(
+                (rows,), (_row_threads(T),), (att, np.int64(rows), np.int32(T),
+                                              np.int32(att.shape[-2] if att.ndim > 1 else 1),
+                                              np.int32(bool(causal))))
+        return att
+    if causal:
+        keep = xp.tri(T, T, 0, dtype=bool)
+        att += xp.where(keep, 0.0, -xp.inf).astype(att.dtype)
+    att -= att.max(axis=-1, keepdims=True)
+    xp.exp(att, out=att)
+    s = att.sum(axis=-1, keepdims=True)
+    att *= xp.reciprocal(s, out=s)  # a multiply is cheaper than a broadcast divide
+    return att
+
+
+def softmax_backward(datt, att):
+    """The scores' gradient from the probabilities' gradient `datt` and the probabilities `att`
+    (softmax_forward's output): datt * att - att * sum(datt * att, -1).
+
+    datt, att: (..., T); datt is overwritten. Returns the gradient: datt itself for float32
+    cupy arrays of one shape (kernels/softmax.cu, float32 rounding), else a new array. Local.
+    """
+    xp = xp_of(att)
+    T = att.shape[-1] if att.ndim else 0
+    if (xp is not np and datt.shape == att.shape and _fused_ok(datt, att) and T
+            and att.size // T <= _MAX_ROWS):
+        rows = att.size // T
+        if rows:
+            _kernel("softmax", "softmax_backward_f32")(
+                (rows,), (_row_threads(T),), (datt, att, np.int64(rows), np.int32(T)))
+        return datt
+    ds = datt * att
+    row = ds.sum(axis=-1, keepdims=True)
+    xp.multiply(att, row, out=datt)
+    ds -= datt
+    return ds
+
+
+# ------------------------------------------------------------------ (f) LayerNorm backward
+def layernorm_backward(dy, xhat, rstd, g):
+    """Gradients of LayerNorm from its forward's xhat = (x - mean) * rstd and rstd.
+
+    dy, xhat: (..., C) same shape; rstd: (..., 1); g: (C,). Returns (dx, dg, db): dx = rstd *
+    (dy g - mean(dy g) - xhat mean(dy g xhat)), dy's shape, new; dg = sum(dy xhat) and db =
+    sum(dy) over every row, (C,). Float32 cupy arrays run kernels/layernorm_backward.cu (float32
+    rounding; column sums in a fixed order, no atomics); others the reference. Local.
+    """
+    xp = xp_of(dy)
+    C = g.shape[0]
+    rows = dy.size // C if C else 0
+    if (xp is not np and dy.shape == xhat.shape and _fused_ok(dy, xhat, rstd, g) and rows
+            and rstd.size == rows and rows <= _MAX_ROWS):
+        dx = xp.empty_like(dy)
+        _kernel("layernorm_backward", "layernorm_backward_dx_f32")(
+            (rows,), (_row_threads(C),), (dy, xhat, rstd, g, dx, np.int32(C)))
+        db, dg = column_sums(dy.reshape(rows, C), xhat.reshape(rows, C))
+        return dx, dg, db
+    dyx = dy * xhat
+    dg = dyx.reshape(-1, C).sum(axis=0)
+    db = dy.reshape(-1, C).sum(axis=0)
+    dyx *= g  # = dxhat * xhat, dxhat = dy * g
+    proj_mean = dyx.mean(axis=-1, keepdims=True)
+    dx = dy * g
+    dx -= dx.mean(axis=-1, keepdims=True)
+    xp.multiply(xhat, proj_mean, out=dyx)
+    dx -= dyx
+    dx *= rstd
+    return dx, dg, db
+
+
+def column_sums(a, b=None):
+    """Sums over the rows of a 2-D array: (a.sum(axis=0), (a * b).sum(axis=0) or None).
+
+    a, b: (rows, C) same shape. Float32 cupy arrays run kernels/layernorm_backward.cu's
+    column_sums_f32 (up to 256 chunks of rows, each summed in order, then the chunks: float32
+    rounding, deterministic); others numpy's or cupy's sum. Local.
+    """
+    xp = xp_of(a)
+    if (xp is not np and a.ndim == 2 and a.size and _fused_ok(a)
+            and (b is None or (b.shape == a.shape and _fused_ok(b)))):
+        rows, C = a.shape
+        per = -(-rows // 256)
+        chunks = -(-rows // per)
+        partial = xp.empty(((1 if b is None else 2) * chunks, C), xp.float32)
+        threads = min(256, 32 * -(-C // 32))
+        _kernel("layernorm_backward", "column_sums_f32")(
+            (-(-C // threads), chunks), (threads,),
+            (a, a if b is None else b, partial, np.int64(rows), np.int32(C), np.int64(per),
+             np.int32(b is not None)))
+        sums = partial.reshape(-1, chunks, C).sum(axis=1)
+        return sums[0], None if b is None else sums[1]
+    return a.sum(axis=0), None if b is None else (a * b).sum(axis=0)
 
 
 def gpu_available():

@@ -545,10 +545,43 @@ def _emulate_residual_layernorm(x, r, g, b, s, y, mean, rstd, C, eps):
     s[...], y[...], mean[...], rstd[...] = s_, y_, mean_, rstd_
 
 
+def _emulate_softmax_forward(att, rows, T, Tq, causal):
+    _check_count("softmax_forward", rows * T, att)
+    att[...] = _kernels.softmax_forward(att.reshape(-1, Tq, T).copy(), bool(causal)).reshape(att.shape)
+
+
+def _emulate_softmax_backward(datt, att, rows, T):
+    _check_count("softmax_backward", rows * T, datt, att)
+    datt[...] = _kernels.softmax_backward(datt.copy(), att)
+
+
+def _emulate_layernorm_backward_dx(dy, xhat, rstd, g, dx, C):
+    _check_count("layernorm_backward_dx", C, g)
+    _check_count("layernorm_backward_dx", dy.size, xhat, dx)
+    _check_count("layernorm_backward_dx (rows)", dy.size // C, rstd)
+    dx[...] = _kernels.layernorm_backward(dy.reshape(-1, C), xhat.reshape(-1, C),
+                                          rstd.reshape(-1, 1), g)[0].reshape(dx.shape)
+
+
+def _emulate_column_sums(a, b, partial, rows, C, per, with_product):
+    _check_count("column_sums", rows * C, a, b)
+    chunks = -(-rows // per)
+    _check_count("column_sums (partial)", (2 if with_product else 1) * chunks * C, partial)
+    a2, b2, out = a.reshape(rows, C), b.reshape(rows, C), partial.reshape(-1, C)
+    for i in range(chunks):
+        out[i] = a2[i * per:(i + 1) * per].sum(axis=0)
+        if with_product:
+            out[chunks + i] = (a2[i * per:(i + 1) * per] * b2[i * per:(i + 1) * per]).sum(axis=0)
+
+
 _EMULATIONS = {"grad_epilogue_f32": _emulate_grad_epilogue, "adamw_f32": _emulate_adamw,
                "bias_gelu_forward_f32": _emulate_bias_gelu_forward,
                "bias_gelu_backward_f32": _emulate_bias_gelu_backward,
-               "residual_layernorm_forward_f32": _emulate_residual_layernorm}
+               "residual_layernorm_forward_f32": _emulate_residual_layernorm,
+               "softmax_forward_f32": _emulate_softmax_forward,
+               "softmax_backward_f32": _emulate_softmax_backward,
+               "layernorm_backward_dx_f32": _emulate_layernorm_backward_dx,
+               "column_sums_f32": _emulate_column_sums}
 
 
 # ---- the module object

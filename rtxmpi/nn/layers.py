@@ -75,11 +75,11 @@ def linear_backward(dy, cache, dw_out=None, db_out=None, defer=None):
         def weight_grads():
             _accumulate(x2.T @ dy2, dw_out)
             if has_bias:
-                _accumulate(dy2.sum(axis=0), db_out)
+                _accumulate(kernels.column_sums(dy2)[0], db_out)
         defer.append(weight_grads)
         return dx, dw_out, db_out if has_bias else None
     dw = _accumulate(x2.T @ dy2, dw_out)
-    db = _accumulate(dy2.sum(axis=0), db_out) if has_bias else None
+    db = _accumulate(kernels.column_sums(dy2)[0], db_out) if has_bias else None
     return dx, dw, db
 
 
@@ -228,21 +228,9 @@ def layernorm_backward(dy, cache, dg_out=None, db_out=None):
     xhat, rstd, g = cache
     if fused.usable(dy, xhat, rstd, g):
         dx, dg, db = fused.layernorm_backward(dy, xhat, rstd, g)
-        return dx, _accumulate(dg, dg_out), _accumulate(db, db_out)
-    xp = xp_of(dy)
-    C = g.shape[0]
-    dyx = dy * xhat
-    dg = _accumulate(dyx.reshape(-1, C).sum(axis=0), dg_out)
-    db = _accumulate(dy.reshape(-1, C).sum(axis=0), db_out)
-    # dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * g
-    dyx *= g  # = dxhat * xhat
-    proj_mean = dyx.mean(axis=-1, keepdims=True)
-    dx = dy * g
-    dx -= dx.mean(axis=-1, keepdims=True)
-    xp.multiply(xhat, proj_mean, out=dyx)
-    dx -= dyx
-    dx *= rstd
-    return dx, dg, db
+    else:  # one fused kernel and the column sums on cupy, the reference elsewhere
+        dx, dg, db = kernels.layernorm_backward(dy, xhat, rstd, g)
+    return dx, _accumulate(dg, dg_out), _accumulate(db, db_out)
 
 
 # ------------------------------------------------------------------------------------- gelu
@@ -315,30 +303,10 @@ def bias_gelu_backward(dy, cache, db_out=None):
 # --------------------------------------------------------------------------------- softmax
 def softmax_forward(x):
     """Numerically stable softmax over the last dim (max subtracted first). Returns a new array."""
-    return _exp_normalize(x - x.max(axis=-1, keepdims=True))
-
-
-def _softmax_inplace(x):
-    x -= x.max(axis=-1, keepdims=True)
-    return _exp_normalize(x)
-
-
-def _exp_normalize(z):
-    """z <- exp(z) / sum(exp(z), -1), in place; z already has its row max subtracted."""
-    xp = xp_of(z)
-    xp.exp(z, out=z)
-    s = z.sum(axis=-1, keepdims=True)
-    z *= xp.reciprocal(s, out=s)  # a multiply is cheaper than a broadcast divide
-    return z
+    return kernels.softmax_forward(x.copy())
 
 
 # ------------------------------------------------------------------------------- attention
-def _causal_bias(xp, T, dtype):
-    """(T, T) additive mask: 0 on and below the diagonal, -inf above (future positions)."""
-    keep = xp.tri(T, T, 0, dtype=bool)
-    return xp.where(keep, 0.0, -xp.inf).astype(dtype)
-
-
 def _heads(qkv, n_head):
     """(B, T, 3C) -> q, k, v views of shape (B, H, T, hs); columns of qkv are [q | k | v], and
     inside each block head h owns columns h*hs : (h+1)*hs."""
@@ -350,26 +318,20 @@ def _heads(qkv, n_head):
 def masked_softmax_forward(att, causal=True):
     """The attention probabilities from the scores, in place: att <- softmax(att [+ causal
     mask]) over the last dim. att: (..., T, T) scores (query rows, key columns); causal: mask
-    the keys after each query. Returns att."""
+    the keys after each query. Returns att. One pass on numpy (rtxmpi.fused) and on cupy
+    (rtxmpi.kernels)."""
     if fused.usable(att) and att.ndim >= 2 and (not causal or att.shape[-2] == att.shape[-1]):
         return fused.softmax_forward(att, causal)
-    if causal:
-        att += _causal_bias(xp_of(att), att.shape[-1], att.dtype)
-    return _softmax_inplace(att)
+    return kernels.softmax_forward(att, causal)
 
 
 def softmax_backward(datt, att):
     """Gradient of a softmax over the last dim from its output: ds = att * (datt - sum(datt *
     att, -1)). datt, att: (..., T); datt is overwritten (scratch). Returns ds: a new array, or
-    datt itself (rtxmpi.fused)."""
+    datt itself (rtxmpi.fused, rtxmpi.kernels on cupy)."""
     if datt.shape == att.shape and fused.usable(datt, att):
         return fused.softmax_backward(datt, att)
-    xp = xp_of(att)
-    ds = datt * att
-    row = ds.sum(axis=-1, keepdims=True)
-    xp.multiply(att, row, out=datt)
-    ds -= datt
-    return ds
+    return kernels.softmax_backward(datt, att)
 
 
 def attention_core_forward(q, k, v, causal=True, out=None):

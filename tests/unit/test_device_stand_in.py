@@ -83,8 +83,10 @@ def test_kernel_launch_is_checked_against_the_cuda_signature(sim):
 
 
 def test_model_on_device_runs_the_fused_kernels_and_matches_numpy_bitwise(sim):
-    """cupy path: bias+GELU (forward, backward) and residual+LayerNorm through rtxmpi.kernels,
-    one launch per block and pass; the stand-in runs the kernels' numpy references, so loss and
+    """cupy path: bias+GELU (forward, backward), residual+LayerNorm, the attention softmax
+    (forward, backward) and LayerNorm backward through rtxmpi.kernels, one launch per block and
+    pass (LayerNorm backward: two per block and the final one; column sums: the three linear
+    biases, bias+GELU's and the two LayerNorms' of each block, and the final LayerNorm's); the stand-in runs the kernels' numpy references, so loss and
     every gradient equal the numpy model's bit for bit on its numpy references (rtxmpi.fused
     off: the unfused path)."""
     cfg = GPTConfig.named("tiny", seq_len=16)
@@ -102,7 +104,9 @@ def test_model_on_device_runs_the_fused_kernels_and_matches_numpy_bitwise(sim):
     device.backward(dcache)
     L = cfg.n_layer
     assert devicesim.launches == {"bias_gelu_forward_f32": L, "residual_layernorm_forward_f32": L,
-                                  "bias_gelu_backward_f32": L}
+                                  "bias_gelu_backward_f32": L, "softmax_forward_f32": L,
+                                  "softmax_backward_f32": L, "layernorm_backward_dx_f32": 2 * L + 1,
+                                  "column_sums_f32": 6 * L + 1}
     assert dloss == loss
     np.testing.assert_array_equal(device.flat_grad.get(), host.flat_grad)
 
