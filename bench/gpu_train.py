@@ -39,6 +39,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
+LAUNCH = "self"  # one process per row, no MPI job (rtxmpi.bench_launch)
 FRAMEWORKS = ("rtxmpi", "train.py", "torch", "torch.compile")
 MIB = 2**20
 
@@ -327,7 +328,7 @@ def main():
     from rtxmpi.nn import GPTConfig
 
     if gpu_count() == 0:
-        print("gpu_train: SKIP: no CUDA device visible through cupy; nothing to measure here")
+        print("skipped: no CUDA device visible through cupy (gpu_train measures on a GPU)")
         return 0
 
     frameworks = args.frameworks.split(",")
@@ -368,11 +369,12 @@ def main():
                           f"{100 * r['mfu']:.1f}%",
                           f"{r['tokens_per_s'] / eager:.2f}" if eager else "-"])
     print(f"Training throughput on one GPU, float32, batch {args.batch} x {args.seq_len} tokens; "
-          f"median of {args.steps} steps after {args.warmup}; MFU over {args.peak_tflops:g} TFLOP/s")
+          f"median of {args.steps} steps after {args.warmup}; MFU over {args.peak_tflops:g} TFLOP/s\n")
     print(markdown_table(["shape", "framework", "tokens/s", "step ms", "peak device MiB", "MFU",
                           "vs torch eager"], table))
-    print(f"\n{gpu_line()}\n{machine_line(machine_info())}\nCommand: python bench/gpu_train.py --shapes {args.shapes} --batch "
-          f"{args.batch} --seq-len {args.seq_len} --steps {args.steps}")
+    print(f"\n{gpu_line()}\n\nmachine: {machine_line(machine_info())}\n\ncommand: `python "
+          f"bench/gpu_train.py --shapes {args.shapes} --batch {args.batch} --seq-len "
+          f"{args.seq_len} --steps {args.steps}`")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": results, "batch": args.batch, "seq_len": args.seq_len}, f, indent=2)
