@@ -248,7 +248,8 @@ def gpu_line():
         parts.append(f"CUDA runtime {rt // 1000}.{rt % 1000 // 10}; cupy {cp.__version__}")
         from cupy.cuda import nccl
 
-        parts.append(f"NCCL {nccl.get_version()}")
+        v = nccl.get_version()  # major * 10000 + minor * 100 + patch
+        parts.append(f"NCCL {v // 10000}.{v % 10000 // 100}.{v % 100}")
     except Exception as exc:  # the line says what could not be read
         parts.append(f"cupy/NCCL: {type(exc).__name__}")
     try:
