@@ -121,7 +121,7 @@ def test_results_are_written_whole_from_the_latest_outputs(tmp_path, monkeypatch
     assert status == 1  # timeline failed
     assert "hand-written diary" not in text
     assert "old memory table" in text  # not run: carried over
-    assert "old checkpoint table" not in text and "new checkpoint at 4 ranks" in text
+    assert "old checkpoint table" not in text and "new checkpoint at 2 ranks" in text
     assert "Not measured yet: `rtxmpi bench timeline`." in text  # failed, never measured before
     assert "timeline" not in run_all.previous_blocks(text)
     titles = [line[3:] for line in text.splitlines() if line.startswith("## ")]
@@ -133,11 +133,12 @@ def test_results_are_written_whole_from_the_latest_outputs(tmp_path, monkeypatch
 def test_run_all_table_order_and_dry_run():
     run_all = load_run_all()
     names = [row[0] for row in run_all.BENCHES]
-    assert names[:7] == ["convergence", "collectives", "scaling", "peers", "fused", "memory", "checkpoint"]
+    assert names[:8] == ["convergence", "collectives", "scaling", "peers", "fused", "gpu_train",
+                         "memory", "checkpoint"]
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run_all.py"), "--dry-run",
                            "--only", "checkpoint,elastic"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.count("rtxmpi bench checkpoint -n") == 2
+    assert proc.stderr.count("rtxmpi bench checkpoint -n") == 1
 
 
 def test_one_run_section_folds_its_heading():

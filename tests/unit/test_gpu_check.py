@@ -42,7 +42,7 @@ def test_gpu_check_in_process_steps_run_on_the_device_stand_in(monkeypatch, tmp_
     devicesim.install(monkeypatch)
     gpu_check = _load_gpu_check()
     out = tmp_path / "gpu_check.json"
-    code = gpu_check.main(["--skip", "pytest,train,train_zero", "--bandwidth-mb", "4", "--small",
+    code = gpu_check.main(["--skip", "pytest,train,train_zero,layouts", "--bandwidth-mb", "4", "--small",
                            "--json", str(out)])
     report = json.loads(out.read_text())
     steps = report["steps"]
@@ -51,7 +51,8 @@ def test_gpu_check_in_process_steps_run_on_the_device_stand_in(monkeypatch, tmp_
     assert steps["nccl"]["pass"] is None and "NCCL binding is missing" in steps["nccl"]["detail"]
     assert steps["pytest"]["detail"] == "--skip"
     assert set(report["kernels"]) == {"grad_epilogue", "adamw", "bias_gelu_forward",
-                                      "bias_gelu_backward", "residual_layernorm"}
+                                      "bias_gelu_backward", "residual_layernorm",
+                                      "layernorm_backward", "softmax_forward", "softmax_backward"}
     assert code == (0 if steps["bandwidth"]["pass"] else 1) and report["pass"] == (code == 0)
 
 
@@ -67,7 +68,7 @@ def test_gpu_check_fails_steps_it_has_no_time_left_for(monkeypatch, tmp_path):
 
     devicesim.install(monkeypatch)
     out = tmp_path / "gpu_check.json"
-    code = _load_gpu_check().main(["--skip", "kernels,bandwidth,nccl,model,pytest,train",
+    code = _load_gpu_check().main(["--skip", "kernels,bandwidth,nccl,model,pytest,train,layouts",
                                    "--budget-s", "0", "--json", str(out)])
     step = json.loads(out.read_text())["steps"]["train_zero"]
     assert code == 1 and step["pass"] is False and "budget" in step["detail"]

@@ -15,7 +15,8 @@ from rtxmpi.errors import ConfigError
 
 
 def request(**fields):
-    body = {"version": 1, "id": 7, "ranks": 2, "deadline_unix": time.time() + 60, **fields}
+    # made when the tests are collected: a deadline far enough ahead for a long test session
+    body = {"version": 1, "id": 7, "ranks": 2, "deadline_unix": time.time() + 3600, **fields}
     return json.dumps(body).encode()
 
 
