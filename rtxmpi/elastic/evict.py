@@ -38,6 +38,16 @@ def _start_ticks(pid):
         return 0
 
 
+def _running(pid, start):
+    """True while process `pid` started at `start` ticks exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[19]) == start and fields[0] not in (b"Z", b"X")
+    except (OSError, IndexError, ValueError):
+        return False
+
+
 def _pid_namespace():
     try:
         return os.stat("/proc/self/ns/pid").st_ino
@@ -62,12 +72,23 @@ class Processes:
         comm.Allgather(mine, table)
         return cls(table, comm.Get_rank())
 
+    def subset(self, ranks, rank):
+        """The table of the communicator made of `ranks` of this one in that order (a shrink
+        keeps the survivors' order), seen from its rank `rank`. Local."""
+        return Processes(self.table[list(ranks)], rank)
+
     def same_node(self, rank):
         """True when `rank`'s process can be signalled from here (same node, same pid namespace,
         identity known)."""
         pid, start, ns, node = (int(v) for v in self.table[rank])
         _, _, my_ns, my_node = (int(v) for v in self.table[self.rank])
         return node == my_node and ns == my_ns != 0 and start != 0
+
+    def gone(self):
+        """True when the process of a rank on this node has ended (a zombie counts as ended).
+        Local; never raises."""
+        return any(self.same_node(r) and not _running(int(self.table[r, 0]), int(self.table[r, 1]))
+                   for r in range(len(self.table)) if r != self.rank)
 
     def kill(self, rank):
         """SIGKILL `rank`'s process if it is on this node and still exists. Returns "killed",

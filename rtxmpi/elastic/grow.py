@@ -54,22 +54,27 @@ def read_hosts(path):
     return ",".join(hosts) or None
 
 
-def spawn(world, count, info=None):
+def spawn(world, count, info=None, processes=None):
     """Start `count` processes of this program and merge them after the ranks of `world`.
 
     info: {key: value} MPI_Info hints for MPI_Comm_spawn, read on rank 0 only (e.g.
     {"PMIX_ADD_HOST": "node7:4"}). Returns the merged intracommunicator (errors returned, not
     fatal). Collective over `world`. Raises SpawnFailed on every rank when MPI_Comm_spawn fails
-    (also for a survivor that died during it: the next collective reports that one)."""
-    return spawn_merged(world.backend.comm, count, sys.argv, info)
+    (also for a survivor that died during it: the next collective reports that one).
+    processes: the world's rtxmpi.elastic.evict.Processes or None; a rank process of this node
+    that ends during the spawn counts as a failure (the spawn watchdog revokes the world). A rank
+    still blocked in the spawn or merge after world.timeout_s seconds exits with status 5
+    (rtxmpi.comm.dynamic)."""
+    return spawn_merged(world.backend.comm, count, sys.argv, info, timeout_s=world.timeout_s,
+                        peer_lost=None if processes is None else processes.gone)
 
 
 def join(timeout_s=None):
     """In a spawned process: start rtxmpi on the spawned processes, merge with the parent's ranks
     (after them) and make the merged communicator the world. Returns the world ProcessGroup.
     Collective over the spawned processes and the parent's `spawn`."""
-    init(timeout_s=timeout_s)
-    return replace_world(merge_with_parent())
+    world = init(timeout_s=timeout_s)
+    return replace_world(merge_with_parent(world.timeout_s))
 
 
 def agree_growth(world, full_size, old_size, state):

@@ -44,7 +44,7 @@ from .grow import SpawnFailed, agree_growth, hand_over, join, read_hosts, spawn,
 from .preempt import StopRequest
 from .shrink import exchange_pieces, exchange_replica, shrink_world
 
-PHASES = ("forward", "backward", "step", "save", "eval", "grow")
+PHASES = ("forward", "backward", "step", "save", "eval", "spawn", "grow")
 POLICIES = ("off", "shrink", "grow", "restart")
 
 
@@ -351,6 +351,16 @@ def _run(fn, args):
                 args.resume = True
 
 
+def _fault_at(phase):
+    """The launch's fault plan (RTXMPI_FAULT) at a growth phase ("spawn": survivors about to
+    call MPI_Comm_spawn; "grow": the merged world before the state handover), at the step of
+    the replica the survivors hold (-1: none). Local."""
+    if _config.faults is None:  # the launch's faults, in a launched process only
+        _config.faults = FaultPlan(launch_rank(), PHASES, spec="" if _config.joined else None)
+    state = _config.recovered
+    _config.faults.at(phase, -1 if state is None else state.step)
+
+
 def _try_spawn(group):
     """Survivors: spawn the ranks missing since the launch; keep the merged communicator for
     `_grow`. On SpawnFailed schedule the next attempt; rank 0 says so. Returns whether it
@@ -366,8 +376,9 @@ def _try_spawn(group):
             hosts = None
             print(f"elastic: {exc}; spawning without it", file=sys.stderr, flush=True)
         info = {"PMIX_ADD_HOST": hosts} if hosts else {}
+    _fault_at("spawn")
     try:
-        _config.merged = spawn(group, missing, info)
+        _config.merged = spawn(group, missing, info, _config.processes)
     except SpawnFailed as exc:
         _config.next_grow = time.monotonic() + _config.grow_retry_s
         lost = missing - joining
@@ -483,10 +494,7 @@ def _grow(args):
         group, _config.full_size or 0, old_size, state)
     if has_state and state is None:  # a new rank: hold nothing, but take part like a survivor
         _config.current = _Held(None, tensors=True)
-    if _config.faults is None:  # the launch's faults, in a launched process only
-        _config.faults = FaultPlan(launch_rank(), PHASES,
-                                   spec="" if _config.joined else None)
-    _config.faults.at("grow", -1 if state is None else state.step)
+    _fault_at("grow")
     _config.recovered = hand_over(group, state, saved_size) if has_state else None
     _config.current = _Held(_config.recovered)  # until the next attempt's Loop: what a failure hands over
     _config.grows.append((old_size, group.world_size))
@@ -615,7 +623,8 @@ def recover(group, failure, loop):
     if new.rank == 0 and processes is not None:  # for `rtxmpi run`: these will not report an exit
         for r in lost:
             exitreport.mark("evicted", pid=int(processes.table[r, 0]))
-    _config.processes = None
+    # the survivors' rows: a failure before the next attempt (during a spawn) can end a process too
+    _config.processes = None if processes is None else processes.subset(survivors, new.rank)
     _config.shrinks.append((old_size, new.world_size))
     _config.resizes.append((old_size, new.world_size))
     if _config.full_size is None:

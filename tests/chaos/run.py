@@ -30,6 +30,12 @@ RTXMPI_FAULT (rtxmpi/elastic/fault.py) at a random step, phase, delay and victim
            must finish back at 4 ranks, every step once, from memory (no checkpoint reloaded),
            with the losses and final state bitwise those of the run that lost no rank.
            Not in the CI set either: --kinds grow.
+  spawn    as grow, and a survivor is SIGKILLed in the spawn phase (0-1 s in: before
+           MPI_Comm_spawn, inside it or in the merge after it): no hang; the job finishes at 4
+           ranks, or the spawn watchdog (exit 5) or a crash of the launcher ends it and a
+           relaunch with --resume (as `rtxmpi run` does) finishes it; either way every step once
+           and the final state bitwise the run that lost no rank.
+           Not in the CI set: --kinds spawn.
   join     a 2-rank --elastic grow job is asked (rtxmpi.elastic.admit, as `rtxmpi join` does) for
            1 or 2 more ranks during a stall of rank 0 at a random step; in a third of the
            scenarios a member is killed while the state is handed to the new ranks, in another
@@ -63,7 +69,7 @@ ARGS = ["--model", "tiny", "--global-batch", "12", "--seq-len", "32", "--eval-ev
         "--eval-batches", "1", "--sample-tokens", "0", "--no-progress", "--steps", str(STEPS),
         "--ckpt-every", str(CKPT_EVERY)]
 KINDS = ("shrink", "sigterm", "stuck", "restart", "crash", "shrink2", "hybrid", "stopped", "grow",
-         "join")
+         "join", "spawn")
 RECOVERABLE = ["--prtemca", "state_base_recoverable", "1"]  # the replacements' job (docs/elastic.md)
 HYBRID = (["--tp", "2", "--dp", "2"], ["--pp", "2", "--dp", "2", "--micro-batches", "2"],
           ["--pp", "2", "--tp", "2", "--micro-batches", "2"])
@@ -160,7 +166,7 @@ def same_run(folder, reference):
 
 def scenario(kind, rng, folder):
     """Run one scenario; returns (description, None when it passed else what went wrong)."""
-    victim = rng.randrange(4 if kind in ("shrink", "stuck", "hybrid", "stopped", "grow") else 2)
+    victim = rng.randrange(4 if kind in ("shrink", "stuck", "hybrid", "stopped", "grow", "spawn") else 2)
     step = rng.randrange(2, STEPS - 1)
     phase = rng.choice(["forward", "backward", "save"]) if kind != "stuck" else rng.choice(
         ["forward", "backward"])
@@ -283,7 +289,37 @@ def scenario(kind, rng, folder):
         return fault, check_final(folder, 4) or same_run(folder, grow_reference(folder.parent))
     if kind == "join":
         return join_scenario(rng, folder)
+    if kind == "spawn":
+        return spawn_scenario(rng, folder, victim, step, phase, delay)
     raise ValueError(kind)
+
+
+def spawn_scenario(rng, folder, victim, step, phase, delay):
+    """The `spawn` kind (module doc). Returns (description, None or what went wrong)."""
+    other = rng.choice([r for r in range(4) if r != victim])
+    applied = step if phase == "save" else step - 1  # the replica's step, or the one after it
+    at = round(rng.uniform(0, 1.0), 3)  # before the spawn call, inside it, or in the merge
+    fault = (f"kill:{victim}:{step}:{phase}:{delay},kill:{other}:{applied}:spawn:{at},"
+             f"kill:{other}:{applied + 1}:spawn:{at}")
+    argv = train_argv(folder, 4, "--deterministic", "--elastic", "grow", ulfm=True, prte=RECOVERABLE)
+    done, t = run(argv, RTXMPI_FAULT=fault)
+    if done.returncode == 124:
+        return fault, "hung (outer timeout)"
+    if "phase spawn" not in done.stderr:
+        fault += " (the second kill did not land: a plain replace)"
+    if check_final(folder, 4) is not None:  # ended early: by the spawn watchdog or the launcher
+        watchdog = "leaves the job (exit 5)" in done.stderr
+        if not (watchdog or done.returncode < 0 or done.returncode > 128):
+            return fault, f"exit {done.returncode}: {done.stderr[-600:]}"
+        fault += (" (ended by the spawn watchdog" if watchdog else
+                  f" (the launcher ended on signal {abs(done.returncode) % 128}") + \
+            "; relaunched with --resume)"
+        done, t = run(argv + ["--resume"])
+        if done.returncode == 124:
+            return fault, "the relaunch hung (outer timeout)"
+    elif done.returncode != 0:
+        fault += f" (launcher exit {done.returncode} after every rank finished)"
+    return fault, check_final(folder, 4) or same_run(folder, grow_reference(folder.parent))
 
 
 def join_scenario(rng, folder):

@@ -246,6 +246,31 @@ def test_join_from_a_second_step_grows_mpiexec_ranks_into_the_allocation(cluster
     assert load_checkpoint(None, ckpt, 12).world_size_saved == 4
 
 
+def test_a_lost_rank_is_replaced_on_a_free_slot_of_the_allocation(cluster, tmp_path):
+    """sbatch -n 4 (--overcommit): mpiexec starts 3 ranks under --elastic grow; launch rank 2 is
+    SIGKILLed in step 5; the survivors shrink and spawn its replacement on the allocation's
+    free slot (a lost rank's slot is not given back), and the job finishes every step at 3 ranks."""
+    ckpt, metrics, out = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "out"
+    args = [*ARGS, "--steps", "10", "--ckpt-every", "4"]
+    env = launch_env(**cluster.env, OPAL_PREFIX=BIN.parent, PMIX_MCA_psec="native",
+                     RTXMPI_CACHE_DIR=tmp_path.parent / "cache", RTXMPI_TIMEOUT_S=30,
+                     RTXMPI_FAULT="kill:2:5:backward:0.002",
+                     PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    wrap = (f"{MPIEXEC} {' '.join(ULFM_RECOVERABLE)} -n 3 --mca mpi_yield_when_idle 1 "
+            f"--bind-to none {sys.executable} {REPO / 'examples' / 'train.py'} {' '.join(args)} "
+            f"--ckpt-dir {ckpt} --metrics-jsonl {metrics} --elastic grow; echo train.py exit $?")
+    job_id = cluster.run(["sbatch", "--parsable", "-n", "4", "--overcommit", "-o", str(out),
+                          "-D", str(REPO), "--wrap", wrap], env=env).stdout.strip()
+    info = cluster.wait_job(job_id, DONE, 90)
+    text = out.read_text(errors="replace")
+    assert info["JobState"] == "COMPLETED" and "train.py exit 0" in text, text[-4000:]
+    assert "shrank the world 3 -> 2 ranks" in text and "grew the world 2 -> 3 ranks" in text, text[-4000:]
+    got = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in got] == list(range(1, 11))
+    assert {r["world_size"] for r in got} == {3}
+    assert load_checkpoint(None, ckpt, 10).world_size_saved == 3
+
+
 def test_a_second_cluster_runs_beside_it_and_repicks_a_port_taken_meanwhile(cluster, monkeypatch):
     """Two clusters on one machine (two checkouts' test runs): the second is handed the first's
     slurmd port as if another process took it between the pick and the bind; its slurmd cannot
