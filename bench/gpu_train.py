@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 import numpy as np
 
@@ -72,7 +73,10 @@ def _batch(args, cfg):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def worker_rtxmpi(args, cfg):
+def rtxmpi_training(args, cfg):
+    """rtxmpi's GPT on cupy with AdamW. Returns (model, optimizer, hooks, step): step() runs
+    forward, backward, the global-norm clip (hooks.clip, rtxmpi.nn.clip_grad_norm), AdamW and
+    zero_grad on a fixed batch."""
     import cupy as cp
 
     from rtxmpi.nn import GPT, AdamW, clip_grad_norm, decay_mask
@@ -80,14 +84,22 @@ def worker_rtxmpi(args, cfg):
     model = GPT(cfg, seed=0, xp=cp)
     opt = AdamW(model.flat_data, lr=3e-4, weight_decay=0.1, decay_mask=decay_mask(model.params))
     x, y = _batch(args, cfg)
+    hooks = types.SimpleNamespace(clip=clip_grad_norm)
 
     def step():
         _, cache = model.forward(x, y)
         model.backward(cache)
-        clip_grad_norm(model.flat_grad, 1.0)
+        hooks.clip(model.flat_grad, 1.0)
         opt.step(model.flat_grad)
         model.zero_grad()
 
+    return model, opt, hooks, step
+
+
+def worker_rtxmpi(args, cfg):
+    import cupy as cp
+
+    step = rtxmpi_training(args, cfg)[3]
     seconds = _timed(step, cp.cuda.Device().synchronize, args.warmup, args.steps)
     return seconds, cp.get_default_memory_pool().total_bytes()
 
@@ -122,13 +134,14 @@ def breakdown(args, cfg):
 
     from _common import markdown_table
     from rtxmpi import kernels
-    from rtxmpi.nn import GPT, AdamW, clip_grad_norm, decay_mask, layers
+    from rtxmpi.nn import layers
 
     sync = cp.cuda.Device().synchronize
-    own, calls, stack = {}, {}, []
+    own, calls, stack, wrapped = {}, {}, [], []
 
     def wrap(owner, name, label):
         fn = getattr(owner, name)
+        wrapped.append((owner, name, fn))
 
         def timed(*a, **k):
             sync()
@@ -144,20 +157,8 @@ def breakdown(args, cfg):
                 if stack:
                     stack[-1] += dt
         setattr(owner, name, timed)
-        return fn
 
-    model = GPT(cfg, seed=0, xp=cp)
-    opt = AdamW(model.flat_data, lr=3e-4, weight_decay=0.1, decay_mask=decay_mask(model.params))
-    x, y = _batch(args, cfg)
-    clip = clip_grad_norm
-
-    def step():
-        _, cache = model.forward(x, y)
-        model.backward(cache)
-        clip(model.flat_grad, 1.0)
-        opt.step(model.flat_grad)
-        model.zero_grad()
-
+    model, opt, hooks, step = rtxmpi_training(args, cfg)
     plain = _timed(step, sync, args.warmup, args.steps)
     for module in (layers, kernels):
         for name, fn in list(vars(module).items()):
@@ -166,20 +167,12 @@ def breakdown(args, cfg):
                 wrap(module, name, f"{module.__name__.rsplit('.', 1)[-1]}.{name}")
     wrap(opt, "step", "AdamW.step")
     wrap(model, "zero_grad", "zero_grad")
-    clip_fn = clip
-
-    def clip(*a, **k):  # noqa: F811 - the timed clip_grad_norm
-        stack.append(0.0)
-        sync()
-        t0 = time.perf_counter()
-        try:
-            return clip_fn(*a, **k)
-        finally:
-            sync()
-            dt = time.perf_counter() - t0
-            own["clip_grad_norm"] = own.get("clip_grad_norm", 0.0) + dt - stack.pop()
-            calls["clip_grad_norm"] = calls.get("clip_grad_norm", 0) + 1
-    measured = _timed(step, sync, 1, args.steps)
+    wrap(hooks, "clip", "clip_grad_norm")
+    try:
+        measured = _timed(step, sync, 1, args.steps)
+    finally:
+        for owner, name, fn in wrapped:
+            setattr(owner, name, fn)
     n = args.steps + 1
     rows = sorted(own.items(), key=lambda kv: -kv[1])
     total = sum(own.values()) / n
