@@ -49,7 +49,9 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+from _common import mpi_job  # noqa: E402
 from rtxmpi import kernels  # noqa: E402
 from rtxmpi.backend import cupy_module  # noqa: E402
 from rtxmpi.comm.nccl import nccl_module  # noqa: E402
@@ -361,12 +363,7 @@ def train_rows(device, flags, timeout_s, ranks=1):
         argv = ["examples/train.py", "--device", device, "--eval-every", "0",
                 "--eval-batches", "1", "--sample-tokens", "0", "--no-progress",
                 "--metrics-jsonl", metrics] + [f.replace("{tmp}", tmp) for f in flags]
-        cmd, env = [sys.executable] + argv, None
-        if ranks > 1:
-            sys.path.insert(0, os.path.join(ROOT, "bench"))
-            from _common import mpi_job
-
-            cmd, env = mpi_job(ranks, argv)
+        cmd, env = ([sys.executable] + argv, None) if ranks == 1 else mpi_job(ranks, argv)
         result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                                 timeout=timeout_s)
         rows = []
@@ -404,7 +401,7 @@ ZERO_RUNS = (
 ZERO_BASE = ["--model", "tiny", "--seq-len", "64", "--global-batch", "8"]
 
 
-# two ranks on one GPU: (name, flags) run on cupy and on the CPU by check_zero_runs(ranks=2)
+# two ranks on one GPU: (name, flags) run on cupy and on the CPU by check_against_cpu(ranks=2)
 LAYOUT_RUNS = (
     ("dp", ["--steps", "4"]),
     ("zero1", ["--zero-stage", "1", "--steps", "4"]),
@@ -415,7 +412,7 @@ LAYOUT_RUNS = (
 )
 
 
-def check_zero_runs(timeout_s, runs=ZERO_RUNS, ranks=1):
+def check_against_cpu(timeout_s, runs=ZERO_RUNS, ranks=1):
     """Each run of `runs` on cupy and on the CPU (`ranks` processes); returns (failures,
     {name: losses}). timeout_s() -> seconds allowed for the next run."""
     failures, table = [], {}
@@ -570,7 +567,7 @@ def main(argv=None):
         return gpu / cpu >= 20, f"{gpu:.0f} vs {cpu:.0f} tokens/s on the CPU: {gpu / cpu:.1f}x (target 20x)"
 
     def do_train_zero():
-        failures, table = check_zero_runs(timeout_s=lambda: left(90))
+        failures, table = check_against_cpu(timeout_s=lambda: left(90))
         report["train_zero"] = table
         for name, losses in table.items():
             print(f"  {name}: loss {losses['cuda']:.6f} on cupy, {losses['cpu']:.6f} on the CPU")
@@ -582,7 +579,7 @@ def main(argv=None):
 
         if shutil.which("mpiexec") is None:
             return None, "no mpiexec on PATH: two-rank layouts not checked"
-        failures, table = check_zero_runs(timeout_s=lambda: left(90), runs=LAYOUT_RUNS, ranks=2)
+        failures, table = check_against_cpu(timeout_s=lambda: left(90), runs=LAYOUT_RUNS, ranks=2)
         report["layouts"] = table
         for name, losses in table.items():
             print(f"  2 ranks, {name}: loss {losses['cuda']:.6f} on cupy, {losses['cpu']:.6f} on "

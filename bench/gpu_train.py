@@ -254,6 +254,14 @@ def gpu_line():
     return "GPU: " + "; ".join(parts)
 
 
+def _run(cmd, timeout_s):
+    """The finished subprocess `cmd` (output captured); RuntimeError past `timeout_s` seconds."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"no result within --timeout-s {timeout_s:g} s") from None
+
+
 def run_worker(args, shape, framework):
     """(step seconds, peak bytes or None) of one row, or raises RuntimeError with the cause."""
     if framework == "train.py":
@@ -261,10 +269,7 @@ def run_worker(args, shape, framework):
     cmd = [sys.executable, __file__, "--worker", framework, "--shapes", shape, "--batch",
            str(args.batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
            "--warmup", str(args.warmup)]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"no result within --timeout-s {args.timeout_s:g} s") from None
+    out = _run(cmd, args.timeout_s)
     line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
     if out.returncode != 0 or line is None:
         raise RuntimeError(f"exit {out.returncode}: {(out.stdout + out.stderr).strip()[-600:]}")
@@ -280,10 +285,7 @@ def run_train_py(args, shape):
                "--model", shape, "--seq-len", str(args.seq_len), "--global-batch", str(args.batch),
                "--steps", str(args.warmup + args.steps), "--eval-every", "0", "--eval-batches", "1",
                "--sample-tokens", "0", "--no-progress", "--metrics-jsonl", metrics]
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"no result within --timeout-s {args.timeout_s:g} s") from None
+        out = _run(cmd, args.timeout_s)
         rows = []
         if os.path.exists(metrics):
             with open(metrics) as f:

@@ -142,7 +142,7 @@ def mesh_worker(args, world, corpus, cfg):
             "ranks": world.world_size, "stage": args.stage, "params": model.full_num_params,
             "layer_bytes": largest_layer_bytes(model),
             "gathered_peak_bytes": getattr(getattr(engine, "provider", None), "peak_bytes", None),
-            "device_peak_bytes": [0],  # --device cuda measures plain DP and ZeRO only
+            "device_peak_bytes": [0],  # on the CPU only (main() refuses --device cuda here)
             "per_rank": [r.as_dict() for r in reports]}), flush=True)
 
 
@@ -265,6 +265,8 @@ def main():
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.device == "cuda" and args.tp * args.sp > 1:
+        p.error("--device cuda measures DataParallel and ZeRO (--tp 1 --sp 1)")
     if args.worker:
         return worker(args)
     if args.recompute:

@@ -107,7 +107,8 @@ def copy_to_host(x, out):
 
 def device_identity(local_rank):
     """(host name, PCI bus id) of the GPU select_device(local_rank) binds, or None without a
-    GPU: ranks with equal identities share one GPU (CUDA_VISIBLE_DEVICES taken into account)."""
+    GPU: ranks with equal identities share one GPU (CUDA_VISIBLE_DEVICES taken into account).
+    Local."""
     n = gpu_count()
     if n == 0:
         return None

@@ -26,7 +26,7 @@ import time
 from mpi4py import MPI
 
 from ..errors import SpawnFailed
-from .failure import failed_ranks, revoke
+from .failure import any_failed, revoke
 
 EXIT_SPAWN_STUCK = 5  # this process left the job: MPI_Comm_spawn or its merge blocked past the deadline
 
@@ -100,7 +100,7 @@ class _SpawnWatchdog(threading.Thread):
         deadline, revoked = time.monotonic() + self.timeout_s, False
         while not self.done.wait(self.poll_s):
             comms = [c for c in (self.comm, self.inter) if c is not None]
-            if not revoked and (self.peer_lost() or any(failed_ranks(c) for c in comms)):
+            if not revoked and (self.peer_lost() or any(any_failed(c) for c in comms)):
                 revoke(comms)
                 revoked = True
             if time.monotonic() > deadline and not self.done.is_set():

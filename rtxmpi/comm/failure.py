@@ -63,6 +63,19 @@ def failed_ranks(comm):
         failed.Free()
 
 
+def any_failed(comm):
+    """True when ULFM reports a failed process of `comm` (of either group of an
+    intercommunicator); False without ULFM or when none is known. Local."""
+    try:
+        failed = comm.Get_failed()
+    except (AttributeError, NotImplementedError, MPI.Exception):
+        return False
+    try:
+        return failed.Get_size() > 0
+    finally:
+        failed.Free()
+
+
 MPIError = MPI.Exception  # what an MPI call raises under MPI_ERRORS_RETURN (ULFM's failures too)
 
 

@@ -28,24 +28,27 @@ from ..comm.node import node_ranks
 FIELDS = ("pid", "start_ticks", "pid_ns", "node")
 
 
-def _start_ticks(pid):
-    """The process's start time since boot in clock ticks (/proc/PID/stat field 22), else 0."""
+def _stat(pid):
+    """(state, start time since boot in clock ticks) of process `pid` from /proc/PID/stat
+    (fields 3 and 22), or None when it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()  # the name in ( ) may hold spaces
-        return int(fields[19])
+        return fields[0], int(fields[19])
     except (OSError, IndexError, ValueError):
-        return 0
+        return None
+
+
+def _start_ticks(pid):
+    """The process's start time since boot in clock ticks, else 0."""
+    stat = _stat(pid)
+    return 0 if stat is None else stat[1]
 
 
 def _running(pid, start):
     """True while process `pid` started at `start` ticks exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[19]) == start and fields[0] not in (b"Z", b"X")
-    except (OSError, IndexError, ValueError):
-        return False
+    stat = _stat(pid)
+    return stat is not None and stat[1] == start and stat[0] not in (b"Z", b"X")
 
 
 def _pid_namespace():

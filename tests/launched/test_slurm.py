@@ -216,56 +216,53 @@ def test_srun_ranks_match_slurm_and_singletons_are_refused(cluster, tmp_path):
     assert "Slurm started 2 tasks but MPI sees a world of 1" in text
 
 
-def test_join_from_a_second_step_grows_mpiexec_ranks_into_the_allocation(cluster, tmp_path):
-    """sbatch -n 4 (--overcommit: the test node may have one CPU): mpiexec takes 4 slots from
-    Slurm and starts 2 ranks; once step 3 is logged `srun -n 1 --overlap rtxmpi join -n 2` asks
-    for 2 more while rank 0 stalls in step 4, and the job grows to 4 ranks without
-    --oversubscribe and finishes every step."""
+def grow_job(cluster, tmp_path, ranks, steps, fault, after=""):
+    """sbatch -n 4 --overcommit (the test node may have one CPU) of a script that runs
+    examples/train.py under mpiexec -n RANKS --elastic grow (mpiexec takes its slots from
+    Slurm) with RTXMPI_FAULT=`fault`, in the background, then the shell text `after` (which may
+    use $pid), then waits for it. Returns (the job's scontrol record, its output, the metrics
+    records, the checkpoint directory)."""
     ckpt, metrics, out = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "out"
-    args = [*ARGS, "--steps", "12", "--ckpt-every", "4"]
+    args = [*ARGS, "--steps", str(steps), "--ckpt-every", "4"]
     env = launch_env(**cluster.env, OPAL_PREFIX=BIN.parent, PMIX_MCA_psec="native",
                      RTXMPI_CACHE_DIR=tmp_path.parent / "cache", RTXMPI_TIMEOUT_S=30,
-                     RTXMPI_FAULT="stall:0:4:forward:5",
-                     PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    wrap = (f"{MPIEXEC} {' '.join(ULFM_RECOVERABLE)} -n 2 --mca mpi_yield_when_idle 1 "
+                     RTXMPI_FAULT=fault, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    wrap = (f"{MPIEXEC} {' '.join(ULFM_RECOVERABLE)} -n {ranks} --mca mpi_yield_when_idle 1 "
             f"--bind-to none {sys.executable} {REPO / 'examples' / 'train.py'} {' '.join(args)} "
             f"--ckpt-dir {ckpt} --metrics-jsonl {metrics} --elastic grow & pid=$!; "
-            f"until grep -qs '\"step\": 3' {metrics} || ! kill -0 $pid; do sleep 0.1; done; "
-            f"srun -n 1 --overlap {BIN / 'rtxmpi'} join --job {ckpt} -n 2 --timeout-s 60; "
-            f"echo join exit $?; wait $pid; echo train.py exit $?")
+            f"{after.format(metrics=metrics, ckpt=ckpt)} wait $pid; echo train.py exit $?")
     job_id = cluster.run(["sbatch", "--parsable", "-n", "4", "--overcommit", "-o", str(out),
                           "-D", str(REPO), "--wrap", wrap], env=env).stdout.strip()
     info = cluster.wait_job(job_id, DONE, 90)
     text = out.read_text(errors="replace")
+    got = ([json.loads(line) for line in metrics.read_text().splitlines()]
+           if metrics.exists() else [])
+    return info, text, got, ckpt
+
+
+def test_join_from_a_second_step_grows_mpiexec_ranks_into_the_allocation(cluster, tmp_path):
+    """mpiexec takes 4 slots from Slurm and starts 2 ranks; once step 3 is logged
+    `srun -n 1 --overlap rtxmpi join -n 2` asks for 2 more while rank 0 stalls in step 4, and
+    the job grows to 4 ranks without --oversubscribe and finishes every step."""
+    after = ("until grep -qs '\"step\": 3' {metrics} || ! kill -0 $pid; do sleep 0.1; done; "
+             f"srun -n 1 --overlap {BIN / 'rtxmpi'} join --job {{ckpt}} -n 2 --timeout-s 60; "
+             "echo join exit $?;")
+    info, text, got, ckpt = grow_job(cluster, tmp_path, 2, 12, "stall:0:4:forward:5", after)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-4000:]
     assert "join exit 0" in text and "train.py exit 0" in text, text[-4000:]
     assert "rtxmpi join: admitted 2 ranks: the world grew 2 -> 4 ranks" in text, text[-4000:]
-    got = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in got] == list(range(1, 13))
     assert [r["world_size"] for r in got] == [2] * 4 + [4] * 8
     assert load_checkpoint(None, ckpt, 12).world_size_saved == 4
 
 
 def test_a_lost_rank_is_replaced_on_a_free_slot_of_the_allocation(cluster, tmp_path):
-    """sbatch -n 4 (--overcommit): mpiexec starts 3 ranks under --elastic grow; launch rank 2 is
-    SIGKILLed in step 5; the survivors shrink and spawn its replacement on the allocation's
-    free slot (a lost rank's slot is not given back), and the job finishes every step at 3 ranks."""
-    ckpt, metrics, out = tmp_path / "ckpt", tmp_path / "m.jsonl", tmp_path / "out"
-    args = [*ARGS, "--steps", "10", "--ckpt-every", "4"]
-    env = launch_env(**cluster.env, OPAL_PREFIX=BIN.parent, PMIX_MCA_psec="native",
-                     RTXMPI_CACHE_DIR=tmp_path.parent / "cache", RTXMPI_TIMEOUT_S=30,
-                     RTXMPI_FAULT="kill:2:5:backward:0.002",
-                     PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    wrap = (f"{MPIEXEC} {' '.join(ULFM_RECOVERABLE)} -n 3 --mca mpi_yield_when_idle 1 "
-            f"--bind-to none {sys.executable} {REPO / 'examples' / 'train.py'} {' '.join(args)} "
-            f"--ckpt-dir {ckpt} --metrics-jsonl {metrics} --elastic grow; echo train.py exit $?")
-    job_id = cluster.run(["sbatch", "--parsable", "-n", "4", "--overcommit", "-o", str(out),
-                          "-D", str(REPO), "--wrap", wrap], env=env).stdout.strip()
-    info = cluster.wait_job(job_id, DONE, 90)
-    text = out.read_text(errors="replace")
+    """mpiexec starts 3 ranks in a 4-task allocation; launch rank 2 is SIGKILLed in step 5; the
+    survivors shrink and spawn its replacement on the allocation's free slot (a lost rank's slot
+    is not given back), and the job finishes every step at 3 ranks."""
+    info, text, got, ckpt = grow_job(cluster, tmp_path, 3, 10, "kill:2:5:backward:0.002")
     assert info["JobState"] == "COMPLETED" and "train.py exit 0" in text, text[-4000:]
     assert "shrank the world 3 -> 2 ranks" in text and "grew the world 2 -> 3 ranks" in text, text[-4000:]
-    got = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in got] == list(range(1, 11))
     assert {r["world_size"] for r in got} == {3}
     assert load_checkpoint(None, ckpt, 10).world_size_saved == 3
