@@ -31,9 +31,24 @@ phase() {  # phase NAME COMMAND...: run it, print its duration and verdict
   summary+=("$(printf '%-40s %-6s %5d s' "$name" "$verdict" "$took")")
 }
 
+mpi_tests() {  # mpi_tests N ARGS...: tests/mpi on N ranks, launched again (3 times in all) when
+  # Open MPI failed before starting any rank (its PMIx server could not open its listening socket)
+  local n=$1 attempt rc errors
+  shift
+  errors=$(mktemp "$RTXMPI_TEST_LOG_DIR/mpiexec-stderr.XXXXXX") || return 1
+  for attempt in 1 2 3; do
+    timeout 900 $MPIEXEC -n "$n" python tests/mpi_pytest.py -q --color=no tests/mpi "$@" 2>"$errors"
+    rc=$?
+    cat "$errors" >&2
+    [ $rc != 0 ] && grep -q "PMIx server's listener thread failed to start" "$errors" || return $rc
+    echo "== Open MPI did not start the job (attempt $attempt); launching it again"
+  done
+  return $rc
+}
+
 phase "one-process tests and launched-job tests" python -m pytest -q --color=no --durations=15 tests/unit tests/launched "$@"
 for n in 1 2 4; do
-  phase "MPI tests at -n $n" timeout 900 $MPIEXEC -n "$n" python tests/mpi_pytest.py -q --color=no tests/mpi "$@"
+  phase "MPI tests at -n $n" mpi_tests "$n" "$@"
 done
 echo "== summary"
 printf '%s\n' "${summary[@]}"

@@ -62,8 +62,23 @@ def launch_env(**extra):
     return env
 
 
+# Open MPI's launcher now and then fails before it starts any process (its PMIx server could not
+# open its listening socket): nothing of the job ran, so the same command is launched again
+LAUNCHER_NOT_STARTED = "The PMIx server's listener thread failed to start"
+LAUNCH_ATTEMPTS = 3
+
+
 def run_command(argv, *, outer_timeout_s, env=None, cwd=None):
-    """Run `argv` under `timeout` with a hard deadline; never hangs. Returns a Launch."""
+    """Run `argv` under `timeout` with a hard deadline; never hangs. Returns a Launch. A launch that
+    Open MPI could not start (LAUNCHER_NOT_STARTED) is retried, LAUNCH_ATTEMPTS times in all."""
+    for _ in range(LAUNCH_ATTEMPTS):
+        launch = _run_once(argv, outer_timeout_s=outer_timeout_s, env=env, cwd=cwd)
+        if launch.returncode == 0 or LAUNCHER_NOT_STARTED not in launch.stderr:
+            break
+    return launch
+
+
+def _run_once(argv, *, outer_timeout_s, env, cwd):
     command = ["timeout", "--kill-after=5", str(outer_timeout_s)] + [str(a) for a in argv]
     start = time.monotonic()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
