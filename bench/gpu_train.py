@@ -368,9 +368,10 @@ def main():
           f"median of {args.steps} steps after {args.warmup}; MFU over {args.peak_tflops:g} TFLOP/s\n")
     print(markdown_table(["shape", "framework", "tokens/s", "step ms", "peak device MiB", "MFU",
                           "vs torch eager"], table))
+    chosen = "" if args.frameworks == ",".join(FRAMEWORKS) else f" --frameworks {args.frameworks}"
     print(f"\n{gpu_line()}\n\nmachine: {machine_line(machine_info())}\n\ncommand: `python "
-          f"bench/gpu_train.py --shapes {args.shapes} --batch {args.batch} --seq-len "
-          f"{args.seq_len} --steps {args.steps}`")
+          f"bench/gpu_train.py --shapes {args.shapes}{chosen} --batch {args.batch} --seq-len "
+          f"{args.seq_len} --steps {args.steps} --warmup {args.warmup}`")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": results, "batch": args.batch, "seq_len": args.seq_len}, f, indent=2)
