@@ -17,7 +17,9 @@ the run (the same tokens on both: the same steps of the same global batch).
 Compute rate: model FLOPs per step over the step time, per rank, against the machine's float32
 matmul rate at one thread, numpy's and torch's, measured in this run on the model's weight
 matmuls (forward shapes at the per-rank batch, each layer's count; best of 6, the two libraries
-alternating). FLOPs per token = 6 N + 12 L T C with N = 12 L C^2 + V C, the weights of the
+alternating). The matrix floor: numpy's time for all of one step's matrix products on one rank
+(`step_matmuls`: the linears' forward and both gradients, attention's six batched products on
+strided head views), the least time rtxmpi's step can take. FLOPs per token = 6 N + 12 L T C with N = 12 L C^2 + V C, the weights of the
 matmuls (the tied head included, embeddings lookups and biases not), and attention over the full
 T x T (PaLM's count, Chowdhery et al. 2022, appendix B).
 
@@ -63,9 +65,38 @@ def matmul_shapes(cfg, rows):
             (rows, C, V, 1)]
 
 
+def step_matmuls(cfg, rows, np):
+    """The matrix products of one training step on `rows` = local batch x T rows, as
+    rtxmpi.nn.layers makes them (numpy, float32): [(callable, calls per step)]. Per linear layer
+    y = x @ w, dx = dy @ w.T, dw = x.T @ dy; per block attention's six batched products on the
+    (B, H, T, hs) views of the (B, T, 3C) qkv activations, written into views where layers does."""
+    rng = np.random.default_rng(0)
+    f32 = np.float32
+    products = []
+    for m, k, n, count in matmul_shapes(cfg, rows):
+        x, w = rng.standard_normal((m, k), f32), rng.standard_normal((k, n), f32)
+        dy = rng.standard_normal((m, n), f32)
+        products += [(lambda x=x, w=w: x @ w, count), (lambda dy=dy, w=w: dy @ w.T, count),
+                     (lambda x=x, dy=dy: x.T @ dy, count)]
+    B, T, H = rows // cfg.seq_len, cfg.seq_len, cfg.n_head
+    hs = cfg.n_embd // H
+    qkv = rng.standard_normal((B, T, 3, H, hs), f32).transpose(2, 0, 3, 1, 4)
+    q, k, v = qkv[0].copy(), qkv[1], qkv[2]  # q: the scaled copy attention_core_forward makes
+    att = rng.standard_normal((B, H, T, T), f32)
+    dyh = rng.standard_normal((B, T, H, hs), f32).transpose(0, 2, 1, 3)
+    out = np.empty((B, T, 3, H, hs), f32).transpose(2, 0, 3, 1, 4)
+    for product in (lambda: q @ k.swapaxes(-1, -2), lambda: np.matmul(att, v, out=out[0]),
+                    lambda: np.matmul(att.swapaxes(-1, -2), dyh, out=out[2]),
+                    lambda: dyh @ v.swapaxes(-1, -2), lambda: np.matmul(att, k, out=out[0]),
+                    lambda: np.matmul(att.swapaxes(-1, -2), q, out=out[1])):
+        products.append((product, cfg.n_layer))
+    return products
+
+
 # ------------------------------------------------------------------------------ workers
 def sgemm_worker(args):
-    """Print the float32 matmul rate (GFLOP/s) of numpy and torch on `matmul_shapes`, one thread."""
+    """Print the float32 matmul rate (GFLOP/s) of numpy and torch on `matmul_shapes`, one thread,
+    and numpy's time for the products of a whole step (`step_matmuls`, median of 7 each, seconds)."""
     import numpy as np
     import torch
 
@@ -92,7 +123,17 @@ def sgemm_worker(args):
         for name in calls:
             flops[name] += count * 2.0 * m * k * n
             seconds[name] += count * best[name]
-    print("RESULT " + json.dumps({name: flops[name] / seconds[name] / 1e9 for name in flops}), flush=True)
+    rates = {name: flops[name] / seconds[name] / 1e9 for name in flops}
+    floor_s = 0.0
+    for product, count in step_matmuls(cfg, args.rows, np):
+        product()
+        seconds = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            product()
+            seconds.append(time.perf_counter() - t0)
+        floor_s += count * statistics.median(seconds)
+    print("RESULT " + json.dumps({**rates, "numpy_step_matmuls_s": floor_s}), flush=True)
 
 
 def torch_worker(args):
@@ -286,17 +327,21 @@ def report(rows, args, info, elapsed_s):
         rates.append([row["model"], row["ranks"], fmt(row["flops_per_step"] / 1e9, 1), fmt(sgemm["numpy"], 1),
                       fmt(sgemm["torch"], 1), fmt(ours["gflops_per_rank"], 1),
                       fmt(ours["gflops_per_rank"] / sgemm["numpy"]), fmt(peer["gflops_per_rank"], 1),
-                      fmt(peer["gflops_per_rank"] / sgemm["torch"])])
+                      fmt(peer["gflops_per_rank"] / sgemm["torch"]),
+                      fmt(sgemm["numpy_step_matmuls_s"] * 1e3, 1),
+                      fmt(sgemm["numpy_step_matmuls_s"] / peer["step_s"])])
         row["summary"] = s
     print(markdown_table(["model", "ranks", "rtxmpi step (ms)", "torch step (ms)", "rtxmpi/torch step time",
                           "each round's ratio", "rtxmpi tokens/s", "torch tokens/s",
                           "step-1 loss rtxmpi / torch", "val loss rtxmpi / torch"], table))
     print("\nCompute rate: model FLOPs per step (6 N + 12 L T C a token) / step time / ranks, against "
           "one thread's float32 matmul on the model's weight shapes at the per-rank batch, measured "
-          "in this run.\n")
+          "in this run. Matrix floor: numpy's time for every matrix product of one step on one "
+          "rank, at the shapes and strides rtxmpi uses (median of 7 each); over torch's step time it "
+          "is the shortest rtxmpi/torch step time that numpy's BLAS allows.\n")
     print(markdown_table(["model", "ranks", "GFLOP/step", "numpy sgemm GFLOP/s", "torch sgemm GFLOP/s",
                           "rtxmpi GFLOP/s/rank", "rtxmpi / numpy sgemm", "torch GFLOP/s/rank",
-                          "torch / torch sgemm"], rates))
+                          "torch / torch sgemm", "matrix floor (ms)", "floor / torch step"], rates))
 
 
 def parse_args(argv=None):
