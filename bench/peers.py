@@ -17,11 +17,12 @@ the run (the same tokens on both: the same steps of the same global batch).
 Compute rate: model FLOPs per step over the step time, per rank, against the machine's float32
 matmul rate at one thread, numpy's and torch's, measured in this run on the model's weight
 matmuls (forward shapes at the per-rank batch, each layer's count; best of 6, the two libraries
-alternating). The matrix floor: numpy's time for all of one step's matrix products on one rank
-(`step_matmuls`: the linears' forward and both gradients, attention's six batched products on
-strided head views), the least time rtxmpi's step can take. FLOPs per token = 6 N + 12 L T C with N = 12 L C^2 + V C, the weights of the
+alternating). FLOPs per token = 6 N + 12 L T C with N = 12 L C^2 + V C, the weights of the
 matmuls (the tied head included, embeddings lookups and biases not), and attention over the full
-T x T (PaLM's count, Chowdhery et al. 2022, appendix B).
+T x T (PaLM's count, Chowdhery et al. 2022, appendix B). The matrix floor: numpy's time for all
+of one step's matrix products on one rank (`step_matmuls`: the linears' forward and both
+gradients, attention's six batched products on strided head views), the least time rtxmpi's
+step can take.
 
 Needs torch (`pip install 'rtxmpi[peers]'`): without it the run prints one `skipped:` line and
 exits 0.
