@@ -6,6 +6,7 @@ from mpi4py import MPI
 from .. import fused
 from ..backend import device_identity, env_flag, select_device, tune_host_allocator
 from ..errors import ConfigError, RankFailure
+from ..spawn_deadline import mpi_init_returned
 from .group import ProcessGroup, validate_timeout
 from .heartbeat import Heartbeat
 from .launch import check_launch, check_slurm_ranks
@@ -16,6 +17,7 @@ from . import shm
 from .nccl import DeviceGroup, agree_transport, make_world
 from .work import Work
 
+mpi_init_returned()  # importing mpi4py.MPI above ran MPI_Init
 DEFAULT_TIMEOUT_S = 300.0
 traced.install()  # collective spans while rtxmpi.observe.trace is on
 BACKENDS = ("auto", "mpi", "nccl")

@@ -12,7 +12,9 @@ this process (exit status EXIT_SPAWN_STUCK): it is then lost like any other rank
 blocking forever (the survivors' shrink ends a process it excludes on their node at once,
 rtxmpi.elastic). The spawned processes' merge has the same watchdog. When every spawning rank
 is blocked (the spawn's root died inside the merge), the job ends after the deadline and
-`rtxmpi run` relaunches it from the last committed checkpoint.
+`rtxmpi run` relaunches it from the last committed checkpoint. The spawned processes get a
+deadline on their MPI_Init too (rtxmpi.spawn_deadline): a spawn that failed on the spawning side
+can leave them blocked there.
 
 Source: MPI-4.1 standard, chapter 11 (MPI_Comm_spawn, MPI_Comm_get_parent,
 MPI_Intercomm_merge); ULFM (MPIX_Comm_get_failed, MPIX_Comm_revoke). rtxmpi.elastic.grow builds
@@ -26,6 +28,7 @@ import time
 from mpi4py import MPI
 
 from ..errors import SpawnFailed
+from ..spawn_deadline import interpreter_options
 from .failure import any_failed, revoke
 
 EXIT_SPAWN_STUCK = 5  # this process left the job: MPI_Comm_spawn or its merge blocked past the deadline
@@ -40,7 +43,8 @@ def spawn_merged(comm, count, argv, info=None, timeout_s=None, peer_lost=None):
     """Start `count` processes of `sys.executable argv...` and merge them after the ranks of
     `comm` (which keep their ranks). info: {key: value} MPI_Info hints read on rank 0 only.
     timeout_s: the deadline of the spawn and merge in seconds (None: none); past it this process
-    exits with EXIT_SPAWN_STUCK. peer_lost: None or a callable, True once a rank of `comm` is
+    exits with EXIT_SPAWN_STUCK; the spawned processes get it as their MPI_Init deadline
+    (rtxmpi.spawn_deadline). peer_lost: None or a callable, True once a rank of `comm` is
     known to be gone by other means than MPI (a process of this node that ended): the watchdog
     then revokes as on a failure report. Returns the merged intracommunicator, errors returned rather than fatal.
     Collective over `comm`. Raises SpawnFailed when MPI_Comm_spawn fails (no free slot, program
@@ -51,8 +55,8 @@ def spawn_merged(comm, count, argv, info=None, timeout_s=None, peer_lost=None):
     watchdog = _SpawnWatchdog(comm, timeout_s, peer_lost) if timeout_s else None
     try:
         try:
-            inter = comm.Spawn(sys.executable, args=[str(a) for a in argv], maxprocs=count,
-                               info=mpi_info, root=0)
+            args = interpreter_options(timeout_s) + [str(a) for a in argv]
+            inter = comm.Spawn(sys.executable, args=args, maxprocs=count, info=mpi_info, root=0)
         except MPI.Exception as exc:
             raise SpawnFailed(exc.Get_error_string().strip()) from None
         finally:

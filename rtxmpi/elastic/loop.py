@@ -207,7 +207,7 @@ class Loop:
             self._grow_due = False
             # the state first: a failure in this collective is recovered like any other
             state = _state(self.world, self, self.world.world_size)
-            if _try_spawn(self.world):
+            if _try_spawn(self.world, state):
                 _config.recovered = state
                 raise _GrowNow()
 
@@ -351,20 +351,20 @@ def _run(fn, args):
                 args.resume = True
 
 
-def _fault_at(phase):
+def _fault_at(phase, state):
     """The launch's fault plan (RTXMPI_FAULT) at a growth phase ("spawn": survivors about to
     call MPI_Comm_spawn; "grow": the merged world before the state handover), at the step of
-    the replica the survivors hold (-1: none). Local."""
+    `state`, the replica the ranks hold (None: -1). Local."""
     if _config.faults is None:  # the launch's faults, in a launched process only
         _config.faults = FaultPlan(launch_rank(), PHASES, spec="" if _config.joined else None)
-    state = _config.recovered
     _config.faults.at(phase, -1 if state is None else state.step)
 
 
-def _try_spawn(group):
+def _try_spawn(group, state):
     """Survivors: spawn the ranks missing since the launch; keep the merged communicator for
-    `_grow`. On SpawnFailed schedule the next attempt; rank 0 says so. Returns whether it
-    spawned. Collective."""
+    `_grow`. state: the replica they hold (after a shrink, or for a join at a step boundary) or
+    None. On SpawnFailed schedule the next attempt; rank 0 says so. Returns whether it spawned.
+    Collective."""
     missing = _config.full_size - group.world_size
     joining = min(_config.join[1], missing) if _config.join else 0  # the part not yet placed
     start = time.monotonic()
@@ -376,10 +376,13 @@ def _try_spawn(group):
             hosts = None
             print(f"elastic: {exc}; spawning without it", file=sys.stderr, flush=True)
         info = {"PMIX_ADD_HOST": hosts} if hosts else {}
-    _fault_at("spawn")
+    _fault_at("spawn", state)
     try:
         _config.merged = spawn(group, missing, info, _config.processes)
     except SpawnFailed as exc:
+        # a member lost during the spawn fails it too: this collective reports that loss as the
+        # failure it is (recovered as any other; a join stays pending), not as a missing slot
+        group.barrier()
         _config.next_grow = time.monotonic() + _config.grow_retry_s
         lost = missing - joining
         if joining:  # the join is refused; lost ranks (if any) are retried as before
@@ -484,7 +487,7 @@ def _grow(args):
         _config.joining = False
     else:
         _config.current = _Held(state)  # what a failure from here on hands to recover()
-        if _config.merged is None and not _try_spawn(group):
+        if _config.merged is None and not _try_spawn(group, state):
             _config.current = None
             return  # run shrunk; Loop.agree retries
         merged, _config.merged = _config.merged, None
@@ -494,7 +497,7 @@ def _grow(args):
         group, _config.full_size or 0, old_size, state)
     if has_state and state is None:  # a new rank: hold nothing, but take part like a survivor
         _config.current = _Held(None, tensors=True)
-    _fault_at("grow")
+    _fault_at("grow", state)
     _config.recovered = hand_over(group, state, saved_size) if has_state else None
     _config.current = _Held(_config.recovered)  # until the next attempt's Loop: what a failure hands over
     _config.grows.append((old_size, group.world_size))
