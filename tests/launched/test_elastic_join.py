@@ -35,7 +35,8 @@ def train(tmp, n, *extra, slots=None, outer_timeout_s=120, **env):
             "none", sys.executable, TRAIN, *ARGS, "--ckpt-dir", tmp / "ckpt", "--metrics-jsonl",
             tmp / "m.jsonl", *extra]
     return run_command(argv, outer_timeout_s=outer_timeout_s,
-                       env=launch_env(RTXMPI_CACHE_DIR=tmp.parent / "cache", RTXMPI_TIMEOUT_S=30, **env))
+                       env=launch_env(**{"RTXMPI_CACHE_DIR": tmp.parent / "cache", "RTXMPI_TIMEOUT_S": 30,
+                                         **env}))
 
 
 def records(tmp):
@@ -160,11 +161,11 @@ def test_a_rank_lost_entering_the_joins_spawn_is_survived(tmp_path):
     step 1). The spawn fails; the survivor's next collective reports the loss, it recovers in
     its process, spawns again and the join is admitted at 4 ranks with every step once. The
     processes the failed spawn had started, blocked in MPI_Init, end at the deadline
-    (rtxmpi/spawn_deadline.py): no hang. After a failed spawn Open MPI's launcher may end
+    (rtxmpi/spawn_deadline.py; 12 s here): no hang. After a failed spawn Open MPI's launcher may end
     non-zero once every rank is done (docs/elastic.md); the run is complete."""
     (tmp_path / "ckpt").mkdir()
     ident = admit.write_request(tmp_path / "ckpt", 2, timeout_s=120)
-    proc = train(tmp_path, 2, "--elastic", "grow", RTXMPI_FAULT="kill:1:1:spawn")
+    proc = train(tmp_path, 2, "--elastic", "grow", RTXMPI_FAULT="kill:1:1:spawn", RTXMPI_TIMEOUT_S=12)
     assert not proc.outer_timeout and f"done: {STEPS - 1} steps" in proc.stdout, str(proc)
     assert "[rtxmpi fault] kill launch rank 1 step 1 phase spawn" in proc.stderr, str(proc)
     assert "shrank the world 2 -> 1 ranks" in proc.stderr and "-> 4 ranks" in proc.stderr
