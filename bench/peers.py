@@ -1,7 +1,7 @@
 """The main job against PyTorch: examples/train.py against the same GPT in PyTorch DDP over gloo.
 
-    python bench/peers.py            # small and base, 1 and 2 ranks, 2 rounds: ~20 min on 2 busy cores
-    python bench/peers.py --quick    # small, 1 and 2 ranks, 10 steps, 1 round: ~2 min
+    python bench/peers.py            # small and base, 1 and 2 ranks, 2 rounds: ~8 min on 2 cores
+    python bench/peers.py --quick    # small, 1 and 2 ranks, 10 steps, 1 round: ~30 s
     python bench/peers.py --models base --ranks 2 --steps 40 --warmup 5 --rounds 3 --json out.json
 
 For each model and world size, --rounds times, one mpiexec job of each side, alternating which
@@ -353,7 +353,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5, help="first steps of a job left out of the timing")
     p.add_argument("--rounds", type=int, default=2, help="jobs of each side per (model, world size)")
     p.add_argument("--quick", action="store_true",
-                   help="small, 1 and 2 ranks, 10 steps (3 untimed), 1 round, 2 eval batches (~2 min); "
+                   help="small, 1 and 2 ranks, 10 steps (3 untimed), 1 round, 2 eval batches (~30 s); "
                         "flags given explicitly still apply")
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=128)
