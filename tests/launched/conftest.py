@@ -94,6 +94,17 @@ def _run_once(argv, *, outer_timeout_s, env, cwd):
     return Launch(process.returncode, stdout, stderr, elapsed_s, outer_timeout)
 
 
+def resume_after_a_spawn_fault(proc, relaunch):
+    """A launch that a fault inside MPI_Comm_spawn ended before its last step: the spawn watchdog
+    ended it (exit 5) or Open MPI's launcher crashed (a signal; seen: SIGSEGV). relaunch() (the
+    job with --resume, as `rtxmpi run` does it) must then finish with exit 0. Returns its Launch."""
+    assert ("leaves the job (exit 5)" in proc.stderr or proc.returncode < 0
+            or proc.returncode > 128), str(proc)
+    again = relaunch()
+    assert not again.outer_timeout and again.returncode == 0, str(again)
+    return again
+
+
 def mpiexec_argv(n):
     """mpiexec for `n` ranks on a small machine: oversubscribed, yielding when idle, unbound."""
     if MPIEXEC is None:
